@@ -1,0 +1,254 @@
+"""Core types: Plan, Stage, StageOptions and their enums.
+
+This module imports nothing of ours except the error family. `Plan.to_json` and
+`Plan.from_json` are the only code that knows the JSON layout; everything else
+works on the frozen dataclasses. Edits (planner.edits) return new plans.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from planner.errors import PlanFileError, PlanMismatchError, StagewiseError
+
+SCHEMA_VERSION = 1
+
+
+class StageMode(str, enum.Enum):
+    """How a stage runs across members."""
+
+    BATCHED = "batched"  # one vmap (or other batched strategy) over stacked member state
+    EXCLUDED = "excluded"  # a Python loop over members
+
+
+class Strategy(str, enum.Enum):
+    """How a batched stage computes; chosen by hand or by the autotuner."""
+
+    VMAP = "vmap"  # torch.func.vmap over stacked state (default)
+    LOOP = "loop"  # the member loop (what excluded stages always do)
+    WIDE = "wide"  # hand-batched kernels (bmm linear, grouped conv, ...)
+    COMPILE = "compile"  # torch.compile of the stage's vmapped callable
+    CUDA_GRAPH = "cuda_graph"  # CUDA-graph capture of the stage (GPU only)
+
+
+class InputMode(str, enum.Enum):
+    """How one model input is given to the batched module."""
+
+    SHARED = "shared"  # every member sees the same tensor, no member axis
+    PER_MEMBER = "per_member"  # the tensor has a leading member axis [N, ...]
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """Per-stage execution options; the defaults are the spine's plain vmap."""
+
+    strategy: Strategy = Strategy.VMAP
+    chunk_size: int | None = None  # vmap chunk_size: bounds memory, None = all members at once
+    note: str = ""  # why this strategy was chosen (autotune writes measured times here)
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy.value, "chunk_size": self.chunk_size, "note": self.note}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "StageOptions":
+        try:
+            strategy = Strategy(d.get("strategy", "vmap"))
+        except ValueError:
+            known = ", ".join(s.value for s in Strategy)
+            raise PlanFileError(f"unknown strategy {d.get('strategy')!r}; use one of {known}") from None
+        chunk = d.get("chunk_size")
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise PlanFileError(f"chunk_size must be a positive integer or null, got {chunk!r}")
+        return StageOptions(strategy=strategy, chunk_size=chunk, note=str(d.get("note", "")))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A convex set of graph nodes run as one unit."""
+
+    id: str  # "s0", "s1", ... in topological order of the stage graph
+    nodes: tuple[str, ...]  # fx node names, in graph (topological) order
+    mode: StageMode = StageMode.BATCHED
+    reason: str = ""  # why the stage is excluded ("" for batched stages)
+    options: StageOptions = field(default_factory=StageOptions)
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "nodes": list(self.nodes),
+            "mode": self.mode.value,
+            "reason": self.reason,
+            "options": self.options.to_json(),
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "Stage":
+        try:
+            mode = StageMode(d.get("mode", "batched"))
+        except ValueError:
+            raise PlanFileError(f"stage {d.get('id')!r}: unknown mode {d.get('mode')!r}; use 'batched' or 'excluded'") from None
+        nodes = d.get("nodes")
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes) or not nodes:
+            raise PlanFileError(f"stage {d.get('id')!r}: 'nodes' must be a non-empty list of node names")
+        return Stage(
+            id=str(d["id"]),
+            nodes=tuple(nodes),
+            mode=mode,
+            reason=str(d.get("reason", "")),
+            options=StageOptions.from_json(d.get("options") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input (an fx placeholder) and how members receive it."""
+
+    name: str
+    mode: InputMode = InputMode.SHARED
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "mode": self.mode.value}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The stages of one traced graph for `n_members` members. Frozen: edits return a new plan."""
+
+    fingerprint: str  # hash of graph structure + parameter shapes (planner.graph.fingerprint)
+    tracer: str  # "fx" or "export"
+    n_members: int
+    inputs: tuple[InputSpec, ...]
+    stages: tuple[Stage, ...]
+    model: str = ""  # where the model came from, for people reading the file
+    profile: Mapping[str, Any] | None = None  # last ProfileReport.to_json(), if any
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_members, int) or self.n_members < 1:
+            raise StagewiseError(f"n_members must be an integer >= 1, got {self.n_members!r}; pass -n 1 or more")
+
+    # -- lookups -------------------------------------------------------------
+    def stage(self, stage_id: str) -> Stage:
+        """The stage with this id; raises PlanMismatchError naming the known ids."""
+        for s in self.stages:
+            if s.id == stage_id:
+                return s
+        known = ", ".join(s.id for s in self.stages)
+        raise PlanMismatchError(f"no stage {stage_id!r} in this plan; known stages: {known}")
+
+    def stage_of(self, node: str) -> Stage:
+        """The stage holding `node`."""
+        for s in self.stages:
+            if node in s.nodes:
+                return s
+        raise PlanMismatchError(f"node {node!r} is in no stage of this plan; check the node name (see `stagewise show`)")
+
+    def input_mode(self, name: str) -> InputMode:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec.mode
+        raise PlanMismatchError(f"plan has no input {name!r}; inputs are {[i.name for i in self.inputs]}")
+
+    # -- small functional updates ---------------------------------------------
+    def with_stages(self, stages: Iterable[Stage]) -> "Plan":
+        return replace(self, stages=tuple(stages), profile=None)
+
+    def with_n_members(self, n: int) -> "Plan":
+        """The same stages for another member count (stages do not depend on N)."""
+        return replace(self, n_members=n, profile=None)
+
+    def with_profile(self, report_json: Mapping[str, Any] | None) -> "Plan":
+        return replace(self, profile=report_json)
+
+    def with_input_modes(self, modes: Mapping[str, InputMode | str]) -> "Plan":
+        specs = []
+        for spec in self.inputs:
+            mode = modes.get(spec.name, spec.mode)
+            specs.append(InputSpec(spec.name, InputMode(mode)))
+        unknown = set(modes) - {s.name for s in self.inputs}
+        if unknown:
+            raise PlanMismatchError(f"unknown inputs {sorted(unknown)}; inputs are {[i.name for i in self.inputs]}")
+        return replace(self, inputs=tuple(specs), profile=None)
+
+    # -- JSON -------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "tracer": self.tracer,
+            "n_members": self.n_members,
+            "inputs": [i.to_json() for i in self.inputs],
+            "stages": [s.to_json() for s in self.stages],
+            "profile": dict(self.profile) if self.profile is not None else None,
+        }
+
+    def dumps(self) -> str:
+        """Canonical text form: sorted keys, indent 2, trailing newline (golden files use it)."""
+        return json.dumps(self.to_json(), sort_keys=True, indent=2) + "\n"
+
+    @staticmethod
+    def from_json(d: Any, *, source: str = "plan") -> "Plan":
+        """Parse a plan dict; raises PlanFileError naming `source` and the problem."""
+        if not isinstance(d, dict):
+            raise PlanFileError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanFileError(
+                f"{source}: schema_version is {version!r}, this stagewise reads version {SCHEMA_VERSION}; "
+                "re-create the plan with `stagewise plan`"
+            )
+        missing = [k for k in ("fingerprint", "tracer", "n_members", "inputs", "stages") if k not in d]
+        if missing:
+            raise PlanFileError(f"{source}: missing keys {missing}; re-create the plan with `stagewise plan`")
+        try:
+            inputs = tuple(InputSpec(str(i["name"]), InputMode(i.get("mode", "shared"))) for i in d["inputs"])
+            stages = tuple(Stage.from_json(s) for s in d["stages"])
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, StagewiseError):
+                raise
+            raise PlanFileError(f"{source}: malformed inputs or stages ({e!r}); re-create the plan with `stagewise plan`") from None
+        ids = [s.id for s in stages]
+        if len(set(ids)) != len(ids):
+            raise PlanFileError(f"{source}: duplicate stage ids {sorted({i for i in ids if ids.count(i) > 1})}")
+        n = d["n_members"]
+        if not isinstance(n, int) or n < 1:
+            raise PlanFileError(f"{source}: n_members must be an integer >= 1, got {n!r}")
+        return Plan(
+            fingerprint=str(d["fingerprint"]),
+            tracer=str(d["tracer"]),
+            n_members=n,
+            inputs=inputs,
+            stages=stages,
+            model=str(d.get("model", "")),
+            profile=d.get("profile"),
+            schema_version=version,
+        )
+
+    @staticmethod
+    def loads(text: str, *, source: str = "plan") -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFileError(f"{source} is not valid JSON ({e}); pass a file written by `stagewise plan` or Plan.save") from None
+        return Plan.from_json(d, source=source)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan atomically (a crash mid-write never leaves half a plan)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.dumps())
+        tmp.replace(path)
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanFileError(f"cannot read plan file {path}: {e.strerror}; check the path") from None
+        return Plan.loads(text, source=str(path))
