@@ -1,0 +1,15 @@
+"""stagewise planner: load a model, trace it, propose and edit vmap stages.
+
+Imports nothing above it (executor, app); see shared/DESIGN.md for the vocabulary.
+"""
+from planner.errors import (  # noqa: F401
+    DeviceError, EditError, ExecutionError, InputError, MemberError, ModelLoadError,
+    PlanFileError, PlanMismatchError, StagewiseError, TraceError,
+)
+from planner.plan import InputMode, InputSpec, Plan, Stage, StageMode, StageOptions, Strategy, SCHEMA_VERSION  # noqa: F401
+from planner.source import ModelSource, load_export, load_model_file, load_source, read_state_dict  # noqa: F401
+from planner.graph import ModelGraph, NodeInfo, trace, retrace, fingerprint  # noqa: F401
+from planner.capability import annotate_capability, chain, unbatchable  # noqa: F401
+from planner.propose import propose  # noqa: F401
+from planner.edits import exclude, include, merge, set_options, split  # noqa: F401
+from planner.validate import validate, stage_graph, convexity_violation  # noqa: F401

@@ -1,0 +1,164 @@
+"""Capability: can a node run batched across members under torch.func.vmap?
+
+Each check is a predicate `check(graph, node) -> reason | None`; `chain` composes
+them and the first reason wins. The decisive check runs the node under vmap with
+its real example shapes (two stacked copies of its inputs and parameters) and
+watches for errors and for vmap's slow-fallback performance warning, so the
+verdict comes from PyTorch itself, not from a hand-written allow-list.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+Check = Callable[["ModelGraph", torch.fx.Node], Optional[str]]  # noqa: F821 (ModelGraph from planner.graph)
+
+PROBE_MEMBERS = 2  # members stacked for the probe: enough to exercise the batching rules
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor}
+
+
+def chain(*checks: Check) -> Check:
+    """Compose checks: the first one that gives a reason decides."""
+
+    def combined(graph, node):
+        for check in checks:
+            reason = check(graph, node)
+            if reason:
+                return reason
+        return None
+
+    return combined
+
+
+def _is_inplace_target(node: torch.fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if isinstance(node.target, torch._ops.OpOverload):
+        name = node.target._schema.name.split("::")[-1]
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _root_attr(node: torch.fx.Node) -> Optional[str]:
+    """The get_attr target a value is (a view of), following view-like calls back."""
+    seen = 0
+    while node is not None and seen < 16:
+        if node.op == "get_attr":
+            return str(node.target)
+        if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], torch.fx.Node):
+            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+            if name in ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze"):
+                node = node.args[0]
+                seen += 1
+                continue
+        return None
+    return None
+
+
+def inplace_buffer_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """An in-place op writing into a module attribute (buffer or parameter)."""
+    if node.op not in ("call_function", "call_method") or not _is_inplace_target(node):
+        return None
+    if node.args and isinstance(node.args[0], torch.fx.Node):
+        attr = _root_attr(node.args[0])
+        if attr is not None:
+            return f"in-place update of buffer '{attr}' ({_op_name(node)}); members' state would be shared"
+    return None
+
+
+def stateful_module_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """A module that updates its own buffers in forward (batch norm in training mode)."""
+    if node.op != "call_module":
+        return None
+    mod = graph.gm.get_submodule(node.target)
+    if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.training and mod.track_running_stats:
+        return f"in-place update of buffers running_mean/running_var ({type(mod).__name__} in training mode); call .eval() or exclude"
+    return None
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """Run the node under vmap on stacked copies of its example inputs and parameters."""
+    if node.op not in ("call_module", "call_function", "call_method"):
+        return None
+    values = graph.example_values
+    args = tree_map(lambda a: values[a.name] if isinstance(a, torch.fx.Node) else a, node.args)
+    kwargs = tree_map(lambda a: values[a.name] if isinstance(a, torch.fx.Node) else a, node.kwargs)
+    stack = lambda v: torch.stack([v] * PROBE_MEMBERS) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    batched = tree_map(stack, (args, kwargs))
+    in_dims = tree_map(lambda v: 0 if isinstance(v, torch.Tensor) else None, (args, kwargs))
+    if node.op != "call_module" and not any(d == 0 for d in tree_flatten(in_dims)[0]):
+        return None  # no tensor input: plain Python on sizes or scalars, runs the same for every member
+
+    if node.op == "call_module":
+        module = graph.gm.get_submodule(node.target)
+        state = {k: stack(v.detach()) for k, v in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
+        run = lambda st, a, kw: functional_call(module, st, a, kw)  # noqa: E731
+    else:
+        state = {}
+        fn = node.target if node.op == "call_function" else (lambda self_, *a, **kw: getattr(self_, node.target)(*a, **kw))
+        run = lambda st, a, kw: fn(*a, **kw)  # noqa: E731
+
+    def probe(st, inputs):
+        a, kw = inputs
+        out = run(st, a, kw)
+        leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+        return tuple(leaves) if leaves else torch.zeros(())
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.no_grad():
+                vmap(probe, in_dims=(0, in_dims), randomness="error")(state, batched)
+        except Exception as e:  # vmap and the ops raise many types; the message is the verdict
+            return classify_vmap_error(node, e)
+    for w in caught:
+        text = str(w.message)
+        if "performance drop" in text or "batching rule" in text:
+            return f"no batching rule for {_op_name(node)} (vmap would fall back to a slow per-member loop)"
+    return None
+
+
+def classify_vmap_error(node: torch.fx.Node, e: BaseException) -> str:
+    """A one-line reason from a vmap failure."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    low = text.lower()
+    if ".item()" in low or "item()" in low or "data-dependent" in low or "data dependent" in low:
+        return f"data-dependent value (.item() / Python control flow on a tensor) in {_op_name(node)}"
+    if "random" in low:
+        return f"randomness in {_op_name(node)} (each member would need its own random stream)"
+    if "batching rule" in low or "not implemented" in low:
+        return f"no batching rule for {_op_name(node)}: {text[:160]}"
+    if "inplace" in low or "in-place" in low:
+        return f"in-place update not possible under vmap in {_op_name(node)}: {text[:160]}"
+    return f"fails under vmap: {type(e).__name__}: {text[:200]}"
+
+
+DEFAULT_CHECK = chain(stateful_module_check, inplace_buffer_check, vmap_probe_check)
+
+
+def annotate_capability(graph, check: Check = DEFAULT_CHECK) -> None:
+    """Set `batchable` and `reason` on every node of `graph.dag` (in place)."""
+    for node in graph.gm.graph.nodes:
+        reason = check(graph, node) if node.op in ("call_module", "call_function", "call_method") else None
+        graph.dag.nodes[node.name]["batchable"] = reason is None
+        graph.dag.nodes[node.name]["reason"] = reason or ""
+
+
+def unbatchable(graph) -> dict[str, str]:
+    """Node name -> reason, for every node that cannot run batched."""
+    return {n: d["reason"] for n, d in graph.dag.nodes(data=True) if not d.get("batchable", True)}

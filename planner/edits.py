@@ -1,0 +1,194 @@
+"""Plan edits: pure functions returning a new, validated Plan.
+
+A refused edit raises EditError naming the stages and the offending path and
+saying what to do instead; the plan passed in is frozen and so never changes.
+Stage ids are renumbered s0, s1, ... in topological order after every edit.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+from planner.errors import EditError, PlanMismatchError
+from planner.graph import ModelGraph
+from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
+from planner.validate import convexity_violation, renumber, validate
+
+USER_EXCLUDED = "excluded by user"
+
+
+def _finish(plan: Plan, graph: ModelGraph, stages: Iterable[Stage], what: str) -> Plan:
+    try:
+        return validate(plan.with_stages(renumber(stages, graph)), graph)
+    except PlanMismatchError as e:
+        raise EditError(f"{what}: refused, the result would be invalid: {e}") from None
+
+
+def _check_graph(plan: Plan, graph: ModelGraph, what: str) -> None:
+    if plan.fingerprint != graph.fingerprint:
+        raise EditError(f"{what}: the plan (fingerprint {plan.fingerprint}) is for another graph ({graph.fingerprint}); load the matching model")
+
+
+def _path_in_stages(plan: Plan, path: list[str]) -> str:
+    """'s1 -> s2 -> s3' for a node path, collapsing consecutive nodes of one stage."""
+    ids: list[str] = []
+    for n in path:
+        sid = plan.stage_of(n).id if graph_has(plan, n) else n
+        if not ids or ids[-1] != sid:
+            ids.append(sid)
+    return " -> ".join(ids)
+
+
+def graph_has(plan: Plan, node: str) -> bool:
+    return any(node in s.nodes for s in plan.stages)
+
+
+def merge(plan: Plan, graph: ModelGraph, a: str, b: str) -> Plan:
+    """Merge stages `a` and `b` into one.
+
+    Two batched stages stay batched (keeping `a`'s options); if either is
+    excluded the merged stage is excluded (run as a loop). Refused when some path
+    leaves the union and comes back (the stage graph would get a cycle).
+    """
+    what = f"merge({a!r}, {b!r})"
+    _check_graph(plan, graph, what)
+    sa, sb = _stage_or_edit_error(plan, a, what), _stage_or_edit_error(plan, b, what)
+    if sa.id == sb.id:
+        raise EditError(f"{what}: a stage cannot be merged with itself; pick two different stages")
+    union = sa.nodes + sb.nodes
+    path = convexity_violation(graph, union)
+    if path:
+        via = [plan.stage_of(n).id for n in path[1:-1]]
+        via = list(dict.fromkeys(v for v in via if v not in (sa.id, sb.id)))
+        raise EditError(
+            f"{what}: would create a cycle {_path_in_stages(plan, path)} (nodes {' -> '.join(path)}); "
+            f"merge {', '.join(via)} into them as well, or split {via[0]} first"
+        )
+    if sa.mode is StageMode.BATCHED and sb.mode is StageMode.BATCHED:
+        merged = Stage(id="", nodes=union, mode=StageMode.BATCHED, options=sa.options)
+    else:
+        reasons = "; ".join(dict.fromkeys(r for r in (sa.reason, sb.reason) if r))
+        merged = Stage(id="", nodes=union, mode=StageMode.EXCLUDED, reason=reasons or USER_EXCLUDED)
+    rest = [s for s in plan.stages if s.id not in (sa.id, sb.id)]
+    return _finish(plan, graph, rest + [merged], what)
+
+
+def split(plan: Plan, graph: ModelGraph, stage: str, at: str | Iterable[str]) -> Plan:
+    """Split `stage` in two.
+
+    `at` a node name: the nodes before it (graph order) form one stage, it and
+    the nodes after it the other; such a split is always convex.
+    `at` a collection of node names: those nodes become a stage of their own;
+    refused when either part would not be convex.
+    """
+    what = f"split({stage!r}, at={at!r})"
+    _check_graph(plan, graph, what)
+    s = _stage_or_edit_error(plan, stage, what)
+    if isinstance(at, str):
+        if at not in s.nodes:
+            raise EditError(f"{what}: node {at!r} is not in stage {s.id}; pick one of {list(s.nodes)[:8]}")
+        cut = graph.topo_index(at)
+        first = tuple(n for n in s.nodes if graph.topo_index(n) < cut)
+        second = tuple(n for n in s.nodes if graph.topo_index(n) >= cut)
+        if not first:
+            raise EditError(f"{what}: {at!r} is the first node of {s.id}, nothing comes before it; pick a later node")
+    else:
+        chosen = set(at)
+        stray = sorted(chosen - set(s.nodes))
+        if stray:
+            raise EditError(f"{what}: nodes {stray} are not in stage {s.id}; select nodes of one stage")
+        first = tuple(n for n in s.nodes if n in chosen)
+        second = tuple(n for n in s.nodes if n not in chosen)
+        if not first or not second:
+            raise EditError(f"{what}: select some but not all nodes of {s.id} to split it")
+        for part in (first, second):
+            path = convexity_violation(graph, part)
+            if path:
+                raise EditError(
+                    f"{what}: the part {list(part)[:4]}{'...' if len(part) > 4 else ''} would not be convex: "
+                    f"path {' -> '.join(path)} leaves it and comes back; include the nodes on that path in the selection, "
+                    "or split at a single node instead"
+                )
+    parts = [replace(s, nodes=first), replace(s, nodes=second)]
+    return _finish(plan, graph, [x for x in plan.stages if x.id != s.id] + parts, what)
+
+
+def exclude(plan: Plan, graph: ModelGraph, target: str) -> Plan:
+    """Run a stage as a member loop, or carve one node out into an excluded stage of its own.
+
+    Carving node n out of stage S leaves up to two stages: the nodes of S that are
+    not downstream of n, and those that are (both convex, see the module tests).
+    """
+    what = f"exclude({target!r})"
+    _check_graph(plan, graph, what)
+    if any(s.id == target for s in plan.stages):
+        s = plan.stage(target)
+        if s.mode is StageMode.EXCLUDED:
+            raise EditError(f"{what}: stage {s.id} is already excluded")
+        new = replace(s, mode=StageMode.EXCLUDED, reason=USER_EXCLUDED, options=StageOptions(strategy=Strategy.LOOP))
+        return _finish(plan, graph, [new if x.id == s.id else x for x in plan.stages], what)
+    if not graph_has(plan, target):
+        raise EditError(f"{what}: no stage or node named {target!r}; stages are {[s.id for s in plan.stages]}")
+    s = plan.stage_of(target)
+    if len(s.nodes) == 1:
+        return exclude(plan, graph, s.id)
+    downstream = {d for d in _descendants(graph, target)}
+    before = tuple(n for n in s.nodes if n != target and n not in downstream)
+    after = tuple(n for n in s.nodes if n in downstream)
+    reason = graph.dag.nodes[target]["reason"] or USER_EXCLUDED
+    carved = Stage(id="", nodes=(target,), mode=StageMode.EXCLUDED, reason=reason, options=StageOptions(strategy=Strategy.LOOP))
+    parts = [replace(s, nodes=p) for p in (before, after) if p] + [carved]
+    return _finish(plan, graph, [x for x in plan.stages if x.id != s.id] + parts, what)
+
+
+def include(plan: Plan, graph: ModelGraph, stage: str) -> Plan:
+    """Run an excluded stage batched again; refused if one of its nodes cannot be batched."""
+    what = f"include({stage!r})"
+    _check_graph(plan, graph, what)
+    s = _stage_or_edit_error(plan, stage, what)
+    if s.mode is StageMode.BATCHED:
+        raise EditError(f"{what}: stage {s.id} is already batched")
+    bad = [n for n in s.nodes if not graph.dag.nodes[n]["batchable"]]
+    if bad:
+        raise EditError(
+            f"{what}: node {bad[0]!r} cannot be batched ({graph.dag.nodes[bad[0]]['reason']}); "
+            f"carve it out with exclude({bad[0]!r}) and include the rest"
+            if len(s.nodes) > 1 else f"{what}: node {bad[0]!r} cannot be batched ({graph.dag.nodes[bad[0]]['reason']})"
+        )
+    new = replace(s, mode=StageMode.BATCHED, reason="", options=StageOptions())
+    return _finish(plan, graph, [new if x.id == s.id else x for x in plan.stages], what)
+
+
+def set_options(plan: Plan, graph: ModelGraph, stage: str, **options) -> Plan:
+    """Set a stage's options (strategy, chunk_size, note); unknown keys are refused."""
+    what = f"set_options({stage!r})"
+    _check_graph(plan, graph, what)
+    s = _stage_or_edit_error(plan, stage, what)
+    unknown = set(options) - set(StageOptions.__dataclass_fields__)
+    if unknown:
+        raise EditError(f"{what}: unknown options {sorted(unknown)}; known: {sorted(StageOptions.__dataclass_fields__)}")
+    if "strategy" in options:
+        try:
+            options["strategy"] = Strategy(options["strategy"])
+        except ValueError:
+            raise EditError(f"{what}: unknown strategy {options['strategy']!r}; use one of {[x.value for x in Strategy]}") from None
+        if s.mode is StageMode.EXCLUDED and options["strategy"] is not Strategy.LOOP:
+            raise EditError(f"{what}: stage {s.id} is excluded ({s.reason}); include it before choosing a batched strategy")
+    chunk = options.get("chunk_size")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        raise EditError(f"{what}: chunk_size must be a positive integer or None, got {chunk!r}")
+    new = replace(s, options=replace(s.options, **options))
+    return _finish(plan, graph, [new if x.id == s.id else x for x in plan.stages], what)
+
+
+def _stage_or_edit_error(plan: Plan, stage_id: str, what: str) -> Stage:
+    for s in plan.stages:
+        if s.id == stage_id:
+            return s
+    raise EditError(f"{what}: no stage {stage_id!r}; stages are {[s.id for s in plan.stages]}")
+
+
+def _descendants(graph: ModelGraph, node: str) -> set[str]:
+    import networkx as nx
+
+    return nx.descendants(graph.dag, node)

@@ -1,0 +1,318 @@
+"""Tracing: a model becomes a ModelGraph (an fx GraphModule plus a networkx DAG
+with shapes, dtypes, parameter counts, FLOPs and a capability verdict per node).
+
+torch.fx.symbolic_trace is tried first (standard layers stay single call_module
+nodes); when it fails, torch.export is used and nodes carry their module path
+from `nn_module_stack`. The tracer used and why the first one failed are kept.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.errors import TraceError
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
+
+
+@dataclass
+class NodeInfo:
+    """What the planner knows about one fx node (also stored as networkx node attributes)."""
+
+    name: str
+    op: str  # fx op: placeholder, get_attr, call_module, call_function, call_method, output
+    target: str  # readable target: module path + class, function or method name
+    module_path: str  # dotted path of the owning nn.Module ("" at top level)
+    shape: str  # "[32, 64]", "([8, 32, 64], [1, 8, 64])", or a Python type name
+    dtype: str
+    params: int  # parameters owned by this node (call_module: the module's; get_attr: the tensor's)
+    flops: int  # FLOPs measured with FlopCounterMode on the example inputs (member 0)
+    batchable: bool = True
+    reason: str = ""  # why the node cannot run under vmap ("" when batchable)
+
+
+@dataclass
+class ModelGraph:
+    """A traced model. The planner's only view of the model; the UI never sees it."""
+
+    gm: torch.fx.GraphModule
+    dag: nx.DiGraph  # node id = fx node name; attributes = NodeInfo fields
+    tracer: str  # "fx" or "export"
+    tracer_note: str  # why fx failed when tracer == "export"
+    input_names: list[str]
+    node_names: list[str]  # all nodes in graph (topological) order
+    fingerprint: str
+    example_values: dict[str, Any] = field(repr=False, default_factory=dict)  # node -> value on example inputs
+    out_spec: Any = None  # pytree spec of the output for export graphs (flat outputs otherwise)
+
+    @property
+    def compute_nodes(self) -> list[str]:
+        """Nodes that belong to stages (everything but placeholders and the output)."""
+        return [n for n in self.node_names if self.dag.nodes[n]["op"] in COMPUTE_OPS]
+
+    def info(self, name: str) -> NodeInfo:
+        return NodeInfo(**{k: v for k, v in self.dag.nodes[name].items() if k in NodeInfo.__dataclass_fields__})
+
+    def fx_node(self, name: str) -> torch.fx.Node:
+        return self._nodes_by_name[name]
+
+    def __post_init__(self) -> None:
+        self._nodes_by_name = {n.name: n for n in self.gm.graph.nodes}
+        self._topo_index = {n: i for i, n in enumerate(self.node_names)}
+
+    def topo_index(self, name: str) -> int:
+        return self._topo_index[name]
+
+
+# --- tracing -------------------------------------------------------------------
+
+def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.GraphModule, str, str]:
+    """Trace with torch.fx, falling back to torch.export. Returns (gm, tracer, note)."""
+    try:
+        gm = torch.fx.symbolic_trace(model)
+        return gm, "fx", ""
+    except Exception as e:  # fx raises many types for untraceable Python
+        fx_error = f"{type(e).__name__}: {_first_line(e)}"
+    try:
+        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+    except Exception as e:
+        raise TraceError(
+            f"{type(model).__name__} cannot be traced. torch.fx failed: {fx_error}. "
+            f"torch.export failed: {type(e).__name__}: {_first_line(e)}. "
+            "Remove data-dependent Python control flow from forward() or wrap it with torch.fx.wrap / torch.cond"
+        ) from None
+    gm = ep.module()
+    _drop_guard_nodes(gm)
+    return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
+
+
+def _drop_guard_nodes(gm: torch.fx.GraphModule) -> None:
+    """Remove export's input-guard call (it re-checks shapes we check ourselves, and is not batchable)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True) -> ModelGraph:
+    """Trace `model` on `example_inputs` and annotate every node.
+
+    Args:
+        model: the architecture (one member); it is not modified.
+        example_inputs: positional inputs of one member (no member axis).
+        probe: run the vmap capability probe on every node (planner.capability).
+    Returns:
+        ModelGraph with shapes, dtypes, params, FLOPs and batchability per node.
+    Raises:
+        TraceError when both tracers fail (both reasons in the message) or the
+        traced graph does not run on the example inputs.
+    """
+    example_inputs = tuple(example_inputs)
+    gm, tracer, note = fx_or_export(model, example_inputs)
+    values, flops = _run_and_record(gm, example_inputs)
+    graph = graph_of(gm, tracer, note, values, flops)
+    if probe:
+        from planner.capability import annotate_capability
+
+        annotate_capability(graph)
+    return graph
+
+
+def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None) -> ModelGraph:
+    """Trace `model` again with the tracer a plan records, structure only (no shapes, no probe)."""
+    if tracer == "fx":
+        try:
+            gm = torch.fx.symbolic_trace(model)
+        except Exception as e:
+            raise TraceError(f"torch.fx cannot trace this member ({type(e).__name__}: {_first_line(e)}), but the plan was made with fx; re-plan this model") from None
+        return graph_of(gm, "fx", "")
+    if tracer == "export":
+        if example_inputs is None:
+            raise TraceError("this plan was traced with torch.export, which needs example inputs; pass example_inputs= to executor.build")
+        try:
+            ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        except Exception as e:
+            raise TraceError(f"torch.export cannot trace this member ({type(e).__name__}: {_first_line(e)}); check the member and the example inputs") from None
+        gm = ep.module()
+        _drop_guard_nodes(gm)
+        return graph_of(gm, "export", "")
+    raise TraceError(f"unknown tracer {tracer!r} in the plan; expected 'fx' or 'export'")
+
+
+def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | None = None, flops: dict | None = None) -> ModelGraph:
+    """Build the networkx view of `gm`; shapes and FLOPs come from `values`/`flops` when given."""
+    values, flops = values or {}, flops or {}
+    dag = nx.DiGraph()
+    names = []
+    for node in gm.graph.nodes:
+        names.append(node.name)
+        value = values.get(node.name)
+        info = NodeInfo(
+            name=node.name,
+            op=node.op,
+            target=_readable_target(gm, node),
+            module_path=_module_path(node),
+            shape=describe_shape(value) if node.name in values else "?",
+            dtype=_dtype_of(value),
+            params=_params_of(gm, node),
+            flops=int(flops.get(node.name, 0)),
+        )
+        dag.add_node(node.name, **info.__dict__)
+        for dep in node.all_input_nodes:
+            dag.add_edge(dep.name, node.name)
+    return ModelGraph(
+        gm=gm,
+        dag=dag,
+        tracer=tracer,
+        tracer_note=note,
+        input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
+        node_names=names,
+        fingerprint=fingerprint(gm),
+        example_values=values,
+        out_spec=getattr(gm, "_out_spec", None) if tracer == "export" else None,
+    )
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the graph once, keeping every node's value and FLOPs."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+        self.flops: dict[str, int] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op in ("call_module", "call_function", "call_method"):
+            counter = FlopCounterMode(display=False)
+            with counter:
+                out = super().run_node(n)
+            self.flops[n.name] = counter.get_total_flops()
+        else:
+            out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict]:
+    rec = _Recorder(gm)
+    try:
+        with torch.no_grad():
+            rec.run(*inputs)
+    except Exception as e:
+        raise TraceError(
+            f"the traced graph failed on the example inputs: {type(e).__name__}: {_first_line(e)}; "
+            "check that example_inputs() matches what forward() expects"
+        ) from None
+    return rec.values, rec.flops
+
+
+# --- node descriptions ------------------------------------------------------------
+
+def describe_shape(value: Any) -> str:
+    """A short readable shape: tensors as [a, b], containers recursively, scalars by type."""
+    if isinstance(value, torch.Tensor):
+        return str(list(value.shape))
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(describe_shape(v) for v in value[:6])
+        more = ", ..." if len(value) > 6 else ""
+        return f"({inner}{more})"
+    if isinstance(value, torch.Size):
+        return f"Size{list(value)}"
+    if value is None:
+        return "None"
+    return type(value).__name__
+
+
+def _dtype_of(value: Any) -> str:
+    leaves, _ = tree_flatten(value)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return str(leaf.dtype).replace("torch.", "")
+    return ""
+
+
+def _readable_target(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        return f"{node.target} ({type(mod).__name__})"
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return str(t)
+        return getattr(t, "__name__", str(t))
+    return str(node.target)
+
+
+_EXPORT_PREFIX = re.compile(r"^(L\['self'\]\.?|L__self___?|self\.?)")
+
+
+def _normalise_module_path(path: str) -> str:
+    """'L['self'].layers[0].attn' or 'L__self___layers_0' -> 'layers.0.attn'."""
+    path = _EXPORT_PREFIX.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _normalise_module_path(str(path))
+
+
+def _params_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
+    if node.op == "call_module":
+        return sum(p.numel() for p in gm.get_submodule(node.target).parameters())
+    if node.op == "get_attr":
+        value = _attr(gm, node.target)
+        if isinstance(value, nn.Parameter):
+            return value.numel()
+    return 0
+
+
+def _attr(gm: torch.nn.Module, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _node_signature(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    if node.op == "call_module":
+        target = f"{node.target}:{type(gm.get_submodule(node.target)).__name__}"
+    else:
+        target = node.target if isinstance(node.target, str) else _readable_target(gm, node)
+    return f"{node.name} = {node.op} {target}({', '.join(a.name for a in node.all_input_nodes)})"
+
+
+def fingerprint_lines(gm: torch.fx.GraphModule) -> list[str]:
+    """What `fingerprint` hashes, one line per node then per state tensor (to show the first difference)."""
+    lines = [_node_signature(gm, node) for node in gm.graph.nodes]
+    lines += [f"state {name}: {list(t.shape)} {t.dtype}" for name, t in sorted(gm.state_dict().items())]
+    return lines
+
+
+def fingerprint(gm: torch.fx.GraphModule) -> str:
+    """Hash of the graph structure and parameter/buffer shapes (not their values)."""
+    return hashlib.sha256("\n".join(fingerprint_lines(gm)).encode()).hexdigest()[:16]

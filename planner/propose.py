@@ -1,0 +1,107 @@
+"""Proposal: group batchable nodes into maximal convex stages.
+
+Batchable nodes are keyed by the set of non-batchable nodes among their
+ancestors; nodes with the same key form one batched stage. Such groups are
+convex (a path that leaves a group and returns would pass a non-batchable node,
+which only the later end has as an ancestor) and the stage graph is acyclic,
+so no repair pass is needed. Each non-batchable node becomes an excluded stage
+of its own, keeping its reason. Parameter fetches (get_attr) join the stage of
+their consumers when those are all in one stage.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from planner.errors import PlanMismatchError
+from planner.graph import ModelGraph
+from planner.plan import InputMode, InputSpec, Plan, Stage, StageMode
+from planner.validate import renumber, validate
+
+
+def propose(
+    graph: ModelGraph,
+    n_members: int,
+    input_mode: str | InputMode | Mapping[str, str | InputMode] = "shared",
+    *,
+    model: str = "",
+) -> Plan:
+    """Propose stages for `graph` run across `n_members` members.
+
+    Args:
+        graph: from planner.trace.
+        n_members: N >= 1.
+        input_mode: "shared" / "per_member" for all inputs, or a dict input name -> mode.
+        model: a label for the plan file (e.g. the model file's path).
+    Returns:
+        A validated Plan with stages s0, s1, ... in topological order.
+    """
+    inputs = _input_specs(graph, input_mode)
+    dag = graph.dag
+    compute = graph.compute_nodes
+    excluded_anc: dict[str, frozenset[str]] = {}
+    for n in graph.node_names:  # graph order is topological
+        acc: set[str] = set()
+        for p in dag.predecessors(n):
+            acc |= excluded_anc[p]
+            if not dag.nodes[p].get("batchable", True) and dag.nodes[p]["op"] != "placeholder":
+                acc.add(p)
+        excluded_anc[n] = frozenset(acc)
+
+    groups: dict[frozenset[str], list[str]] = {}
+    excluded: list[Stage] = []
+    for n in compute:
+        if dag.nodes[n]["batchable"]:
+            groups.setdefault(excluded_anc[n], []).append(n)
+        else:
+            excluded.append(Stage(id="", nodes=(n,), mode=StageMode.EXCLUDED, reason=dag.nodes[n]["reason"]))
+    stages = [Stage(id="", nodes=tuple(nodes)) for nodes in groups.values()] + excluded
+    stages = _attach_params(stages, graph)
+    plan = Plan(
+        fingerprint=graph.fingerprint,
+        tracer=graph.tracer,
+        n_members=n_members,
+        inputs=inputs,
+        stages=tuple(renumber(stages, graph)),
+        model=model,
+    )
+    return validate(plan, graph)
+
+
+def _input_specs(graph: ModelGraph, input_mode) -> tuple[InputSpec, ...]:
+    if isinstance(input_mode, (str, InputMode)):
+        modes = {name: input_mode for name in graph.input_names}
+    else:
+        unknown = set(input_mode) - set(graph.input_names)
+        if unknown:
+            raise PlanMismatchError(f"input_mode names unknown inputs {sorted(unknown)}; the model's inputs are {graph.input_names}")
+        modes = {name: input_mode.get(name, "shared") for name in graph.input_names}
+    specs = []
+    for name in graph.input_names:
+        try:
+            specs.append(InputSpec(name, InputMode(modes[name])))
+        except ValueError:
+            raise PlanMismatchError(f"input mode {modes[name]!r} for {name!r} is not one of 'shared', 'per_member'") from None
+    return tuple(specs)
+
+
+def _attach_params(stages: list[Stage], graph: ModelGraph) -> list[Stage]:
+    """Move each get_attr node into the stage of its consumers when they share one stage."""
+    owner = {n: i for i, s in enumerate(stages) for n in s.nodes}
+    moves: dict[str, int] = {}
+    for i, s in enumerate(stages):
+        for n in s.nodes:
+            if graph.dag.nodes[n]["op"] != "get_attr":
+                continue
+            consumers = {owner[c] for c in graph.dag.successors(n) if c in owner}
+            if len(consumers) == 1 and consumers != {i}:
+                moves[n] = next(iter(consumers))
+    if not moves:
+        return stages
+    members: list[list[str]] = [[n for n in s.nodes if n not in moves] for s in stages]
+    for n, target in moves.items():
+        members[target].append(n)
+    out = []
+    for s, nodes in zip(stages, members):
+        if nodes:
+            out.append(Stage(id="", nodes=tuple(nodes), mode=s.mode, reason=s.reason, options=s.options))
+    return out
