@@ -1,0 +1,173 @@
+"""executor.build: a plan plus members becomes one batched nn.Module.
+
+Input layout: `shared` inputs as one member would take them; `per_member`
+inputs with a leading member axis [N, ...]. Output layout: N-first, i.e. every
+tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map, tree_unflatten
+
+from planner.errors import DeviceError, InputError, MemberError, PlanMismatchError
+from planner.graph import ModelGraph, fingerprint_lines, retrace
+from planner.plan import InputMode, Plan
+from planner.validate import validate
+from executor.stages import Runner, StageProgram, runner_for
+from executor.values import Batched, Shared, n_first
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`None` -> cpu; refuses CUDA on a machine without it, with the fix."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("device 'cuda' was requested but this machine has no CUDA device; use device='cpu'")
+    return dev
+
+
+def member_state(member: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of one member by dotted name."""
+    return {**dict(member.named_parameters()), **dict(member.named_buffers())}
+
+
+def stack_members(members: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
+    """Stack member state into [N, ...] tensors; MemberError names the first mismatching member and key."""
+    states = [member_state(m) for m in members]
+    ref = states[0]
+    for i, st in enumerate(states[1:], start=1):
+        if st.keys() != ref.keys():
+            missing = sorted(ref.keys() - st.keys())
+            extra = sorted(st.keys() - ref.keys())
+            raise MemberError(f"member {i} does not match member 0: missing {missing[:3]}, unexpected {extra[:3]}; all members must share one architecture")
+        for k, t in st.items():
+            if t.shape != ref[k].shape or t.dtype != ref[k].dtype:
+                raise MemberError(
+                    f"member {i} has {k} of shape {list(t.shape)} {t.dtype}, member 0 has {list(ref[k].shape)} {ref[k].dtype}; "
+                    "all members must share one architecture"
+                )
+    with torch.no_grad():
+        return {k: torch.stack([st[k].detach() for st in states]).to(device) for k in ref}
+
+
+def _first_difference(plan: Plan, graph: ModelGraph) -> str:
+    planned = [n for s in plan.stages for n in s.nodes]
+    have = set(graph.compute_nodes)
+    lost = [n for n in planned if n not in have]
+    if lost:
+        return f"first plan node the model lacks: {lost[0]!r}"
+    extra = [n for n in graph.compute_nodes if n not in set(planned)]
+    if extra:
+        return f"first model node the plan lacks: {extra[0]!r}"
+    return "same node names: parameter shapes, dtypes or module types differ (" + fingerprint_lines(graph.gm)[-1] + " ...)"
+
+
+class BatchedModule(nn.Module):
+    """N members run as one module, stage by stage. forward(*inputs) -> N-first outputs."""
+
+    def __init__(self, plan: Plan, graph: ModelGraph, stacked: dict[str, torch.Tensor], device: torch.device):
+        super().__init__()
+        self.plan = plan
+        self.n_members = plan.n_members
+        self._input_names = graph.input_names
+        self._modes = [plan.input_mode(n) for n in graph.input_names]
+        self._out_spec = graph.out_spec
+        output_node = next(n for n in graph.gm.graph.nodes if n.op == "output")
+        self._output_args = output_node.args[0]
+        stage_of = {n: s.id for s in plan.stages for n in s.nodes}
+        read_outside = {}
+        for node in graph.gm.graph.nodes:
+            for dep in node.all_input_nodes:
+                if stage_of.get(dep.name) != stage_of.get(node.name) or node.op == "output":
+                    read_outside[dep.name] = True
+        keys = set(stacked)
+        self.programs = [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in plan.stages]
+        self.stage_modules = nn.ModuleList([p.module for p in self.programs]).to(device)  # constants follow .to()
+        self._stacked = stacked
+        self._build_runners()
+
+    def _build_runners(self) -> None:
+        views = [{k: v[i] for k, v in self._stacked.items()} for i in range(self.n_members)]
+        self.runners: list[Runner] = []
+        for p in self.programs:
+            stacked = {k: self._stacked[k] for k in p.state_names}
+            member_states = [{k: v[k] for k in p.state_names} for v in views]
+            self.runners.append(runner_for(p, self.n_members, stacked, member_states))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._stacked = {k: fn(v) for k, v in self._stacked.items()}
+        self._build_runners()
+        return self
+
+    @property
+    def stacked_state(self) -> dict[str, torch.Tensor]:
+        """Member state stacked [N, ...] by dotted name (shared with the runners; in-place updates persist)."""
+        return self._stacked
+
+    def _bind_inputs(self, inputs: tuple) -> dict[str, Any]:
+        if len(inputs) != len(self._input_names):
+            raise InputError(f"the model takes {len(self._input_names)} inputs {self._input_names}, got {len(inputs)}; pass them positionally")
+        env: dict[str, Any] = {}
+        for name, mode, x in zip(self._input_names, self._modes, inputs):
+            if mode is InputMode.PER_MEMBER:
+                if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.n_members:
+                    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise InputError(
+                        f"input {name!r} is per_member, so it needs a leading member axis of size {self.n_members}; got {got}. "
+                        "Stack one input per member, or plan it as 'shared'"
+                    )
+                env[name] = Batched(x)
+            else:
+                env[name] = Shared(x)
+        return env
+
+    def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
+        """Run all stages; returns (N-first outputs, boundary values by node name if `keep`)."""
+        env = self._bind_inputs(inputs)
+        for program, runner in zip(self.programs, self.runners):
+            outs = runner([env[n] for n in program.input_names])
+            for name, value in zip(program.output_names, outs):
+                env[name] = value
+        result = tree_map(lambda a: n_first(env[a.name], self.n_members) if isinstance(a, torch.fx.Node) else a, self._output_args)
+        if self._out_spec is not None:
+            result = tree_unflatten(list(result), self._out_spec)
+        return result, (env if keep else {})
+
+    def forward(self, *inputs):
+        return self.run_stages(*inputs)[0]
+
+
+def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None = None, device: str | torch.device | None = None) -> BatchedModule:
+    """Turn `plan` and its members into one batched module.
+
+    Args:
+        plan: a Plan (planner.propose / Plan.load) for this architecture.
+        members: exactly plan.n_members modules of that architecture.
+        example_inputs: one member's inputs; needed only for plans traced with torch.export.
+        device: where to run ("cpu", "cuda", torch.device); default cpu.
+    Returns:
+        BatchedModule: forward(*inputs) takes shared inputs as-is and per_member
+        inputs as [N, ...]; returns the model's outputs with tensors N-first.
+    Raises:
+        MemberError (count or state mismatch), PlanMismatchError (plan for another
+        model: both fingerprints and the first difference), DeviceError.
+    """
+    dev = resolve_device(device)
+    members = list(members)
+    if len(members) != plan.n_members:
+        raise MemberError(
+            f"the plan is for {plan.n_members} members but {len(members)} were given; "
+            f"pass {plan.n_members} members or use plan.with_n_members({len(members)})"
+        )
+    graph = retrace(members[0], plan.tracer, example_inputs)
+    if graph.fingerprint != plan.fingerprint:
+        raise PlanMismatchError(
+            f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
+            f"({_first_difference(plan, graph)}); the plan was made for another model: re-plan with `stagewise plan`"
+        )
+    validate(plan, graph)
+    stacked = stack_members(members, dev)
+    return BatchedModule(plan, graph, stacked, dev)

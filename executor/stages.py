@@ -1,0 +1,169 @@
+"""One stage made runnable: its fx sub-graph and a runner per strategy.
+
+`StageProgram` is built once per stage at `executor.build` time (nothing is
+re-traced per call). A runner takes the stage's input boundary values and
+returns its output boundary values (see executor.values for the three forms).
+
+Layouts: stacked state tensors are [N, *param_shape]; Batched values are N-first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.errors import ExecutionError
+from planner.plan import Stage, StageMode, Strategy
+from executor.values import Batched, PerMember, Shared, batched_arg, member_value
+
+
+@dataclass
+class StageProgram:
+    """A stage's nodes as a standalone GraphModule: inputs are boundary values, outputs a flat tuple."""
+
+    stage: Stage
+    module: torch.fx.GraphModule
+    input_names: list[str]  # producer node names, in placeholder order
+    output_names: list[str]  # stage nodes read outside the stage, in output order
+    state_names: list[str]  # member state (params/buffers) the stage reads, full dotted names
+    describe: str = ""  # "s1 (linear, relu, ...)" for error messages
+
+    @staticmethod
+    def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
+        """Cut `stage` out of `gm`. `users_outside[n]` says whether node n is read outside its stage."""
+        nodes = {n.name: n for n in gm.graph.nodes}
+        inside = set(stage.nodes)
+        g = torch.fx.Graph()
+        env: dict[str, torch.fx.Node] = {}
+        inputs: list[str] = []
+        for name in stage.nodes:
+            for dep in nodes[name].all_input_nodes:
+                if dep.name not in inside and dep.name not in env:
+                    env[dep.name] = g.placeholder(f"in_{dep.name}")
+                    inputs.append(dep.name)
+        state: list[str] = []
+        for name in stage.nodes:
+            node = nodes[name]
+            env[name] = g.node_copy(node, lambda x: env[x.name])
+            state += _state_of(gm, node, state_keys)
+        outputs = [n for n in stage.nodes if users_outside.get(n)]
+        g.output(tuple(env[n] for n in outputs))
+        module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
+        shown = ", ".join(stage.nodes[:4]) + (", ..." if len(stage.nodes) > 4 else "")
+        return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})")
+
+
+def _state_of(gm: torch.fx.GraphModule, node: torch.fx.Node, state_keys: set[str]) -> list[str]:
+    if node.op == "call_module":
+        prefix = f"{node.target}."
+        return [k for k in state_keys if k.startswith(prefix)]
+    if node.op == "get_attr" and node.target in state_keys:
+        return [str(node.target)]
+    return []
+
+
+@dataclass
+class Runner:
+    """Runs one StageProgram across members. Subclasses implement `run`."""
+
+    program: StageProgram
+    n_members: int
+    stacked: dict[str, torch.Tensor] = field(repr=False)  # this stage's state, [N, ...] each
+    member_states: list[dict[str, torch.Tensor]] = field(repr=False)  # views stacked[k][i]
+
+    def run(self, args: list) -> list:
+        raise NotImplementedError
+
+    def __call__(self, args: list) -> list:
+        try:
+            return self.run(args)
+        except ExecutionError:
+            raise
+        except Exception as e:  # a stage failure becomes one message naming the stage
+            shapes = [_describe_value(a) for a in args]
+            raise ExecutionError(
+                f"stage {self.program.describe} failed ({self.program.stage.options.strategy.value}): "
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
+                f"stage inputs were {shapes}. Check the input shapes, or exclude the stage to run it as a loop"
+            ) from e
+
+
+def _describe_value(v) -> str:
+    if isinstance(v, Batched):
+        leaves = [x for x in tree_flatten(v.tree)[0] if isinstance(x, torch.Tensor)]
+        return "batched " + ", ".join(str(list(x.shape)) for x in leaves[:3])
+    if isinstance(v, Shared):
+        x = v.value
+        return f"shared {list(x.shape)}" if isinstance(x, torch.Tensor) else f"shared {type(x).__name__}"
+    return f"per-member list of {len(v.values)}"
+
+
+class VmapRunner(Runner):
+    """One torch.func.vmap over stacked state: `functional_call(stage, state[i], inputs[i])` for all i at once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._meta: dict[str, Any] = {}
+        module = self.program.module
+
+        def one_member(state, inputs):
+            out = functional_call(module, state, tuple(inputs))
+            leaves, spec = tree_flatten(out)
+            tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+            # non-tensor leaves (sizes, shapes) cannot leave vmap; they are the same for all members
+            self._meta["spec"], self._meta["leaves"], self._meta["tensor_at"] = spec, leaves, tensor_at
+            return tuple(leaves[i] for i in tensor_at)
+
+        self._one_member = one_member
+        self._vmapped: dict[Any, Callable] = {}
+
+    def run(self, args: list) -> list:
+        pairs = [batched_arg(a) for a in args]
+        inputs = [p[0] for p in pairs]
+        dims = [p[1] for p in pairs]
+        if not self.stacked and all(d is None or not any(x == 0 for x in tree_flatten(d)[0]) for d in dims):
+            # nothing member-specific goes in: compute once, share the result
+            out = functional_call(self.program.module, {}, tuple(inputs))
+            return [Shared(v) for v in out]
+        key = repr(dims)
+        fn = self._vmapped.get(key)
+        if fn is None:
+            fn = vmap(self._one_member, in_dims=(0, dims), randomness="error", chunk_size=self.program.stage.options.chunk_size)
+            self._vmapped[key] = fn
+        tensors = fn(self.stacked, inputs)
+        leaves = list(self._meta["leaves"])
+        for slot, t in zip(self._meta["tensor_at"], tensors):
+            leaves[slot] = t
+        outputs = tree_unflatten(leaves, self._meta["spec"])
+        return [Batched(v) for v in outputs]
+
+
+class LoopRunner(Runner):
+    """The member loop: the stage once per member with that member's own state."""
+
+    def run(self, args: list) -> list:
+        module = self.program.module
+        results = []
+        for i in range(self.n_members):
+            member_args = tuple(member_value(a, i) for a in args)
+            results.append(functional_call(module, self.member_states[i], member_args))
+        n_out = len(self.program.output_names)
+        return [PerMember([r[k] for r in results]) for k in range(n_out)]
+
+
+RUNNERS: dict[Strategy, type[Runner]] = {Strategy.VMAP: VmapRunner, Strategy.LOOP: LoopRunner}
+
+
+def runner_for(program: StageProgram, n_members: int, stacked: dict[str, torch.Tensor], member_states: list[dict]) -> Runner:
+    """The runner for a stage's mode and strategy."""
+    stage = program.stage
+    strategy = Strategy.LOOP if stage.mode is StageMode.EXCLUDED else stage.options.strategy
+    cls = RUNNERS.get(strategy)
+    if cls is None:
+        known = ", ".join(s.value for s in RUNNERS)
+        raise ExecutionError(f"stage {stage.id}: strategy {strategy.value!r} is not available here; use one of {known}")
+    return cls(program, n_members, stacked, member_states)

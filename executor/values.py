@@ -1,0 +1,88 @@
+"""Values that cross stage boundaries, each carried per member.
+
+Three forms (member axis N first wherever there is one):
+- Shared(v): the same value for every member (a shared model input, a size).
+- Batched(tree): a pytree whose tensor leaves are [N, ...]; non-tensor leaves
+  are the same for every member (what a vmapped stage returns).
+- PerMember(list): N separate values (what a member loop returns; may hold
+  Python numbers from `.item()`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from planner.errors import ExecutionError
+
+
+@dataclass(frozen=True)
+class Shared:
+    value: Any
+
+
+@dataclass(frozen=True)
+class Batched:
+    tree: Any  # tensor leaves are N-first
+
+
+@dataclass(frozen=True)
+class PerMember:
+    values: list
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def batched_arg(v) -> tuple[Any, Any]:
+    """(argument, in_dims) for passing a boundary value into vmap."""
+    if isinstance(v, Shared):
+        return v.value, None
+    if isinstance(v, Batched):
+        return v.tree, tree_map(lambda x: 0 if _is_tensor(x) else None, v.tree)
+    return stack_members(v.values)
+
+
+def stack_members(values: list) -> tuple[Any, Any]:
+    """Turn N per-member values into one tree with N-first tensors (and its in_dims)."""
+    flat = [tree_flatten(v) for v in values]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat[1:]):
+        raise ExecutionError("members returned differently structured values at a stage boundary; this stage must stay a loop to the end")
+    leaves, dims = [], []
+    for column in zip(*(f[0] for f in flat)):
+        first = column[0]
+        if _is_tensor(first):
+            leaves.append(torch.stack(column))
+            dims.append(0)
+        elif all(not _is_tensor(c) and c == first for c in column[1:]):
+            leaves.append(first)
+            dims.append(None)
+        elif isinstance(first, (bool, int, float)):
+            leaves.append(torch.tensor(column))  # per-member numbers become a [N] tensor, a 0-d scalar per member
+            dims.append(0)
+        else:
+            raise ExecutionError(f"members produced different {type(first).__name__} values at a stage boundary; keep their consumers in a loop stage")
+    return tree_unflatten(leaves, spec), tree_unflatten(dims, spec)
+
+
+def member_value(v, i: int) -> Any:
+    """The value member `i` sees."""
+    if isinstance(v, Shared):
+        return v.value
+    if isinstance(v, Batched):
+        return tree_map(lambda x: x[i] if _is_tensor(x) else x, v.tree)
+    return v.values[i]
+
+
+def n_first(v, n: int) -> Any:
+    """A boundary value as the module's output: tensors N-first, a pytree of them for containers."""
+    if isinstance(v, Batched):
+        return v.tree
+    if isinstance(v, Shared):
+        return tree_map(lambda x: x.unsqueeze(0).expand(n, *x.shape).clone() if _is_tensor(x) else x, v.value)
+    tree, _ = stack_members(v.values)  # per-member numbers come back as a [N] tensor, equal ones stay plain
+    return tree

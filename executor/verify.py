@@ -1,0 +1,157 @@
+"""executor.verify: the batched module against the plain Python loop over members.
+
+Errors are normwise: max |batched - loop| and that divided by max |loop|
+(a per-element relative error explodes near zero and says nothing useful).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from planner.graph import retrace
+from planner.plan import InputMode, Plan
+from executor.build import build
+from executor.values import member_value
+
+DEFAULT_RTOL = 1e-4  # float32: vmap and the loop may sum in different orders
+
+
+@dataclass
+class ErrorRow:
+    """Error of one compared value (an output leaf or a stage-boundary node)."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+
+@dataclass
+class VerifyReport:
+    """Outputs and stage boundaries of the batched module vs the member loop."""
+
+    n_members: int
+    rtol: float
+    outputs: list[ErrorRow] = field(default_factory=list)
+    boundaries: list[ErrorRow] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.outputs) and all(r.ok for r in self.boundaries)
+
+    @property
+    def max_rel(self) -> float:
+        return max([r.max_rel for r in self.outputs] or [0.0])
+
+    def to_json(self) -> dict:
+        return {"n_members": self.n_members, "rtol": self.rtol, "ok": self.ok,
+                "outputs": [asdict(r) for r in self.outputs], "boundaries": [asdict(r) for r in self.boundaries]}
+
+    def to_text(self) -> str:
+        lines = [f"{'value':<28} {'max abs':>11} {'max rel':>11}  ok"]
+        for kind, rows in (("output", self.outputs), ("boundary", self.boundaries)):
+            for r in rows:
+                lines.append(f"{kind + ' ' + r.name:<28} {r.max_abs:>11.3e} {r.max_rel:>11.3e}  {'yes' if r.ok else 'NO'}")
+        verdict = "MATCH" if self.ok else "MISMATCH"
+        lines.append(f"{verdict}: batched vs loop over {self.n_members} members, rtol {self.rtol:g}")
+        return "\n".join(lines)
+
+
+def member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
+    """Member i's inputs: shared ones as given, per_member ones indexed [i]."""
+    return tuple(x[i] if spec.mode is InputMode.PER_MEMBER else x for spec, x in zip(plan.inputs, inputs))
+
+
+def loop_outputs(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]) -> list[Any]:
+    """The trusted reference: each member on its own inputs, one after another."""
+    with torch.no_grad():
+        return [m(*member_inputs(plan, inputs, i)) for i, m in enumerate(members)]
+
+
+def compare(name: str, got: Any, want: Any, rtol: float) -> list[ErrorRow]:
+    """Rows comparing two pytrees leaf by leaf (non-tensor leaves must be equal)."""
+    g_leaves, _ = tree_flatten(got)
+    w_leaves, _ = tree_flatten(want)
+    if len(g_leaves) != len(w_leaves):
+        return [ErrorRow(name, float("inf"), float("inf"), False)]
+    rows = []
+    for k, (g, w) in enumerate(zip(g_leaves, w_leaves)):
+        label = name if len(g_leaves) == 1 else f"{name}[{k}]"
+        if isinstance(w, torch.Tensor) or isinstance(g, torch.Tensor):
+            g_t = torch.as_tensor(g).detach().double().cpu()
+            w_t = torch.as_tensor(w).detach().double().cpu()
+            if g_t.shape != w_t.shape:
+                rows.append(ErrorRow(f"{label} shape {list(g_t.shape)} vs {list(w_t.shape)}", float("inf"), float("inf"), False))
+                continue
+            if g_t.numel() == 0:
+                rows.append(ErrorRow(label, 0.0, 0.0, True))
+                continue
+            abs_err = (g_t - w_t).abs().max().item()
+            scale = w_t.abs().max().item()
+            rel = abs_err / scale if scale > 0 else abs_err
+            rows.append(ErrorRow(label, abs_err, rel, bool(rel <= rtol)))
+        else:
+            same = g == w or (isinstance(w, float) and abs(g - w) <= rtol * max(abs(w), 1e-30))
+            rows.append(ErrorRow(label, 0.0 if same else float("inf"), 0.0 if same else float("inf"), bool(same)))
+    return rows
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm, keep: set[str]):
+        super().__init__(gm)
+        self.keep, self.values = keep, {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.name in self.keep:
+            self.values[n.name] = out
+        return out
+
+
+def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float = DEFAULT_RTOL, device=None) -> VerifyReport:
+    """Build the plan, run it and the member loop on `inputs`, and compare.
+
+    Args:
+        inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
+    Returns:
+        VerifyReport with max abs/rel error per output leaf and per stage-boundary value.
+    """
+    members = list(members)
+    inputs = tuple(inputs)
+    example = member_inputs(plan, inputs, 0)
+    module = build(plan, members, example_inputs=example, device=device)
+    with torch.no_grad():
+        got, env = module.run_stages(*inputs, keep=True)
+    want = loop_outputs(plan, members, inputs)
+    report = VerifyReport(n_members=plan.n_members, rtol=rtol)
+    want_stacked = [tree_flatten(w)[0] for w in want]
+    got_leaves = tree_flatten(got)[0]
+    for k, g in enumerate(got_leaves):
+        column = [w[k] for w in want_stacked]
+        ref = torch.stack(column) if isinstance(column[0], torch.Tensor) else column
+        report.outputs.extend(compare(f"out[{k}]" if len(got_leaves) > 1 else "out", g, ref, rtol))
+    # boundaries: each member's own graph run, compared with what crossed the stage boundary
+    boundary = [n for p in module.programs for n in p.output_names]
+    per_member = []
+    for i, m in enumerate(members):
+        rec = _Recorder(retrace(m, plan.tracer, example).gm, set(boundary))
+        with torch.no_grad():
+            rec.run(*member_inputs(plan, inputs, i))
+        per_member.append(rec.values)
+    for name in boundary:
+        for i in range(plan.n_members):
+            rows = compare(f"{name} (member {i})", member_value(env[name], i), per_member[i][name], rtol)
+            bad = [r for r in rows if not r.ok]
+            if bad:
+                report.boundaries.extend(bad)
+                break
+        else:
+            worst = max((r for i in range(plan.n_members) for r in compare(name, member_value(env[name], i), per_member[i][name], rtol)),
+                        key=lambda r: r.max_rel, default=ErrorRow(name, 0.0, 0.0, True))
+            report.boundaries.append(ErrorRow(name, worst.max_abs, worst.max_rel, worst.ok))
+    return report
