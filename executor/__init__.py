@@ -3,4 +3,4 @@
 Imports planner, never app.
 """
 from executor.build import BatchedModule, build, resolve_device, stack_members  # noqa: F401
-from executor.verify import VerifyReport, loop_outputs, member_inputs, verify  # noqa: F401
+from executor.verify import VerifyReport, batched_inputs, loop_outputs, member_inputs, verify  # noqa: F401

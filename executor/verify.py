@@ -155,3 +155,24 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
                         key=lambda r: r.max_rel, default=ErrorRow(name, 0.0, 0.0, True))
             report.boundaries.append(ErrorRow(name, worst.max_abs, worst.max_rel, worst.ok))
     return report
+
+
+def batched_inputs(plan: Plan, example_inputs: Sequence[Any], seed: int = 0) -> tuple:
+    """Inputs for the batched module made from one member's example inputs.
+
+    Shared inputs are passed as they are. Per-member inputs get a leading [N]
+    axis; floating-point ones get a small different perturbation per member, so
+    a plan that mixed members up would not pass verification by accident.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for spec, x in zip(plan.inputs, example_inputs):
+        if spec.mode is InputMode.PER_MEMBER and isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                noise = torch.randn((plan.n_members, *x.shape), generator=gen, dtype=x.dtype)
+                out.append(x.unsqueeze(0) + 0.1 * noise.to(x.device) * (x.abs().mean() + 1e-3))
+            else:
+                out.append(x.unsqueeze(0).expand(plan.n_members, *x.shape).clone())
+        else:
+            out.append(x)
+    return tuple(out)

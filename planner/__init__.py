@@ -13,3 +13,4 @@ from planner.capability import annotate_capability, chain, unbatchable  # noqa: 
 from planner.propose import propose  # noqa: F401
 from planner.edits import exclude, include, merge, set_options, split  # noqa: F401
 from planner.validate import validate, stage_graph, convexity_violation  # noqa: F401
+from planner.table import format_stage_table, stage_rows  # noqa: F401

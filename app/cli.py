@@ -1,0 +1,189 @@
+"""The `stagewise` command: plan | run | show | profile | ui.
+
+Every StagewiseError becomes one line on stderr and exit code 2; a verification
+mismatch exits 1. Nothing here imports streamlit (`ui` starts it in a subprocess).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import planner
+import executor
+from planner import StagewiseError
+from executor.verify import DEFAULT_RTOL
+
+EXIT_MISMATCH = 1
+EXIT_ERROR = 2
+
+
+def _load(model: str, weights: list[str] | None):
+    src = planner.load_source(model, weights=weights or None)
+    graph = planner.trace(src.model, src.example_inputs)
+    return src, graph
+
+
+def cmd_plan(args) -> int:
+    src, graph = _load(args.model, args.weights)
+    if graph.tracer_note:
+        print(f"note: {graph.tracer_note}")
+    modes = _parse_modes(args.input_mode, graph.input_names)
+    plan = planner.propose(graph, n_members=args.n, input_mode=modes, model=str(args.model))
+    print(planner.format_stage_table(plan, graph))
+    if args.output:
+        plan.save(args.output)
+        print(f"plan written to {args.output}")
+    return 0
+
+
+def _parse_modes(values: list[str] | None, names: list[str]):
+    """--input-mode shared | per_member | name=mode ... -> a mode or a dict."""
+    if not values:
+        return "shared"
+    if len(values) == 1 and "=" not in values[0]:
+        return values[0]
+    modes = {}
+    for v in values:
+        name, sep, mode = v.partition("=")
+        if not sep:
+            raise planner.PlanMismatchError(f"--input-mode {v!r}: give one mode for all inputs, or name=mode per input (inputs: {names})")
+        modes[name] = mode
+    return modes
+
+
+def _members_and_inputs(plan, args):
+    src = planner.load_source(args.model, weights=args.weights or None)
+    members = src.members(plan.n_members)
+    inputs = executor.batched_inputs(plan, src.example_inputs)
+    return src, members, inputs
+
+
+def cmd_run(args) -> int:
+    plan = planner.Plan.load(args.plan)
+    _, members, inputs = _members_and_inputs(plan, args)
+    report = executor.verify(plan, members, inputs, rtol=args.rtol, device=args.device)
+    print(planner.format_stage_table(plan))
+    print()
+    print(report.to_text())
+    return 0 if report.ok else EXIT_MISMATCH
+
+
+def cmd_show(args) -> int:
+    plan = planner.Plan.load(args.plan)
+    graph = None
+    if args.model:
+        _, graph = _load(args.model, None)
+        planner.validate(plan, graph)
+    if plan.model:
+        print(f"model: {plan.model}  fingerprint: {plan.fingerprint}")
+    print(planner.format_stage_table(plan, graph))
+    if plan.profile:
+        print(f"\nplan holds a profile report ({len(plan.profile.get('stages', []))} stages measured)")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    if not hasattr(executor, "profile"):
+        raise StagewiseError("profiling is not available in this build of stagewise")
+    plan = planner.Plan.load(args.plan)
+    _, members, inputs = _members_and_inputs(plan, args)
+    progress = _progress_bar() if sys.stderr.isatty() or args.progress else None
+    report = executor.profile(
+        plan, members, inputs, device=args.device, repeats=args.repeats, compile_baseline=args.compile_baseline,
+        trace_path=args.trace, progress=progress, autotune=args.autotune,
+    )
+    if progress:
+        sys.stderr.write("\n")
+    print(report.to_text())
+    tuned = getattr(report, "plan", None)
+    if args.output:
+        out_plan = (tuned or plan).with_profile(report.to_json())
+        out_plan.save(args.output)
+        print(f"plan with profile written to {args.output}")
+    return 0
+
+
+def _progress_bar():
+    def progress(done: int, total: int, label: str) -> None:
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:<40}")
+        sys.stderr.flush()
+
+    return progress
+
+
+def cmd_ui(args) -> int:
+    from app.launch import main as launch  # the app needs streamlit; import only here
+
+    return launch(model_path=args.model, port=args.port) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stagewise", description="Plan, check and profile batched (vmap) execution of N copies of one PyTorch model.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("plan", help="trace a model and propose stages")
+    sp.add_argument("model", help="a .py model file or a .pt2 torch.export archive")
+    sp.add_argument("-n", type=int, default=8, help="number of members N (default 8)")
+    sp.add_argument("--input-mode", nargs="+", metavar="MODE", help="shared | per_member, or name=mode per input (default shared)")
+    sp.add_argument("--weights", nargs="+", help="member weight files (.safetensors or state_dict), one per member")
+    sp.add_argument("-o", "--output", help="write the plan JSON here")
+    sp.set_defaults(func=cmd_plan)
+
+    sr = sub.add_parser("run", help="build the plan and verify it against the member loop")
+    sr.add_argument("plan")
+    sr.add_argument("model")
+    sr.add_argument("--weights", nargs="+")
+    sr.add_argument("--device", default=None, help="cpu (default) or cuda")
+    sr.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="max normwise relative error (default 1e-4)")
+    sr.set_defaults(func=cmd_run)
+
+    ss = sub.add_parser("show", help="print a plan's stage table")
+    ss.add_argument("plan")
+    ss.add_argument("model", nargs="?", help="optional: check the plan against this model and add params/FLOPs")
+    ss.set_defaults(func=cmd_show)
+
+    sf = sub.add_parser("profile", help="time each stage and the baselines")
+    sf.add_argument("plan")
+    sf.add_argument("model")
+    sf.add_argument("--weights", nargs="+")
+    sf.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    sf.add_argument("--autotune", action="store_true", help="measure every strategy per stage and pick the fastest correct one")
+    sf.add_argument("--trace", help="write a chrome trace (torch.profiler) here")
+    sf.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
+    sf.add_argument("--compile-baseline", action="store_true", help="also time torch.compile of whole-model vmap (slow to compile)")
+    sf.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    sf.add_argument("-o", "--output", help="write the (tuned) plan with the report inside here")
+    sf.set_defaults(func=cmd_profile)
+
+    su = sub.add_parser("ui", help="open the planner in the browser (localhost only)")
+    su.add_argument("model", nargs="?", help="model file to open (default: a bundled sample)")
+    su.add_argument("--port", type=int, default=None)
+    su.set_defaults(func=cmd_ui)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except StagewiseError as e:
+        print(f"stagewise {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug in stagewise or torch: one line, the traceback on request
+        if os.environ.get("STAGEWISE_DEBUG"):
+            traceback.print_exc()
+        print(f"stagewise {args.command}: unexpected {type(e).__name__}: {e} "
+              "(set STAGEWISE_DEBUG=1 for the traceback and please report it)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
