@@ -50,7 +50,7 @@ def format_stage_table(plan: Plan, graph: ModelGraph | None = None, nodes_width:
             line += f" {human(r['params']):>7} {human(r['flops']):>7}"
         lines.append(line + ("  " + r["reason"] if r["reason"] else ""))
     batched = sum(1 for r in rows if r["mode"] == "batched")
-    summary = (f"{len(rows)} stage{"s" if len(rows) != 1 else ""} ({batched} batched, {len(rows) - batched} excluded), "
+    summary = (f"{len(rows)} stage{'s' if len(rows) != 1 else ''} ({batched} batched, {len(rows) - batched} excluded), "
                f"N={plan.n_members}, tracer={plan.tracer}, inputs: "
                + ", ".join(f"{i.name}={i.mode.value}" for i in plan.inputs))
     return "\n".join([summary, *lines])
