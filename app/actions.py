@@ -1,0 +1,121 @@
+"""Plan edits driven by a selection of node names and stage ids. No streamlit here.
+
+Each action returns (label, new plan) or raises the library's StagewiseError;
+multi-step actions (merging three stages) are all-or-nothing because plans are
+frozen and the original is simply kept on error. Stage ids are renumbered by
+the planner after an edit, so steps track stages by one of their nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Iterable, Sequence
+
+import planner
+from planner.errors import EditError
+from planner.plan import Plan, StageOptions, Strategy
+
+
+def split_selection(plan: Plan, selection: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(stage ids, node names) named in a selection; a name that is both resolves to the stage."""
+    stage_ids = {s.id for s in plan.stages}
+    stages, nodes = [], []
+    for item in selection:
+        (stages if item in stage_ids else nodes).append(item)
+    return stages, nodes
+
+
+def stage_of_node(plan: Plan, node: str) -> str | None:
+    """Id of the stage holding `node`; None for inputs, the output and unknown names."""
+    for s in plan.stages:
+        if node in s.nodes:
+            return s.id
+    return None
+
+
+def stages_touched(plan: Plan, selection: Iterable[str]) -> list[str]:
+    """Ids of every stage named or holding a named node, in plan order (inputs/outputs touch none)."""
+    stages, nodes = split_selection(plan, selection)
+    touched = set(stages) | {stage_of_node(plan, n) for n in nodes}
+    return [s.id for s in plan.stages if s.id in touched]
+
+
+def _anchor(plan: Plan, stage_id: str) -> str:
+    """A node that identifies this stage across renumbering."""
+    return plan.stage(stage_id).nodes[0]
+
+
+def merge_selected(plan: Plan, graph: Any, selection: Sequence[str]) -> tuple[str, Plan]:
+    """Merge every stage touched by the selection into one, folding them in plan (topological) order."""
+    ids = stages_touched(plan, selection)
+    if len(ids) < 2:
+        raise EditError(f"merge needs two or more stages; the selection touches {ids or 'none'}; "
+                        "select nodes of at least two stages")
+    anchors = [_anchor(plan, s) for s in ids]
+    new = plan
+    for a in anchors[1:]:
+        new = planner.merge(new, graph, new.stage_of(anchors[0]).id, new.stage_of(a).id)
+    return f"merge {'+'.join(ids)}", new
+
+
+def split_selected(plan: Plan, graph: Any, selection: Sequence[str]) -> tuple[str, Plan]:
+    """One node selected: split its stage before it. Several nodes of one stage: carve them out as a stage."""
+    _, nodes = split_selection(plan, selection)
+    nodes = [n for n in nodes if stage_of_node(plan, n) is not None]
+    if not nodes:
+        raise EditError("split needs a node: select the node where the stage should be cut (not a stage id)")
+    owners = {plan.stage_of(n).id for n in nodes}
+    if len(owners) > 1:
+        raise EditError(f"split works inside one stage; the selected nodes are in {sorted(owners)}; "
+                        "select nodes of a single stage")
+    sid = owners.pop()
+    at: str | list[str] = nodes[0] if len(nodes) == 1 else list(nodes)
+    new = planner.split(plan, graph, sid, at=at)
+    what = f"at {nodes[0]}" if len(nodes) == 1 else f"carving out {len(nodes)} nodes"
+    return f"split {sid} {what}", new
+
+
+def _mode_edit(plan: Plan, graph: Any, selection: Sequence[str], whole_stages: bool, fn: Any, verb: str) -> tuple[str, Plan]:
+    stages, nodes = split_selection(plan, selection)
+    nodes = [n for n in nodes if stage_of_node(plan, n) is not None]
+    if whole_stages:
+        targets = stages_touched(plan, selection)
+        anchors = [_anchor(plan, s) for s in targets]
+        label_items = targets
+    else:
+        targets, anchors, label_items = [], list(nodes), list(nodes)
+        anchors += [_anchor(plan, s) for s in stages]
+        label_items += stages
+    if not anchors:
+        raise EditError(f"{verb} needs a selection; click nodes in the graph or pick stage ids above")
+    new = plan
+    for i, a in enumerate(anchors):
+        whole = whole_stages or i >= len(nodes)
+        new = fn(new, graph, new.stage_of(a).id if whole else a)
+    return f"{verb} {', '.join(label_items)}", new
+
+
+def exclude_selected(plan: Plan, graph: Any, selection: Sequence[str], whole_stages: bool = True) -> tuple[str, Plan]:
+    """Exclude the touched stages (or, with whole_stages=False, just the selected nodes) from batching."""
+    return _mode_edit(plan, graph, selection, whole_stages, planner.exclude, "exclude")
+
+
+def include_selected(plan: Plan, graph: Any, selection: Sequence[str]) -> tuple[str, Plan]:
+    """Batch every touched stage again (the planner includes whole stages only)."""
+    return _mode_edit(plan, graph, selection, True, planner.include, "include")
+
+
+def set_options_selected(plan: Plan, graph: Any, selection: Sequence[str], strategy: Strategy | str,
+                         chunk_size: int | None) -> tuple[str, Plan]:
+    """Set strategy and chunk size on every touched stage (through planner.set_options when the planner has it)."""
+    ids = stages_touched(plan, selection)
+    if not ids:
+        raise EditError("select a stage (or one of its nodes) to set its strategy")
+    opts = {"strategy": Strategy(strategy), "chunk_size": chunk_size, "note": "set in the app"}
+    setter = getattr(planner, "set_options", None)
+    new = plan
+    for sid in ids:
+        if setter is not None:
+            new = setter(new, graph, sid, **opts)
+        else:  # planner without set_options: a plain functional update
+            new = new.with_stages(replace(s, options=StageOptions(**opts)) if s.id == sid else s for s in new.stages)
+    return f"strategy {Strategy(strategy).value} on {', '.join(ids)}", new

@@ -1,0 +1,68 @@
+"""Autosave of the current plan and where its model came from, so a reload or crash loses nothing.
+
+The file lives in the working directory (`.stagewise_autosave.json`, or the
+path in the STAGEWISE_AUTOSAVE environment variable) and is rewritten
+atomically after every edit. No streamlit here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.errors import PlanFileError
+from planner.plan import Plan
+
+ENV_VAR = "STAGEWISE_AUTOSAVE"
+DEFAULT_NAME = ".stagewise_autosave.json"
+FORMAT = 1
+
+
+def autosave_path() -> Path:
+    return Path(os.environ.get(ENV_VAR) or Path.cwd() / DEFAULT_NAME)
+
+
+@dataclass(frozen=True)
+class AutosaveRecord:
+    plan: Plan
+    model_path: str  # the model file the plan was made for
+    weights: tuple[str, ...]  # member weight files, or () for build_members / seeds
+    saved_at: float  # unix time
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.saved_at))
+        return f"{Path(self.model_path).name}, {len(self.plan.stages)} stages, N={self.plan.n_members}, saved {when}"
+
+
+def save(plan: Plan, model_path: str, weights: tuple[str, ...] = (), path: Path | None = None) -> Path:
+    """Write the record atomically; returns the file written."""
+    path = path or autosave_path()
+    record = {"format": FORMAT, "saved_at": time.time(), "model_path": str(model_path),
+              "weights": [str(w) for w in weights], "plan": plan.to_json()}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, sort_keys=True, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load(path: Path | None = None) -> AutosaveRecord | None:
+    """The saved record, or None when there is none; raises PlanFileError when the file is damaged."""
+    path = path or autosave_path()
+    if not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text())
+        plan = Plan.from_json(d["plan"], source=str(path))
+        return AutosaveRecord(plan, str(d["model_path"]), tuple(str(w) for w in d.get("weights", [])),
+                              float(d.get("saved_at", 0.0)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, PlanFileError):
+            raise
+        raise PlanFileError(f"autosave file {path} is damaged ({e!r}); delete it or discard it in the app") from None
+
+
+def discard(path: Path | None = None) -> None:
+    path = path or autosave_path()
+    path.unlink(missing_ok=True)

@@ -1,0 +1,78 @@
+"""Graphviz rendering of the stage-coloured graph (DOT text always, SVG when the `dot` binary exists).
+
+The `graphviz` Python package only writes DOT text; rendering to SVG needs the
+Graphviz binaries. Streamlit's st.graphviz_chart renders DOT in the browser,
+so the static view works without them.
+"""
+from __future__ import annotations
+
+import shutil
+
+import graphviz
+
+from app.graph_view import EXCLUDED_FILL, MODULE_PREFIX, GraphData, ViewGraph, stage_colors
+from planner.plan import Plan, StageMode
+
+
+def _quote_free(s: str) -> str:
+    return s.replace('"', "'")
+
+
+def plan_dot(data: GraphData, view: ViewGraph, plan: Plan) -> str:
+    """DOT text, top to bottom, one cluster per stage whose nodes are all in one stage; excluded stages dashed grey."""
+    colors = stage_colors(plan)
+    stage_of = {n: s.id for s in plan.stages for n in s.nodes}
+    modes = {s.id: s.mode for s in plan.stages}
+    g = graphviz.Digraph("stagewise", graph_attr={"rankdir": "TB", "fontname": "Helvetica", "fontsize": "11"},
+                         node_attr={"fontname": "Helvetica", "fontsize": "10", "shape": "box", "style": "rounded,filled"},
+                         edge_attr={"color": "#8a8a8a", "arrowsize": "0.6"})
+    by_stage: dict[str, list[str]] = {}
+    for vid in view.ids:
+        sids = {stage_of.get(n, "?") for n in view.members[vid]}
+        by_stage.setdefault(sids.pop() if len(sids) == 1 else "", []).append(vid)
+    for s in plan.stages:
+        vids = by_stage.get(s.id, [])
+        if not vids:
+            continue
+        excluded = s.mode == StageMode.EXCLUDED
+        label = f"{s.id} ({s.mode.value}{', ' + s.options.strategy.value if not excluded else ''})"
+        with g.subgraph(name=f"cluster_{s.id}") as c:
+            c.attr(label=label, color=colors[s.id], style="dashed" if excluded else "solid", penwidth="2")
+            for vid in vids:
+                c.node(_quote_free(vid), **_node_attrs(vid, data, colors[s.id], excluded))
+    for vid in by_stage.get("", []):  # a collapsed module spanning several stages
+        first = stage_of.get(view.members[vid][0], "")
+        g.node(_quote_free(vid), **_node_attrs(vid, data, colors.get(first, "#888888"), modes.get(first) == StageMode.EXCLUDED))
+    for vid in by_stage.get("?", []):
+        g.node(_quote_free(vid), label=vid)
+    for u, v in view.edges:
+        g.edge(_quote_free(u), _quote_free(v))
+    return g.source
+
+
+def _node_attrs(vid: str, data: GraphData, color: str, excluded: bool) -> dict[str, str]:
+    if vid.startswith(MODULE_PREFIX):
+        label = f"{vid[len(MODULE_PREFIX):]}\\n(collapsed)"
+        bad = False
+    else:
+        info = data.node(vid)
+        label = f"{vid}\\n{info.shape}"
+        bad = not info.batchable
+    attrs = {"label": _quote_free(label), "fillcolor": EXCLUDED_FILL if excluded else color,
+             "color": "#b30000" if bad else color}
+    if excluded:
+        attrs["style"] = "rounded,filled,dashed"
+    if bad:
+        attrs["penwidth"] = "2"
+    return attrs
+
+
+def has_dot_binary() -> bool:
+    return shutil.which("dot") is not None
+
+
+def dot_to_svg(dot_text: str) -> bytes | None:
+    """SVG bytes, or None when the Graphviz `dot` binary is not installed (apt-get install graphviz)."""
+    if not has_dot_binary():
+        return None
+    return graphviz.Source(dot_text).pipe(format="svg")

@@ -1,0 +1,65 @@
+"""The Export page: the plan JSON, a Python snippet that builds the batched module, DOT/SVG; import a plan."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+import planner
+from app import state
+from app.dot_view import dot_to_svg, has_dot_binary, plan_dot
+
+
+def snippet(model_path: str, plan_file: str, weights: tuple[str, ...] = (), export: bool = False) -> str:
+    """Ready-to-paste Python that loads the plan and builds the batched module."""
+    w = f", weights={list(weights)!r}" if weights else ""
+    return f'''import planner, executor
+
+src = planner.load_source({model_path!r}{w})
+plan = planner.Plan.load({plan_file!r})
+ensemble = executor.build(plan, src.members(plan.n_members){", src.example_inputs" if export else ""})
+# inputs: shared ones as one member takes them, per_member ones stacked [N, ...]
+inputs = executor.batched_inputs(plan, src.example_inputs)
+outputs = ensemble(*inputs)  # N-first: [N, ...] per output tensor
+'''
+
+
+def _import_plan() -> None:
+    up = st.session_state.get("plan_upload")
+    m, h = state.current(), state.history()
+    if up is None or m is None or h is None:
+        return
+    result = state.guarded(f"importing {up.name}", lambda: planner.validate(planner.Plan.loads(up.getvalue().decode("utf-8", "replace"), source=up.name), m.graph))
+    if result is not None:
+        state.commit(f"import {up.name}", result)
+
+
+def export_page() -> None:
+    st.header("Export")
+    h, ref = state.history(), state.model_ref()
+    if h is None or ref is None:
+        st.info("No model is loaded. Open one on the Model page.")
+        return
+    plan = h.present
+    stem = Path(ref.name).stem
+    text = plan.dumps()
+    c = st.columns(3)
+    c[0].download_button("Download plan JSON", text, file_name=f"{stem}.plan.json", mime="application/json",
+                         type="primary", key="dl_plan")
+    st.caption("Includes the last profile report" if plan.profile else "No profile report inside yet (see the Profile page)")
+    loaded = state.current()
+    view, _ = state.view_and_layout(ref, st.session_state.get("collapsed", []))
+    dot = plan_dot(loaded.data, view, plan)
+    c[1].download_button("Download .dot", dot, file_name=f"{stem}.dot", mime="text/vnd.graphviz", key="dl_dot")
+    svg = dot_to_svg(dot) if has_dot_binary() else None
+    if svg is not None:
+        c[2].download_button("Download .svg", svg, file_name=f"{stem}.svg", mime="image/svg+xml", key="dl_svg")
+    else:
+        c[2].caption("SVG needs the Graphviz `dot` program (apt-get install graphviz); the .dot file opens in any Graphviz viewer.")
+    st.subheader("Use it in code")
+    st.code(snippet(ref.path, f"{stem}.plan.json", ref.weights, plan.tracer == "export"), language="python")
+    with st.expander("Plan JSON"):
+        st.code(text, language="json")
+    st.subheader("Import a plan")
+    st.file_uploader("Plan JSON for the current model (checked against its graph)", type=["json"], key="plan_upload")
+    st.button("Import plan", on_click=_import_plan)

@@ -1,0 +1,64 @@
+"""Start the Streamlit app on 127.0.0.1 (what `stagewise ui [MODEL]` and `make run` call)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+APP_DIR = Path(__file__).resolve().parent
+REPO_ROOT = APP_DIR.parent
+MAIN = APP_DIR / "main.py"
+MODEL_ENV = "STAGEWISE_MODEL"  # the model the app opens on (absolute path)
+
+# Security-relevant settings, passed as flags so they hold whatever the working
+# directory's or the user's own .streamlit/config.toml says.
+SERVER_FLAGS = (
+    "--server.address=127.0.0.1",
+    "--browser.serverAddress=127.0.0.1",
+    "--browser.gatherUsageStats=false",
+    "--server.enableXsrfProtection=true",
+    "--server.maxUploadSize=512",
+)
+
+
+def command(port: int | None = None, headless: bool = False) -> list[str]:
+    """The `streamlit run` command line for the app."""
+    cmd = [sys.executable, "-m", "streamlit", "run", str(MAIN), *SERVER_FLAGS, f"--server.headless={str(headless).lower()}"]
+    if port is not None:
+        cmd.append(f"--server.port={int(port)}")
+    return cmd
+
+
+def environment(model_path: str | os.PathLike | None = None) -> dict[str, str]:
+    """os.environ plus the model to open and the repository on PYTHONPATH (the app imports planner/executor)."""
+    env = dict(os.environ)
+    if model_path is not None:
+        p = Path(model_path).expanduser().resolve()
+        if not p.is_file():
+            from planner.errors import ModelLoadError
+
+            raise ModelLoadError(f"model file {model_path} does not exist; pass a .py model file or a .pt2 archive")
+        env[MODEL_ENV] = str(p)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    return env
+
+
+def main(model_path: str | os.PathLike | None = None, port: int | None = None, headless: bool = False) -> int:
+    """Run the app until interrupted; returns streamlit's exit code.
+
+    Args:
+        model_path: a .py model file or .pt2 archive to open on (default: a bundled sample).
+        port: TCP port on 127.0.0.1 (default: streamlit's 8501, or the next free one).
+        headless: do not open a browser window.
+    """
+    env = environment(model_path)
+    print(f"stagewise ui: serving on http://127.0.0.1:{port or 8501} (localhost only; uploaded model files run as code)")
+    try:
+        return subprocess.call(command(port, headless), env=env)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*(sys.argv[1:2] or [None])))

@@ -1,0 +1,57 @@
+"""Streamlit entry point: `streamlit run app/main.py` (or `stagewise ui [MODEL]`, see app/launch.py).
+
+Opens on a bundled sample (or $STAGEWISE_MODEL), offers to restore an autosaved
+plan, and routes to the Model, Plan, Profile and Export pages.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:  # streamlit puts app/ on the path, the packages live one level up
+    sys.path.insert(0, str(_ROOT))
+
+import streamlit as st  # noqa: E402
+
+from app import state  # noqa: E402
+
+VIEWS = Path(__file__).resolve().parent / "views"
+
+
+def autosave_offer_ui() -> None:
+    rec = st.session_state.get("autosave_offer")
+    if rec is None:
+        return
+    with st.container(border=True):
+        st.info(f"An autosaved plan exists: {rec.describe()}. Restore it?")
+        c = st.columns([1, 1, 6])
+        c[0].button("Restore", on_click=state.restore_autosave, type="primary", key="restore_autosave")
+        c[1].button("Dismiss", on_click=state.dismiss_autosave, key="dismiss_autosave")
+
+
+def sidebar_ui() -> None:
+    p, ref = state.plan(), state.model_ref()
+    with st.sidebar:
+        if p is not None and ref is not None:
+            st.markdown(f"**{ref.name}** · {len(p.stages)} stages · N={p.n_members}")
+        st.caption("Localhost only. The plan is autosaved after every edit.")
+
+
+def main() -> None:
+    st.set_page_config(page_title="stagewise", layout="wide")
+    state.init()
+    pages = [
+        st.Page(str(VIEWS / "plan.py"), title="Plan", default=True, url_path="plan"),
+        st.Page(str(VIEWS / "model.py"), title="Model", url_path="model"),
+        st.Page(str(VIEWS / "profile.py"), title="Profile", url_path="profile"),
+        st.Page(str(VIEWS / "export.py"), title="Export", url_path="export"),
+    ]
+    nav = st.navigation(pages, position="top")
+    sidebar_ui()
+    autosave_offer_ui()
+    state.show_flash()
+    nav.run()
+
+
+main()

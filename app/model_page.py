@@ -1,0 +1,118 @@
+"""The Model page: pick a bundled sample or upload a model file / .pt2 archive and member weights; N and input modes."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import streamlit as st
+
+from app import state
+from planner.plan import InputMode
+
+WEIGHT_TYPES = ["safetensors", "pt", "pth", "bin"]
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _open_sample() -> None:
+    path = st.session_state.get("sample_choice")
+    if path:
+        state.open_model(state.ModelRef(path, label=Path(path).name), int(st.session_state.get("n_new", state.DEFAULT_N)))
+
+
+def _open_upload() -> None:
+    up = st.session_state.get("model_upload")
+    if up is None:
+        state.flash("error", "choose a .py model file or a .pt2 archive first")
+        return
+    path = state.save_upload(up.name, up.getvalue())
+    weights = sorted(st.session_state.get("weights_upload") or [], key=lambda f: _natural(f.name))
+    wpaths = tuple(state.save_upload(w.name, w.getvalue()) for w in weights)
+    n = int(st.session_state.get("n_new", state.DEFAULT_N))
+    state.open_model(state.ModelRef(path, wpaths, label=up.name), n)
+
+
+def _set_n() -> None:
+    h = state.history()
+    n = int(st.session_state.get("n_current", 1))
+    if h is None or n == h.present.n_members:
+        return
+    ref = state.model_ref()
+    if ref and ref.weights and n != len(ref.weights):
+        state.flash("error", f"N: {len(ref.weights)} weight files are loaded, so N is {len(ref.weights)}; "
+                             "upload one weight file per member to change it")
+        st.session_state.n_current = h.present.n_members
+        return
+    state.commit(f"N = {n}", h.present.with_n_members(n))
+
+
+def _set_input_mode(name: str) -> None:
+    h = state.history()
+    if h is None:
+        return
+    mode = st.session_state.get(f"input_mode_{name}")
+    result = state.guarded("input mode", lambda: h.present.with_input_modes({name: mode}))
+    if result is not None:
+        state.commit(f"input {name}: {mode}", result)
+
+
+def source_ui() -> None:
+    st.subheader("Open a model")
+    samples = state.sample_paths()
+    tab_sample, tab_upload = st.tabs(["Bundled sample", "Upload"])
+    with tab_sample:
+        if samples:
+            st.selectbox("Sample model", samples, key="sample_choice", format_func=lambda p: Path(p).name)
+            st.button("Open sample", on_click=_open_sample, type="primary")
+        else:
+            st.info("No bundled samples found in sample_models/.")
+    with tab_upload:
+        st.warning("Uploading a model file **runs its code** on this machine (build_model(), example_inputs()). "
+                   "Only upload files you trust. The app listens on 127.0.0.1 only, so nobody else can upload.")
+        st.file_uploader("Model file (.py with build_model() and example_inputs()) or torch.export archive (.pt2)",
+                         type=["py", "pt2"], key="model_upload")
+        st.file_uploader("Member weights (optional): one .safetensors or state_dict file per member, "
+                         "assigned in file-name order; N becomes the number of files",
+                         type=WEIGHT_TYPES, accept_multiple_files=True, key="weights_upload")
+        st.button("Load uploaded model", on_click=_open_upload, type="primary")
+    st.number_input("Members N for the model you open", min_value=1, max_value=4096, value=state.DEFAULT_N, key="n_new")
+
+
+def current_ui() -> None:
+    h, ref = state.history(), state.model_ref()
+    if h is None or ref is None:
+        st.info("No model loaded yet.")
+        return
+    loaded = state.current()
+    g, plan = loaded.graph, h.present
+    st.subheader(f"Current model: {ref.name}")
+    st.caption(f"{ref.path}" + (f" · {len(ref.weights)} weight files" if ref.weights else ""))
+    c = st.columns(4)
+    c[0].metric("tracer", g.tracer)
+    c[1].metric("nodes", len(loaded.data.nodes))
+    c[2].metric("stages", len(plan.stages))
+    c[3].metric("fingerprint", plan.fingerprint[:10])
+    if g.tracer_note:
+        st.caption(f"tracer note: {g.tracer_note}")
+    if st.session_state.get("n_current") != plan.n_members:
+        st.session_state.n_current = plan.n_members
+    st.number_input("Members N", min_value=1, max_value=4096, key="n_current", on_change=_set_n,
+                    disabled=bool(ref.weights), help="Stages do not depend on N; changing it is one undoable edit")
+    st.markdown("**Inputs**: *shared* = every member sees the same tensor; *per_member* = the tensor has a leading [N, ...] axis")
+    for spec in plan.inputs:
+        key = f"input_mode_{spec.name}"
+        if st.session_state.get(key) != spec.mode.value:
+            st.session_state[key] = spec.mode.value
+        st.radio(spec.name, [m.value for m in InputMode], key=key, horizontal=True, on_change=_set_input_mode,
+                 args=(spec.name,))
+
+
+def model_page() -> None:
+    st.header("Model")
+    left, right = st.columns(2)
+    with left:
+        source_ui()
+    with right:
+        current_ui()

@@ -1,0 +1,242 @@
+"""The Plan page: the stage-coloured graph, selection, edit buttons, undo/redo, stage table, Graphviz view."""
+from __future__ import annotations
+
+from functools import partial
+
+import pandas as pd
+import streamlit as st
+
+from app import actions, state
+from app import graph_view as gv
+from app.dot_view import plan_dot
+from app.history import History
+from app.profile_view import stage_times
+from planner.plan import Plan, StageMode, Strategy
+
+EDITS = {
+    "merge": lambda p, g, sel, whole: actions.merge_selected(p, g, sel),
+    "split": lambda p, g, sel, whole: actions.split_selected(p, g, sel),
+    "exclude": lambda p, g, sel, whole: actions.exclude_selected(p, g, sel, whole),
+    "include": lambda p, g, sel, whole: actions.include_selected(p, g, sel),
+}
+
+
+# -- callbacks (run before the rerun, so the whole page shows their result) ------------------
+
+
+def _edit(kind: str) -> None:
+    h, m = state.history(), state.current()
+    if h is None or m is None:
+        return
+    sel = list(st.session_state.get("selection", []))
+    whole = st.session_state.get("edit_scope", "whole stages") == "whole stages"
+    result = state.guarded(kind, lambda: EDITS[kind](h.present, m.graph, sel, whole))
+    if result is not None:
+        state.commit(*result)
+
+
+def _set_strategy() -> None:
+    h, m = state.history(), state.current()
+    if h is None or m is None:
+        return
+    chunk = int(st.session_state.get("chunk_size") or 0) or None
+    strategy = st.session_state.get("strategy", Strategy.VMAP.value)
+    sel = list(st.session_state.get("selection", []))
+    result = state.guarded("strategy", lambda: actions.set_options_selected(h.present, m.graph, sel, strategy, chunk))
+    if result is not None:
+        state.commit(*result)
+
+
+def _step(kind: str) -> None:
+    h = state.history()
+    if h is None:
+        return
+    label = h.entries[h.cursor][0]
+    if kind == "undo" and h.can_undo:
+        h.undo()
+        state.flash("info", f"undid: {label}")
+    elif kind == "redo" and h.can_redo:
+        h.redo()
+        state.flash("info", f"redid: {h.entries[h.cursor][0]}")
+    elif kind == "reset":
+        h.reset()
+        state.flash("info", "reset to the proposed plan (undo brings your edits back)")
+    else:
+        return
+    st.session_state.selection = []
+    state.bump_view()
+    state.save_autosave()
+
+
+def _chart_selected(key: str, collapsed: tuple[str, ...]) -> None:
+    ref = state.model_ref()
+    if ref is None:
+        return
+    view, _ = state.view_and_layout(ref, collapsed)
+    st.session_state.selection = gv.selection_from_event(st.session_state.get(key), view)
+
+
+def _table_selected(key: str, stage_ids: tuple[str, ...]) -> None:
+    event = st.session_state.get(key) or {}
+    rows = (event.get("selection") or {}).get("rows", [])
+    st.session_state.selection = [stage_ids[r] for r in rows if r < len(stage_ids)]
+
+
+def _select_matches(matches: tuple[str, ...]) -> None:
+    st.session_state.selection = list(matches)
+
+
+def _collapse_top(paths: tuple[str, ...]) -> None:
+    st.session_state.collapsed = list(paths)
+
+
+# -- widgets ------------------------------------------------------------------------------------
+
+
+def summary_ui(plan: Plan, loaded: state.Loaded, ref: state.ModelRef) -> None:
+    batched = sum(s.mode == StageMode.BATCHED for s in plan.stages)
+    c = st.columns(5)
+    c[0].metric("model", ref.name)
+    c[1].metric("stages", len(plan.stages))
+    c[2].metric("batched / excluded", f"{batched} / {len(plan.stages) - batched}")
+    c[3].metric("nodes", len(loaded.data.nodes))
+    c[4].metric("members N", plan.n_members)
+
+
+def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str]]:
+    """Module collapse and search; returns (collapsed module paths, search hits)."""
+    modules = data.module_paths()
+    st.session_state.collapsed = [m for m in st.session_state.get("collapsed", []) if m in modules]
+    c1, c2, c3 = st.columns([3, 2, 1], vertical_alignment="bottom")
+    collapsed = c1.multiselect("Collapse modules into one box", modules, key="collapsed",
+                               help="Pick nn.Module paths; their nodes are drawn as one square. Selecting the box selects all its nodes.")
+    query = c2.text_input("Search nodes", key="search", placeholder="name, op target or module path")
+    hits = gv.search(data, query)
+    c3.button(f"Select {len(hits)} hits", disabled=not hits, on_click=_select_matches, args=(tuple(hits),),
+              width="stretch")
+    top = tuple(m for m in modules if "." not in m)
+    if top and len(data.nodes) > 60:
+        st.button("Collapse all top-level modules", on_click=_collapse_top, args=(top,))
+    return collapsed, hits
+
+
+def selection_ui(plan: Plan, data: gv.GraphData) -> list[str]:
+    """The selection as a multiselect of stage ids and node names (mirrors clicks in the graph)."""
+    stage_of = {n: s.id for s in plan.stages for n in s.nodes}
+    options = [s.id for s in plan.stages] + [n.name for n in data.nodes if n.name not in {s.id for s in plan.stages}]
+    valid = set(options)
+    st.session_state.selection = [x for x in st.session_state.get("selection", []) if x in valid]
+    sizes = {s.id: len(s.nodes) for s in plan.stages}
+
+    def label(x: str) -> str:
+        if x in sizes:
+            return f"{x} (stage, {sizes[x]} nodes)"
+        return f"{x} ({stage_of.get(x, 'input/output')})"
+
+    return st.multiselect("Selection: click or box/lasso-select nodes in the graph, or pick stages and nodes here",
+                          options, key="selection", format_func=label)
+
+
+def actions_ui(plan: Plan, selection: list[str]) -> None:
+    touched = actions.stages_touched(plan, selection)
+    h = state.history()
+    c = st.columns([1, 1, 1, 1, 0.2, 1, 1, 1])
+    c[0].button("Merge", on_click=_edit, args=("merge",), disabled=len(touched) < 2, width="stretch",
+                help="Merge every stage the selection touches into one")
+    c[1].button("Split", on_click=_edit, args=("split",), disabled=not selection, width="stretch",
+                help="One node: split its stage before it. Several nodes of one stage: carve them out")
+    c[2].button("Exclude", on_click=_edit, args=("exclude",), disabled=not selection, width="stretch",
+                help="Run as a loop over members instead of batched")
+    c[3].button("Include", on_click=_edit, args=("include",), disabled=not selection, width="stretch",
+                help="Batch an excluded stage again")
+    c[5].button("Undo", on_click=_step, args=("undo",), disabled=not (h and h.can_undo), width="stretch")
+    c[6].button("Redo", on_click=_step, args=("redo",), disabled=not (h and h.can_redo), width="stretch")
+    c[7].button("Reset", on_click=_step, args=("reset",), width="stretch", help="Back to the proposed plan")
+    o = st.columns([2, 2, 1.2, 1.2], vertical_alignment="bottom")
+    o[0].radio("Exclude acts on", ["whole stages", "selected nodes only"], key="edit_scope", horizontal=True)
+    o[1].selectbox("Strategy", [s.value for s in Strategy], key="strategy",
+                   help="vmap is what the executor runs today; other strategies come with the profiler/autotuner")
+    o[2].number_input("chunk size (0 = all)", min_value=0, step=1, key="chunk_size")
+    o[3].button("Set strategy", on_click=_set_strategy, disabled=not touched, width="stretch")
+
+
+def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: list[str], hits: list[str],
+             selection: list[str]) -> None:
+    view, pos = state.view_and_layout(ref, collapsed)
+    expanded_sel = set(view.expand(selection)) | set(selection)
+    for s in plan.stages:
+        if s.id in expanded_sel:
+            expanded_sel |= set(s.nodes)
+    times = stage_times(plan.profile) if st.session_state.get("color_by_time") and plan.profile else None
+    fig = gv.build_figure(data, view, pos, plan, gv.FigureOptions(
+        selected=frozenset(expanded_sel), highlighted=frozenset(hits), stage_times=times))
+    key = f"chart_{st.session_state.get('view_version', 0)}_{abs(hash(tuple(sorted(collapsed)))) % 10**8}"
+    st.plotly_chart(fig, key=key, on_select=partial(_chart_selected, key, tuple(sorted(collapsed))),
+                    selection_mode=("points", "box", "lasso"), config={"displaylogo": False, "scrollZoom": True})
+    st.caption("Top to bottom = data flow. Colour = stage; grey squares with a cross = excluded (member loop); "
+               "red outline = node that cannot be batched (hover for why); black outline = selected.")
+
+
+def stage_rows(plan: Plan, data: gv.GraphData) -> pd.DataFrame:
+    times = stage_times(plan.profile) if plan.profile else {}
+    rows = []
+    for s in plan.stages:
+        infos = [data.node(n) for n in s.nodes if n in data._index()]
+        rows.append({
+            "stage": s.id, "mode": s.mode.value, "strategy": s.options.strategy.value,
+            "chunk": s.options.chunk_size, "nodes": len(s.nodes),
+            "params": sum(i.params for i in infos), "FLOPs": sum(i.flops for i in infos),
+            "last ms": times.get(s.id), "first nodes": ", ".join(s.nodes[:3]) + (" …" if len(s.nodes) > 3 else ""),
+            "reason": s.reason,
+        })
+    return pd.DataFrame(rows)
+
+
+def stage_table_ui(plan: Plan, data: gv.GraphData) -> None:
+    st.subheader("Stages")
+    key = f"table_{st.session_state.get('view_version', 0)}"
+    st.dataframe(stage_rows(plan, data), hide_index=True, key=key, on_select=partial(_table_selected, key, tuple(s.id for s in plan.stages)),
+                 selection_mode="multi-row", width="stretch",
+                 column_config={"params": st.column_config.NumberColumn(format="compact"),
+                                "FLOPs": st.column_config.NumberColumn(format="compact")})
+    if plan.profile:
+        st.toggle("Colour the graph by measured stage time", key="color_by_time")
+
+
+def history_ui(h: History) -> None:
+    with st.expander(f"Edit history ({h.cursor} of {len(h.entries) - 1} edits applied)"):
+        for i, label in enumerate(h.labels()):
+            mark = "▶" if i == h.cursor else ("·" if i < h.cursor else "↷")
+            st.text(f"{mark} {i}: {label}")
+
+
+def graphviz_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: list[str]) -> None:
+    if not st.toggle("Static Graphviz view", key="show_dot"):
+        return
+    view, _ = state.view_and_layout(ref, collapsed)
+    dot = plan_dot(data, view, plan)
+    st.graphviz_chart(dot, width="stretch")
+    st.download_button("Download .dot", dot, file_name=f"{plan.model or 'plan'}.dot".replace("/", "_"), mime="text/vnd.graphviz")
+
+
+def plan_page() -> None:
+    st.header("Plan")
+    h, ref = state.history(), state.model_ref()
+    if h is None or ref is None:
+        st.info("No model is loaded. Open one on the Model page.")
+        return
+    loaded = state.current()
+    plan = h.present
+    summary_ui(plan, loaded, ref)
+    if loaded.graph.tracer != "fx":
+        st.caption(f"Traced with torch.export: {loaded.graph.tracer_note}")
+    collapsed, hits = view_options_ui(loaded.data)
+    selection = selection_ui(plan, loaded.data)
+    actions_ui(plan, selection)
+    left, right = st.columns([3, 2])
+    with left:
+        graph_ui(loaded.data, plan, ref, collapsed, hits, selection)
+    with right:
+        stage_table_ui(plan, loaded.data)
+        history_ui(h)
+    graphviz_ui(loaded.data, plan, ref, collapsed)

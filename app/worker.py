@@ -1,0 +1,87 @@
+"""Runs executor.profile / executor.verify in a separate process: `python -m app.worker JOB_DIR`.
+
+JOB_DIR/request.json says what to run; the worker appends progress lines to
+JOB_DIR/progress.jsonl and writes JOB_DIR/result.json at the end. A crash, a
+CUDA OOM or a hang here cannot take the Streamlit server (or the plan) down:
+the app only reads these files. No streamlit here.
+
+request.json: {"task": "profile"|"verify", "model_path": str, "weights": [str],
+               "plan": Plan.to_json(), "device": "cpu"|"cuda", "ns": [int, ...]}
+result.json:  {"ok": bool, "error": str|None, "reports": [{"n": int, "report": dict, "text": str}]}
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+class Progress:
+    """Appends {"t", "fraction", "message"} lines that the app polls."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, message: str, fraction: float | None = None) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"t": time.time(), "fraction": fraction, "message": str(message)}) + "\n")
+
+
+def run(job_dir: Path) -> dict:
+    import executor
+    import planner
+
+    req = json.loads((job_dir / "request.json").read_text())
+    progress = Progress(job_dir / "progress.jsonl")
+    progress("loading the model", 0.0)
+    src = planner.load_source(req["model_path"], req.get("weights") or None)
+    plan = planner.Plan.from_json(req["plan"], source="the app's plan")
+    ns = [int(n) for n in (req.get("ns") or [plan.n_members])]
+    reports = []
+    for i, n in enumerate(ns):
+        p = plan.with_n_members(n)
+        progress(f"{req['task']} N={n} ({i + 1}/{len(ns)})", i / len(ns))
+        members = src.members(n)
+        inputs = executor.batched_inputs(p, src.example_inputs)
+        if req["task"] == "verify":
+            rep = executor.verify(p, members, inputs, device=req.get("device"))
+        else:
+            fn = executor.profile
+            kwargs: dict[str, Any] = {"device": req.get("device", "cpu")}
+            params = inspect.signature(fn).parameters
+            if "progress" in params:
+                kwargs["progress"] = lambda msg, frac=None, _i=i: progress(
+                    f"N={n}: {msg}", (_i + (frac or 0.0)) / len(ns))
+            rep = fn(p, members, inputs, **kwargs)
+        reports.append({"n": n, "report": rep.to_json(), "text": rep.to_text() if hasattr(rep, "to_text") else ""})
+    progress("done", 1.0)
+    return {"ok": True, "error": None, "reports": reports}
+
+
+def main(argv: list[str]) -> int:
+    job_dir = Path(argv[0])
+    from planner.errors import StagewiseError
+
+    try:
+        result = run(job_dir)
+    except StagewiseError as e:
+        result = {"ok": False, "error": str(e), "reports": []}
+    except Exception as e:  # report anything else to the app instead of dying silently
+        import traceback
+
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(), "reports": []}
+    _write_json(job_dir / "result.json", result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""Small stand-ins for planner objects, so layout/figure/history tests need no torch tracing."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from planner.plan import InputSpec, Plan, Stage, StageMode
+
+
+@dataclass
+class FakeGraph:
+    dag: nx.DiGraph
+    node_names: list[str]
+    fingerprint: str = "fake"
+    tracer: str = "fx"
+    tracer_note: str = ""
+    input_names: list[str] = field(default_factory=lambda: ["x"])
+
+
+def _attrs(name: str, op: str = "call_module", module_path: str = "", batchable: bool = True, reason: str = "") -> dict:
+    return dict(op=op, target=name, module_path=module_path, shape="[32, 64]", dtype="float32",
+                params=100, flops=1000, batchable=batchable, reason=reason)
+
+
+def residual_graph() -> FakeGraph:
+    """x -> block.fc1 -> block.act -> block.fc2 -> add(x, .) -> item (not batchable) -> out -> output."""
+    g = nx.DiGraph()
+    spec = [
+        ("x", "placeholder", ""), ("block_fc1", "call_module", "block.fc1"), ("block_act", "call_module", "block.act"),
+        ("block_fc2", "call_module", "block.fc2"), ("add", "call_function", ""), ("item", "call_method", ""),
+        ("out", "call_module", "head"), ("output", "output", ""),
+    ]
+    for name, op, mp in spec:
+        g.add_node(name, **_attrs(name, op, mp, batchable=name != "item", reason="calls .item()" if name == "item" else ""))
+    for u, v in [("x", "block_fc1"), ("block_fc1", "block_act"), ("block_act", "block_fc2"), ("block_fc2", "add"),
+                 ("x", "add"), ("add", "item"), ("item", "out"), ("add", "out"), ("out", "output")]:
+        g.add_edge(u, v)
+    return FakeGraph(g, [n for n, _, _ in spec])
+
+
+def residual_plan() -> Plan:
+    return Plan(
+        fingerprint="fake", tracer="fx", n_members=4, inputs=(InputSpec("x"),),
+        stages=(
+            Stage("s0", ("block_fc1", "block_act", "block_fc2", "add")),
+            Stage("s1", ("item",), StageMode.EXCLUDED, reason="calls .item()"),
+            Stage("s2", ("out",)),
+        ),
+    )
+
+
+def random_dag(n: int, seed: int = 0) -> FakeGraph:
+    """A layered random DAG of n nodes resembling a deep model (a chain with skips and branches)."""
+    import random
+
+    rng = random.Random(seed)
+    g = nx.DiGraph()
+    names = [f"n{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        g.add_node(name, **_attrs(name, "call_function", f"layers.{i // 20}.sub{(i // 5) % 4}"))
+        if i:
+            g.add_edge(names[i - 1], name)
+        if i > 3 and rng.random() < 0.3:
+            g.add_edge(names[rng.randrange(max(0, i - 12), i - 1)], name)
+    return FakeGraph(g, names, fingerprint=f"random{n}")

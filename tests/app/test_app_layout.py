@@ -1,0 +1,108 @@
+"""Layout, collapse, search and figure building on small fakes (no streamlit, no tracing)."""
+from __future__ import annotations
+
+import time
+
+from app_fakes import random_dag, residual_graph, residual_plan
+
+from app import graph_view as gv
+from app.dot_view import plan_dot
+from app.layout import layered_layout, layers_of
+
+
+def test_layers_follow_edges_top_to_bottom():
+    data = gv.graph_data(residual_graph())
+    pos = layered_layout([n.name for n in data.nodes], data.edges)
+    for u, v in data.edges:
+        assert pos[u][1] > pos[v][1], f"{u} should be drawn above {v}"
+    assert pos["x"][1] == 0
+
+
+def test_nodes_of_a_layer_are_spaced():
+    g = random_dag(300, seed=3)
+    data = gv.graph_data(g)
+    pos = layered_layout([n.name for n in data.nodes], data.edges)
+    by_y: dict[float, list[float]] = {}
+    for x, y in pos.values():
+        by_y.setdefault(y, []).append(x)
+    for xs in by_y.values():
+        xs.sort()
+        assert all(b - a >= 0.999 for a, b in zip(xs, xs[1:]))
+
+
+def test_cyclic_view_still_gets_layers():
+    layers = layers_of(["a", "b", "c"], [("a", "b"), ("b", "a"), ("b", "c")])
+    assert sorted(map(sorted, layers)) == [["a", "b"], ["c"]]
+
+
+def test_collapse_contracts_module_and_expands_back():
+    data = gv.graph_data(residual_graph())
+    view = gv.collapse(data, ["block", "block.fc1"])  # nested choice folds into the outer one
+    assert "module:block" in view.ids and "block_fc1" not in view.ids
+    assert view.expand(["module:block"]) == ["block_fc1", "block_act", "block_fc2"]
+    assert ("x", "module:block") in view.edges and ("module:block", "add") in view.edges
+    assert data.module_paths() == ["block", "head", "block.act", "block.fc1", "block.fc2"]
+
+
+def test_search_matches_name_target_and_module():
+    data = gv.graph_data(residual_graph())
+    assert gv.search(data, "FC") == ["block_fc1", "block_fc2"]
+    assert gv.search(data, "head") == ["out"]
+    assert gv.search(data, "  ") == []
+
+
+def test_figure_has_a_trace_per_stage_with_node_ids_in_customdata():
+    data, plan = gv.graph_data(residual_graph()), residual_plan()
+    view = gv.collapse(data)
+    fig = gv.build_figure(data, view, gv.view_layout(view), plan, gv.FigureOptions(selected=frozenset({"add"})))
+    names = [t.name for t in fig.data]
+    assert names[1:] == ["s0 · batched · 4 nodes", "s1 · excluded · 1 nodes", "s2 · batched · 1 nodes", "inputs / outputs"]
+    ids = [c for t in fig.data[1:] for c in t.customdata]
+    assert sorted(ids) == sorted(view.ids)
+    excluded = fig.data[2]
+    assert excluded.marker.color == gv.EXCLUDED_FILL and excluded.marker.symbol[0] == "square-x"
+    assert "not batchable</b>: calls .item()" in excluded.hovertext[0]
+    s0 = fig.data[1]
+    assert list(s0.marker.line.width)[list(s0.customdata).index("add")] == 4  # selected outline
+
+
+def test_figure_colours_by_measured_time():
+    data, plan = gv.graph_data(residual_graph()), residual_plan()
+    view = gv.collapse(data)
+    fig = gv.build_figure(data, view, gv.view_layout(view), plan, gv.FigureOptions(stage_times={"s0": 2.0, "s1": 5.0}))
+    assert fig.data[2].name == "s1: 5 ms" and fig.data[3].name == "s2: not measured"
+
+
+def test_selection_event_maps_points_to_nodes():
+    data = gv.graph_data(residual_graph())
+    view = gv.collapse(data, ["block"])
+    event = {"selection": {"points": [{"customdata": "module:block"}, {"customdata": ["add"]}, {"x": 1}]}}
+    assert gv.selection_from_event(event, view) == ["block_fc1", "block_act", "block_fc2", "add"]
+    assert gv.selection_from_event(None, view) == []
+
+
+def test_thousand_node_graph_lays_out_and_draws_fast():
+    from planner.plan import Plan, Stage, InputSpec
+
+    g = random_dag(1000)
+    data = gv.graph_data(g)
+    names = [n.name for n in data.nodes]
+    plan = Plan("random1000", "fx", 4, (InputSpec("x"),),
+                tuple(Stage(f"s{i}", tuple(names[j:j + 10])) for i, j in enumerate(range(0, 1000, 10))))
+    t0 = time.perf_counter()
+    view = gv.collapse(data)
+    pos = gv.view_layout(view)
+    t1 = time.perf_counter()
+    fig = gv.build_figure(data, view, pos, plan, gv.FigureOptions(selected=frozenset(names[:5])))
+    fig.to_json()
+    t2 = time.perf_counter()
+    assert t1 - t0 < 3.0, f"layout took {t1 - t0:.2f}s"
+    assert t2 - t1 < 3.0, f"figure after layout took {t2 - t1:.2f}s"
+
+
+def test_dot_has_a_cluster_per_stage_and_dashed_excluded():
+    data, plan = gv.graph_data(residual_graph()), residual_plan()
+    dot = plan_dot(data, gv.collapse(data), plan)
+    assert dot.count("subgraph cluster_") == 3
+    assert "rankdir=TB" in dot and "dashed" in dot
+    assert '"block_fc1" -> "block_act"' in dot or "block_fc1 -> block_act" in dot
