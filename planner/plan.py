@@ -54,6 +54,8 @@ class StageOptions:
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "StageOptions":
+        if not isinstance(d, Mapping):
+            raise PlanFileError(f"stage options must be a JSON object, got {d!r}")
         try:
             strategy = Strategy(d.get("strategy", "vmap"))
         except ValueError:
@@ -86,6 +88,8 @@ class Stage:
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "Stage":
+        if not isinstance(d, Mapping):
+            raise PlanFileError(f"each stage must be a JSON object with id and nodes, got {d!r}")
         try:
             mode = StageMode(d.get("mode", "batched"))
         except ValueError:
@@ -127,7 +131,7 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_members, int) or self.n_members < 1:
+        if isinstance(self.n_members, bool) or not isinstance(self.n_members, int) or self.n_members < 1:
             raise StagewiseError(f"n_members must be an integer >= 1, got {self.n_members!r}; pass -n 1 or more")
 
     # -- lookups -------------------------------------------------------------
@@ -204,10 +208,12 @@ class Plan:
         missing = [k for k in ("fingerprint", "tracer", "n_members", "inputs", "stages") if k not in d]
         if missing:
             raise PlanFileError(f"{source}: missing keys {missing}; re-create the plan with `stagewise plan`")
+        if not isinstance(d["inputs"], list) or not isinstance(d["stages"], list):
+            raise PlanFileError(f"{source}: 'inputs' and 'stages' must be JSON lists; re-create the plan with `stagewise plan`")
         try:
             inputs = tuple(InputSpec(str(i["name"]), InputMode(i.get("mode", "shared"))) for i in d["inputs"])
             stages = tuple(Stage.from_json(s) for s in d["stages"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, StagewiseError):
                 raise
             raise PlanFileError(f"{source}: malformed inputs or stages ({e!r}); re-create the plan with `stagewise plan`") from None
@@ -215,7 +221,7 @@ class Plan:
         if len(set(ids)) != len(ids):
             raise PlanFileError(f"{source}: duplicate stage ids {sorted({i for i in ids if ids.count(i) > 1})}")
         n = d["n_members"]
-        if not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanFileError(f"{source}: n_members must be an integer >= 1, got {n!r}")
         return Plan(
             fingerprint=str(d["fingerprint"]),
