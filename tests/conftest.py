@@ -1,0 +1,85 @@
+"""Shared fixtures for the spine's tests.
+
+Tracing a sample takes 0.02-1.5 s, so each sample is loaded and traced once per
+test session (`sample("mlp") -> (src, graph)`). Tests must treat the cached
+ModelGraph as read-only (edits are pure, so they never touch it).
+
+Tiers: everything runs on CPU; `@pytest.mark.gpu` tests skip without CUDA.
+"""
+from __future__ import annotations
+
+import functools
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import planner
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES_DIR = ROOT / "sample_models"
+SAMPLE_NAMES = sorted(p.stem for p in SAMPLES_DIR.glob("*.py") if p.stem != "__init__")
+EXPORT_SAMPLES = {"shape_loop"}  # fx cannot trace these; torch.export does
+
+# hypothesis: modest example counts and no deadline (tracing and vmap are slow and jittery)
+settings.register_profile(
+    "stagewise", max_examples=20, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("thorough", parent=settings.get_profile("stagewise"), max_examples=200, derandomize=False)
+settings.load_profile("stagewise")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@functools.lru_cache(maxsize=None)
+def load_sample(name: str) -> tuple[planner.ModelSource, planner.ModelGraph]:
+    """(source, graph) for sample_models/<name>.py, traced once per session."""
+    src = planner.load_model_file(SAMPLES_DIR / f"{name}.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # export and vmap-fallback warnings are expected here
+        graph = planner.trace(src.model, src.example_inputs)
+    return src, graph
+
+
+@pytest.fixture(scope="session")
+def sample():
+    """The cached loader: `src, graph = sample("mlp")`."""
+    return load_sample
+
+
+@pytest.fixture
+def write_model(tmp_path):
+    """Write a model file from source text (dedented) and return its path."""
+
+    def write(text: str, name: str = "model.py") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
+
+
+TINY_MODEL = '''
+"""A tiny model file used by tests."""
+import torch
+import torch.nn as nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+def example_inputs():
+    return (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),)
+'''
