@@ -1,0 +1,167 @@
+"""Model sources: the model-file contract, members, and errors naming the file."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner import MemberError, ModelLoadError
+from conftest import SAMPLE_NAMES, SAMPLES_DIR, TINY_MODEL
+
+
+def states_equal(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_samples_load(sample, name):
+    src, _ = sample(name)
+    assert src.name == name
+    assert src.path == SAMPLES_DIR / f"{name}.py"
+    assert isinstance(src.model, nn.Module)
+    assert isinstance(src.example_inputs, tuple) and src.example_inputs
+    members = src.members(2)
+    assert len(members) == 2 and all(type(m) is type(src.model) for m in members)
+
+
+def test_default_members_differ_and_are_reproducible(write_model):
+    src = planner.load_model_file(write_model(TINY_MODEL))
+    a, b = src.members(3), src.members(3)
+    assert not states_equal(a[0], a[1]) and not states_equal(a[1], a[2])
+    assert all(states_equal(x, y) for x, y in zip(a, b))
+
+
+def test_members_leave_the_global_rng_alone(write_model):
+    src = planner.load_model_file(write_model(TINY_MODEL))
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    src.members(4)
+    assert torch.equal(torch.rand(3), want)
+
+
+def test_build_members_is_used_when_defined(write_model):
+    path = write_model(TINY_MODEL + '''
+calls = []
+
+def build_members(n):
+    calls.append(n)
+    out = []
+    for i in range(n):
+        m = build_model()
+        torch.nn.init.constant_(m[0].weight, float(i))
+        out.append(m)
+    return out
+''')
+    members = planner.load_model_file(path).members(3)
+    assert [m[0].weight.flatten()[0].item() for m in members] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, "3"])
+def test_members_refuses_bad_counts(write_model, n):
+    src = planner.load_model_file(write_model(TINY_MODEL))
+    with pytest.raises(MemberError, match="integer >= 1"):
+        src.members(n)
+
+
+def test_build_members_wrong_count(write_model):
+    path = write_model(TINY_MODEL + "\ndef build_members(n):\n    return [build_model()]\n")
+    with pytest.raises(MemberError, match=r"build_members\(3\) returned 1 modules"):
+        planner.load_model_file(path).members(3)
+
+
+def test_build_members_not_modules(write_model):
+    path = write_model(TINY_MODEL + "\ndef build_members(n):\n    return [1] * n\n")
+    with pytest.raises(ModelLoadError, match=r"build_members\(2\) must return a list of nn.Module"):
+        planner.load_model_file(path).members(2)
+
+
+def test_example_inputs_may_be_a_single_tensor(write_model):
+    path = write_model(TINY_MODEL.replace("return (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),)",
+                                          "return torch.randn(3, 4)"))
+    src = planner.load_model_file(path)
+    assert isinstance(src.example_inputs, tuple) and src.example_inputs[0].shape == (3, 4)
+
+
+BROKEN_FILES = {
+    "no example_inputs": ("import torch.nn as nn\ndef build_model():\n    return nn.Linear(2, 2)\n",
+                          r"model.py defines no example_inputs\(\)"),
+    "no build_model": ("import torch\ndef example_inputs():\n    return (torch.zeros(2),)\n",
+                       r"model.py defines no build_model\(\)"),
+    "syntax error": ("def build_model(:\n    pass\n", r"model.py has a syntax error at line 1"),
+    "import fails": ("import torch\nraise RuntimeError('no GPU here')\n", r"model.py failed to import: RuntimeError: no GPU here \(line 2\)"),
+    "missing package": ("import not_a_real_package_xyz\n", r"model.py failed to import: ModuleNotFoundError"),
+    "build_model raises": (TINY_MODEL.replace("return nn.Sequential", "raise ValueError('bad width')\n    return nn.Sequential"),
+                           r"build_model\(\) raised ValueError: bad width"),
+    "build_model not a module": ("import torch\ndef build_model():\n    return 3\ndef example_inputs():\n    return (torch.zeros(2),)\n",
+                                 r"build_model\(\) returned int, not an nn.Module"),
+    "example_inputs raises": (TINY_MODEL.replace("return (torch.randn", "1 / 0\n    return (torch.randn"),
+                              r"example_inputs\(\) raised ZeroDivisionError"),
+    "example_inputs a dict": (TINY_MODEL.replace("return (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),)",
+                                                 "return {'x': torch.zeros(3, 4)}"),
+                              r"example_inputs\(\) must return a tuple of inputs, got dict"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_FILES))
+def test_broken_model_files(write_model, case):
+    text, message = BROKEN_FILES[case]
+    with pytest.raises(ModelLoadError, match=message):
+        planner.load_model_file(write_model(text))
+
+
+def test_missing_model_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="model file .*nope.py does not exist"):
+        planner.load_model_file(tmp_path / "nope.py")
+
+
+def test_failed_import_leaves_no_module_behind(write_model):
+    import sys
+
+    before = set(sys.modules)
+    with pytest.raises(ModelLoadError):
+        planner.load_model_file(write_model("raise RuntimeError('x')\n"))
+    assert not [m for m in set(sys.modules) - before if m.startswith("_stagewise_model_")]
+
+
+def test_same_stem_in_two_folders_does_not_clash(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "model.py").write_text(TINY_MODEL)
+    (b / "model.py").write_text(TINY_MODEL.replace("nn.Linear(8, 2)", "nn.Linear(8, 5)"))
+    src_a, src_b = planner.load_model_file(a / "model.py"), planner.load_model_file(b / "model.py")
+    x = src_a.example_inputs[0]
+    assert src_a.model(x).shape == (3, 2) and src_b.model(x).shape == (3, 5)
+    assert src_a.members(1)[0](x).shape == (3, 2)  # members come from their own file
+
+
+def test_load_source_dispatches_by_suffix(tmp_path, write_model):
+    assert planner.load_source(write_model(TINY_MODEL)).name == "model"
+    other = tmp_path / "model.onnx"
+    other.write_text("x")
+    with pytest.raises(ModelLoadError, match=r"unknown model format '.onnx'"):
+        planner.load_source(other)
+
+
+def test_bad_export_archives(tmp_path):
+    with pytest.raises(ModelLoadError, match="export archive .*missing.pt2 does not exist"):
+        planner.load_source(tmp_path / "missing.pt2")
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a zip file")
+    with pytest.raises(ModelLoadError, match="junk.pt2 is not a torch.export archive"):
+        planner.load_source(junk)
+
+
+def test_read_state_dict_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="weight file .*w.pt does not exist"):
+        planner.read_state_dict(tmp_path / "w.pt")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00\x01garbage")
+    with pytest.raises(ModelLoadError, match="junk.safetensors could not be read"):
+        planner.read_state_dict(junk)
+    not_a_dict = tmp_path / "list.pt"
+    torch.save([torch.zeros(2)], not_a_dict)
+    with pytest.raises(ModelLoadError, match="list.pt does not hold a state_dict"):
+        planner.read_state_dict(not_a_dict)
