@@ -227,12 +227,12 @@ def describe_shape(value: Any) -> str:
     """A short readable shape: tensors as [a, b], containers recursively, scalars by type."""
     if isinstance(value, torch.Tensor):
         return str(list(value.shape))
+    if isinstance(value, torch.Size):  # before tuple: Size is a tuple subclass
+        return f"Size{list(value)}"
     if isinstance(value, (tuple, list)):
         inner = ", ".join(describe_shape(v) for v in value[:6])
         more = ", ..." if len(value) > 6 else ""
         return f"({inner}{more})"
-    if isinstance(value, torch.Size):
-        return f"Size{list(value)}"
     if value is None:
         return "None"
     return type(value).__name__
