@@ -1,0 +1,155 @@
+"""Proposal: maximal convex batched stages, excluded stages with reasons, golden plans.
+
+Golden files: tests/golden/<sample>.json hold `plan.dumps()` of
+`planner.propose(graph, n_members=8)`. They are compared exactly and rewritten
+only when STAGEWISE_REGEN_GOLDEN=1 is set (then review the diff before committing).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import planner
+from planner import InputMode, PlanMismatchError, StageMode
+from conftest import SAMPLE_NAMES
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+REGEN = os.environ.get("STAGEWISE_REGEN_GOLDEN") == "1"
+
+
+def check_plan_invariants(plan: planner.Plan, graph: planner.ModelGraph) -> None:
+    """The plan invariants, computed here independently of planner.validate."""
+    dag = graph.dag
+    placed = [n for s in plan.stages for n in s.nodes]
+    assert sorted(placed) == sorted(graph.compute_nodes), "every compute node in exactly one stage"
+    assert len(placed) == len(set(placed))
+    assert [s.id for s in plan.stages] == [f"s{i}" for i in range(len(plan.stages))]
+    owner = {n: i for i, s in enumerate(plan.stages) for n in s.nodes}
+    for s in plan.stages:
+        assert list(s.nodes) == sorted(s.nodes, key=graph.topo_index), f"{s.id} nodes out of graph order"
+        inside = set(s.nodes)
+        below = set().union(*(nx.descendants(dag, n) for n in inside)) - inside
+        above = set().union(*(nx.ancestors(dag, n) for n in inside)) - inside
+        assert not (below & above), f"{s.id} is not convex: {sorted(below & above)[:3]} lie between its nodes"
+        if s.mode is StageMode.BATCHED:
+            assert all(dag.nodes[n]["batchable"] for n in s.nodes), f"batched {s.id} holds an unbatchable node"
+            assert s.reason == ""
+        else:
+            assert s.reason, f"excluded {s.id} has no reason"
+    for u, v in dag.edges:  # stage ids are a topological order of the stage graph (so it is acyclic)
+        if u in owner and v in owner:
+            assert owner[u] <= owner[v], f"edge {u}->{v} goes from {plan.stages[owner[u]].id} back to {plan.stages[owner[v]].id}"
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_golden_plan(sample, name):
+    _, graph = sample(name)
+    text = planner.propose(graph, n_members=8).dumps()
+    path = GOLDEN_DIR / f"{name}.json"
+    if REGEN:
+        GOLDEN_DIR.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; run with STAGEWISE_REGEN_GOLDEN=1 to write it, then review it"
+    assert text == path.read_text(), (
+        f"the proposed plan for {name} differs from {path}; if the change is intended, "
+        "regenerate with STAGEWISE_REGEN_GOLDEN=1 and review the diff"
+    )
+
+
+def test_golden_files_match_samples():
+    assert sorted(p.stem for p in GOLDEN_DIR.glob("*.json")) == SAMPLE_NAMES
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_proposal_invariants(sample, name):
+    _, graph = sample(name)
+    plan = planner.propose(graph, n_members=8)
+    check_plan_invariants(plan, graph)
+    assert planner.validate(plan, graph) is plan
+    assert plan.fingerprint == graph.fingerprint and plan.tracer == graph.tracer and plan.n_members == 8
+    assert [i.name for i in plan.inputs] == graph.input_names
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_excluded_stages_are_single_unbatchable_nodes(sample, name):
+    _, graph = sample(name)
+    plan = planner.propose(graph, n_members=2)
+    unbatchable = planner.unbatchable(graph)
+    excluded = {s.nodes[0]: s.reason for s in plan.stages if s.mode is StageMode.EXCLUDED and len(s.nodes) == 1}
+    assert all(s.mode is StageMode.BATCHED or len(s.nodes) == 1 for s in plan.stages)
+    assert excluded == unbatchable
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_batched_stages_are_maximal(sample, name):
+    """No two batched stages of a proposal can be merged (something unbatchable lies between)."""
+    _, graph = sample(name)
+    plan = planner.propose(graph, n_members=2)
+    batched = [s.id for s in plan.stages if s.mode is StageMode.BATCHED]
+    for i, a in enumerate(batched):
+        for b in batched[i + 1:]:
+            with pytest.raises(planner.EditError):
+                planner.merge(plan, graph, a, b)
+
+
+EXPECTED_SHAPE = {  # sample -> modes of the proposed stages
+    "mlp": ["batched"],
+    "deep_mlp": ["batched"],
+    "resblock": ["batched"],
+    "moe": ["batched"],
+    "cnn": ["batched"],
+    "shape_loop": ["batched"],
+    "gru": ["excluded", "batched"],
+    "transformer_block": ["batched", "excluded", "batched"],
+    "data_dependent": ["batched", "excluded", "batched", "excluded", "batched"],
+}
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_stage_modes(sample, name):
+    _, graph = sample(name)
+    assert [s.mode.value for s in planner.propose(graph, 8).stages] == EXPECTED_SHAPE[name]
+
+
+def test_data_dependent_stages(sample):
+    _, graph = sample("data_dependent")
+    plan = planner.propose(graph, 8)
+    assert [s.nodes for s in plan.stages] == [
+        ("fc1", "relu", "abs_1", "max_1"), ("item",), ("add", "truediv", "fc2"), ("sign_branch",), ("fc3",)]
+
+
+def test_parameter_fetches_join_their_consumers(sample):
+    _, graph = sample("shape_loop")
+    plan = planner.propose(graph, 2)
+    assert len(plan.stages) == 1
+    assert {"cell_weight", "cell_bias", "rec_weight"} <= set(plan.stages[0].nodes)
+
+
+def test_proposal_is_deterministic(sample):
+    src, graph = sample("transformer_block")
+    again = planner.trace(src.model, src.example_inputs)
+    assert planner.propose(graph, 4).dumps() == planner.propose(again, 4).dumps()
+
+
+def test_input_modes(sample):
+    _, graph = sample("mlp")
+    assert planner.propose(graph, 2).inputs[0].mode is InputMode.SHARED
+    assert planner.propose(graph, 2, input_mode="per_member").inputs[0].mode is InputMode.PER_MEMBER
+    assert planner.propose(graph, 2, input_mode=InputMode.PER_MEMBER).inputs[0].mode is InputMode.PER_MEMBER
+    assert planner.propose(graph, 2, input_mode={"x": "per_member"}).inputs[0].mode is InputMode.PER_MEMBER
+    assert planner.propose(graph, 2, input_mode={}).inputs[0].mode is InputMode.SHARED
+    with pytest.raises(PlanMismatchError, match=r"unknown inputs \['y'\].*\['x'\]"):
+        planner.propose(graph, 2, input_mode={"y": "shared"})
+    with pytest.raises(PlanMismatchError, match="'sometimes' for 'x' is not one of"):
+        planner.propose(graph, 2, input_mode="sometimes")
+
+
+def test_model_label_and_member_count(sample):
+    _, graph = sample("mlp")
+    plan = planner.propose(graph, 5, model="sample_models/mlp.py")
+    assert plan.model == "sample_models/mlp.py" and plan.n_members == 5
+    with pytest.raises(planner.StagewiseError, match="n_members"):
+        planner.propose(graph, 0)
