@@ -202,6 +202,37 @@ def _module_hover(vid: str, names: Sequence[str], data: GraphData, stage_ids: Se
     return "<br>".join(lines)
 
 
+PLOT_WIDTH_PX = 700  # typical width of the graph column; label fitting assumes it
+CHAR_PX = 6.6  # average width of one 11px label character
+
+
+def fit_labels(view: ViewGraph, pos: Mapping[str, tuple[float, float]]) -> dict[str, str]:
+    """Node labels shortened to the gap before their right-hand neighbour, so labels never overlap.
+
+    Labels sit right of the marker; the gap in plot units is turned into characters
+    with the x range the figure will use. Names cut short end in '…' (hover has the full name).
+    """
+    if not pos:
+        return {}
+    names = {v: v[len(MODULE_PREFIX):] if v.startswith(MODULE_PREFIX) else v for v in view.ids}
+    xs = [p[0] for p in pos.values()]
+    longest = max(len(n) for n in names.values())
+    span = max(xs) - min(xs) + 1.6 + 0.12 * longest
+    px_per_unit = PLOT_WIDTH_PX / span
+    rows: dict[float, list[str]] = {}
+    for v in view.ids:
+        rows.setdefault(round(pos[v][1], 6), []).append(v)
+    out = {}
+    for row in rows.values():
+        row.sort(key=lambda v: pos[v][0])
+        for i, v in enumerate(row):
+            gap_units = (pos[row[i + 1]][0] - pos[v][0]) if i + 1 < len(row) else float("inf")
+            room = 10**6 if gap_units == float("inf") else int((gap_units * px_per_unit - 14) / CHAR_PX)  # 14 px: marker + padding
+            name = names[v]
+            out[v] = name if len(name) <= room else (name[: room - 1] + "…" if room >= 4 else "")
+    return out
+
+
 # -- figure ----------------------------------------------------------------------------------
 
 
@@ -245,6 +276,7 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
         first_stage = stage_of.get(names[0], "?")
         groups.setdefault(first_stage, []).append(vid)
 
+    labels = fit_labels(view, pos) if show_labels else {}
     times = opts.stage_times
     for sid in sorted(groups, key=lambda s: order.get(s, 1 << 30)):
         vids = groups[sid]
@@ -256,12 +288,12 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
             sids = sorted({stage_of.get(n, "?") for n in names}, key=lambda s: order.get(s, 1 << 30))
             if is_module:
                 hovers.append(_module_hover(vid, names, data, sids))
-                texts.append(vid[len(MODULE_PREFIX):])
+                texts.append(labels.get(vid, ""))
             else:
                 info = data.node(vid)
                 label = f"{sid} ({modes[sid].value})" if sid in modes else "none (input/output)"
                 hovers.append(hover_text(info, label))
-                texts.append(vid)
+                texts.append(labels.get(vid, ""))
             sel = any(n in opts.selected for n in names)
             bad = any(not data.node(n).batchable for n in names)
             line_w.append(4 if sel else (2.5 if bad or excluded else 1))
@@ -302,14 +334,13 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
 
     n_layers = len({round(p[1], 6) for p in pos.values()}) or 1
     xs_all = [p[0] for p in pos.values()] or [0.0]
-    # labels sit to the right of markers: leave room so the longest one is not clipped
     longest = max((len(t) for t in view.ids), default=4) if show_labels else 0
     height = opts.height or max(420, min(1400, 44 * n_layers + 80))
     fig = go.Figure(traces)
     fig.update_layout(
-        height=height, margin=dict(l=10, r=10, t=30, b=10), dragmode="select", clickmode="event+select",
+        height=height, margin=dict(l=10, r=10, t=40, b=10),
         hovermode="closest", plot_bgcolor="#ffffff", uirevision=data.fingerprint,
-        legend=dict(title="stages", itemclick=False, itemdoubleclick=False),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.0, itemclick=False, itemdoubleclick=False),
         xaxis=dict(visible=False, range=[min(xs_all) - 0.8, max(xs_all) + 0.8 + 0.12 * longest]),
         yaxis=dict(visible=False, range=[min(p[1] for p in pos.values()) - 0.6 if pos else -1, 0.6]),
     )

@@ -30,14 +30,6 @@ def autosave_offer_ui() -> None:
         c[1].button("Dismiss", on_click=state.dismiss_autosave, key="dismiss_autosave")
 
 
-def sidebar_ui() -> None:
-    p, ref = state.plan(), state.model_ref()
-    with st.sidebar:
-        if p is not None and ref is not None:
-            st.markdown(f"**{ref.name}** · {len(p.stages)} stages · N={p.n_members}")
-        st.caption("Localhost only. The plan is autosaved after every edit.")
-
-
 def main() -> None:
     st.set_page_config(page_title="stagewise", layout="wide")
     state.init()
@@ -48,7 +40,6 @@ def main() -> None:
         st.Page(str(VIEWS / "export.py"), title="Export", url_path="export"),
     ]
     nav = st.navigation(pages, position="top")
-    sidebar_ui()
     autosave_offer_ui()
     state.show_flash()
     nav.run()

@@ -73,7 +73,11 @@ def _chart_selected(key: str, collapsed: tuple[str, ...]) -> None:
     if ref is None:
         return
     view, _ = state.view_and_layout(ref, collapsed)
-    st.session_state.selection = gv.selection_from_event(st.session_state.get(key), view)
+    picked = gv.selection_from_event(st.session_state.get(key), view)
+    # Each redraw resets Plotly's own selection, so clicks add to ours; an empty
+    # event (double-click on the chart) clears it.
+    current = list(st.session_state.get("selection", []))
+    st.session_state.selection = list(dict.fromkeys(current + picked)) if picked else []
 
 
 def _table_selected(key: str, stage_ids: tuple[str, ...]) -> None:
@@ -95,12 +99,8 @@ def _collapse_top(paths: tuple[str, ...]) -> None:
 
 def summary_ui(plan: Plan, loaded: state.Loaded, ref: state.ModelRef) -> None:
     batched = sum(s.mode == StageMode.BATCHED for s in plan.stages)
-    c = st.columns(5)
-    c[0].metric("model", ref.name)
-    c[1].metric("stages", len(plan.stages))
-    c[2].metric("batched / excluded", f"{batched} / {len(plan.stages) - batched}")
-    c[3].metric("nodes", len(loaded.data.nodes))
-    c[4].metric("members N", plan.n_members)
+    st.markdown(f"**{ref.name}** · **{len(plan.stages)} stages** ({batched} batched, {len(plan.stages) - batched} excluded)"
+                f" · {len(loaded.data.nodes)} nodes · N = {plan.n_members} · traced with {loaded.graph.tracer}")
 
 
 def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str]]:
@@ -174,7 +174,8 @@ def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: lis
     st.plotly_chart(fig, key=key, on_select=partial(_chart_selected, key, tuple(sorted(collapsed))),
                     selection_mode=("points", "box", "lasso"), config={"displaylogo": False, "scrollZoom": True})
     st.caption("Top to bottom = data flow. Colour = stage; grey squares with a cross = excluded (member loop); "
-               "red outline = node that cannot be batched (hover for why); black outline = selected.")
+               "red outline = cannot be batched (hover for why); black outline = selected. Click nodes to add them to "
+               "the selection, box/lasso (chart toolbar) to add many; double-click the chart to clear it.")
 
 
 def stage_rows(plan: Plan, data: gv.GraphData) -> pd.DataFrame:
@@ -184,10 +185,8 @@ def stage_rows(plan: Plan, data: gv.GraphData) -> pd.DataFrame:
         infos = [data.node(n) for n in s.nodes if n in data._index()]
         rows.append({
             "stage": s.id, "mode": s.mode.value, "strategy": s.options.strategy.value,
-            "chunk": s.options.chunk_size, "nodes": len(s.nodes),
-            "params": sum(i.params for i in infos), "FLOPs": sum(i.flops for i in infos),
-            "last ms": times.get(s.id), "first nodes": ", ".join(s.nodes[:3]) + (" …" if len(s.nodes) > 3 else ""),
-            "reason": s.reason,
+            "nodes": len(s.nodes), "params": sum(i.params for i in infos), "FLOPs": sum(i.flops for i in infos),
+            "last ms": times.get(s.id), "chunk": s.options.chunk_size, "reason": s.reason,
         })
     return pd.DataFrame(rows)
 

@@ -1,0 +1,127 @@
+"""One real-browser test: `streamlit run` on a free localhost port, driven by headless Debian Chromium.
+
+Loads the Plan page, waits for the graph, clicks a node, shift-clicks a node of
+another stage, merges, and checks that the stage count went down. Screenshots go
+to tests/artifacts/ (git-ignored); look at them.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+MODEL = ROOT / "sample_models" / "transformer_block.py"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
+
+# Centre of the marker whose customdata is `id`, in page coordinates (Plotly draws
+# one <g class="trace"> per scatter trace, in data order, one path.point per point).
+POINT_JS = """
+(id) => {
+  const gd = document.querySelector('.js-plotly-plot');
+  const traces = gd.querySelectorAll('.scatterlayer .trace');
+  for (let t = 0; t < gd.data.length; t++) {
+    const cd = gd.data[t].customdata || [];
+    const i = Array.from(cd).indexOf(id);
+    if (i >= 0 && gd.data[t].mode !== 'lines') {
+      const pts = traces[t].querySelectorAll('path.point');
+      const r = pts[i].getBoundingClientRect();
+      return [r.x + r.width / 2, r.y + r.height / 2];
+    }
+  }
+  return null;
+}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, STAGEWISE_AUTOSAVE=str(tmp_path / "autosave.json"), STAGEWISE_MODEL=str(MODEL),
+               PYTHONPATH=str(ROOT))
+    log = open(tmp_path / "streamlit.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), f"--server.port={port}",
+         "--server.headless=true", "--server.address=127.0.0.1", "--browser.gatherUsageStats=false"],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "streamlit.log").read_text()
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+
+
+def _stage_count(page) -> int:
+    text = page.get_by_text("stages (", exact=False).first.inner_text()
+    return int(text.split("·")[1].split("stages")[0].strip())
+
+
+def _click_node(page, node: str) -> None:
+    xy = page.evaluate(POINT_JS, node)
+    assert xy is not None, f"node {node} not drawn"
+    page.mouse.move(xy[0] - 15, xy[1])  # Plotly picks the clicked point from hover data: hover first
+    page.mouse.move(*xy, steps=3)
+    page.wait_for_timeout(300)
+    page.mouse.click(*xy)
+
+
+def test_click_select_and_merge_in_chromium(server):
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium (apt-get install chromium, or `make test` as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1500})
+            page.goto(server)
+            page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=90_000)
+            page.wait_for_timeout(1000)
+            page.screenshot(path=str(ARTIFACTS / "plan_initial.png"))
+            before = _stage_count(page)
+            assert before == 3
+
+            page.wait_for_timeout(500)
+            _click_node(page, "ln1")  # stage s0
+            page.get_by_text("ln1 (s0)").wait_for(timeout=20_000)  # mirrored into the multiselect
+            page.wait_for_timeout(1000)  # let the chart redraw with the selection outline
+            _click_node(page, "scaled_dot_product_attention")  # stage s1 (excluded): clicks add to the selection
+            page.get_by_text("scaled_dot_product_attention (s1)").wait_for(timeout=20_000)
+            page.screenshot(path=str(ARTIFACTS / "plan_selected.png"))
+
+            page.get_by_role("button", name="Merge").click()
+            page.get_by_text("merge s0+s1", exact=False).first.wait_for(timeout=20_000)
+            page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=20_000)
+            page.wait_for_timeout(1000)
+            assert _stage_count(page) == before - 1
+            page.screenshot(path=str(ARTIFACTS / "plan_merged.png"))
+
+            page.get_by_role("button", name="Undo").click()
+            page.get_by_text("undid: merge s0+s1").wait_for(timeout=20_000)
+            assert _stage_count(page) == before
+        finally:
+            browser.close()
