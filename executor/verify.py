@@ -101,6 +101,15 @@ def compare(name: str, got: Any, want: Any, rtol: float) -> list[ErrorRow]:
     return rows
 
 
+def _loop_reference(column: list, got: Any) -> Any:
+    """The members' values of one output leaf, in the layout the batched module returns (values.n_first)."""
+    if isinstance(column[0], torch.Tensor):
+        return torch.stack(column)
+    if isinstance(got, torch.Tensor):
+        return torch.tensor(column)  # per-member Python numbers come back as an [N] tensor
+    return column[0] if all(c == column[0] for c in column) else column  # equal ones stay one plain value
+
+
 class _Recorder(torch.fx.Interpreter):
     def __init__(self, gm, keep: set[str]):
         super().__init__(gm)
@@ -132,8 +141,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     want_stacked = [tree_flatten(w)[0] for w in want]
     got_leaves = tree_flatten(got)[0]
     for k, g in enumerate(got_leaves):
-        column = [w[k] for w in want_stacked]
-        ref = torch.stack(column) if isinstance(column[0], torch.Tensor) else column
+        ref = _loop_reference([w[k] for w in want_stacked], g)
         report.outputs.extend(compare(f"out[{k}]" if len(got_leaves) > 1 else "out", g, ref, rtol))
     # boundaries: each member's own graph run, compared with what crossed the stage boundary
     boundary = [n for p in module.programs for n in p.output_names]
