@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import networkx as nx
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map, tree_unflatten
 
 from planner.errors import DeviceError, InputError, MemberError, PlanMismatchError
 from planner.graph import ModelGraph, fingerprint_lines, retrace
-from planner.plan import InputMode, Plan
-from planner.validate import validate
+from planner.plan import InputMode, Plan, Stage
+from planner.validate import stage_graph, validate
 from executor.stages import Runner, StageProgram, runner_for
 from executor.values import Batched, Shared, n_first
 
@@ -64,6 +65,12 @@ def _first_difference(plan: Plan, graph: ModelGraph) -> str:
     return "same node names: parameter shapes, dtypes or module types differ (" + fingerprint_lines(graph.gm)[-1] + " ...)"
 
 
+def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
+    """The plan's stages in dependency order (a hand-edited plan file may list them in any order)."""
+    index = {s.id: i for i, s in enumerate(plan.stages)}
+    return [plan.stage(sid) for sid in nx.lexicographical_topological_sort(stage_graph(plan, graph), key=index.__getitem__)]
+
+
 class BatchedModule(nn.Module):
     """N members run as one module, stage by stage. forward(*inputs) -> N-first outputs."""
 
@@ -83,7 +90,7 @@ class BatchedModule(nn.Module):
                 if stage_of.get(dep.name) != stage_of.get(node.name) or node.op == "output":
                     read_outside[dep.name] = True
         keys = set(stacked)
-        self.programs = [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in plan.stages]
+        self.programs = [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)]
         self.stage_modules = nn.ModuleList([p.module for p in self.programs]).to(device)  # constants follow .to()
         self._stacked = stacked
         self._build_runners()
