@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map, tree_unflatten
 
-from planner.errors import DeviceError, InputError, MemberError, PlanMismatchError
+from planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
 from planner.graph import ModelGraph, fingerprint_lines, retrace
 from planner.plan import InputMode, Plan, Stage
 from planner.validate import stage_graph, validate
@@ -135,7 +135,15 @@ class BatchedModule(nn.Module):
         """Run all stages; returns (N-first outputs, boundary values by node name if `keep`)."""
         env = self._bind_inputs(inputs)
         for program, runner in zip(self.programs, self.runners):
-            outs = runner([env[n] for n in program.input_names])
+            try:
+                outs = runner([env[n] for n in program.input_names])
+            except ExecutionError as e:
+                read = [n for n in program.input_names if n in self._input_names]
+                if not read or e.__cause__ is None or isinstance(e.__cause__, StagewiseError):
+                    raise
+                # torch failed in a stage fed by the model inputs: most likely their shape or dtype
+                raise InputError(f"{e}. The stage reads model input(s) {read}: pass inputs shaped like example_inputs() "
+                                 "(per_member ones with a leading [N] axis)") from e
             for name, value in zip(program.output_names, outs):
                 env[name] = value
         result = tree_map(lambda a: n_first(env[a.name], self.n_members) if isinstance(a, torch.fx.Node) else a, self._output_args)
@@ -144,6 +152,12 @@ class BatchedModule(nn.Module):
         return result, (env if keep else {})
 
     def forward(self, *inputs):
+        """Shared inputs as one member takes them, per_member ones [N, ...]; returns N-first outputs.
+
+        Raises InputError for the wrong number of inputs, a missing member axis, or
+        inputs a stage reading them cannot take (wrong shape); ExecutionError when a
+        later stage fails.
+        """
         return self.run_stages(*inputs)[0]
 
 
