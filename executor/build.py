@@ -6,12 +6,13 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import networkx as nx
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_map, tree_unflatten
 
 from planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
 from planner.graph import ModelGraph, fingerprint_lines, retrace
@@ -63,6 +64,18 @@ def _first_difference(plan: Plan, graph: ModelGraph) -> str:
     if extra:
         return f"first model node the plan lacks: {extra[0]!r}"
     return "same node names: parameter shapes, dtypes or module types differ (" + fingerprint_lines(graph.gm)[-1] + " ...)"
+
+
+def register_output_dataclasses(gm: torch.fx.GraphModule) -> None:
+    """Make dataclasses built in forward() (output dataclasses) pytree nodes, like tuples and dicts.
+
+    Otherwise a dataclass is one opaque leaf: its tensors get no member axis and
+    vmap's internal batched tensors leak out of the stage inside it.
+    """
+    for node in gm.graph.nodes:
+        cls = node.target
+        if node.op == "call_function" and isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls not in SUPPORTED_NODES:
+            register_dataclass(cls)
 
 
 def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
@@ -190,5 +203,6 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
             f"({_first_difference(plan, graph)}); the plan was made for another model: re-plan with `stagewise plan`"
         )
     validate(plan, graph)
+    register_output_dataclasses(graph.gm)
     stacked = stack_members(members, dev)
     return BatchedModule(plan, graph, stacked, dev)
