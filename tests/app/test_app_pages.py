@@ -1,0 +1,304 @@
+"""AppTest (streamlit.testing.v1) tests of every page, driven through widgets as a keyboard user would.
+
+The app opens on sample_models/transformer_block.py: stages s0 (batched, attention
+projections), s1 (excluded: scaled_dot_product_attention) and s2 (batched, the rest).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import planner
+from app import autosave
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = str(ROOT / "app" / "main.py")
+SAMPLES = ROOT / "sample_models"
+TIMEOUT = 60  # the first run imports torch and traces
+
+
+@pytest.fixture
+def at(tmp_path, monkeypatch) -> AppTest:
+    monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
+    monkeypatch.setenv("STAGEWISE_MODEL", str(SAMPLES / "transformer_block.py"))
+    monkeypatch.chdir(tmp_path)
+    app = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    app.run()
+    assert not app.exception, [e.value for e in app.exception]
+    return app
+
+
+def plan_of(at: AppTest) -> planner.Plan:
+    return at.session_state["history"].present
+
+
+def button(at: AppTest, label: str):
+    matches = [b for b in at.button if b.label == label]
+    assert matches, f"no button {label!r}; buttons: {[b.label for b in at.button]}"
+    return matches[0]
+
+
+def select(at: AppTest, *items: str) -> None:
+    at.multiselect(key="selection").set_value(list(items)).run()
+
+
+def texts(elements) -> str:
+    return "\n".join(str(e.value) for e in elements)
+
+
+def test_opens_on_the_sample_with_a_coloured_graph(at):
+    p = plan_of(at)
+    assert [s.id for s in p.stages] == ["s0", "s1", "s2"]
+    assert "3 stages" in texts(at.markdown)
+    chart = at.get("plotly_chart")[0]
+    assert '"customdata"' in chart.proto.spec and "s1 \\u00b7 excluded" in chart.proto.spec
+    assert not at.error
+
+
+def test_select_merge_undo_redo(at):
+    select(at, "s1", "s2")
+    button(at, "Merge").click().run()
+    assert len(plan_of(at).stages) == 2
+    assert "merge s1+s2 → 2 stages" in texts(at.success)
+    assert at.multiselect(key="selection").value == []  # selection cleared after an edit
+    button(at, "Undo").click().run()
+    assert len(plan_of(at).stages) == 3
+    button(at, "Redo").click().run()
+    assert len(plan_of(at).stages) == 2
+    button(at, "Reset").click().run()
+    assert len(plan_of(at).stages) == 3
+    assert Path(autosave.autosave_path()).is_file()  # every edit autosaves
+    assert autosave.load().plan == plan_of(at)
+
+
+def test_selecting_nodes_acts_on_their_stages(at):
+    select(at, "ln1", "scaled_dot_product_attention")  # nodes of s0 and s1
+    button(at, "Merge").click().run()
+    p = plan_of(at)
+    assert len(p.stages) == 2 and p.stage_of("ln1") == p.stage_of("scaled_dot_product_attention")
+
+
+def test_refused_merge_shows_the_library_message_and_keeps_the_plan(at):
+    before = plan_of(at)
+    select(at, "s0", "s2")  # s1 sits between them
+    button(at, "Merge").click().run()
+    assert "would create a cycle" in texts(at.error)
+    assert plan_of(at) == before and len(at.session_state["history"].entries) == 1
+
+
+def test_split_exclude_include(at):
+    select(at, "proj")
+    button(at, "Split").click().run()
+    p = plan_of(at)
+    assert len(p.stages) == 4 and p.stage_of("proj").nodes[0] == "proj"
+    select(at, "ln2")
+    button(at, "Exclude").click().run()
+    p = plan_of(at)
+    assert p.stage_of("ln2").mode.value == "excluded" and p.stage_of("proj").mode.value == "excluded"
+    select(at, "ln2")
+    button(at, "Include").click().run()
+    assert plan_of(at).stage_of("ln2").mode.value == "batched"
+    at.radio(key="edit_scope").set_value("selected nodes only").run()
+    select(at, "ffn_1")
+    button(at, "Exclude").click().run()
+    p = plan_of(at)
+    assert p.stage_of("ffn_1").nodes == ("ffn_1",) and p.stage_of("ffn_1").mode.value == "excluded"
+    assert p.stage_of("ffn_0").mode.value == "batched"
+
+
+def test_refused_include_of_unbatchable_node(at):
+    select(at, "s1")
+    button(at, "Include").click().run()
+    assert "cannot be batched" in texts(at.error)
+    assert plan_of(at).stage("s1").mode.value == "excluded"
+
+
+def test_set_strategy_on_selected_stage(at):
+    select(at, "s0")
+    at.selectbox(key="strategy").set_value("compile")
+    at.number_input(key="chunk_size").set_value(2)
+    button(at, "Set strategy").click().run()
+    opts = plan_of(at).stage("s0").options
+    assert opts.strategy.value == "compile" and opts.chunk_size == 2
+
+
+def test_collapse_and_search(at):
+    at.multiselect(key="collapsed").set_value(["ffn"]).run()
+    spec = at.get("plotly_chart")[0].proto.spec
+    assert "module:ffn" in spec and '"ffn_1"' not in spec
+    at.text_input(key="search").set_value("ffn").run()
+    button(at, "Select 3 hits").click().run()
+    assert at.multiselect(key="selection").value == ["ffn_0", "ffn_1", "ffn_2"]
+
+
+def test_graphviz_view(at):
+    at.toggle(key="show_dot").set_value(True).run()
+    dot = at.get("graphviz_chart")[0].proto.spec
+    assert "cluster_s1" in dot and "rankdir=TB" in dot
+
+
+# -- Model page -------------------------------------------------------------------------------
+
+
+def model_page(at: AppTest) -> AppTest:
+    return at.switch_page("views/model.py").run()
+
+
+def upload_model(at: AppTest, name: str, content: bytes) -> None:
+    at.file_uploader(key="model_upload").upload(name, content, "text/x-python")
+    at.run()
+    button(at, "Load uploaded model").click().run()
+
+
+def test_open_another_sample(at):
+    model_page(at)
+    at.selectbox(key="sample_choice").set_value(str(SAMPLES / "data_dependent.py"))
+    at.number_input(key="n_new").set_value(4)
+    button(at, "Open sample").click().run()
+    p = plan_of(at)
+    assert p.model == "data_dependent.py" and p.n_members == 4 and len(p.stages) == 5
+
+
+def test_upload_a_model_file(at):
+    model_page(at)
+    upload_model(at, "my_mlp.py", (SAMPLES / "mlp.py").read_bytes())
+    assert not at.error, texts(at.error)
+    p = plan_of(at)
+    assert p.model == "my_mlp.py" and len(p.stages) == 1
+    assert at.session_state["model_ref"].label == "my_mlp.py"
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"def build_model(:\n", "syntax error at line 1"),
+    (b"import torch\ndef example_inputs():\n    return (torch.randn(2),)\n", "build_model"),
+])
+def test_broken_upload_shows_error_and_keeps_previous_plan(at, content, message):
+    before, ref = plan_of(at), at.session_state["model_ref"]
+    model_page(at)
+    upload_model(at, "broken.py", content)
+    assert message in texts(at.error)
+    assert plan_of(at) == before and at.session_state["model_ref"] == ref
+
+
+def test_weights_that_do_not_fit_are_refused(at, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    before = plan_of(at)
+    bad = tmp_path / "member_0.safetensors"
+    save_file({"fc1.weight": torch.zeros(3, 3)}, str(bad))
+    model_page(at)
+    at.file_uploader(key="model_upload").upload("mlp.py", (SAMPLES / "mlp.py").read_bytes(), "text/x-python")
+    at.file_uploader(key="weights_upload").upload("member_0.safetensors", bad.read_bytes(), "application/octet-stream")
+    at.run()
+    button(at, "Load uploaded model").click().run()
+    assert "member_0.safetensors" in texts(at.error)
+    assert plan_of(at) == before
+
+
+def test_n_and_input_mode_are_undoable_edits(at):
+    model_page(at)
+    at.number_input(key="n_current").set_value(4).run()
+    assert plan_of(at).n_members == 4
+    at.radio(key="input_mode_x").set_value("per_member").run()
+    assert plan_of(at).input_mode("x").value == "per_member"
+    at.switch_page("views/plan.py").run()
+    button(at, "Undo").click().run()
+    assert plan_of(at).input_mode("x").value == "shared" and plan_of(at).n_members == 4
+
+
+# -- Export, autosave, Profile ----------------------------------------------------------------
+
+
+class _KeptStorage:
+    """Wraps AppTest's in-memory media storage and keeps every instance, so downloads can be read after a run."""
+
+    instances: list = []
+
+    def __new__(cls, *args, **kwargs):
+        from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
+
+        storage = MemoryMediaFileStorage(*args, **kwargs)
+        cls.instances.append(storage)
+        return storage
+
+
+def download_bytes(url: str) -> bytes:
+    name = url.rsplit("/", 1)[-1]
+    for storage in reversed(_KeptStorage.instances):
+        try:
+            return storage.get_file(name).content
+        except Exception:  # MediaFileStorageError: not in this run's storage, try the previous one
+            continue
+    raise AssertionError(f"download {url} not found")
+
+
+def test_export_json_equals_the_session_plan(at, monkeypatch):
+    import streamlit.testing.v1.app_test as app_test_module
+
+    monkeypatch.setattr(app_test_module, "MemoryMediaFileStorage", _KeptStorage)
+    select(at, "s0", "s1")
+    button(at, "Merge").click().run()
+    at.switch_page("views/export.py").run()
+    assert not at.exception
+    p = plan_of(at)
+    buttons = {b.label: b for b in at.get("download_button")}
+    assert "Download .dot" in buttons
+    downloaded = download_bytes(buttons["Download plan JSON"].proto.url).decode()
+    assert downloaded == p.dumps()
+    assert planner.Plan.loads(downloaded).to_json() == p.to_json()
+    shown = [c.value for c in at.code if c.language == "json"]
+    assert shown == [p.dumps().rstrip("\n")]
+    snippet = next(c.value for c in at.code if c.language == "python")
+    assert "executor.build(plan, src.members(plan.n_members))" in snippet
+
+
+def test_import_plan_json(at, tmp_path):
+    src = planner.load_source(SAMPLES / "transformer_block.py")
+    g = planner.trace(src.model, src.example_inputs)
+    wanted = planner.merge(planner.propose(g, 8), g, "s1", "s2")
+    at.switch_page("views/export.py").run()
+    at.file_uploader(key="plan_upload").upload("p.json", wanted.dumps().encode(), "application/json")
+    at.run()
+    button(at, "Import plan").click().run()
+    assert plan_of(at).stages == wanted.stages
+
+
+def test_restore_from_autosave(tmp_path, monkeypatch):
+    src = planner.load_source(SAMPLES / "transformer_block.py")
+    g = planner.trace(src.model, src.example_inputs)
+    edited = planner.merge(planner.propose(g, 8, model="transformer_block.py"), g, "s0", "s1")
+    monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
+    monkeypatch.setenv("STAGEWISE_MODEL", str(SAMPLES / "mlp.py"))  # opens on another model
+    monkeypatch.chdir(tmp_path)
+    autosave.save(edited, str(SAMPLES / "transformer_block.py"))
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT).run()
+    assert "An autosaved plan exists" in texts(at.info)
+    assert plan_of(at).model == "mlp.py"
+    at.button(key="restore_autosave").click().run()
+    assert plan_of(at).stages == edited.stages
+    assert not any("autosaved plan exists" in t for t in texts(at.info).splitlines())
+    button(at, "Undo").click().run()  # back to the proposed plan of that model
+    assert len(plan_of(at).stages) == 3
+
+
+def test_profile_page_runs_verify_in_a_worker(at):
+    at.switch_page("views/profile.py").run()
+    assert not at.exception
+    import executor
+
+    if not hasattr(executor, "profile"):
+        assert "not available yet" in texts(at.warning)
+    button(at, "Verify vs loop").click().run()
+    assert at.session_state["job"] is not None
+    deadline = time.time() + 120
+    while at.session_state["job"] is not None and "job" in at.session_state and time.time() < deadline:
+        time.sleep(1)
+        at.run()
+        if "job" not in at.session_state:
+            break
+    assert "verify_result" in at.session_state, texts(at.error)
+    assert "MATCH" in texts(at.success)
