@@ -48,20 +48,33 @@ def _is_inplace_target(node: torch.fx.Node) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
-def _root_attr(node: torch.fx.Node) -> Optional[str]:
-    """The get_attr target a value is (a view of), following view-like calls back."""
-    seen = 0
-    while node is not None and seen < 16:
-        if node.op == "get_attr":
-            return str(node.target)
+_VIEW_NAMES = ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze")
+
+
+def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the values it is a view of, following view-like calls back (at most 16 steps)."""
+    chain = [node]
+    while len(chain) <= 16:
         if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], torch.fx.Node):
             name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-            if name in ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze"):
+            if name in _VIEW_NAMES:
                 node = node.args[0]
-                seen += 1
+                chain.append(node)
                 continue
-        return None
-    return None
+        break
+    return chain
+
+
+def is_inplace(node: torch.fx.Node) -> bool:
+    """An fx op that writes into its first argument (`x.add_(y)`, `operator.iadd`, `aten.add_`)."""
+    return (node.op in ("call_function", "call_method") and _is_inplace_target(node)
+            and bool(node.args) and isinstance(node.args[0], torch.fx.Node))
+
+
+def _root_attr(node: torch.fx.Node) -> Optional[str]:
+    """The get_attr target a value is (a view of), following view-like calls back."""
+    root = alias_chain(node)[-1]
+    return str(root.target) if root.op == "get_attr" else None
 
 
 def inplace_buffer_check(graph, node: torch.fx.Node) -> Optional[str]:

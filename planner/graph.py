@@ -175,6 +175,9 @@ def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | No
         dag.add_node(node.name, **info.__dict__)
         for dep in node.all_input_nodes:
             dag.add_edge(dep.name, node.name)
+    for u, v in inplace_order_edges(gm):
+        if not dag.has_edge(u, v):
+            dag.add_edge(u, v, order=True)
     return ModelGraph(
         gm=gm,
         dag=dag,
@@ -186,6 +189,32 @@ def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | No
         example_values=values,
         out_spec=getattr(gm, "_out_spec", None) if tracer == "export" else None,
     )
+
+
+def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
+    """Edges that keep in-place updates in program order.
+
+    fx records `buf.add_(v)` with no edge to later reads of `buf`, so a stage
+    reading it could run before the update. Each in-place node gets an edge from
+    every earlier and to every later reader of the value it writes (its view
+    chain; for module state, every get_attr of the same target). Edges follow
+    graph order, so the DAG stays acyclic and node order stays topological.
+    """
+    from planner.capability import alias_chain, is_inplace
+
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    edges = []
+    for node in nodes:
+        if not is_inplace(node):
+            continue
+        aliases = set(alias_chain(node.args[0]))
+        for root in [a for a in aliases if a.op == "get_attr"]:
+            aliases |= {n for n in nodes if n.op == "get_attr" and n.target == root.target}
+        touched = aliases | {u for a in aliases for u in a.users}
+        for other in sorted(touched - {node}, key=pos.__getitem__):
+            edges.append((other.name, node.name) if pos[other] < pos[node] else (node.name, other.name))
+    return edges
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -210,6 +239,7 @@ class _Recorder(torch.fx.Interpreter):
 
 def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict]:
     rec = _Recorder(gm)
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}  # gm shares state with the model
     try:
         with torch.no_grad():
             rec.run(*inputs)
@@ -218,6 +248,10 @@ def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict
             f"the traced graph failed on the example inputs: {type(e).__name__}: {_first_line(e)}; "
             "check that example_inputs() matches what forward() expects"
         ) from None
+    finally:
+        with torch.no_grad():  # undo in-place buffer updates: tracing must not change the model
+            for name, b in gm.named_buffers():
+                b.copy_(buffers[name])
     return rec.values, rec.flops
 
 
