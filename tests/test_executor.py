@@ -1,0 +1,337 @@
+"""Executor: the batched module against the trusted reference, the plain loop over members.
+
+Input layout: shared inputs as one member takes them, per_member inputs [N, ...].
+Output layout: every output tensor N-first.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import executor
+import planner
+from executor.values import PerMember
+from planner import InputError, MemberError, PlanMismatchError, StageMode
+from conftest import SAMPLE_NAMES
+
+RTOL = 1e-4
+
+
+def plan_for(sample, name, n, mode="shared"):
+    src, graph = sample(name)
+    return src, graph, planner.propose(graph, n_members=n, input_mode=mode)
+
+
+def loop_stack(members, inputs_per_member):
+    with torch.no_grad():
+        return torch.stack([m(*x) for m, x in zip(members, inputs_per_member)])
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_matches_member_loop(sample, name, n, mode):
+    src, _, plan = plan_for(sample, name, n, mode)
+    inputs = executor.batched_inputs(plan, src.example_inputs)
+    report = executor.verify(plan, src.members(n), inputs)
+    assert report.ok, report.to_text()
+    assert report.rtol == RTOL and report.n_members == n
+    assert report.outputs and all(r.max_rel <= RTOL for r in report.outputs + report.boundaries), report.to_text()
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_output_is_n_first_stack_of_the_loop(sample, name):
+    n = 3
+    src, _, plan = plan_for(sample, name, n, "per_member")
+    members = src.members(n)
+    inputs = executor.batched_inputs(plan, src.example_inputs, seed=1)
+    module = executor.build(plan, members, example_inputs=src.example_inputs)
+    with torch.no_grad():
+        got = module(*inputs)
+    want = loop_stack(members, [tuple(x[i] for x in inputs) for i in range(n)])
+    assert got.shape == (n, *src.model(*src.example_inputs).shape)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-5)
+    assert not torch.allclose(got[0], got[1]), "members with different weights and inputs must differ"
+
+
+def test_shared_inputs_equal_each_member_on_the_same_input(sample):
+    src, _, plan = plan_for(sample, "cnn", 3)
+    members = src.members(3)
+    got = executor.build(plan, members)(*src.example_inputs)
+    want = loop_stack(members, [src.example_inputs] * 3)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-5)
+
+
+def test_module_is_reusable_and_nothing_is_retraced_per_call(sample, monkeypatch):
+    src, _, plan = plan_for(sample, "data_dependent", 3)
+    members = src.members(3)
+    module = executor.build(plan, members)
+    x = src.example_inputs[0]
+    first = module(x)
+
+    def forbidden(*a, **k):
+        raise AssertionError("re-traced or re-stacked during forward")
+
+    monkeypatch.setattr(torch.fx, "symbolic_trace", forbidden)
+    monkeypatch.setattr(torch.export, "export", forbidden)
+    monkeypatch.setattr(torch.func, "stack_module_state", forbidden)
+    for _ in range(2):
+        torch.testing.assert_close(module(x), first)
+    torch.testing.assert_close(module(2 * x), loop_stack(members, [(2 * x,)] * 3), rtol=RTOL, atol=1e-5)
+
+
+def test_stacked_state_is_n_first(sample):
+    src, _, plan = plan_for(sample, "mlp", 3)
+    members = src.members(3)
+    module = executor.build(plan, members)
+    stacked = module.stacked_state
+    assert set(stacked) == set(dict(members[0].named_parameters()))
+    for i, m in enumerate(members):
+        assert torch.equal(stacked["fc1.weight"][i], m.fc1.weight)
+    assert stacked["fc1.weight"].shape == (3, 128, 64)
+
+
+# --- values that are not tensors cross stage boundaries ------------------------------
+
+def test_item_values_cross_stages_per_member(sample):
+    n = 3
+    src, _, plan = plan_for(sample, "data_dependent", n, "per_member")
+    assert plan.stage_of("item").mode is StageMode.EXCLUDED
+    members = src.members(n)
+    inputs = executor.batched_inputs(plan, src.example_inputs)
+    module = executor.build(plan, members)
+    with torch.no_grad():
+        out, env = module.run_stages(*inputs, keep=True)
+    scale = env["item"]
+    assert isinstance(scale, PerMember) and len(scale.values) == n
+    assert all(isinstance(v, float) for v in scale.values)
+    assert len(set(scale.values)) == n, "each member computes its own .item()"
+    for i, m in enumerate(members):
+        h = torch.relu(m.fc1(inputs[0][i]))
+        assert scale.values[i] == pytest.approx(h.abs().max().item(), rel=1e-6)
+    torch.testing.assert_close(out, loop_stack(members, [(inputs[0][i],) for i in range(n)]), rtol=RTOL, atol=1e-5)
+
+
+class ItemOut(nn.Module):
+    """Returns a tensor, a per-member Python float, a size and a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h.sum().item(), x.shape[0], {"relu": h.relu()}
+
+
+def test_non_tensor_outputs():
+    n = 3
+    torch.manual_seed(0)
+    members = [ItemOut() for _ in range(n)]
+    x = torch.randn(2, 4)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, n)
+    h, total, size, d = executor.build(plan, members)(x)
+    assert h.shape == (n, 2, 4) and d["relu"].shape == (n, 2, 4)
+    assert size == 2
+    assert isinstance(total, torch.Tensor) and total.shape == (n,)  # per-member numbers come back as [N]
+    with torch.no_grad():
+        assert total.tolist() == pytest.approx([m(x)[1] for m in members], rel=1e-5)
+    report = executor.verify(plan, members, (x,))
+    assert report.ok, report.to_text()
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return Output(logits=h.relu(), hidden=h)
+
+
+def test_output_dataclass_is_n_first():
+    n = 3
+    torch.manual_seed(0)
+    members = [DataclassOut() for _ in range(n)]
+    x = torch.randn(2, 4)
+    plan = planner.propose(planner.trace(members[0], (x,)), n)
+    out = executor.build(plan, members)(x)
+    assert isinstance(out, Output)
+    assert type(out.hidden) is torch.Tensor and out.hidden.shape == (n, 2, 4)  # a plain tensor, not a vmap leftover
+    with torch.no_grad():
+        torch.testing.assert_close(out.hidden, torch.stack([m(x).hidden for m in members]))
+        torch.testing.assert_close(out.logits, torch.stack([m(x).logits for m in members]))
+    assert executor.verify(plan, members, (x,)).ok
+
+
+class NoParams(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) * 2
+
+
+def test_parameter_free_model_still_returns_n_first():
+    x = torch.randn(2, 3)
+    plan = planner.propose(planner.trace(NoParams(), (x,)), 4)
+    out = executor.build(plan, [NoParams() for _ in range(4)])(x)
+    assert out.shape == (4, 2, 3)
+    torch.testing.assert_close(out, (torch.tanh(x) * 2).expand(4, 2, 3))
+
+
+class RunningTotal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.total.add_(x.detach().mean(0))
+        return self.fc(x) + self.total
+
+
+def test_inplace_buffer_update_runs_before_its_readers():
+    """The excluded add_ stage must run before the stage that reads the updated buffer."""
+    n = 2
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    reference = RunningTotal().eval()
+    graph = planner.trace(reference, (x,))
+    assert torch.equal(reference.total, torch.zeros(4)), "tracing must not run the model's in-place updates"
+    plan = planner.propose(graph, n)
+    members = [RunningTotal().eval() for _ in range(n)]
+    loop_members = [RunningTotal().eval() for _ in range(n)]
+    for a, b in zip(members, loop_members):
+        b.load_state_dict(a.state_dict())
+    module = executor.build(plan, members)
+    with torch.no_grad():
+        for _ in range(2):  # the update persists across calls, as in the loop
+            got = module(x)
+            want = torch.stack([m(x) for m in loop_members])
+            torch.testing.assert_close(got, want)
+
+
+# --- refusals -------------------------------------------------------------------------
+
+def test_wrong_member_count(sample):
+    src, _, plan = plan_for(sample, "mlp", 3)
+    with pytest.raises(MemberError, match=r"plan is for 3 members but 2 were given.*with_n_members\(2\)"):
+        executor.build(plan, src.members(2))
+    with pytest.raises(MemberError, match="but 0 were given"):
+        executor.build(plan, [])
+
+
+def test_n_below_one(sample):
+    _, _, plan = plan_for(sample, "mlp", 3)
+    with pytest.raises(planner.StagewiseError, match="n_members must be an integer >= 1"):
+        plan.with_n_members(0)
+
+
+def test_members_with_mismatching_state(sample, write_model):
+    src, _, plan = plan_for(sample, "mlp", 3)
+    members = src.members(3)
+    members[2].fc1 = nn.Linear(64, 128, bias=False)
+    with pytest.raises(MemberError, match=r"member 2 does not match member 0: missing \['fc1.bias'\]"):
+        executor.build(plan, members)
+    members = src.members(3)
+    members[1].fc2.weight = nn.Parameter(members[1].fc2.weight.double())
+    with pytest.raises(MemberError, match=r"member 1 has fc2.weight of shape \[64, 128\] torch.float64.*share one architecture"):
+        executor.build(plan, members)
+
+
+def test_plan_for_another_model(sample):
+    _, _, plan = plan_for(sample, "mlp", 2)
+    other_src, other_graph = sample("deep_mlp")
+    with pytest.raises(PlanMismatchError) as info:
+        executor.build(plan, other_src.members(2))
+    msg = str(info.value)
+    assert plan.fingerprint in msg and other_graph.fingerprint in msg
+    assert "first plan node the model lacks" in msg and "re-plan" in msg
+
+
+def test_plan_for_same_names_other_shapes(sample):
+    _, _, plan = plan_for(sample, "mlp", 2)
+    src, _ = sample("mlp")
+    wide = src.members(2)
+    for m in wide:
+        m.fc1, m.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+    with pytest.raises(PlanMismatchError, match="parameter shapes, dtypes or module types differ"):
+        executor.build(plan, wide)
+
+
+def test_export_plans_need_example_inputs(sample):
+    src, _, plan = plan_for(sample, "shape_loop", 2)
+    assert plan.tracer == "export"
+    with pytest.raises(planner.TraceError, match="example_inputs="):
+        executor.build(plan, src.members(2))
+    module = executor.build(plan, src.members(2), example_inputs=src.example_inputs)
+    assert module(*src.example_inputs).shape == (2, 8, 32)
+
+
+def test_per_member_input_needs_the_member_axis(sample):
+    src, _, plan = plan_for(sample, "mlp", 3, "per_member")
+    module = executor.build(plan, src.members(3))
+    x = src.example_inputs[0]
+    with pytest.raises(InputError, match=r"input 'x' is per_member.*leading member axis of size 3; got \[32, 64\]"):
+        module(x)
+    with pytest.raises(InputError, match="size 3; got \\[2, 32, 64\\]"):
+        module(torch.stack([x, x]))
+    with pytest.raises(InputError, match="got float"):
+        module(1.0)
+
+
+def test_wrong_number_of_inputs(sample):
+    src, _, plan = plan_for(sample, "mlp", 2)
+    module = executor.build(plan, src.members(2))
+    with pytest.raises(InputError, match=r"takes 1 inputs \['x'\], got 2"):
+        module(src.example_inputs[0], src.example_inputs[0])
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_wrong_input_shape(sample, mode):
+    src, _, plan = plan_for(sample, "mlp", 2, mode)
+    module = executor.build(plan, src.members(2))
+    bad = torch.randn(2, 32, 63) if mode == "per_member" else torch.randn(32, 63)
+    with pytest.raises(InputError) as info:
+        module(bad)
+    msg = str(info.value)
+    assert "x" in msg and "63" in msg and "example_inputs" in msg
+
+
+def test_hand_ordered_plan_file_still_runs(sample):
+    """A plan file may list its stages in any order; they still run in dependency order."""
+    src, graph, plan = plan_for(sample, "data_dependent", 2)
+    shuffled = plan.with_stages(reversed(plan.stages))
+    shuffled = planner.Plan.loads(shuffled.dumps())
+    members = src.members(2)
+    got = executor.build(shuffled, members)(*src.example_inputs)
+    torch.testing.assert_close(got, executor.build(plan, members)(*src.example_inputs))
+
+
+def test_unknown_device_is_refused(sample):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    src, _, plan = plan_for(sample, "mlp", 2)
+    with pytest.raises(planner.DeviceError, match="no CUDA device; use device='cpu'"):
+        executor.build(plan, src.members(2), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mlp", "data_dependent", "transformer_block", "shape_loop"])
+def test_cuda_matches_loop(sample, name):
+    src, _, plan = plan_for(sample, name, 4, "per_member")
+    members = [m.cuda() for m in src.members(4)]
+    inputs = tuple(x.cuda() for x in executor.batched_inputs(plan, src.example_inputs))
+    report = executor.verify(plan, members, inputs, device="cuda")
+    assert report.ok, report.to_text()
+    module = executor.build(plan, members, example_inputs=tuple(x[0] for x in inputs), device="cuda")
+    assert module(*inputs).device.type == "cuda"
