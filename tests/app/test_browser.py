@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from app import launch
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -52,13 +53,11 @@ def _free_port() -> int:
 @pytest.fixture
 def server(tmp_path):
     port = _free_port()
-    env = dict(os.environ, STAGEWISE_AUTOSAVE=str(tmp_path / "autosave.json"), STAGEWISE_MODEL=str(MODEL),
-               PYTHONPATH=str(ROOT))
+    env = launch.environment(MODEL)  # exactly what `stagewise ui MODEL` runs, from another directory
+    env["STAGEWISE_AUTOSAVE"] = str(tmp_path / "autosave.json")
     log = open(tmp_path / "streamlit.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "main.py"), f"--server.port={port}",
-         "--server.headless=true", "--server.address=127.0.0.1", "--browser.gatherUsageStats=false"],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(launch.command(port, headless=True), cwd=tmp_path, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
