@@ -161,7 +161,9 @@ RUNNERS: dict[Strategy, type[Runner]] = {Strategy.VMAP: VmapRunner, Strategy.LOO
 def runner_for(program: StageProgram, n_members: int, stacked: dict[str, torch.Tensor], member_states: list[dict]) -> Runner:
     """The runner for a stage's mode and strategy."""
     stage = program.stage
-    strategy = Strategy.LOOP if stage.mode is StageMode.EXCLUDED else stage.options.strategy
+    strategy = stage.options.strategy
+    if stage.mode is StageMode.EXCLUDED and strategy is not Strategy.WIDE:
+        strategy = Strategy.LOOP  # excluded = no vmap; only hand-batched `wide` kernels may still batch it
     cls = RUNNERS.get(strategy)
     if cls is None:
         known = ", ".join(s.value for s in RUNNERS)

@@ -1,0 +1,199 @@
+"""executor.autotune: pick each stage's fastest strategy that matches the member loop.
+
+Stages are tuned in order; each candidate runs on the stage's real inputs (the
+outputs of the strategies already chosen upstream, so conversion costs such as
+stacking a loop's per-member outputs land on the stage that pays them). Every
+candidate is first checked against the member loop of that stage (normwise,
+worst member, rtol 1e-4): failures, out-of-memory and wrong results are
+recorded and never chosen. The working candidates are timed round-robin and the
+fastest by minimum time wins (the minimum is the estimate least disturbed by
+other processes; medians are reported too). The measured times go into each
+stage's `options.note`.
+
+Candidates: batched stages try vmap, wide, loop, compile (skipped for stages
+under COMPILE_MIN_MS, where it cannot pay) and cuda_graph on CUDA; vmap that
+runs out of memory is retried with chunk_size N/2, N/4, ... Excluded stages try
+loop and, where every node has a hand-batched rule, wide (this is how
+scaled_dot_product_attention and nn.GRU, which have no vmap batching rule on
+CPU, still run batched).
+
+The planner cannot import the executor, so autotuning lives here:
+`executor.autotune(plan, members, inputs)` (or `executor.profile(..., autotune=True)`),
+not `planner.propose(..., autotune=True)`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
+from executor.build import build, resolve_device
+from executor.profile import (Progress, _members_on, _on_device, make_runner, max_rel_error, stage_check,
+                              strategy_label, time_candidates, try_strategy)
+from executor.report import StrategyResult
+from executor.stages import LoopRunner, Runner, StageProgram
+from executor.strategies import wide_rule_gaps
+from executor.timing import is_oom
+from executor.verify import DEFAULT_RTOL, loop_outputs, member_inputs
+from executor.baselines import stack_outputs
+
+COMPILE_MIN_MS = 0.1  # below this a stage is all launch overhead; compiling it costs seconds for nothing
+EAGER = (Strategy.VMAP, Strategy.WIDE, Strategy.LOOP)
+
+
+def candidate_strategies(program: StageProgram, device: torch.device, allowed: Optional[set[Strategy]] = None) -> list[Strategy]:
+    """Strategies worth trying for this stage on `device`, eager ones first."""
+    if program.stage.mode is StageMode.EXCLUDED:
+        found = [Strategy.LOOP] + ([Strategy.WIDE] if not wide_rule_gaps(program) else [])
+    else:
+        found = [Strategy.VMAP, Strategy.WIDE, Strategy.LOOP, Strategy.COMPILE]
+        if device.type == "cuda":
+            found.append(Strategy.CUDA_GRAPH)
+    return [s for s in found if allowed is None or s in allowed]
+
+
+def _note(results: list[StrategyResult], chosen: StrategyResult) -> str:
+    ok = sorted((r for r in results if r.ok and r.time), key=lambda r: r.time.min_ms)
+    parts = []
+    for r in ok:
+        extra = f" +{r.compile_s:.1f}s compile" if r.compile_s >= 0.05 else ""
+        parts.append(f"{r.strategy} {r.time.min_ms:.3g}/{r.time.median_ms:.3g} ms{extra}")
+    failed = [f"{r.strategy} failed ({r.error[:80]})" for r in results if not r.ok]
+    return f"autotune chose {chosen.strategy} (min/median ms): " + ", ".join(parts) + ("; " + "; ".join(failed) if failed else "")
+
+
+def _tune_stage(program: StageProgram, runner: Runner, args: list, n: int, device: torch.device,
+                allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
+                progress: Progress, done: int, total: int) -> tuple[list[StrategyResult], StrategyResult, Any]:
+    stage = program.stage
+    loop_runner = LoopRunner(program, n, runner.stacked, runner.member_states)
+    ref = loop_runner(args)
+    check = stage_check(ref, n)
+    results: list[StrategyResult] = []
+    working: dict[str, tuple[StrategyResult, Any]] = {}
+    outputs: dict[str, Any] = {}
+    runners: dict[str, Runner] = {}
+
+    def attempt(strategy: Strategy, chunk: Optional[int] = None) -> StrategyResult:
+        label = strategy_label(strategy, chunk)
+        if progress is not None:
+            progress(done, total, f"{stage.id}: {label}")
+
+        def make():
+            r = loop_runner if strategy is Strategy.LOOP else make_runner(program, runner, strategy, chunk)
+            runners[label] = r
+            return lambda: r(args)
+
+        res, call, out = try_strategy(label, stage.id, make, check, device)
+        res.chunk_size = chunk
+        results.append(res)
+        if call is not None:
+            working[label], outputs[label] = (res, call), out
+        return res
+
+    candidates = candidate_strategies(program, device, allowed)
+    for strategy in [s for s in candidates if s in EAGER]:
+        res = attempt(strategy)
+        if strategy is Strategy.VMAP and not res.ok and is_oom_text(res.error):
+            chunk = n // 2
+            while chunk >= 1 and not attempt(Strategy.VMAP, chunk).ok:
+                chunk //= 2
+    time_candidates(working, device, repeats, warmup, set())
+    best_eager = min((r.time.min_ms for r, _ in working.values() if r.ok and r.time), default=math.inf)
+    slow = [s for s in candidates if s not in EAGER]
+    if slow and best_eager < COMPILE_MIN_MS:
+        for s in slow:
+            results.append(StrategyResult(s.value, ok=False, error=f"not tried: the stage takes {best_eager:.3f} ms, under {COMPILE_MIN_MS} ms"))
+        slow = []
+    late: dict[str, tuple[StrategyResult, Any]] = {}
+    for strategy in slow:
+        before = set(working)
+        attempt(strategy)
+        late.update({k: v for k, v in working.items() if k not in before})
+    if late:
+        time_candidates(late, device, repeats, warmup, set(late))
+        for label, (res, _) in late.items():
+            res.compile_s = getattr(runners.get(label), "compile_seconds", res.compile_s) if label == "compile" else res.compile_s
+    ok = [r for r in results if r.ok and r.time]
+    chosen = min(ok, key=lambda r: r.time.min_ms) if ok else None
+    if chosen is None:  # even the loop failed (e.g. injected faults everywhere): keep the loop's outputs
+        return results, StrategyResult("loop", ok=False, error="no strategy worked"), ref
+    return results, chosen, outputs[chosen.strategy]
+
+
+def is_oom_text(error: str) -> bool:
+    return error.startswith("out of memory")
+
+
+def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
+         progress: Progress = None, repeats: Optional[int] = None, warmup: int = 2,
+         strategies: Optional[Sequence[str | Strategy]] = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
+    """autotune, also returning every stage's measured candidates (stage id -> results)."""
+    dev = resolve_device(device)
+    inputs = _on_device(tuple(inputs), dev)
+    members = _members_on(list(members), dev)
+    n = plan.n_members
+    allowed = {Strategy(s) for s in strategies} if strategies is not None else None
+    module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
+    total = sum(len(candidate_strategies(p, dev, allowed)) for p in module.programs)
+    done = 0
+    env = module._bind_inputs(inputs)
+    tuned: list[Stage] = []
+    found: dict[str, list[StrategyResult]] = {}
+    with torch.no_grad():
+        for program, runner in zip(module.programs, module.runners):
+            args = [env[name] for name in program.input_names]
+            results, chosen, out = _tune_stage(program, runner, args, n, dev, allowed, repeats, warmup, progress, done, total)
+            done += len(candidate_strategies(program, dev, allowed))
+            found[program.stage.id] = results
+            for name, value in zip(program.output_names, out):
+                env[name] = value
+            stage = program.stage
+            if not chosen.ok:
+                tuned.append(stage)
+                continue
+            strategy = Strategy(chosen.strategy.split("/")[0])
+            tuned.append(replace(stage, options=StageOptions(strategy=strategy, chunk_size=chosen.chunk_size,
+                                                             note=_note(results, chosen))))
+    if progress is not None:
+        progress(total, total, "checking the tuned plan")
+    new_plan = plan.with_stages(tuned)
+    _check_end_to_end(new_plan, members, inputs, dev)
+    return new_plan, found
+
+
+def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> None:
+    """The tuned plan as a whole must match the member loop (each stage already did)."""
+    from planner.errors import ExecutionError
+
+    module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=device)
+    with torch.no_grad():
+        got = module(*inputs)
+    want = stack_outputs(loop_outputs(plan, members, inputs))
+    err = max_rel_error(got, want)
+    if not err <= DEFAULT_RTOL:
+        raise ExecutionError(f"autotune: the tuned plan differs from the member loop (max rel err {err:.2e}) although each stage matched; "
+                             "profile the plan with its default strategies and report this")
+
+
+def autotune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
+             progress: Progress = None, repeats: Optional[int] = None,
+             strategies: Optional[Sequence[str | Strategy]] = None) -> Plan:
+    """Choose each stage's fastest strategy that matches the member loop.
+
+    Args:
+        plan, members: as for executor.build.
+        inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
+        device: "cpu" or "cuda" (DeviceError without CUDA).
+        progress: callable(done, total, label) while measuring.
+        repeats: timed samples per candidate (default: enough for ~0.25 s).
+        strategies: restrict the candidates (e.g. ["vmap", "wide", "loop"] to skip compile).
+    Returns:
+        A new Plan: each stage's options.strategy/chunk_size set to the winner and
+        options.note holding the measured times of every candidate.
+    """
+    return tune(plan, members, inputs, device=device, progress=progress, repeats=repeats, strategies=strategies)[0]

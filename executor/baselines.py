@@ -1,0 +1,73 @@
+"""Whole-model baselines, timed in the same run as the plan: what a user would write instead.
+
+- loop: each member on its own inputs, one after another (eager);
+- vmap: `torch.func.vmap(functional_call(member0, stacked_state, inputs))` of the whole model;
+- vmap+compile: `torch.compile` of that;
+- floor: one member on all members' inputs concatenated along dim 0 (same FLOPs,
+  shared weights): the practical lower bound; assumes dim 0 is the batch axis.
+
+Each builder returns a zero-argument callable producing N-first outputs (the
+floor's outputs are not comparable and are not checked).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.plan import InputMode, Plan
+from executor.build import stack_members
+from executor.verify import member_inputs
+
+
+def stack_outputs(outputs: list) -> Any:
+    """N per-member output trees -> one tree with N-first tensors (equal non-tensors kept)."""
+    flat = [tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    leaves = []
+    for column in zip(*(f[0] for f in flat)):
+        leaves.append(torch.stack(column) if isinstance(column[0], torch.Tensor) else column[0])
+    return tree_unflatten(leaves, spec)
+
+
+def loop(plan: Plan, members: Sequence[nn.Module], inputs: tuple) -> Callable[[], Any]:
+    per_member = [member_inputs(plan, inputs, i) for i in range(len(members))]
+
+    def run():
+        return [m(*x) for m, x in zip(members, per_member)]
+
+    return run
+
+
+def whole_vmap(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> Callable[[], Any]:
+    base = members[0]
+    stacked = stack_members(members, device)
+    dims = tuple(0 if spec.mode is InputMode.PER_MEMBER else None for spec in plan.inputs)
+    fn = vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error")
+    return lambda: fn(stacked, *inputs)
+
+
+def whole_vmap_compiled(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> Callable[[], Any]:
+    base = members[0]
+    stacked = stack_members(members, device)
+    dims = tuple(0 if spec.mode is InputMode.PER_MEMBER else None for spec in plan.inputs)
+    fn = torch.compile(vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error"),
+                       dynamic=False)
+    return lambda: fn(stacked, *inputs)
+
+
+def floor(plan: Plan, members: Sequence[nn.Module], inputs: tuple) -> Callable[[], Any]:
+    n = plan.n_members
+    big = []
+    for spec, x in zip(plan.inputs, inputs):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            big.append(x)
+        elif spec.mode is InputMode.PER_MEMBER:
+            big.append(x.reshape(n * x.shape[1], *x.shape[2:]) if x.dim() > 1 else x)
+        else:
+            big.append(torch.cat([x] * n, dim=0))
+    model = members[0]
+    return lambda: model(*big)

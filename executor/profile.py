@@ -1,0 +1,357 @@
+"""executor.profile: time a plan stage by stage, check every stage against the member loop,
+and time the whole-model baselines on the same inputs in the same run.
+
+Per stage: the plan's strategy and the member loop run on the same stage inputs
+(the outputs of the stages before it); the strategy's outputs are compared with
+the loop's (normwise, worst member), then timed (median and spread after
+warm-up), with peak memory and FLOP/s. A stage whose strategy fails (an
+exception, out of memory, a wrong result) is marked failed and the profile goes
+on with the loop's outputs. End to end and the baselines are timed round-robin.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import platform
+import time
+import warnings
+from dataclasses import replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from planner.errors import StagewiseError
+from planner.graph import trace
+from planner.plan import Plan, StageMode, StageOptions, Strategy
+from executor import baselines as whole
+from executor.build import BatchedModule, build, resolve_device
+from executor.report import ProfileReport, StageProfile, StrategyResult
+from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
+from executor.timing import Timing, describe_error, inject_faults, interleaved, is_oom, one_call_seconds, peak_memory_bytes
+from executor.values import n_first
+from executor.verify import DEFAULT_RTOL, member_inputs
+
+Progress = Optional[Callable[[int, int, str], None]]
+
+
+# --- comparing with the loop ------------------------------------------------------------
+
+def max_rel_error(got: Any, want: Any) -> float:
+    """Worst member's normwise error: max|got-want| / max|want| per member, N-first trees."""
+    g_leaves, g_spec = tree_flatten(got)
+    w_leaves, w_spec = tree_flatten(want)
+    if len(g_leaves) != len(w_leaves):
+        return math.inf
+    worst = 0.0
+    for g, w in zip(g_leaves, w_leaves):
+        if not isinstance(w, torch.Tensor):
+            if g != w and not (isinstance(w, float) and abs(g - w) <= DEFAULT_RTOL * max(abs(w), 1e-30)):
+                return math.inf
+            continue
+        g = torch.as_tensor(g)
+        if g.shape != w.shape:
+            return math.inf
+        if w.numel() == 0:
+            continue
+        g64, w64 = g.detach().double().reshape(w.shape[0], -1), w.detach().double().reshape(w.shape[0], -1)
+        if not g64.isfinite().all() and not torch.equal(g64.isnan(), w64.isnan()):
+            return math.inf
+        diff = (g64 - w64).abs().nan_to_num(0.0).amax(dim=1)
+        scale = w64.abs().nan_to_num(0.0).amax(dim=1)
+        rel = torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff)
+        worst = max(worst, float(rel.max()))
+    return worst
+
+
+def _nfirst_all(values: list, n: int) -> list:
+    return [n_first(v, n) for v in values]
+
+
+# --- running one strategy ------------------------------------------------------------------
+
+def strategy_label(strategy: Strategy, chunk_size: Optional[int]) -> str:
+    return strategy.value + (f"/chunk={chunk_size}" if chunk_size and strategy is Strategy.VMAP else "")
+
+
+def make_runner(program: StageProgram, base: Runner, strategy: Strategy, chunk_size: Optional[int] = None) -> Runner:
+    """A runner of `strategy` for the stage `base` runs, sharing base's stacked state."""
+    options = StageOptions(strategy=strategy, chunk_size=chunk_size, note=program.stage.options.note)
+    prog = replace(program, stage=replace(program.stage, options=options))
+    return RUNNERS[strategy](prog, base.n_members, base.stacked, base.member_states)
+
+
+def try_strategy(label: str, stage_id: str, make: Callable[[], Callable[[], Any]],
+                 check: Optional[Callable[[Any], float]], device: torch.device,
+                 rtol: float = DEFAULT_RTOL) -> tuple[StrategyResult, Optional[Callable], Any]:
+    """Build one candidate and run it once; `check(outputs)` gives its error against the loop.
+
+    Returns (result without timing, the callable, its outputs); the callable is
+    None when the candidate failed. Out of memory and wrong results never escape.
+    The first call's wall time is kept in compile_s until time_candidates corrects it.
+    """
+    start = time.perf_counter()
+    try:
+        inject_faults(stage_id, label)
+        call = make()
+        out = call()
+        first_s = time.perf_counter() - start
+        err = check(out) if check is not None else None
+    except Exception as e:  # any failure of a candidate is a result, not a crash
+        if is_oom(e) and device.type == "cuda":
+            torch.cuda.empty_cache()
+        return StrategyResult(label, ok=False, error=describe_error(e)), None, None
+    if err is not None and not err <= rtol:
+        return StrategyResult(label, ok=False, error=f"wrong result: max rel err {err:.2e} > {rtol:g} vs the member loop",
+                              max_rel_err=err), None, None
+    return StrategyResult(label, ok=True, max_rel_err=err, compile_s=first_s), call, out
+
+
+def stage_check(want_values: list, n: int) -> Callable[[list], float]:
+    """Error of a stage's boundary outputs against the loop runner's, per member."""
+    want = _nfirst_all(want_values, n)
+    return lambda out: max_rel_error(_nfirst_all(out, n), want)
+
+
+def time_candidates(cands: dict[str, tuple[StrategyResult, Callable]], device: torch.device,
+                    repeats: Optional[int], warmup: int, compiles: set[str]) -> None:
+    """Time the working candidates round-robin; fill time, peak memory and compile_s in place."""
+    fns = {label: call for label, (res, call) in cands.items()}
+    try:
+        timings = interleaved(fns, device, repeats, warmup)
+    except Exception as e:  # a candidate that ran once but fails when repeated (OOM on the second buffer set)
+        for label, (res, call) in cands.items():
+            try:
+                res.time = interleaved({label: call}, device, repeats, warmup)[label]
+            except Exception as e2:
+                res.ok, res.error = False, describe_error(e2)
+        del e
+        timings = {label: res.time for label, (res, _) in cands.items() if res.ok}
+    for label, (res, call) in cands.items():
+        if label not in timings or not res.ok:
+            continue
+        res.time = timings[label]
+        first = res.compile_s
+        res.compile_s = max(0.0, first - res.time.median_ms / 1e3) if label in compiles else 0.0
+        try:
+            res.peak_mem_bytes = peak_memory_bytes(call, device)
+        except Exception as e:
+            res.ok, res.error = False, describe_error(e)
+
+
+# --- the profile ---------------------------------------------------------------------------------
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _on_device(x: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
+
+
+def _members_on(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
+    """Members on `device`, copying (never moving) the caller's modules."""
+    out = []
+    for m in members:
+        p = next(iter(list(m.parameters()) + list(m.buffers())), None)
+        out.append(m if p is None or p.device == device else copy.deepcopy(m).to(device))
+    return out
+
+
+def stage_flops(plan: Plan, member: nn.Module, example: tuple) -> dict[str, int]:
+    """FLOPs of each stage for all members (the trace's per-node counts x N); zeros if tracing fails."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = trace(member, example, probe=False)
+    except StagewiseError:
+        return {s.id: 0 for s in plan.stages}
+    return {s.id: sum(int(graph.dag.nodes[n].get("flops", 0)) for n in s.nodes if n in graph.dag) * plan.n_members
+            for s in plan.stages}
+
+
+class _Labelled:
+    """A runner wrapped in a torch.profiler record_function label (for chrome traces)."""
+
+    def __init__(self, runner: Runner, label: str):
+        self.runner, self.label = runner, label
+
+    def __call__(self, args: list) -> list:
+        with torch.profiler.record_function(self.label):
+            return self.runner(args)
+
+
+def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: torch.device) -> str:
+    """Run the plan twice under torch.profiler, one record_function label per stage; write a chrome trace."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    saved = module.runners
+    module.runners = [_Labelled(r, f"stage {p.stage.id} [{p.stage.options.strategy.value if p.stage.mode is StageMode.BATCHED or p.stage.options.strategy is Strategy.WIDE else 'loop'}]")
+                      for p, r in zip(module.programs, saved)]
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(2):
+                with torch.profiler.record_function("stagewise forward"):
+                    module(*inputs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        prof.export_chrome_trace(path)
+    finally:
+        module.runners = saved
+    return path
+
+
+def _effective_strategy(stage) -> Strategy:
+    if stage.mode is StageMode.EXCLUDED and stage.options.strategy is not Strategy.WIDE:
+        return Strategy.LOOP
+    return stage.options.strategy
+
+
+def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
+            repeats: Optional[int] = None, warmup: Optional[int] = None, baselines: bool = True,
+            compile_baseline: bool = False, trace_path: Optional[str] = None, progress: Progress = None,
+            autotune: bool = False, floor: bool = False) -> ProfileReport:
+    """Profile `plan` on `inputs`: per stage, end to end, and against the whole-model baselines.
+
+    Args:
+        plan, members: as for executor.build (exactly plan.n_members members).
+        inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
+        device: "cpu" or "cuda"; CUDA on a machine without it raises planner.DeviceError.
+        repeats: timed samples per measurement (default: enough for ~0.25 s, 5..40).
+        warmup: untimed calls before timing (default 2).
+        baselines: also time the member loop and whole-model vmap end to end.
+        compile_baseline: also time torch.compile of whole-model vmap (compile time reported apart).
+        trace_path: write a chrome trace (torch.profiler, one record_function label per stage) there.
+        progress: callable(done, total, label) called before each measurement and at the end.
+        autotune: first pick each stage's fastest correct strategy (executor.autotune); the
+            report's `plan` is then the tuned plan and each stage lists its candidates.
+        floor: also time one member on N x the batch (benchmarks; assumes dim 0 is the batch axis).
+    Returns:
+        ProfileReport (JSON round trip with to_json/from_json, text table with to_text).
+    Raises:
+        DeviceError, MemberError, PlanMismatchError, InputError as executor.build does.
+    """
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    warmup = 2 if warmup is None else warmup
+    inputs = _on_device(tuple(inputs), dev)
+    members = _members_on(list(members), dev)
+    n = plan.n_members
+    candidates: dict[str, list[StrategyResult]] = {}
+    steps = len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0) + (1 if trace_path else 0)
+    done = 0
+    if autotune:
+        from executor.autotune import tune
+
+        tune_total = [0]
+
+        def tune_progress(d: int, total: int, label: str) -> None:
+            tune_total[0] = total
+            if progress is not None:
+                progress(d, total + steps, f"autotune {label}")
+
+        plan, candidates = tune(plan, members, inputs, device=dev, progress=tune_progress, repeats=repeats, warmup=warmup)
+        done = tune_total[0]
+        steps += done
+    example = member_inputs(plan, inputs, 0)
+    module = build(plan, members, example_inputs=example, device=dev)
+    flops = stage_flops(plan, members[0], example)
+
+    def tick(label: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(done, steps, label)
+        done += 1
+
+    env = module._bind_inputs(inputs)
+    stages: list[StageProfile] = []
+    compile_total = sum(c.compile_s for cs in candidates.values() for c in cs)
+    with torch.no_grad():
+        for program, runner in zip(module.programs, module.runners):
+            stage = program.stage
+            strategy = _effective_strategy(stage)
+            label = strategy_label(strategy, stage.options.chunk_size)
+            tick(f"stage {stage.id} ({label})")
+            args = [env[name] for name in program.input_names]
+            loop_runner = LoopRunner(program, n, runner.stacked, runner.member_states)
+            ref = loop_runner(args)
+            res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(args)), stage_check(ref, n), dev)
+            loop_res = StrategyResult("loop", ok=True, max_rel_err=0.0)
+            cands = {"loop": (loop_res, lambda: loop_runner(args))}
+            if call is not None and label != "loop":
+                cands[label] = (res, call)
+            time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
+            if label == "loop":
+                res = loop_res
+            if strategy is Strategy.COMPILE and res.ok:
+                res.compile_s = getattr(runner, "compile_seconds", res.compile_s)
+            compile_total += res.compile_s
+            for name, value in zip(program.output_names, out if res.ok else ref):
+                env[name] = value
+            stages.append(StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes),
+                                       flops=flops.get(stage.id, 0), result=res, loop=loop_res,
+                                       candidates=candidates.get(stage.id, []), note=stage.options.note))
+
+        tick("end to end and baselines")
+        all_ok = all(s.result.ok for s in stages)
+        ref_out = whole.stack_outputs(whole.loop(plan, members, inputs)())
+        builders: dict[str, Callable[[], Callable]] = {}
+        if all_ok:
+            builders["stagewise"] = lambda: (lambda: module(*inputs))
+        if baselines:
+            builders["loop"] = lambda: whole.loop(plan, members, inputs)
+            builders["vmap"] = lambda: whole.whole_vmap(plan, members, inputs, dev)
+            if compile_baseline:
+                builders["vmap+compile"] = lambda: whole.whole_vmap_compiled(plan, members, inputs, dev)
+        if floor:
+            builders["floor"] = lambda: whole.floor(plan, members, inputs)
+        results: dict[str, StrategyResult] = {}
+        working: dict[str, tuple[StrategyResult, Callable]] = {}
+        for name, make in builders.items():
+            if name in ("vmap", "vmap+compile"):
+                tick(f"baseline {name}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # vmap's slow-fallback warnings: the timing shows it
+                check = None if name in ("loop", "floor") else (lambda out: max_rel_error(out, ref_out))
+                res, call, _ = try_strategy(name, "whole", make, check, dev)
+                if name == "loop" and res.ok:
+                    res.max_rel_err = 0.0  # the reference itself
+            results[name] = res
+            if call is not None:
+                working[name] = (res, call)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            time_candidates(working, dev, repeats, warmup, {"vmap+compile"})
+        compile_total += results["vmap+compile"].compile_s if "vmap+compile" in results else 0.0
+        end_to_end = results.pop("stagewise", None) or StrategyResult(
+            "stagewise", ok=False, error="a stage failed: " + "; ".join(f"{s.id}: {s.result.error}" for s in stages if not s.result.ok))
+        if baselines:
+            tick("baselines done")
+        trace_file = None
+        if trace_path:
+            tick("chrome trace")
+            trace_file = write_chrome_trace(module, inputs, trace_path, dev)
+    if progress is not None:
+        progress(steps, steps, "done")
+    notes = []
+    if dev.type == "cpu":
+        notes.append("peak MB on CPU: peak live bytes of torch's CPU allocator during one call, above the level before it")
+    return ProfileReport(
+        model=plan.model, fingerprint=plan.fingerprint, n_members=n, device=str(dev), device_name=_device_name(dev),
+        torch_version=torch.__version__, threads=torch.get_num_threads(), stages=stages, end_to_end=end_to_end,
+        baselines=list(results.values()), warmup=warmup, autotuned=autotune, plan=plan.to_json(),
+        trace_path=trace_file, profile_s=time.perf_counter() - started, compile_s=compile_total, notes=notes,
+    )

@@ -1,0 +1,63 @@
+"""The `compile` strategy: `torch.compile` of the stage's vmapped callable.
+
+The first call per input layout compiles; its wall time minus one steady-state
+call is kept in `compile_seconds` so that profiles show it separately instead
+of hiding it in a median. Input/output format as VmapRunner (N-first).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from executor.stages import VmapRunner
+from executor.values import Batched, Shared, batched_arg
+
+
+class CompileRunner(VmapRunner):
+    """torch.compile(vmap(stage)) over stacked state; compile time in `compile_seconds`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        module = self.program.module
+
+        def tensors_only(state, inputs):
+            # dynamo-friendly twin of VmapRunner's one_member: no side effects, tensors out
+            out = functional_call(module, state, tuple(inputs))
+            return tuple(x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
+
+        self._tensors_only = tensors_only
+        self._compiled: dict[str, Callable] = {}
+        self.compile_seconds = 0.0
+
+    def run(self, args: list) -> list:
+        pairs = [batched_arg(a) for a in args]
+        inputs = [p[0] for p in pairs]
+        dims = [p[1] for p in pairs]
+        if not self.stacked and all(d is None or not any(x == 0 for x in tree_flatten(d)[0]) for d in dims):
+            return super().run(args)  # nothing per member: computed once, nothing to compile
+        key = repr(dims)
+        fn = self._compiled.get(key)
+        if fn is None:
+            super().run(args)  # eager once: fills the output structure (self._meta) and warms caches
+            start = time.perf_counter()
+            fn = torch.compile(vmap(self._tensors_only, in_dims=(0, dims), randomness="error",
+                                    chunk_size=self.program.stage.options.chunk_size), dynamic=False)
+            fn(self.stacked, inputs)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            tensors = fn(self.stacked, inputs)
+            self.compile_seconds += max(0.0, first - (time.perf_counter() - start))
+            self._compiled[key] = fn
+        else:
+            tensors = fn(self.stacked, inputs)
+        return self._rebuild(tensors)
+
+    def _rebuild(self, tensors: Any) -> list:
+        leaves = list(self._meta["leaves"])
+        for slot, t in zip(self._meta["tensor_at"], tensors):
+            leaves[slot] = t
+        return [Batched(v) for v in tree_unflatten(leaves, self._meta["spec"])]

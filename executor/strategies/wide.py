@@ -1,0 +1,154 @@
+"""The `wide` strategy: run a stage's graph node by node on N-first tensors,
+using hand-batched kernels where they exist (executor.strategies.wide_layers,
+wide_ops) and `torch.func.vmap` of the single op where they do not.
+
+Input/output format: stage boundary values (Shared / Batched / PerMember);
+inside the stage a batched value is `NFirst(t)`, t = [N, *member_shape].
+
+Because every node with a wide rule runs without vmap, this strategy also runs
+stages that were excluded because vmap has no batching rule for one of their
+ops (scaled_dot_product_attention and nn.GRU on CPU): `wide_rule_gaps`
+says which nodes of a stage would still need vmap.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+from executor.stages import Runner, StageProgram
+from executor.strategies import wide_ops
+from executor.strategies.wide_layers import module_rule
+from executor.strategies.wide_ops import NFirst, is_nf, op_name
+from executor.values import Batched, PerMember, Shared, stack_members
+
+# functions/methods with a rule of their own (everything else falls back to vmap of the op)
+_RULED = (wide_ops.ELEMENTWISE | set(wide_ops.DIM_ARGS) | wide_ops.META | wide_ops.MATMUL
+          | {"getattr", "getitem", "view", "reshape", "_unsafe_view", "expand", "permute", "t", "repeat",
+             "cat", "concat", "concatenate", "stack", "scaled_dot_product_attention", "linear", "layer_norm"})
+
+
+def _any_nf(x: Any) -> bool:
+    if isinstance(x, NFirst):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_any_nf(v) for v in x)
+    if isinstance(x, dict):
+        return any(_any_nf(v) for v in x.values())
+    return False
+
+
+def _method(name: str) -> Callable:
+    return lambda self, *args, **kwargs: getattr(self, name)(*args, **kwargs)
+
+
+def wide_rule_gaps(program: StageProgram) -> list[str]:
+    """Nodes of the stage that have no wide rule (they would run under vmap of the single op)."""
+    gaps = []
+    for node in program.module.graph.nodes:
+        if node.op == "call_module":
+            if module_rule(program.module.get_submodule(node.target)) is None:
+                gaps.append(node.name)
+        elif node.op in ("call_function", "call_method") and op_name(node.target) not in _RULED:
+            gaps.append(node.name)
+    return gaps
+
+
+class WideRunner(Runner):
+    """Hand-batched kernels over stacked state (see module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        gm = self.program.module
+        self._nodes = list(gm.graph.nodes)
+        self._calls: dict[str, tuple] = {}
+        for node in self._nodes:
+            if node.op == "call_module":
+                mod = gm.get_submodule(node.target)
+                prefix = f"{node.target}."
+                state = {k[len(prefix):]: v for k, v in self.stacked.items() if k.startswith(prefix)}
+                self._calls[node.name] = (mod, module_rule(mod), state)
+            elif node.op == "call_function":
+                self._calls[node.name] = (node.target, op_name(node.target))
+            elif node.op == "call_method":
+                self._calls[node.name] = (_method(node.target), op_name(node.target))
+            elif node.op == "get_attr":
+                value = self.stacked.get(str(node.target))
+                self._calls[node.name] = (NFirst(value) if value is not None else _attr(gm, str(node.target)),)
+
+    def run(self, args: list) -> list:
+        n = self.n_members
+        env: dict[str, Any] = {}
+        inputs = iter(args)
+        load = lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        for node in self._nodes:
+            if node.op == "placeholder":
+                env[node.name] = _bind(next(inputs))
+            elif node.op == "get_attr":
+                env[node.name] = self._calls[node.name][0]
+            elif node.op == "output":
+                return [_unbind(v, n) for v in torch.fx.node.map_arg(node.args[0], load)]
+            else:
+                a = torch.fx.node.map_arg(node.args, load)
+                kw = torch.fx.node.map_arg(node.kwargs, load)
+                env[node.name] = self._call(node, a, kw)
+        raise AssertionError("stage graph has no output node")
+
+    def _call(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+        n = self.n_members
+        entry = self._calls[node.name]
+        if node.op == "call_module":
+            mod, rule, state = entry
+            if not state and not _any_nf((args, kwargs)):
+                return mod(*args, **kwargs)
+            out = rule(mod, state, args, kwargs, n) if rule is not None else None
+            if out is None:
+                out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw), state, args, kwargs)
+            return out
+        fn, name = entry
+        if not _any_nf((args, kwargs)):
+            return fn(*args, **kwargs)
+        out = wide_ops.call_function(fn, name, args, kwargs, n) if name in _RULED else None
+        if out is None:
+            out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs)
+        return out
+
+
+def _attr(gm: torch.nn.Module, target: str) -> Any:
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _vmap_call(fn: Callable, state: dict, args: tuple, kwargs: dict) -> Any:
+    """vmap of one op: batched operands on dim 0, shared ones broadcast."""
+    unwrap = lambda x: x.t if is_nf(x) else x  # noqa: E731
+    dims = tree_map(lambda x: 0 if is_nf(x) else None, (args, kwargs), is_leaf=is_nf)
+    a, kw = tree_map(unwrap, (args, kwargs), is_leaf=is_nf)
+    out = vmap(fn, in_dims=(0 if state else None, dims[0], dims[1]), randomness="error")(state, a, kw)
+    return tree_map(lambda t: NFirst(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _bind(value: Any) -> Any:
+    """A boundary value inside the stage: batched tensors become NFirst, shared values stay plain."""
+    if isinstance(value, Shared):
+        return value.value
+    if isinstance(value, Batched):
+        return tree_map(lambda x: NFirst(x) if isinstance(x, torch.Tensor) else x, value.tree)
+    assert isinstance(value, PerMember)
+    tree, dims = stack_members(value.values)
+    leaves, spec = tree_flatten(tree)
+    dim_leaves = tree_flatten(dims)[0]
+    return spec.unflatten([NFirst(x) if d == 0 else x for x, d in zip(leaves, dim_leaves)])
+
+
+def _unbind(value: Any, n: int) -> Any:
+    """A stage output as a boundary value: Batched if anything in it is per member, else Shared."""
+    if not _any_nf(value):
+        return Shared(value)
+    return Batched(tree_map(lambda x: x.t if is_nf(x) else (x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, torch.Tensor) else x),
+                            value, is_leaf=is_nf))

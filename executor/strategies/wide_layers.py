@@ -1,0 +1,198 @@
+"""Wide rules for modules: one kernel for all N members' layers.
+
+Input format: batched activations [N, B, C, *spatial] (N-first); member
+parameters stacked [N, *param_shape]. Convolutions and pools fold the member
+axis into the channel axis ([B, N*C, *spatial], a view when the tensor came out
+of a previous wide conv) and run once, as a grouped convolution; Linear is one
+baddbmm (or one GEMM against the concatenated weights for a shared input);
+eval-mode norms are one fused multiply-add with per-member scale and shift.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.strategies.wide_ops import NFirst, affine, as_nfirst, is_nf, linear
+
+ModuleRule = Callable[[nn.Module, dict, tuple, dict, int], Optional[Any]]
+
+ELEMENTWISE_MODULES = (
+    nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Identity, nn.LeakyReLU, nn.ELU, nn.Softplus,
+    nn.Hardtanh, nn.Mish, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid, nn.Softsign,
+)
+POOLS = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+)
+
+
+def _nf(state: dict, key: str) -> Any:
+    v = state.get(key)
+    return NFirst(v) if v is not None else None
+
+
+def fold_channels(x: torch.Tensor, nhwc: bool = False) -> torch.Tensor:
+    """[N, B, C, *sp] -> [B, N*C, *sp]; a view when the tensor came from unfold_channels."""
+    n, b, c = x.shape[:3]
+    y = x.transpose(0, 1).reshape(b, n * c, *x.shape[3:])
+    if nhwc and y.dim() == 4 and not y.is_contiguous(memory_format=torch.channels_last):
+        y = y.contiguous(memory_format=torch.channels_last)  # mkldnn's grouped conv is fastest in NHWC
+    return y
+
+
+def unfold_channels(y: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, N*C, *sp] -> [N, B, C, *sp] as a view."""
+    b, nc = y.shape[:2]
+    return y.view(b, n, nc // n, *y.shape[2:]).transpose(0, 1)
+
+
+def conv(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    """Conv1d/2d of every member at once as one grouped convolution (groups = N * groups)."""
+    if module.padding_mode != "zeros" or kwargs or len(args) != 1:
+        return None
+    x = args[0]
+    spatial = 1 if isinstance(module, nn.Conv1d) else 2
+    if (x.rank if is_nf(x) else x.dim()) != spatial + 2:
+        return None  # unbatched input: leave it to vmap
+    w = state["weight"]  # [N, out, in/groups, *k]
+    out_c = w.shape[1]
+    b = state.get("bias")
+    opts = dict(stride=module.stride, padding=module.padding, dilation=module.dilation)
+    fn = F.conv1d if spatial == 1 else F.conv2d
+    w_cat = w.reshape(n * out_c, *w.shape[2:])
+    b_cat = b.reshape(-1) if b is not None else None
+    if is_nf(x):
+        y = fn(fold_channels(x.t), w_cat, b_cat, groups=n * module.groups, **opts)
+    elif module.groups == 1:
+        y = fn(x, w_cat, b_cat, **opts)  # a shared input: one ordinary conv with N*out channels
+    else:
+        y = fn(x.repeat(1, n, *([1] * spatial)), w_cat, b_cat, groups=n * module.groups, **opts)
+    return NFirst(unfold_channels(y, n))
+
+
+def pool(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    """Channel-wise pools run once on the folded [B, N*C, *sp] layout."""
+    x = args[0]
+    spatial = 1 if module.__class__.__name__.endswith("1d") else 2
+    if not is_nf(x) or x.rank != spatial + 2 or kwargs or getattr(module, "return_indices", False):
+        return None
+    y = module(fold_channels(x.t))
+    return NFirst(unfold_channels(y, n))
+
+
+def batch_norm(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    """Eval-mode BatchNorm: y = x * scale + shift with per-member [N, C] scale/shift."""
+    if module.training or state.get("running_mean") is None or kwargs:
+        return None
+    x = args[0]
+    t = as_nfirst(x, n)
+    if t.dim() < 3:
+        return None
+    scale = torch.rsqrt(state["running_var"] + module.eps)
+    if "weight" in state:
+        scale = scale * state["weight"]
+    shift = -state["running_mean"] * scale
+    if "bias" in state:
+        shift = shift + state["bias"]
+    shape = (n, 1, t.shape[2]) + (1,) * (t.dim() - 3)
+    return NFirst(torch.addcmul(shift.view(shape), t, scale.view(shape)))
+
+
+def layer_norm(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    x = args[0]
+    shape = list(module.normalized_shape)
+    y = F.layer_norm(x.t if is_nf(x) else x, shape, None, None, module.eps)
+    if not is_nf(x):
+        y = y.unsqueeze(0)
+    return NFirst(affine(y, _nf(state, "weight"), _nf(state, "bias"), len(shape)))
+
+
+def linear_module(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    if kwargs or len(args) != 1:
+        return None
+    return NFirst(linear(args[0], NFirst(state["weight"]), _nf(state, "bias"), n))
+
+
+def stateless(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    if state or kwargs or len(args) != 1 or not is_nf(args[0]):
+        return None
+    if isinstance(module, nn.Softmax) or isinstance(module, nn.LogSoftmax):
+        if module.dim is None:
+            return None
+        return NFirst(module.__class__(module.dim + 1 if module.dim >= 0 else module.dim)(args[0].t))
+    return NFirst(module(args[0].t))
+
+
+def flatten_module(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    x = args[0]
+    if not is_nf(x):
+        return None
+    shift = lambda d: d + 1 if d >= 0 else d  # noqa: E731
+    return NFirst(x.t.flatten(shift(module.start_dim), shift(module.end_dim)))
+
+
+def gru(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    """nn.GRU (unidirectional, eval) for all members: the input projection of every step is
+    one baddbmm (or one GEMM for a shared input); each step is one baddbmm plus fused gates.
+
+    Input format: x [N, B, T, in] (batch_first) or [N, T, B, in]; h0 [N, layers, B, H].
+    Returns (out [N, B, T, H] or [N, T, B, H], h_n [N, layers, B, H]).
+    """
+    if module.bidirectional or module.mode != "GRU" or (module.training and module.dropout) or kwargs:
+        return None
+    x = args[0]
+    h0 = args[1] if len(args) > 1 else None
+    if (x.rank if is_nf(x) else x.dim()) != 3:
+        return None
+    t_dim = 1 if module.batch_first else 0  # time axis of one member's input
+    inp: Any = x
+    hidden = module.hidden_size
+    finals = []
+    for layer in range(module.num_layers):
+        w_ih, w_hh = state[f"weight_ih_l{layer}"], state[f"weight_hh_l{layer}"]
+        b_ih, b_hh = state.get(f"bias_ih_l{layer}"), state.get(f"bias_hh_l{layer}")
+        gi = linear(inp, NFirst(w_ih), NFirst(b_ih) if b_ih is not None else None, n)  # [N, *, 3H]
+        gi = gi.movedim(t_dim + 1, 1)  # [N, T, B, 3H]
+        steps, batch = gi.shape[1], gi.shape[2]
+        if h0 is not None:
+            h = as_nfirst(h0, n)[:, layer]
+        else:
+            h = gi.new_zeros(n, batch, hidden)
+        w_hh_t = w_hh.transpose(1, 2)
+        b_hh_b = b_hh.unsqueeze(1) if b_hh is not None else None
+        outs = []
+        for step in range(steps):
+            gh = torch.baddbmm(b_hh_b, h, w_hh_t) if b_hh_b is not None else torch.bmm(h, w_hh_t)
+            g = gi[:, step]
+            rz = torch.sigmoid(g[..., : 2 * hidden] + gh[..., : 2 * hidden])
+            r, z = rz[..., :hidden], rz[..., hidden:]
+            cand = torch.tanh(torch.addcmul(g[..., 2 * hidden:], r, gh[..., 2 * hidden:]))
+            h = torch.lerp(cand, h, z)  # (1 - z) * cand + z * h
+            outs.append(h)
+        out = torch.stack(outs, dim=1)  # [N, T, B, H]
+        finals.append(h)
+        inp = NFirst(out.movedim(1, t_dim + 1))
+    return (inp, NFirst(torch.stack(finals, dim=1)))
+
+
+MODULE_RULES: list[tuple[tuple[type, ...], ModuleRule]] = [
+    ((nn.Linear,), linear_module),
+    ((nn.Conv1d, nn.Conv2d), conv),
+    ((nn.BatchNorm1d, nn.BatchNorm2d), batch_norm),
+    ((nn.LayerNorm,), layer_norm),
+    (POOLS, pool),
+    ((nn.Flatten,), flatten_module),
+    ((nn.GRU,), gru),
+    (ELEMENTWISE_MODULES + (nn.Softmax, nn.LogSoftmax), stateless),
+    ((nn.Dropout,), lambda m, s, a, k, n: stateless(m, s, a, k, n) if not m.training else None),
+]
+
+
+def module_rule(module: nn.Module) -> Optional[ModuleRule]:
+    for types, rule in MODULE_RULES:
+        if isinstance(module, types):
+            return rule
+    return None

@@ -1,0 +1,315 @@
+"""Wide rules for functions and methods: one call on N-first tensors.
+
+Layout: a batched value is `NFirst(t)` with `t` of shape [N, *member_shape]
+(any strides); shared values are plain Python/tensors without a member axis.
+Per-member dims are shifted by one; negative dims already count from the end,
+so they stay. Anything without a rule here falls back to `torch.func.vmap` of
+that one op (see executor.strategies.wide).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+class NFirst:
+    """A batched tensor inside a wide stage: `t` is [N, *member_shape]."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    @property
+    def rank(self) -> int:
+        """Rank of one member's tensor."""
+        return self.t.dim() - 1
+
+
+def is_nf(x: Any) -> bool:
+    return isinstance(x, NFirst)
+
+
+def has_nf(tree: Any) -> bool:
+    return any(is_nf(x) for x in tree_flatten(tree, is_leaf=is_nf)[0])
+
+
+def as_nfirst(x: Any, n: int) -> torch.Tensor:
+    """A tensor operand as [N, ...]: batched ones as they are, shared ones expanded (no copy)."""
+    if is_nf(x):
+        return x.t
+    return x.unsqueeze(0).expand(n, *x.shape)
+
+
+def op_name(target: Any) -> str:
+    """'add' for operator.add, torch.add, Tensor.add, 'add' (method) and aten.add.Tensor alike."""
+    if isinstance(target, str):
+        name = target
+    elif isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name.split("::")[-1]
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        name = target._qualified_op_name.split("::")[-1]
+    else:
+        name = getattr(target, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name.startswith("r") and name[1:] in _REVERSIBLE:
+            name = "r" + name[1:]
+    return name
+
+
+_REVERSIBLE = {"add", "sub", "mul", "truediv", "floordiv", "pow", "matmul", "mod"}
+
+ELEMENTWISE = {
+    "add", "sub", "mul", "div", "truediv", "floordiv", "pow", "neg", "mod", "radd", "rsub", "rmul", "rtruediv",
+    "relu", "gelu", "tanh", "sigmoid", "silu", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "clip",
+    "leaky_relu", "elu", "softplus", "hardtanh", "mish", "erf", "sin", "cos", "reciprocal", "square", "sign",
+    "maximum", "minimum", "where", "masked_fill", "lerp", "addcmul", "logsigmoid", "softsign", "hardswish",
+    "hardsigmoid", "relu6", "selu", "celu", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
+    "logical_or", "bitwise_not", "nan_to_num", "float", "double", "half", "bfloat16", "contiguous", "clone",
+    "detach", "to", "type_as", "_to_copy", "alias",
+}
+
+# op -> [(arg position, kwarg name, default)] of the arguments that index dims of the first input
+DIM_ARGS: dict[str, list[tuple[int, str, Optional[int]]]] = {
+    "softmax": [(1, "dim", None)], "log_softmax": [(1, "dim", None)], "_softmax": [(1, "dim", None)],
+    "_log_softmax": [(1, "dim", None)], "sum": [(1, "dim", None)], "mean": [(1, "dim", None)],
+    "amax": [(1, "dim", None)], "amin": [(1, "dim", None)], "prod": [(1, "dim", None)], "cumsum": [(1, "dim", None)],
+    "logsumexp": [(1, "dim", None)], "var": [(1, "dim", None)], "std": [(1, "dim", None)],
+    "transpose": [(1, "dim0", None), (2, "dim1", None)], "swapaxes": [(1, "axis0", None), (2, "axis1", None)],
+    "unsqueeze": [(1, "dim", None)], "squeeze": [(1, "dim", None)], "select": [(1, "dim", None)],
+    "narrow": [(1, "dim", None)], "flatten": [(1, "start_dim", 0), (2, "end_dim", -1)],
+    "chunk": [(2, "dim", 0)], "split": [(2, "dim", 0)], "unbind": [(1, "dim", 0)], "movedim": [(1, "source", None), (2, "destination", None)],
+    "normalize": [(2, "dim", 1)],
+}
+REDUCE_ALL_WITHOUT_DIM = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "var", "std"}
+META = {"size", "dim", "ndimension", "numel", "sym_size", "sym_numel", "nelement"}
+META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout"}
+MATMUL = {"matmul", "mm", "bmm", "rmatmul"}
+
+
+def _shift(d: Any) -> Any:
+    if isinstance(d, (list, tuple)):
+        return type(d)(_shift(x) for x in d)
+    return d + 1 if isinstance(d, int) and d >= 0 else d
+
+
+def _align(args: Any, n: int) -> Any:
+    """Give every batched operand the same per-member rank, so broadcasting pairs member with member."""
+    leaves = [x for x in tree_flatten((args,), is_leaf=is_nf)[0] if is_nf(x) or isinstance(x, torch.Tensor)]
+    rank = max((x.rank if is_nf(x) else x.dim()) for x in leaves)
+
+    def fix(x):
+        if is_nf(x):
+            extra = rank - x.rank
+            return x.t.reshape(x.t.shape[0], *([1] * extra), *x.t.shape[1:]) if extra else x.t
+        return x
+
+    return tree_map(fix, args, is_leaf=is_nf)
+
+
+def elementwise(fn: Callable, args: tuple, kwargs: dict, n: int) -> NFirst:
+    a, kw = _align((args, kwargs), n)
+    return NFirst(fn(*a, **kw))
+
+
+def with_dims(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+    """Call `fn` on the N-first first operand with its dim arguments shifted past the member axis."""
+    args, kwargs = list(args), dict(kwargs)
+    x = args[0]
+    given = False
+    for pos, key, default in DIM_ARGS[name]:
+        if pos < len(args) and not isinstance(args[pos], bool):
+            args[pos] = _shift(args[pos]) if args[pos] is not None else None
+            given = given or args[pos] is not None
+        elif key in kwargs:
+            kwargs[key] = _shift(kwargs[key]) if kwargs[key] is not None else None
+            given = given or kwargs[key] is not None
+        elif default is not None:
+            kwargs[key] = _shift(default)
+            given = True
+    if not given and name in REDUCE_ALL_WITHOUT_DIM:
+        kwargs["dim"] = list(range(1, x.t.dim()))
+        if name in ("sum", "mean", "prod") and len(args) > 1 and not isinstance(args[1], (int, list, tuple)):
+            kwargs["dtype"] = args.pop(1)  # sum(x, dtype) form
+    elif not given:
+        return None  # e.g. squeeze() or softmax without dim: semantics differ, use vmap
+    args[0] = x.t
+    return _wrap_out(fn(*args, **kwargs))
+
+
+def _wrap_out(out: Any) -> Any:
+    return tree_map(lambda t: NFirst(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _sizes(args: tuple) -> list:
+    rest = args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple, torch.Size)):
+        return list(rest[0])
+    return list(rest)
+
+
+def view_like(name: str, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    n = x.t.shape[0]
+    if name in ("view", "reshape", "_unsafe_view") and not kwargs:
+        sizes = _sizes(args)
+        if any(isinstance(s, torch.dtype) for s in sizes):
+            return None
+        return NFirst(x.t.view(n, *sizes) if name == "view" else x.t.reshape(n, *sizes))
+    if name == "expand" and not kwargs:
+        return NFirst(x.t.expand(n, *_sizes(args)))
+    if name == "permute":
+        dims = _sizes(args) if args[1:] else list(kwargs.get("dims", []))
+        return NFirst(x.t.permute(0, *[(d % x.rank) + 1 for d in dims]))
+    if name in ("t", "numpy_T") and x.rank <= 2:
+        return NFirst(x.t.transpose(1, 2) if x.rank == 2 else x.t)
+    if name == "repeat":
+        sizes = _sizes(args)
+        return NFirst(x.t.repeat(1, *sizes)) if len(sizes) == x.rank else None
+    return None
+
+
+def getitem(args: tuple) -> Any:
+    x, idx = args
+    if not is_nf(x):
+        return x[idx]  # a container (tuple of outputs, chunks) indexed by a Python int
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if has_nf(idx) or sum(isinstance(i, torch.Tensor) for i in idx) > 1:
+        return None  # advanced indexing across members: vmap knows the rules
+    return NFirst(x.t[(slice(None), *idx)])
+
+
+def join(name: str, args: tuple, kwargs: dict, n: int) -> Any:
+    """cat / stack of a list that holds batched tensors."""
+    tensors = [as_nfirst(t, n) for t in args[0]]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    fn = torch.cat if name in ("cat", "concat", "concatenate") else torch.stack
+    return NFirst(fn(tensors, dim=_shift(dim)))
+
+
+def matmul(name: str, args: tuple, n: int) -> Any:
+    a, b = args[:2]
+    if name == "rmatmul":
+        a, b = b, a
+    ranks = [x.rank if is_nf(x) else x.dim() for x in (a, b)]
+    if min(ranks) < 2:
+        return None
+    a_t, b_t = _align((a, b), n)
+    return NFirst(torch.matmul(a_t, b_t))
+
+
+def sdpa(args: tuple, kwargs: dict, n: int, training: bool = False) -> Any:
+    """scaled_dot_product_attention accepts any leading dims: fold the member axis into them."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    if bound.get("dropout_p", 0.0):
+        return None  # dropout needs a random stream per member
+    q, k, v = (bound.pop(x) for x in ("query", "key", "value"))
+    rank = max(x.rank if is_nf(x) else x.dim() for x in (q, k, v))
+    q_t, k_t, v_t = (_lift(x, rank, n) for x in (q, k, v))
+    mask = bound.get("attn_mask")
+    if is_nf(mask):
+        bound["attn_mask"] = _lift(mask, mask.rank, n)
+    return NFirst(F.scaled_dot_product_attention(q_t, k_t, v_t, **bound))
+
+
+def _lift(x: Any, rank: int, n: int) -> torch.Tensor:
+    """[N, 1.., *shape] of per-member rank `rank` (shared tensors expanded without copying)."""
+    t = as_nfirst(x, n)
+    extra = rank - (t.dim() - 1)
+    return t.reshape(n, *([1] * extra), *t.shape[1:]).expand(n, *([-1] * rank)) if extra else t
+
+
+def linear(x: Any, weight: Any, bias: Any, n: int) -> torch.Tensor:
+    """y[m] = x[m] @ W[m]^T + b[m] for every member m. Returns [N, *batch, out].
+
+    Batched x [N, *batch, in]: one baddbmm over [N, M, in] x [N, in, out].
+    Shared x [*batch, in]: one GEMM against all members' weights concatenated
+    ([N*out, in]), then the [*batch, N, out] result viewed member-first.
+    Shared weights (not per member): one F.linear on the N-first x.
+    """
+    if not is_nf(weight):
+        y = F.linear(x.t if is_nf(x) else x, weight, None if is_nf(bias) else bias)
+        if not is_nf(x):
+            y = y.unsqueeze(0).expand(n, *y.shape)
+        return y + bias.t.reshape(n, *([1] * (y.dim() - 2)), -1) if is_nf(bias) else y
+    w = weight.t  # [N, out, in]
+    out_f, in_f = w.shape[1], w.shape[2]
+    b = bias.t if is_nf(bias) else (bias.unsqueeze(0).expand(n, -1) if bias is not None else None)
+    if is_nf(x):
+        t = x.t
+        batch = t.shape[1:-1]
+        x3 = t.reshape(n, -1, in_f)
+        y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2)) if b is not None else torch.bmm(x3, w.transpose(1, 2))
+        return y.view(n, *batch, out_f)
+    batch = x.shape[:-1]
+    x2 = x.reshape(-1, in_f)
+    w_cat = w.reshape(n * out_f, in_f)
+    y = torch.addmm(b.reshape(-1), x2, w_cat.t()) if b is not None else x2 @ w_cat.t()
+    return y.view(*batch, n, out_f).movedim(-2, 0)
+
+
+def affine(y: torch.Tensor, weight: Any, bias: Any, n_trailing: int) -> torch.Tensor:
+    """y * w + b with per-member w, b of shape [N, *trailing] broadcast over y [N, ..., *trailing]."""
+    def shaped(p):
+        if not is_nf(p):
+            return p
+        t = p.t
+        return t.reshape(t.shape[0], *([1] * (y.dim() - 1 - n_trailing)), *t.shape[1:])
+
+    w, b = shaped(weight), shaped(bias)
+    if w is not None and b is not None:
+        return torch.addcmul(b, y, w)
+    if w is not None:
+        return y * w
+    return y + b if b is not None else y
+
+
+def layer_norm(args: tuple, kwargs: dict) -> Any:
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x = bound["input"]
+    shape = bound["normalized_shape"]
+    shape = [shape] if isinstance(shape, int) else list(shape)
+    y = F.layer_norm(x.t if is_nf(x) else x, shape, None, None, bound.get("eps", 1e-5))
+    if not is_nf(x):
+        y = y.unsqueeze(0)
+    return NFirst(affine(y, bound.get("weight"), bound.get("bias"), len(shape)))
+
+
+def call_function(fn: Callable, name: str, args: tuple, kwargs: dict, n: int) -> Any:
+    """The wide result of `fn(*args, **kwargs)` (a function or method node named `name`) with
+    batched operands, or None when there is no rule (the caller falls back to vmap)."""
+    if name in META or (name == "getattr" and args[1] in META_ATTRS):
+        member0 = tree_map(lambda x: x.t[0] if is_nf(x) else x, (args, kwargs), is_leaf=is_nf)
+        return fn(*member0[0], **member0[1])  # sizes are the same for every member
+    if name == "getitem":
+        return getitem(args)
+    if name in ELEMENTWISE:
+        if name in ("to", "_to_copy", "type_as") and (has_nf(args[1:]) or has_nf(kwargs)):
+            return None
+        return elementwise(fn, args, kwargs, n)
+    first = args[0] if args else None
+    if name in DIM_ARGS and is_nf(first) and not has_nf((args[1:], kwargs)):
+        return with_dims(fn, name, args, kwargs)
+    if name in ("view", "reshape", "_unsafe_view", "expand", "permute", "t", "repeat") and is_nf(first) and not has_nf(args[1:]):
+        return view_like(name, args, kwargs)
+    if name in ("cat", "concat", "concatenate", "stack"):
+        return join(name, args, kwargs, n)
+    if name in MATMUL and not kwargs:
+        return matmul(name, args, n)
+    if name == "scaled_dot_product_attention":
+        return sdpa(args, kwargs, n)
+    if name == "linear":
+        x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        return NFirst(linear(x, w, b, n))
+    if name == "layer_norm":
+        return layer_norm(args, kwargs)
+    return None
