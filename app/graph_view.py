@@ -24,7 +24,7 @@ PALETTE = (
 EXCLUDED_FILL = "#d9d9d9"
 IO_COLOR = "#4d4d4d"  # placeholders and the output, which no stage holds
 MODULE_PREFIX = "module:"  # view ids of collapsed modules; fx node names never contain ':'
-LABEL_LIMIT = 80  # draw node names next to markers up to this many view nodes
+LABEL_LIMIT = 300  # draw (fitted) node names next to markers up to this many view nodes
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,25 @@ def collapse(data: GraphData, modules: Iterable[str] = ()) -> ViewGraph:
             seen.add(e)
             edges.append(e)
     return ViewGraph(tuple(ids), {k: tuple(v) for k, v in members.items()}, tuple(edges))
+
+
+AUTO_COLLAPSE_NODES = 300  # graphs larger than this open with modules collapsed
+MAX_VIEW_NODES = 250  # auto-collapse aims at a drawn graph no larger than this
+
+
+def modules_at_depth(data: GraphData, depth: int) -> list[str]:
+    """Module paths with `depth` dots-plus-one parts (depth 1: "layers", depth 2: "layers.0", ...)."""
+    return [p for p in data.module_paths() if p.count(".") == depth - 1]
+
+
+def auto_collapse(data: GraphData, max_view: int = MAX_VIEW_NODES) -> int:
+    """The deepest module depth whose collapse draws at most `max_view` boxes and nodes (0: none fits)."""
+    best = 0
+    for depth in sorted({p.count(".") + 1 for p in data.module_paths()}):
+        if len(collapse(data, modules_at_depth(data, depth)).ids) > max_view:
+            break
+        best = depth
+    return best
 
 
 def view_layout(view: ViewGraph) -> dict[str, tuple[float, float]]:
@@ -335,7 +354,9 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
     n_layers = len({round(p[1], 6) for p in pos.values()}) or 1
     xs_all = [p[0] for p in pos.values()] or [0.0]
     longest = max((len(t) for t in view.ids), default=4) if show_labels else 0
-    height = opts.height or max(420, min(1400, 44 * n_layers + 80))
+    # ~44 px per layer for small graphs; long chains get a tall figure (the page scrolls) at >= 24 px per layer
+    per_layer = 44 if n_layers <= 30 else 24
+    height = opts.height or max(420, min(9000, per_layer * n_layers + 80))
     fig = go.Figure(traces)
     fig.update_layout(
         height=height, margin=dict(l=10, r=10, t=40, b=10),

@@ -90,10 +90,6 @@ def _select_matches(matches: tuple[str, ...]) -> None:
     st.session_state.selection = list(matches)
 
 
-def _collapse_top(paths: tuple[str, ...]) -> None:
-    st.session_state.collapsed = list(paths)
-
-
 # -- widgets ------------------------------------------------------------------------------------
 
 
@@ -106,17 +102,20 @@ def summary_ui(plan: Plan, loaded: state.Loaded, ref: state.ModelRef) -> None:
 def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str]]:
     """Module collapse and search; returns (collapsed module paths, search hits)."""
     modules = data.module_paths()
+    depths = sorted({m.count(".") + 1 for m in modules})
+    if st.session_state.get("collapse_depth", 0) not in [0] + depths:
+        st.session_state.collapse_depth = 0
     st.session_state.collapsed = [m for m in st.session_state.get("collapsed", []) if m in modules]
-    c1, c2, c3 = st.columns([3, 2, 1], vertical_alignment="bottom")
-    collapsed = c1.multiselect("Collapse modules into one box", modules, key="collapsed",
-                               help="Pick nn.Module paths; their nodes are drawn as one square. Selecting the box selects all its nodes.")
+    c0, c1, c2, c3 = st.columns([1.2, 2.3, 2, 1], vertical_alignment="bottom")
+    depth = c0.selectbox("Collapse modules at depth", [0] + depths, key="collapse_depth",
+                         format_func=lambda d: "none" if d == 0 else f"{d} (e.g. {gv.modules_at_depth(data, d)[0]})",
+                         help="Draw every nn.Module at this nesting depth as one square; selecting a square selects its nodes")
+    extra = c1.multiselect("Also collapse", modules, key="collapsed", placeholder="module paths")
     query = c2.text_input("Search nodes", key="search", placeholder="name, op target or module path")
     hits = gv.search(data, query)
     c3.button(f"Select {len(hits)} hits", disabled=not hits, on_click=_select_matches, args=(tuple(hits),),
               width="stretch")
-    top = tuple(m for m in modules if "." not in m)
-    if top and len(data.nodes) > 60:
-        st.button("Collapse all top-level modules", on_click=_collapse_top, args=(top,))
+    collapsed = sorted(set(extra) | set(gv.modules_at_depth(data, depth) if depth else []))
     return collapsed, hits
 
 

@@ -176,11 +176,12 @@ def open_model(ref: ModelRef, n_members: int, input_mode: Any = "shared", *, sav
     result = guarded(f"loading {ref.name}", go)
     if result is None:
         return False
-    _, proposed = result
+    m, proposed = result
     ss().model_ref = ref
     ss().history = History.start(proposed)
     ss().selection = []
     ss().collapsed = []
+    ss().collapse_depth = gv.auto_collapse(m.data) if len(m.data.nodes) > gv.AUTO_COLLAPSE_NODES else 0
     bump_view()
     if save:
         save_autosave()
@@ -255,11 +256,13 @@ def restore_autosave() -> None:
     if result is None:
         return
     proposed, restored = result
+    data = loaded(ref).data
     ss().model_ref = ref
     ss().history = History.start(proposed)
     ss().history.push("restored autosave", restored)
     ss().selection = []
     ss().collapsed = []
+    ss().collapse_depth = gv.auto_collapse(data) if len(data.nodes) > gv.AUTO_COLLAPSE_NODES else 0
     bump_view()
     save_autosave()
     flash("success", f"restored the autosaved plan ({len(restored.stages)} stages) for {ref.name}")

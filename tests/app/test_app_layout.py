@@ -106,3 +106,10 @@ def test_dot_has_a_cluster_per_stage_and_dashed_excluded():
     assert dot.count("subgraph cluster_") == 3
     assert "rankdir=TB" in dot and "dashed" in dot
     assert '"block_fc1" -> "block_act"' in dot or "block_fc1 -> block_act" in dot
+
+
+def test_auto_collapse_picks_the_finest_level_that_fits():
+    data = gv.graph_data(random_dag(1000))  # modules layers (1), layers.<k> (50), layers.<k>.sub<j> (200)
+    assert gv.auto_collapse(data, max_view=60) == 2 and len(gv.modules_at_depth(data, 2)) == 50
+    assert gv.auto_collapse(data, max_view=250) == 3 and len(gv.modules_at_depth(data, 3)) == 200
+    assert gv.auto_collapse(data, max_view=1) == 1 and gv.auto_collapse(data, max_view=0) == 0

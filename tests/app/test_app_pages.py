@@ -129,6 +129,10 @@ def test_collapse_and_search(at):
     at.multiselect(key="collapsed").set_value(["ffn"]).run()
     spec = at.get("plotly_chart")[0].proto.spec
     assert "module:ffn" in spec and '"ffn_1"' not in spec
+    at.multiselect(key="collapsed").set_value([]).run()
+    at.selectbox(key="collapse_depth").set_value(2).run()  # ffn.0, ffn.1, ffn.2
+    spec = at.get("plotly_chart")[0].proto.spec
+    assert "module:ffn.1" in spec and "module:ffn\"" not in spec
     at.text_input(key="search").set_value("ffn").run()
     button(at, "Select 3 hits").click().run()
     assert at.multiselect(key="selection").value == ["ffn_0", "ffn_1", "ffn_2"]
