@@ -296,6 +296,7 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
         groups.setdefault(first_stage, []).append(vid)
 
     labels = fit_labels(view, pos) if show_labels else {}
+    dense_rows = len({round(p[1], 6) for p in pos.values()})  # layers; many layers draw smaller boxes
     times = opts.stage_times
     for sid in sorted(groups, key=lambda s: order.get(s, 1 << 30)):
         vids = groups[sid]
@@ -317,7 +318,7 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
             bad = any(not data.node(n).batchable for n in names)
             line_w.append(4 if sel else (2.5 if bad or excluded else 1))
             line_c.append("#000000" if sel else ("#b30000" if bad else (colors.get(sid, "#555") if excluded else "#ffffff")))
-            sizes.append(22 if is_module else 14)
+            sizes.append((22 if dense_rows < 30 else 15) if is_module else 14)
         xs = [pos[v][0] for v in vids]
         ys = [pos[v][1] for v in vids]
         if times is not None:
@@ -359,8 +360,9 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
     height = opts.height or max(420, min(9000, per_layer * n_layers + 80))
     fig = go.Figure(traces)
     fig.update_layout(
-        height=height, margin=dict(l=10, r=10, t=40, b=10),
+        height=height, margin=dict(l=10, r=40, t=40, b=10),
         hovermode="closest", plot_bgcolor="#ffffff", uirevision=data.fingerprint,
+        modebar=dict(orientation="v"),  # on the right edge, clear of the legend on top
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.0, itemclick=False, itemdoubleclick=False),
         xaxis=dict(visible=False, range=[min(xs_all) - 0.8, max(xs_all) + 0.8 + 0.12 * longest]),
         yaxis=dict(visible=False, range=[min(p[1] for p in pos.values()) - 0.6 if pos else -1, 0.6]),

@@ -32,11 +32,12 @@ class Job:
         return Path(self.dir)
 
 
-def start(task: str, model_path: str, weights: tuple[str, ...], plan_json: dict, device: str, ns: list[int]) -> Job:
-    """Spawn `python -m app.worker` for this request; returns at once."""
+def start(task: str, model_path: str, weights: tuple[str, ...], plan_json: dict, device: str, ns: list[int],
+          **options: Any) -> Job:
+    """Spawn `python -m app.worker` for this request (options: autotune, compile_baseline); returns at once."""
     d = Path(tempfile.mkdtemp(prefix=f"stagewise_{task}_"))
     (d / "request.json").write_text(json.dumps({"task": task, "model_path": model_path, "weights": list(weights),
-                                                "plan": plan_json, "device": device, "ns": ns}))
+                                                "plan": plan_json, "device": device, "ns": ns, **options}))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     log = open(d / "log.txt", "wb")

@@ -6,9 +6,11 @@ import plotly.graph_objects as go
 import streamlit as st
 
 import executor
+import planner
 from app import jobs, state
 from app import graph_view as gv
-from app.profile_view import headline, stage_times, sweep_rows
+from app.profile_view import baselines, failures, headline, stage_rows, stage_times, sweep_rows
+from planner.errors import StagewiseError
 
 POLL_S = 1.0
 
@@ -47,7 +49,9 @@ def _start(task: str) -> None:
     if ref.weights and ns != [len(ref.weights)]:
         state.flash("warning", f"weights for {len(ref.weights)} members are loaded: the sweep runs N={len(ref.weights)} only")
         ns = [len(ref.weights)]
-    job = jobs.start(task, ref.path, ref.weights, plan.with_profile(None).to_json(), st.session_state.get("device", "cpu"), ns)
+    job = jobs.start(task, ref.path, ref.weights, plan.with_profile(None).to_json(), st.session_state.get("device", "cpu"), ns,
+                     autotune=bool(st.session_state.get("autotune")),
+                     compile_baseline=bool(st.session_state.get("compile_baseline")))
     st.session_state.job = job
     st.session_state.job_plan = plan.dumps()
 
@@ -95,6 +99,20 @@ def _poll_ui() -> None:
     st.rerun()
 
 
+def _adopt_tuned() -> None:
+    h, m = state.history(), state.current()
+    reports = st.session_state.get("profile_result") or []
+    tuned = next((r["report"].get("plan") for r in reversed(reports) if r["report"].get("autotuned")), None)
+    if h is None or m is None or not tuned:
+        return
+    try:
+        plan = planner.validate(planner.Plan.from_json(tuned, source="the autotuned plan"), m.graph)
+    except StagewiseError as e:
+        state.flash("error", f"adopting the tuned plan: {e}")
+        return
+    state.commit("adopt autotuned strategies", plan.with_n_members(h.present.n_members))
+
+
 def controls_ui(available: bool) -> None:
     c = st.columns([1, 2, 1, 1], vertical_alignment="bottom")
     c[0].selectbox("Device", _devices(), key="device")
@@ -103,6 +121,19 @@ def controls_ui(available: bool) -> None:
     c[2].button("Profile", type="primary", on_click=_start, args=("profile",), disabled=busy or not available,
                 width="stretch")
     c[3].button("Verify vs loop", on_click=_start, args=("verify",), disabled=busy, width="stretch")
+    o = st.columns(3)
+    o[0].checkbox("Autotune each stage's strategy first", key="autotune", disabled=not available)
+    o[1].checkbox("Also time torch.compile of the whole vmap", key="compile_baseline", disabled=not available)
+
+
+def _bar(title: str, labels: list[str], series: dict[str, list], colors: dict[str, str] | None = None) -> go.Figure:
+    fig = go.Figure()
+    for name, ys in series.items():
+        fig.add_trace(go.Bar(name=name, x=labels, y=ys,
+                             marker_color=[colors.get(x, "#888") for x in labels] if colors and name == "plan" else None))
+    fig.update_layout(title=title, height=340, barmode="group", margin=dict(l=10, r=10, t=40, b=10),
+                      yaxis_title="ms (median)", legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"))
+    return fig
 
 
 def results_ui(plan, loaded, ref) -> None:
@@ -114,32 +145,43 @@ def results_ui(plan, loaded, ref) -> None:
     reports = st.session_state.get("profile_result") or []
     report = plan.profile or (reports[-1]["report"] if reports else None)
     if not report:
-        st.info("No profile yet: press Profile. The run happens in a separate process, so a crash there leaves the app and plan intact.")
+        st.info("No profile yet: press Profile. It runs in a separate process, so a crash or out-of-memory there "
+                "leaves the app and the plan intact.")
         return
+    st.subheader(f"N = {report.get('n_members')} on {report.get('device')} ({report.get('device_name')})")
     h = headline(report)
     if h:
-        cols = st.columns(len(h))
-        for col, (k, v) in zip(cols, h.items()):
-            col.metric(k, f"{v:.3g}")
-    times = stage_times(report)
+        for col, (k, v) in zip(st.columns(len(h)), h.items()):
+            col.metric(k, v)
+    for line in failures(report):
+        st.warning(line)
+    if report.get("autotuned"):
+        st.button("Adopt the autotuned strategies as the plan", on_click=_adopt_tuned, type="primary")
+    rows = stage_rows(report)
     left, right = st.columns(2)
-    if times:
-        ids = [s.id for s in plan.stages if s.id in times] or list(times)
-        colors = gv.stage_colors(plan)
-        fig = go.Figure(go.Bar(x=ids, y=[times[i] for i in ids], marker_color=[colors.get(i, "#888") for i in ids]))
-        fig.update_layout(title="time per stage (ms)", height=360, margin=dict(l=10, r=10, t=40, b=10))
-        left.plotly_chart(fig, key="stage_bars")
-        with right:
-            view, pos = state.view_and_layout(ref, ())
-            gfig = gv.build_figure(loaded.data, view, pos, plan, gv.FigureOptions(stage_times=times, height=420))
-            gfig.update_layout(title="graph coloured by stage time", showlegend=False)
-            st.plotly_chart(gfig, key="time_graph")
-    rows = sweep_rows(reports)
-    if len(rows) > 1:
-        df = pd.DataFrame(rows).set_index("N")
+    if rows:
+        ids = [r["stage"] for r in rows]
+        left.plotly_chart(_bar("time per stage", ids, {"plan": [r["ms"] for r in rows], "member loop": [r["loop ms"] for r in rows]},
+                               gv.stage_colors(plan)), key="stage_bars")
+    base = baselines(report)
+    right.plotly_chart(_bar("whole model", list(base), {"end to end": list(base.values())}), key="baseline_bars")
+    if rows:
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    times = stage_times(report)
+    if times and {s.id for s in plan.stages} >= set(times):
+        view, pos = state.view_and_layout(ref, ())
+        gfig = gv.build_figure(loaded.data, view, pos, plan, gv.FigureOptions(stage_times=times, height=520))
+        gfig.update_layout(title="graph coloured by measured stage time")
+        st.plotly_chart(gfig, key="time_graph")
+    sweep = sweep_rows(reports)
+    if len(sweep) > 1:
         st.subheader("N sweep")
-        st.line_chart(df, x_label="members N", y_label="ms per forward")
-    with st.expander("Raw report JSON"):
+        df = pd.DataFrame(sweep).set_index("N")
+        st.line_chart(df, x_label="members N", y_label="ms per forward (all members)")
+    text = next((r.get("text") for r in reversed(reports) if r.get("report") is report), None)
+    with st.expander("Report"):
+        if text:
+            st.code(text, language=None)
         st.json(report, expanded=False)
 
 

@@ -1,85 +1,103 @@
-"""Reading a ProfileReport's JSON for charts and tables. No streamlit here.
+"""Reading executor's ProfileReport JSON (ProfileReport.to_json) for charts and tables. No streamlit here.
 
-The report layout belongs to executor.profile (ProfileReport.to_json); this
-module only looks values up, tolerating the spellings below, so the page keeps
-working while that report grows. Anything it cannot find is shown as raw JSON.
+Layout (executor/report.py): "stages": [{"id", "mode", "strategy", "flops",
+"result": StrategyResult, "loop": StrategyResult|None}], "end_to_end": StrategyResult,
+"baselines": [StrategyResult with strategy "loop", "vmap", ...]; a StrategyResult
+has "ok", "error", "time": {"median_ms", "p10_ms", "p90_ms", ...}|None,
+"max_rel_err", "peak_mem_bytes". Times are milliseconds, memory bytes.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
-_STAGE_ID = ("id", "stage", "stage_id")
-_STAGE_MS = ("ms", "time_ms", "mean_ms", "median_ms", "batched_ms")
-_METRICS = {  # headline name -> accepted keys, top level or one level down
-    "staged ms": ("staged_ms", "plan_ms", "batched_ms", "total_ms"),
-    "loop ms": ("loop_ms",),
-    "whole-vmap ms": ("vmap_ms", "whole_vmap_ms"),
-    "speedup vs loop": ("speedup", "speedup_vs_loop"),
-    "peak memory MB": ("peak_memory_mb", "memory_mb", "peak_mb"),
-    "max error": ("max_error", "max_rel_error", "max_rel"),
-}
+Report = Mapping[str, Any]
 
 
-def _first(d: Mapping[str, Any], keys: Iterable[str]) -> Any:
-    for k in keys:
-        if k in d and d[k] is not None:
-            return d[k]
-    return None
+def result_ms(result: Optional[Mapping[str, Any]]) -> Optional[float]:
+    """Median ms of one StrategyResult, None when it did not run or failed."""
+    if not result or not result.get("ok") or not result.get("time"):
+        return None
+    ms = result["time"].get("median_ms")
+    return float(ms) if isinstance(ms, (int, float)) else None
 
 
-def _find(d: Mapping[str, Any], keys: Iterable[str]) -> Any:
-    keys = tuple(keys)
-    v = _first(d, keys)
-    if v is not None:
-        return v
-    for sub in d.values():
-        if isinstance(sub, Mapping):
-            v = _first(sub, keys)
-            if v is not None:
-                return v
-    return None
-
-
-def stage_times(report: Mapping[str, Any] | None) -> dict[str, float]:
-    """{stage id: measured ms} from a report (or from a plan.profile), {} when it has none."""
-    if not report:
-        return {}
-    stages = report.get("stages")
-    out: dict[str, float] = {}
-    if isinstance(stages, Mapping):
-        for sid, v in stages.items():
-            ms = _first(v, _STAGE_MS) if isinstance(v, Mapping) else v
-            if isinstance(ms, (int, float)):
-                out[str(sid)] = float(ms)
-    elif isinstance(stages, list):
-        for row in stages:
-            if isinstance(row, Mapping):
-                sid, ms = _first(row, _STAGE_ID), _first(row, _STAGE_MS)
-                if sid is not None and isinstance(ms, (int, float)):
-                    out[str(sid)] = float(ms)
-    return out
-
-
-def headline(report: Mapping[str, Any] | None) -> dict[str, float]:
-    """The summary numbers the page shows as metrics (only those the report has)."""
-    if not report:
-        return {}
+def stage_times(report: Report | None) -> dict[str, float]:
+    """{stage id: median ms of the plan's strategy}; {} when there is no report."""
     out = {}
-    for name, keys in _METRICS.items():
-        v = _find(report, keys)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[name] = float(v)
-    if "speedup vs loop" not in out and "staged ms" in out and out.get("loop ms"):
-        out["speedup vs loop"] = out["loop ms"] / out["staged ms"] if out["staged ms"] else float("nan")
+    for s in (report or {}).get("stages", []) or []:
+        ms = result_ms(s.get("result"))
+        if ms is not None:
+            out[str(s["id"])] = ms
     return out
 
 
-def sweep_rows(reports: Iterable[Mapping[str, Any]]) -> list[dict[str, float]]:
-    """One row per N: {"N", "staged ms", "loop ms", "whole-vmap ms"} for the sweep line chart."""
+def stage_rows(report: Report | None) -> list[dict[str, Any]]:
+    """One row per stage: id, mode, strategy, ms, loop ms, speedup vs loop, GFLOP/s, max rel err, error."""
+    rows = []
+    for s in (report or {}).get("stages", []) or []:
+        res, loop = s.get("result") or {}, s.get("loop")
+        ms, loop_ms = result_ms(res), result_ms(loop)
+        rows.append({
+            "stage": s["id"], "mode": s.get("mode"), "strategy": s.get("strategy"), "ms": ms, "loop ms": loop_ms,
+            "vs loop": (loop_ms / ms) if ms and loop_ms else None, "GFLOP/s": s.get("gflops_per_s"),
+            "max rel err": res.get("max_rel_err"), "error": res.get("error", ""),
+        })
+    return rows
+
+
+def baselines(report: Report | None) -> dict[str, Optional[float]]:
+    """{"stagewise": ms, "loop": ms, "vmap": ms, ...} end to end (None where a baseline failed)."""
+    if not report:
+        return {}
+    out = {"stagewise": result_ms(report.get("end_to_end"))}
+    for b in report.get("baselines", []) or []:
+        out[str(b.get("strategy"))] = result_ms(b)
+    return out
+
+
+def headline(report: Report | None) -> dict[str, str]:
+    """The summary the page shows as metrics, formatted."""
+    if not report:
+        return {}
+    base = baselines(report)
+    plan_ms = base.get("stagewise")
+    out: dict[str, str] = {}
+    if plan_ms is not None:
+        out["stagewise ms"] = f"{plan_ms:.3g}"
+    for name in ("loop", "vmap"):
+        ms = base.get(name)
+        if ms is not None:
+            out[f"{name} ms"] = f"{ms:.3g}"
+            if plan_ms:
+                out[f"speedup vs {name}"] = f"{ms / plan_ms:.2f}×"
+    e2e = report.get("end_to_end") or {}
+    if e2e.get("peak_mem_bytes") is not None:
+        out["peak memory"] = f"{e2e['peak_mem_bytes'] / 2**20:.1f} MiB"
+    errs = [e2e.get("max_rel_err")] + [(s.get("result") or {}).get("max_rel_err") for s in report.get("stages", [])]
+    errs = [e for e in errs if isinstance(e, (int, float))]
+    if errs:
+        out["max rel error"] = f"{max(errs):.1e}"
+    return out
+
+
+def failures(report: Report | None) -> list[str]:
+    """Lines naming every stage or baseline that failed, with its error."""
+    if not report:
+        return []
+    out = [f"stage {s['id']}: {(s.get('result') or {}).get('error')}" for s in report.get("stages", [])
+           if not (s.get("result") or {}).get("ok", True)]
+    out += [f"baseline {b.get('strategy')}: {b.get('error')}" for b in report.get("baselines", []) if not b.get("ok", True)]
+    e2e = report.get("end_to_end") or {}
+    if e2e and not e2e.get("ok", True):
+        out.append(f"end to end: {e2e.get('error')}")
+    return out
+
+
+def sweep_rows(reports: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per N (worker results {"n", "report"}): N and the end-to-end ms of stagewise and each baseline."""
     rows = []
     for r in reports:
-        h = headline(r.get("report"))
-        row = {"N": float(r.get("n", 0))}
-        row.update({k: h[k] for k in ("staged ms", "loop ms", "whole-vmap ms") if k in h})
+        row: dict[str, Any] = {"N": int(r.get("n", 0))}
+        row.update({f"{k} ms": v for k, v in baselines(r.get("report")).items()})
         rows.append(row)
-    return rows
+    return sorted(rows, key=lambda row: row["N"])

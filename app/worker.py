@@ -6,12 +6,12 @@ CUDA OOM or a hang here cannot take the Streamlit server (or the plan) down:
 the app only reads these files. No streamlit here.
 
 request.json: {"task": "profile"|"verify", "model_path": str, "weights": [str],
-               "plan": Plan.to_json(), "device": "cpu"|"cuda", "ns": [int, ...]}
+               "plan": Plan.to_json(), "device": "cpu"|"cuda", "ns": [int, ...],
+               "autotune": bool, "compile_baseline": bool}
 result.json:  {"ok": bool, "error": str|None, "reports": [{"n": int, "report": dict, "text": str}]}
 """
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import time
@@ -55,13 +55,11 @@ def run(job_dir: Path) -> dict:
         if req["task"] == "verify":
             rep = executor.verify(p, members, inputs, device=req.get("device"))
         else:
-            fn = executor.profile
-            kwargs: dict[str, Any] = {"device": req.get("device", "cpu")}
-            params = inspect.signature(fn).parameters
-            if "progress" in params:
-                kwargs["progress"] = lambda msg, frac=None, _i=i: progress(
-                    f"N={n}: {msg}", (_i + (frac or 0.0)) / len(ns))
-            rep = fn(p, members, inputs, **kwargs)
+            def tick(done: int, total: int, label: str, _i: int = i, _n: int = n) -> None:
+                progress(f"N={_n}: {label}", (_i + done / max(total, 1)) / len(ns))
+
+            rep = executor.profile(p, members, inputs, device=req.get("device", "cpu"), progress=tick,
+                                   autotune=bool(req.get("autotune")), compile_baseline=bool(req.get("compile_baseline")))
         reports.append({"n": n, "report": rep.to_json(), "text": rep.to_text() if hasattr(rep, "to_text") else ""})
     progress("done", 1.0)
     return {"ok": True, "error": None, "reports": reports}

@@ -306,3 +306,32 @@ def test_profile_page_runs_verify_in_a_worker(at):
             break
     assert "verify_result" in at.session_state, texts(at.error)
     assert "MATCH" in texts(at.success)
+
+
+def _wait_for_job(at: AppTest, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while "job" in at.session_state and at.session_state["job"] is not None and time.time() < deadline:
+        time.sleep(1)
+        at.run()
+
+
+def test_profile_attaches_report_to_plan_and_export(at):
+    import executor
+
+    if not hasattr(executor, "profile"):
+        pytest.skip("executor.profile is not in this build")
+    at.switch_page("views/model.py").run()
+    at.number_input(key="n_current").set_value(2).run()
+    at.switch_page("views/profile.py").run()
+    at.text_input(key="sweep_ns").set_value("1, 2")
+    button(at, "Profile").click().run()
+    _wait_for_job(at)
+    assert not at.exception and not at.error, texts(at.error)
+    p = plan_of(at)
+    assert p.profile is not None and p.profile["n_members"] == 2
+    labels = [m.label for m in at.metric]
+    assert "stagewise ms" in labels and "speedup vs loop" in labels
+    assert len(at.session_state["profile_result"]) == 2  # the sweep
+    at.switch_page("views/export.py").run()
+    shown = [c.value for c in at.code if c.language == "json"][0]
+    assert '"profile": {' in shown
