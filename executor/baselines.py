@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.plan import InputMode, Plan
 from executor.build import stack_members
+from executor.strategies import compiled
 from executor.verify import member_inputs
 
 
@@ -54,8 +55,8 @@ def whole_vmap_compiled(plan: Plan, members: Sequence[nn.Module], inputs: tuple,
     base = members[0]
     stacked = stack_members(members, device)
     dims = tuple(0 if spec.mode is InputMode.PER_MEMBER else None for spec in plan.inputs)
-    fn = torch.compile(vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error"),
-                       dynamic=False)
+    fn = compiled.compile_fresh(vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error"),
+                                "whole_model")
     return lambda: fn(stacked, *inputs)
 
 

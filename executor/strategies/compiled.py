@@ -6,7 +6,9 @@ of hiding it in a median. Input/output format as VmapRunner (N-first).
 """
 from __future__ import annotations
 
+import itertools
 import time
+import types
 from typing import Any, Callable
 
 import torch
@@ -15,6 +17,25 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from executor.stages import VmapRunner
 from executor.values import Batched, Shared, batched_arg
+
+BACKEND = "inductor"  # torch.compile backend; tests switch to "aot_eager" to check the plumbing quickly
+_serial = itertools.count()
+
+
+def compile_fresh(fn: Callable, name: str) -> Callable:
+    """torch.compile of `fn` through a wrapper with a code object of its own.
+
+    Dynamo caches compiled graphs per code object and stops compiling one after
+    a few recompiles (`recompile_limit`); every vmap shares one wrapper code
+    object, so without this the ninth compiled stage in a process would quietly
+    run eager.
+    """
+    def call(*args):
+        return fn(*args)
+
+    code = call.__code__.replace(co_name=f"{name}_{next(_serial)}")
+    wrapper = types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+    return torch.compile(wrapper, backend=BACKEND, dynamic=False)
 
 
 class CompileRunner(VmapRunner):
@@ -44,8 +65,8 @@ class CompileRunner(VmapRunner):
         if fn is None:
             super().run(args)  # eager once: fills the output structure (self._meta) and warms caches
             start = time.perf_counter()
-            fn = torch.compile(vmap(self._tensors_only, in_dims=(0, dims), randomness="error",
-                                    chunk_size=self.program.stage.options.chunk_size), dynamic=False)
+            fn = compile_fresh(vmap(self._tensors_only, in_dims=(0, dims), randomness="error",
+                                    chunk_size=self.program.stage.options.chunk_size), f"stage_{self.program.stage.id}")
             fn(self.stacked, inputs)
             first = time.perf_counter() - start
             start = time.perf_counter()

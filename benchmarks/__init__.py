@@ -1,0 +1,1 @@
+"""stagewise benchmark suite: `python -m benchmarks.run` (or `make bench`)."""

@@ -1,0 +1,161 @@
+"""Run the benchmark suite and write one table: `python -m benchmarks.run [--device cuda] [--only mlp]`.
+
+For every workload (benchmarks.workloads) one `executor.profile(..., autotune=True,
+compile_baseline=True, floor=True)` times, in the same run and on the same inputs:
+the member loop, whole-model vmap, whole-model vmap + torch.compile, the autotuned
+stagewise plan, and the floor (one member on N x the batch). Ratios come from that
+one run. Results go to benchmarks/results/<device>.json and .md with the machine
+and library versions; the Markdown table is also printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import executor
+import planner
+from benchmarks.workloads import WORKLOADS, Workload
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WHOLE = ("loop", "vmap", "vmap+compile")
+
+
+def run_workload(w: Workload, device: str, repeats: int | None) -> executor.ProfileReport:
+    src = planner.load_model_file(w.path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(src.model, src.example_inputs)
+        plan = planner.propose(graph, w.n, w.input_mode, model=w.model)
+        members = src.members(w.n)
+        inputs = executor.batched_inputs(plan, src.example_inputs)
+
+        def progress(done: int, total: int, label: str) -> None:
+            print(f"\r  [{done:>2}/{total}] {label:<48}", end="", file=sys.stderr, flush=True)
+
+        report = executor.profile(plan, members, inputs, device=device, repeats=repeats, autotune=True,
+                                  compile_baseline=True, floor=True, progress=progress)
+    print(file=sys.stderr)
+    return report
+
+
+def row_of(w: Workload, r: executor.ProfileReport) -> dict:
+    """One table row: times in ms, the best whole-model strategy and the ratios."""
+    times = {b.strategy: (b.ms if b.ok else None) for b in r.baselines}
+    stagewise = r.end_to_end.ms if r.end_to_end.ok else None
+    whole = {k: times.get(k) for k in WHOLE if times.get(k) is not None}
+    best_name = min(whole, key=whole.get) if whole else None
+    best = whole.get(best_name) if best_name else None
+    compile_b = r.baseline("vmap+compile")
+    return {
+        "workload": w.name, "n": w.n, "input_mode": w.input_mode, "linear_heavy": w.linear_heavy,
+        "loop_ms": times.get("loop"), "vmap_ms": times.get("vmap"), "vmap_compile_ms": times.get("vmap+compile"),
+        "vmap_compile_s": compile_b.compile_s if compile_b and compile_b.ok else None,
+        "stagewise_ms": stagewise, "floor_ms": times.get("floor"),
+        "best_whole": best_name, "best_whole_ms": best,
+        "ratio_vs_best": (best / stagewise) if best and stagewise else None,  # >1: stagewise is faster
+        "vs_floor": (stagewise / times["floor"]) if stagewise and times.get("floor") else None,  # <=1.5 is the target
+        "strategies": " ".join(f"{s.id}:{s.strategy}" for s in r.stages),
+        "errors": {b.strategy: b.error for b in r.baselines if not b.ok},
+    }
+
+
+def _f(x, spec=".2f", dash="fail") -> str:
+    return dash if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict], meta: dict, verdicts: list[str]) -> str:
+    lines = [f"# stagewise benchmark: {meta['device_name']} ({meta['device']})", "",
+             f"{meta['date']} · torch {meta['torch']} · Python {meta['python']} · {meta['threads']} threads · "
+             f"{meta['cpus']} CPUs · {meta['platform']}", "",
+             "Median ms per forward of all N members (no grad). *ratio* = best of loop / whole vmap / whole vmap + compile "
+             "divided by stagewise (>1: stagewise faster). *floor* = one member on N x the batch (same FLOPs, shared weights).", "",
+             "| workload | loop | whole vmap | vmap + compile (compile s) | stagewise auto | ratio vs best | floor | stagewise / floor | stages |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        comp = f"{_f(r['vmap_compile_ms'])} ({_f(r['vmap_compile_s'], '.1f', '-')})" if r["vmap_compile_ms"] else "fail"
+        lines.append(f"| {r['workload']} | {_f(r['loop_ms'])} | {_f(r['vmap_ms'])} | {comp} | **{_f(r['stagewise_ms'])}** | "
+                     f"{_f(r['ratio_vs_best'])}x ({r['best_whole']}) | {_f(r['floor_ms'])} | {_f(r['vs_floor'])}x | {r['strategies']} |")
+    lines += ["", "## Targets", ""] + [f"- {v}" for v in verdicts]
+    fails = [(r["workload"], k, e) for r in rows for k, e in r["errors"].items()]
+    if fails:
+        lines += ["", "## Baselines that failed", ""] + [f"- {w} / {k}: {e[:200]}" for w, k, e in fails]
+    lines += ["", f"Suite wall time {meta['wall_s']:.0f} s (autotune, compile and checks included)."]
+    return "\n".join(lines) + "\n"
+
+
+def verdicts_of(rows: list[dict], device: str) -> list[str]:
+    out = []
+    ratios = [r["ratio_vs_best"] for r in rows if r["ratio_vs_best"]]
+    bad = [r for r in rows if not r["ratio_vs_best"] or r["ratio_vs_best"] < 0.95]
+    out.append(("MET" if not bad else "NOT MET") + ": stagewise >= 0.95x the best whole-model strategy on every workload"
+               + (f" (below: {', '.join(r['workload'] + ' ' + _f(r['ratio_vs_best']) + 'x' for r in bad)})" if bad else ""))
+    if ratios:
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        out.append(f"{'MET' if geo >= 1.25 else 'NOT MET'}: geometric mean speedup over the best whole-model strategy "
+                   f"{geo:.2f}x (target >= 1.25x)")
+    for r in rows:
+        if r["linear_heavy"]:
+            ok = r["vs_floor"] is not None and r["vs_floor"] <= 1.5
+            out.append(f"{'MET' if ok else 'NOT MET'}: {r['workload']} within 1.5x of the floor ({_f(r['vs_floor'])}x)")
+    if device.startswith("cuda"):
+        for key, target in (("MLP 64-128-64, N=100, b32, shared x", 40), ("conv resblock", 10)):
+            r = next((x for x in rows if x["workload"].startswith(key)), None)
+            if r and r["loop_ms"] and r["stagewise_ms"]:
+                s = r["loop_ms"] / r["stagewise_ms"]
+                out.append(f"{'MET' if s >= target else 'NOT MET'}: {r['workload']} {s:.1f}x faster than the eager loop (GPU target {target}x)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--only", default=None, help="run workloads whose name contains this text")
+    ap.add_argument("--repeats", type=int, default=None, help="timed samples per measurement (default adaptive)")
+    ap.add_argument("--out", default=str(RESULTS), help="results folder")
+    args = ap.parse_args(argv)
+    started = time.perf_counter()
+    workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]
+    rows, reports = [], {}
+    for w in workloads:
+        print(f"{w.name}", file=sys.stderr)
+        report = run_workload(w, args.device, args.repeats)
+        reports[w.name] = report.to_json()
+        rows.append(row_of(w, report))
+    dev = executor.resolve_device(args.device)
+    meta = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
+        "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(), "platform": platform.platform(), "wall_s": time.perf_counter() - started,
+    }
+    verdicts = verdicts_of(rows, str(dev))
+    text = markdown(rows, meta, verdicts)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = dev.type + ("-" + args.only.replace(" ", "_") if args.only else "")
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "verdicts": verdicts, "reports": reports},
+                                                 sort_keys=True, indent=2) + "\n")
+    print(text)
+    print(f"wrote {out / (stem + '.md')} and {stem}.json", file=sys.stderr)
+    return 0
+
+
+def _cpu_name() -> str:
+    from executor.profile import _device_name
+
+    return _device_name(torch.device("cpu"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
