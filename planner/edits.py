@@ -109,6 +109,13 @@ def split(plan: Plan, graph: ModelGraph, stage: str, at: str | Iterable[str]) ->
                     f"path {' -> '.join(path)} leaves it and comes back; include the nodes on that path in the selection, "
                     "or split at a single node instead"
                 )
+        forward = _edge_between(graph, first, second)
+        backward = _edge_between(graph, second, first)
+        if forward and backward:
+            raise EditError(
+                f"{what}: the two parts would feed each other ({forward[0]} -> {forward[1]} and {backward[0]} -> {backward[1]}), "
+                "a cycle between the stages; add nodes to the selection so values flow one way, or split at a single node instead"
+            )
     parts = [replace(s, nodes=first), replace(s, nodes=second)]
     return _finish(plan, graph, [x for x in plan.stages if x.id != s.id] + parts, what)
 
@@ -186,6 +193,16 @@ def _stage_or_edit_error(plan: Plan, stage_id: str, what: str) -> Stage:
         if s.id == stage_id:
             return s
     raise EditError(f"{what}: no stage {stage_id!r}; stages are {[s.id for s in plan.stages]}")
+
+
+def _edge_between(graph: ModelGraph, src: Iterable[str], dst: Iterable[str]) -> tuple[str, str] | None:
+    """Some DAG edge from a node of `src` to a node of `dst`, or None."""
+    targets = set(dst)
+    for u in src:
+        for v in graph.dag.successors(u):
+            if v in targets:
+                return u, v
+    return None
 
 
 def _descendants(graph: ModelGraph, node: str) -> set[str]:

@@ -52,7 +52,10 @@ def stage_graph(plan: Plan, graph: ModelGraph) -> nx.DiGraph:
 
 
 def renumber(plan_stages: Iterable[Stage], graph: ModelGraph) -> list[Stage]:
-    """Give stages ids s0, s1, ... in topological order of the stage graph (ties by first node)."""
+    """Give stages ids s0, s1, ... in topological order of the stage graph (ties by first node).
+
+    Raises PlanMismatchError naming the stages (or their first nodes) when the stage graph has a cycle.
+    """
     stages = list(plan_stages)
     owner = {n: i for i, s in enumerate(stages) for n in s.nodes}
     q = nx.DiGraph()
@@ -61,7 +64,15 @@ def renumber(plan_stages: Iterable[Stage], graph: ModelGraph) -> list[Stage]:
         if u in owner and v in owner and owner[u] != owner[v]:
             q.add_edge(owner[u], owner[v])
     first = [min(graph.topo_index(n) for n in s.nodes) for s in stages]
-    order = list(nx.lexicographical_topological_sort(q, key=lambda i: first[i]))
+    try:
+        order = list(nx.lexicographical_topological_sort(q, key=lambda i: first[i]))
+    except nx.NetworkXUnfeasible:
+        loop = [u for u, _ in nx.find_cycle(q)]
+        named = [f"[{stages[i].id or stages[i].nodes[0]}{', ...' if not stages[i].id and len(stages[i].nodes) > 1 else ''}]" for i in loop]
+        raise PlanMismatchError(
+            f"the stages would feed each other in a cycle {' -> '.join(named + named[:1])}; "
+            "merge the stages on the cycle, or split elsewhere"
+        ) from None
     out = []
     for new_id, i in enumerate(order):
         s = stages[i]
