@@ -9,39 +9,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import networkx as nx
 import pytest
 
 import planner
 from planner import InputMode, PlanMismatchError, StageMode
-from conftest import SAMPLE_NAMES
+from conftest import SAMPLE_NAMES, check_plan_invariants
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("STAGEWISE_REGEN_GOLDEN") == "1"
-
-
-def check_plan_invariants(plan: planner.Plan, graph: planner.ModelGraph) -> None:
-    """The plan invariants, computed here independently of planner.validate."""
-    dag = graph.dag
-    placed = [n for s in plan.stages for n in s.nodes]
-    assert sorted(placed) == sorted(graph.compute_nodes), "every compute node in exactly one stage"
-    assert len(placed) == len(set(placed))
-    assert [s.id for s in plan.stages] == [f"s{i}" for i in range(len(plan.stages))]
-    owner = {n: i for i, s in enumerate(plan.stages) for n in s.nodes}
-    for s in plan.stages:
-        assert list(s.nodes) == sorted(s.nodes, key=graph.topo_index), f"{s.id} nodes out of graph order"
-        inside = set(s.nodes)
-        below = set().union(*(nx.descendants(dag, n) for n in inside)) - inside
-        above = set().union(*(nx.ancestors(dag, n) for n in inside)) - inside
-        assert not (below & above), f"{s.id} is not convex: {sorted(below & above)[:3]} lie between its nodes"
-        if s.mode is StageMode.BATCHED:
-            assert all(dag.nodes[n]["batchable"] for n in s.nodes), f"batched {s.id} holds an unbatchable node"
-            assert s.reason == ""
-        else:
-            assert s.reason, f"excluded {s.id} has no reason"
-    for u, v in dag.edges:  # stage ids are a topological order of the stage graph (so it is acyclic)
-        if u in owner and v in owner:
-            assert owner[u] <= owner[v], f"edge {u}->{v} goes from {plan.stages[owner[u]].id} back to {plan.stages[owner[v]].id}"
 
 
 @pytest.mark.parametrize("name", SAMPLE_NAMES)

@@ -1,0 +1,441 @@
+"""Plan edits: unit tests, and hypothesis-driven random edit sequences.
+
+The property tests apply random merge/split/exclude/include sequences to the
+sample graphs and to random DAG models (Linear / elementwise / two-branch adds,
+with a few `.item()` nodes so some nodes cannot be batched). After every
+accepted edit the plan invariants hold and, every few edits, the built module
+still matches the member loop. A refused edit raises EditError and leaves the
+plan as it was.
+"""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import executor
+import planner
+from planner import EditError, Plan, StageMode, Strategy
+from planner.validate import stage_graph
+from conftest import SAMPLE_NAMES, check_plan_invariants
+
+RTOL = 1e-4
+
+
+def modes(plan: Plan) -> list[tuple[tuple[str, ...], str]]:
+    return [(s.nodes, s.mode.value) for s in plan.stages]
+
+
+@pytest.fixture(scope="module")
+def dd(sample):
+    """data_dependent: s0 (fc1, relu, abs_1, max_1) | s1 item | s2 (add, truediv, fc2) | s3 sign_branch | s4 fc3."""
+    _, graph = sample("data_dependent")
+    return planner.propose(graph, 3), graph
+
+
+def test_data_dependent_layout(dd):
+    plan, _ = dd
+    assert modes(plan) == [
+        (("fc1", "relu", "abs_1", "max_1"), "batched"), (("item",), "excluded"), (("add", "truediv", "fc2"), "batched"),
+        (("sign_branch",), "excluded"), (("fc3",), "batched")]
+
+
+# --- merge ---------------------------------------------------------------------------
+
+def test_merge_refused_when_a_path_leaves_and_returns(dd):
+    plan, graph = dd
+    with pytest.raises(EditError) as info:
+        planner.merge(plan, graph, "s0", "s2")
+    msg = str(info.value)
+    assert msg.startswith("merge('s0', 's2'): would create a cycle s0 -> s1 -> s2")
+    assert "max_1 -> item -> add" in msg
+    assert "merge s1 into them as well, or split s1 first" in msg
+
+
+def test_merge_batched_with_excluded_gives_excluded(dd):
+    plan, graph = dd
+    merged = planner.merge(plan, graph, "s0", "s1")
+    check_plan_invariants(merged, graph)
+    assert modes(merged)[0] == (("fc1", "relu", "abs_1", "max_1", "item"), "excluded")
+    assert "data-dependent value" in merged.stages[0].reason
+    assert len(merged.stages) == 4 and merged.fingerprint == plan.fingerprint and merged.n_members == 3
+
+
+def test_merge_is_symmetric_in_nodes(dd):
+    plan, graph = dd
+    assert modes(planner.merge(plan, graph, "s0", "s1")) == modes(planner.merge(plan, graph, "s1", "s0"))
+
+
+def test_merge_two_batched_keeps_first_options(sample):
+    _, graph = sample("mlp")
+    plan = planner.split(planner.propose(graph, 2), graph, "s0", at="act")
+    plan = planner.set_options(plan, graph, "s1", chunk_size=2)
+    merged = planner.merge(plan, graph, "s1", "s0")
+    assert modes(merged) == [(("fc1", "act", "fc2"), "batched")]
+    assert merged.stages[0].options.chunk_size == 2
+
+
+def test_merge_chain_through_the_excluded_stage(sample):
+    _, graph = sample("transformer_block")
+    plan = planner.propose(graph, 2)
+    with pytest.raises(EditError, match="s0 -> s1 -> s2"):
+        planner.merge(plan, graph, "s0", "s2")
+    one = planner.merge(planner.merge(plan, graph, "s0", "s1"), graph, "s0", "s1")
+    assert len(one.stages) == 1 and one.stages[0].mode is StageMode.EXCLUDED
+    with pytest.raises(EditError, match="'scaled_dot_product_attention' cannot be batched.*exclude\\('scaled_dot_product_attention'\\)"):
+        planner.include(one, graph, "s0")
+
+
+@pytest.mark.parametrize("a, b, message", [
+    ("s0", "s0", "cannot be merged with itself"),
+    ("s0", "s9", "no stage 's9'; stages are \\['s0', 's1', 's2', 's3', 's4'\\]"),
+    ("x", "s1", "no stage 'x'"),
+])
+def test_merge_refusals(dd, a, b, message):
+    plan, graph = dd
+    with pytest.raises(EditError, match=message):
+        planner.merge(plan, graph, a, b)
+
+
+# --- split ---------------------------------------------------------------------------
+
+def test_split_at_a_node(dd):
+    plan, graph = dd
+    new = planner.split(plan, graph, "s0", at="abs_1")
+    check_plan_invariants(new, graph)
+    assert modes(new)[:2] == [(("fc1", "relu"), "batched"), (("abs_1", "max_1"), "batched")]
+    assert [s.id for s in new.stages] == [f"s{i}" for i in range(6)]
+
+
+def test_split_off_a_convex_selection(sample):
+    _, graph = sample("moe")
+    plan = planner.propose(graph, 2)
+    nodes = plan.stages[0].nodes
+    first_expert = nodes[nodes.index("experts_0_fc1"):nodes.index("experts_0_fc2") + 1]  # fc1, relu, fc2
+    new = planner.split(plan, graph, "s0", at=first_expert)
+    check_plan_invariants(new, graph)
+    assert len(first_expert) == 3 and tuple(first_expert) in [s.nodes for s in new.stages]
+
+
+class TwoWay(nn.Module):
+    """a = l1(x); c = l3(x); outputs l2(a) and a + c: selections can be convex yet feed each other."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        a = self.l1(x)
+        c = self.l3(x)
+        return self.l2(a), a + c
+
+
+@pytest.fixture(scope="module")
+def two_way():
+    graph = planner.trace(TwoWay(), (torch.randn(2, 4),))
+    plan = planner.propose(graph, 2)
+    assert modes(plan) == [(("l1", "l3", "l2", "add"), "batched")]
+    return plan, graph
+
+
+def test_split_refused_when_the_parts_feed_each_other(two_way):
+    plan, graph = two_way
+    with pytest.raises(EditError) as info:
+        planner.split(plan, graph, "s0", at={"l1", "add"})
+    msg = str(info.value)
+    assert "the two parts would feed each other (l1 -> l2 and l3 -> add)" in msg and "split at a single node instead" in msg
+    assert modes(planner.split(plan, graph, "s0", at={"l1", "l2"})) == [(("l1", "l2"), "batched"), (("l3", "add"), "batched")]
+
+
+def test_merge_refused_when_the_stage_graph_would_cycle_through_a_third_stage(two_way):
+    """{l1} and {add} are convex together, but {l1, add} -> {l3, l2} -> {l1, add} would be a stage cycle."""
+    plan, graph = two_way
+    plan = planner.split(planner.split(plan, graph, "s0", at="l3"), graph, "s1", at="add")
+    assert modes(plan) == [(("l1",), "batched"), (("l3", "l2"), "batched"), (("add",), "batched")]
+    with pytest.raises(EditError, match=r"merge\('s0', 's2'\): refused.*cycle"):
+        planner.merge(plan, graph, "s0", "s2")
+    assert len(planner.merge(planner.merge(plan, graph, "s0", "s1"), graph, "s0", "s1").stages) == 1
+
+
+@pytest.mark.parametrize("at, message", [
+    ("fc1", "'fc1' is the first node of s0, nothing comes before it"),
+    ("fc3", "node 'fc3' is not in stage s0"),
+    ({"fc1", "abs_1"}, "would not be convex: path fc1 -> relu -> abs_1"),
+    ({"relu"}, "would not be convex: path fc1 -> relu -> abs_1"),
+    ({"fc1", "relu", "abs_1", "max_1"}, "select some but not all nodes of s0"),
+    ({"fc3"}, "nodes \\['fc3'\\] are not in stage s0"),
+])
+def test_split_refusals(dd, at, message):
+    plan, graph = dd
+    with pytest.raises(EditError, match=message):
+        planner.split(plan, graph, "s0", at=at)
+
+
+# --- exclude / include -------------------------------------------------------------------
+
+def test_exclude_stage_and_include_back(dd):
+    plan, graph = dd
+    out = planner.exclude(plan, graph, "s4")
+    s4 = out.stage("s4")
+    assert s4.mode is StageMode.EXCLUDED and s4.reason == "excluded by user" and s4.options.strategy is Strategy.LOOP
+    assert planner.include(out, graph, "s4") == plan
+
+
+def test_exclude_a_node_carves_it_out(dd):
+    plan, graph = dd
+    out = planner.exclude(plan, graph, "relu")
+    check_plan_invariants(out, graph)
+    assert modes(out)[:3] == [(("fc1",), "batched"), (("relu",), "excluded"), (("abs_1", "max_1"), "batched")]
+    assert out.stage_of("relu").reason == "excluded by user"
+    assert len(out.stages) == 7
+
+
+def test_exclude_the_only_node_excludes_the_stage(dd):
+    plan, graph = dd
+    assert planner.exclude(plan, graph, "fc3") == planner.exclude(plan, graph, "s4")
+
+
+def test_exclude_a_node_with_branches(sample):
+    """Carving a node out of a stage with parallel branches keeps both remaining parts convex."""
+    _, graph = sample("moe")
+    plan = planner.propose(graph, 2)
+    for node in plan.stages[0].nodes[1:6]:
+        check_plan_invariants(planner.exclude(plan, graph, node), graph)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p, g: planner.exclude(p, g, "s1"), "stage s1 is already excluded"),
+    (lambda p, g: planner.exclude(p, g, "nope"), "no stage or node named 'nope'"),
+    (lambda p, g: planner.include(p, g, "s0"), "stage s0 is already batched"),
+    (lambda p, g: planner.include(p, g, "s1"), "include\\('s1'\\): node 'item' cannot be batched \\(data-dependent value"),
+    (lambda p, g: planner.include(p, g, "s7"), "no stage 's7'"),
+])
+def test_exclude_include_refusals(dd, edit, message):
+    plan, graph = dd
+    with pytest.raises(EditError, match=message):
+        edit(plan, graph)
+
+
+def test_edits_refuse_another_graph(dd, sample):
+    plan, _ = dd
+    _, mlp_graph = sample("mlp")
+    for edit in (lambda: planner.merge(plan, mlp_graph, "s0", "s1"), lambda: planner.exclude(plan, mlp_graph, "s0"),
+                 lambda: planner.split(plan, mlp_graph, "s0", at="relu"), lambda: planner.include(plan, mlp_graph, "s1")):
+        with pytest.raises(EditError, match=f"fingerprint {plan.fingerprint}.*another graph \\({mlp_graph.fingerprint}\\)"):
+            edit()
+
+
+def test_set_options(dd):
+    plan, graph = dd
+    out = planner.set_options(plan, graph, "s0", chunk_size=2, note="hand-tuned")
+    assert out.stage("s0").options.chunk_size == 2 and out.stage("s0").options.note == "hand-tuned"
+    assert planner.set_options(plan, graph, "s1", strategy="loop").stage("s1").options.strategy is Strategy.LOOP
+    for kwargs, message in [({"speed": 3}, "unknown options \\['speed'\\]"), ({"strategy": "warp"}, "unknown strategy 'warp'"),
+                            ({"chunk_size": 0}, "chunk_size must be a positive integer"), ({"chunk_size": 1.5}, "chunk_size")]:
+        with pytest.raises(EditError, match=message):
+            planner.set_options(plan, graph, "s0", **kwargs)
+    with pytest.raises(EditError, match="s1 is excluded .*include it before choosing a batched strategy"):
+        planner.set_options(plan, graph, "s1", strategy="vmap")
+
+
+def test_edits_drop_a_stale_profile(dd):
+    plan, graph = dd
+    profiled = plan.with_profile({"stages": []})
+    assert planner.exclude(profiled, graph, "s4").profile is None
+
+
+def test_refused_edit_leaves_the_plan_alone(dd):
+    plan, graph = dd
+    before = plan.dumps()
+    with pytest.raises(EditError):
+        planner.merge(plan, graph, "s0", "s2")
+    assert plan.dumps() == before
+
+
+def test_edited_plan_still_matches_the_loop(dd, sample):
+    plan, graph = dd
+    src, _ = sample("data_dependent")
+    plan = planner.exclude(plan, graph, "relu")
+    plan = planner.merge(plan, graph, "s5", "s6")
+    plan = planner.split(plan, graph, "s4", at="fc2")
+    assert modes(plan)[-3:] == [(("add", "truediv"), "batched"), (("fc2",), "batched"), (("sign_branch", "fc3"), "excluded")]
+    report = executor.verify(plan, src.members(3), src.example_inputs)
+    assert report.ok, report.to_text()
+
+
+# --- random DAG models --------------------------------------------------------------------
+
+class RandomDAG(nn.Module):
+    """A random fx-traceable model: Linear, elementwise, two-branch adds and `.item()` rescalings.
+
+    The architecture comes from `arch_seed` (Python RNG); weights from torch's RNG.
+    Input layout [B, D]; output one [B, D] tensor, or a tuple of two.
+    """
+
+    KINDS = ("linear", "linear", "linear", "relu", "tanh", "scale", "add", "add", "item")
+
+    def __init__(self, arch_seed: int, n_ops: int = 10, d: int = 6):
+        super().__init__()
+        rng = random.Random(arch_seed)
+        self.layers = nn.ModuleDict()
+        self.spec: list[tuple] = []
+        n_items = 0
+        for i in range(n_ops):
+            kind = rng.choice(self.KINDS)
+            if kind == "item" and n_items >= 2:
+                kind = "relu"
+            n_items += kind == "item"
+            a = rng.randrange(i + 1)
+            if kind == "linear":
+                self.layers[f"l{i}"] = nn.Linear(d, d)
+                self.spec.append((kind, a, f"l{i}"))
+            elif kind == "add":
+                self.spec.append((kind, a, rng.randrange(i + 1)))
+            else:
+                self.spec.append((kind, a, None))
+        self.second_output = rng.randrange(n_ops + 1) if rng.random() < 0.4 else None
+
+    def forward(self, x):
+        values = [x]
+        for kind, a, b in self.spec:
+            v = values[a]
+            if kind == "linear":
+                v = self.layers[b](v)
+            elif kind == "relu":
+                v = torch.relu(v)
+            elif kind == "tanh":
+                v = torch.tanh(v)
+            elif kind == "scale":
+                v = v * 0.5
+            elif kind == "add":
+                v = v + values[b]
+            else:  # item: a Python float crosses into the next ops
+                s = v.abs().mean().item()
+                v = v / (1.0 + s)
+            values.append(v)
+        if self.second_output is not None:
+            return values[-1], values[self.second_output]
+        return values[-1]
+
+
+DAG_SEEDS = [3, 11, 17, 42]
+
+
+@functools.lru_cache(maxsize=None)
+def subject(name: str):
+    """(graph, members(n), one member's example inputs) for a sample or 'dag<seed>'."""
+    if name.startswith("dag"):
+        seed = int(name[3:])
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+
+        def members(n):
+            out = []
+            for i in range(n):
+                torch.manual_seed(1000 * seed + i)
+                out.append(RandomDAG(seed).eval())
+            return out
+
+        return planner.trace(members(1)[0], (x,)), members, (x,)
+    from conftest import load_sample
+
+    src, graph = load_sample(name)
+    return graph, src.members, src.example_inputs
+
+
+def test_random_dags_have_unbatchable_nodes():
+    kinds = [planner.unbatchable(subject(f"dag{s}")[0]) for s in DAG_SEEDS]
+    assert any(kinds) and all(all(n.startswith("item") for n in k) for k in kinds)
+    assert sum(len(subject(f"dag{s}")[0].compute_nodes) for s in DAG_SEEDS) > 40
+
+
+def draw_edit(data, plan: Plan, graph):
+    """One random edit as (label, thunk), mostly ones that may be accepted; some are bound to be refused."""
+    ids = [s.id for s in plan.stages]
+    excluded = [s.id for s in plan.stages if s.mode is StageMode.EXCLUDED]
+    kind = data.draw(st.sampled_from(["merge_next", "split", "exclude_node", "include", "merge_next", "split_set",
+                                      "merge_any", "exclude", "merge_next", "split", "unknown"]))
+    if kind.startswith("merge"):
+        a = data.draw(st.sampled_from(ids))
+        after = sorted(stage_graph(plan, graph).successors(a))
+        others = [i for i in ids if i != a] or ids
+        b = data.draw(st.sampled_from(after if kind == "merge_next" and after else others))
+        return f"merge({a}, {b})", lambda: planner.merge(plan, graph, a, b)
+    if kind.startswith("split"):
+        s = data.draw(st.sampled_from([s for s in plan.stages if len(s.nodes) > 1] or plan.stages))
+        if kind == "split":
+            at = data.draw(st.sampled_from(s.nodes[1:] or s.nodes))
+        else:
+            at = data.draw(st.sets(st.sampled_from(s.nodes), min_size=1))
+        return f"split({s.id}, at={at})", lambda: planner.split(plan, graph, s.id, at=at)
+    if kind == "exclude":
+        a = data.draw(st.sampled_from(ids))
+        return f"exclude({a})", lambda: planner.exclude(plan, graph, a)
+    if kind == "exclude_node":
+        n = data.draw(st.sampled_from(graph.compute_nodes))
+        return f"exclude({n})", lambda: planner.exclude(plan, graph, n)
+    if kind == "include":
+        a = data.draw(st.sampled_from(excluded or ids))
+        return f"include({a})", lambda: planner.include(plan, graph, a)
+    return "merge(s0, s999)", lambda: planner.merge(plan, graph, "s0", "s999")
+
+
+def run_edit_sequence(data, name: str, steps: int, verify_every: int | None, n: int = 2) -> int:
+    graph, members, example = subject(name)
+    mode = data.draw(st.sampled_from(["shared", "per_member"]), label="input mode")
+    plan = planner.propose(graph, n, input_mode=mode)
+    inputs = executor.batched_inputs(plan, example)
+    accepted = 0
+    for _ in range(steps):
+        label, edit = draw_edit(data, plan, graph)
+        before = plan.dumps()
+        try:
+            new = edit()
+        except EditError as e:
+            assert str(e), label
+            assert plan.dumps() == before, f"{label} was refused but changed the plan"
+            continue
+        check_plan_invariants(new, graph)
+        assert planner.validate(new, graph) is new
+        assert Plan.loads(new.dumps()) == new
+        assert (new.fingerprint, new.n_members, new.inputs) == (plan.fingerprint, plan.n_members, plan.inputs)
+        assert plan.dumps() == before, f"{label} changed its input plan"
+        plan = new
+        accepted += 1
+        if verify_every and accepted % verify_every == 0:
+            report = executor.verify(plan, members(n), inputs)
+            assert report.ok, f"after {label}:\n{report.to_text()}"
+    return accepted
+
+
+@settings(max_examples=40)
+@given(data=st.data(), seed=st.sampled_from(DAG_SEEDS))
+def test_random_edits_on_random_dags(data, seed):
+    run_edit_sequence(data, f"dag{seed}", steps=10, verify_every=3)
+
+
+@settings(max_examples=40)
+@given(data=st.data(), name=st.sampled_from(SAMPLE_NAMES))
+def test_random_edits_on_samples(data, name):
+    run_edit_sequence(data, name, steps=10, verify_every=None)
+
+
+@pytest.mark.slow
+@settings(max_examples=12)
+@given(data=st.data(), name=st.sampled_from(sorted(set(SAMPLE_NAMES) - {"shape_loop"})))
+def test_random_edits_on_samples_still_match_the_loop(data, name):
+    run_edit_sequence(data, name, steps=6, verify_every=3)
+
+
+@pytest.mark.parametrize("seed", DAG_SEEDS)
+def test_random_dag_proposals_match_the_loop(seed):
+    graph, members, example = subject(f"dag{seed}")
+    for mode in ("shared", "per_member"):
+        plan = planner.propose(graph, 3, input_mode=mode)
+        check_plan_invariants(plan, graph)
+        report = executor.verify(plan, members(3), executor.batched_inputs(plan, example))
+        assert report.ok, report.to_text()
