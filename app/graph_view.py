@@ -321,16 +321,16 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
             sizes.append((22 if dense_rows < 30 else 15) if is_module else 14)
         xs = [pos[v][0] for v in vids]
         ys = [pos[v][1] for v in vids]
-        if times is not None:
+        if sid not in modes:  # placeholders and the output belong to no stage
+            marker = dict(color=IO_COLOR)
+            name = "inputs / outputs"
+        elif times is not None:
             t = times.get(sid)
             fill: Any = [t if t is not None else 0.0] * len(vids)
             marker = dict(color=fill, colorscale="YlOrRd", cmin=0, cmax=max(list(times.values()) + [1e-9]),
                           showscale=sid == next(iter(sorted(groups, key=lambda s: order.get(s, 1 << 30)))),
-                          colorbar=dict(title="stage ms"))
+                          colorbar=dict(title="stage ms", thickness=14, len=0.6, x=1.0, xanchor="left"))
             name = f"{sid}: {t:.3g} ms" if t is not None else f"{sid}: not measured"
-        elif sid not in modes:  # placeholders and the output belong to no stage
-            marker = dict(color=IO_COLOR)
-            name = "inputs / outputs"
         else:
             marker = dict(color=EXCLUDED_FILL if excluded else colors[sid])
             name = f"{sid} · {'excluded' if excluded else 'batched'} · {len(plan.stage(sid).nodes)} nodes"

@@ -32,6 +32,8 @@ def autosave_offer_ui() -> None:
 
 def main() -> None:
     st.set_page_config(page_title="stagewise", layout="wide")
+    # less empty space above the page title: the graph is what people came for
+    st.html("<style>[data-testid='stMainBlockContainer']{padding-top:2.5rem}</style>")
     state.init()
     pages = [
         st.Page(str(VIEWS / "plan.py"), title="Plan", default=True, url_path="plan"),

@@ -13,6 +13,7 @@ from app.profile_view import baselines, failures, headline, stage_rows, stage_ti
 from planner.errors import StagewiseError
 
 POLL_S = 1.0
+BASELINE_COLORS = {"stagewise": "#2ca02c", "loop": "#7f7f7f", "vmap": "#1f77b4", "vmap+compile": "#9467bd", "floor": "#bcbd22"}
 
 
 def _devices() -> list[str]:
@@ -130,9 +131,22 @@ def _bar(title: str, labels: list[str], series: dict[str, list], colors: dict[st
     fig = go.Figure()
     for name, ys in series.items():
         fig.add_trace(go.Bar(name=name, x=labels, y=ys,
-                             marker_color=[colors.get(x, "#888") for x in labels] if colors and name == "plan" else None))
+                             marker_color=[colors.get(x, "#888") for x in labels] if colors and name in ("plan", "end to end") else None))
     fig.update_layout(title=title, height=340, barmode="group", margin=dict(l=10, r=10, t=40, b=10),
                       yaxis_title="ms (median)", legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"))
+    return fig
+
+
+def sweep_figure(rows: list[dict]) -> go.Figure:
+    """End-to-end ms against N, one line per way of running (stagewise, loop, vmap, ...)."""
+    fig = go.Figure()
+    names = [k for k in rows[0] if k != "N"]
+    for name in names:
+        fig.add_trace(go.Scatter(x=[r["N"] for r in rows], y=[r.get(name) for r in rows], mode="lines+markers",
+                                 name=name.removesuffix(" ms")))
+    fig.update_layout(title="N sweep: time per forward of all members", height=360, xaxis_title="members N",
+                      yaxis_title="ms (median)", margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_xaxes(type="log", tickvals=[r["N"] for r in rows])
     return fig
 
 
@@ -164,20 +178,19 @@ def results_ui(plan, loaded, ref) -> None:
         left.plotly_chart(_bar("time per stage", ids, {"plan": [r["ms"] for r in rows], "member loop": [r["loop ms"] for r in rows]},
                                gv.stage_colors(plan)), key="stage_bars")
     base = baselines(report)
-    right.plotly_chart(_bar("whole model", list(base), {"end to end": list(base.values())}), key="baseline_bars")
+    right.plotly_chart(_bar("whole model", list(base), {"end to end": list(base.values())}, BASELINE_COLORS),
+                       key="baseline_bars")
     if rows:
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
     times = stage_times(report)
     if times and {s.id for s in plan.stages} >= set(times):
         view, pos = state.view_and_layout(ref, ())
+        st.markdown("**Graph coloured by measured stage time**")
         gfig = gv.build_figure(loaded.data, view, pos, plan, gv.FigureOptions(stage_times=times, height=520))
-        gfig.update_layout(title="graph coloured by measured stage time")
         st.plotly_chart(gfig, key="time_graph")
     sweep = sweep_rows(reports)
     if len(sweep) > 1:
-        st.subheader("N sweep")
-        df = pd.DataFrame(sweep).set_index("N")
-        st.line_chart(df, x_label="members N", y_label="ms per forward (all members)")
+        st.plotly_chart(sweep_figure(sweep), key="sweep_chart")
     text = next((r.get("text") for r in reversed(reports) if r.get("report") is report), None)
     with st.expander("Report"):
         if text:

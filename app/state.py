@@ -230,7 +230,7 @@ def init() -> None:
         open_model(ModelRef(path, label=Path(path).name), DEFAULT_N, save=False)
     offer = ss().get("autosave_offer")
     # the autosave we just wrote for the default model is no offer; an older, different plan is
-    if offer is not None and plan() is not None and offer.plan == _without_profile(plan()) and not offer.weights:
+    if offer is not None and plan() is not None and _without_profile(offer.plan) == _without_profile(plan()) and not offer.weights:
         ss().autosave_offer = None
 
 
