@@ -1,0 +1,246 @@
+"""The `stagewise` CLI: plan / run / show, and one-line errors with exit code 2.
+
+Most tests call app.cli.main(argv) in-process (fast); one runs the installed
+console script in a subprocess to check the entry point and that no traceback leaks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import executor
+import planner
+from app import cli
+from conftest import ROOT, TINY_MODEL
+
+MLP = str(ROOT / "sample_models" / "mlp.py")
+DEEP = str(ROOT / "sample_models" / "deep_mlp.py")
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, command: str, *words: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"stagewise {command}: error: "), lines[0]
+    assert "Traceback" not in err
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+
+
+@pytest.fixture
+def mlp_plan(tmp_path, capsys) -> Path:
+    path = tmp_path / "plan.json"
+    code, _, _ = run_cli(capsys, "plan", MLP, "-n", "3", "-o", path)
+    assert code == 0
+    return path
+
+
+def test_plan_prints_the_table_and_writes_json(tmp_path, capsys, sample):
+    path = tmp_path / "dd.json"
+    code, out, err = run_cli(capsys, "plan", ROOT / "sample_models" / "data_dependent.py", "-n", "4", "-o", path)
+    assert code == 0 and err == ""
+    assert "5 stages (3 batched, 2 excluded), N=4, tracer=fx, inputs: x=shared" in out
+    assert "stage  mode" in out and "reason" in out
+    assert "data-dependent value" in out
+    assert f"plan written to {path}" in out
+    plan = planner.Plan.load(path)
+    _, graph = sample("data_dependent")
+    assert plan.n_members == 4 and plan.fingerprint == graph.fingerprint
+    assert plan.model.endswith("data_dependent.py")
+    assert [s.nodes for s in plan.stages] == [s.nodes for s in planner.propose(graph, 4).stages]
+
+
+def test_plan_without_output_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(capsys, "plan", MLP, "-n", "2")
+    assert code == 0 and "1 stage (1 batched, 0 excluded)" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_export_model_notes_the_tracer(capsys):
+    code, out, _ = run_cli(capsys, "plan", ROOT / "sample_models" / "shape_loop.py", "-n", "2")
+    assert code == 0
+    assert out.startswith("note: torch.fx failed") and "tracer=export" in out
+
+
+@pytest.mark.parametrize("argv, mode", [
+    (["--input-mode", "per_member"], "per_member"),
+    (["--input-mode", "x=per_member"], "per_member"),
+    ([], "shared"),
+])
+def test_plan_input_modes(tmp_path, capsys, argv, mode):
+    path = tmp_path / "p.json"
+    code, _, _ = run_cli(capsys, "plan", MLP, "-n", "2", *argv, "-o", path)
+    assert code == 0
+    assert json.loads(path.read_text())["inputs"] == [{"name": "x", "mode": mode}]
+
+
+def test_run_exits_0_on_match(mlp_plan, capsys):
+    code, out, err = run_cli(capsys, "run", mlp_plan, MLP)
+    assert code == 0, err
+    assert "MATCH: batched vs loop over 3 members" in out and "MISMATCH" not in out
+    assert "output out" in out and "stage  mode" in out
+
+
+def test_run_per_member_plan(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    assert run_cli(capsys, "plan", ROOT / "sample_models" / "data_dependent.py", "-n", "3", "--input-mode", "per_member", "-o", path)[0] == 0
+    code, out, _ = run_cli(capsys, "run", path, ROOT / "sample_models" / "data_dependent.py")
+    assert code == 0 and "MATCH" in out and "boundary item" in out
+
+
+def test_run_exits_1_on_mismatch(mlp_plan, capsys, monkeypatch):
+    real = executor.verify
+
+    def broken(*args, **kwargs):
+        report = real(*args, **kwargs)
+        report.outputs[0].ok = False
+        return report
+
+    monkeypatch.setattr(executor, "verify", broken)
+    code, out, _ = run_cli(capsys, "run", mlp_plan, MLP)
+    assert code == 1 and "MISMATCH" in out
+
+
+def test_show(mlp_plan, capsys):
+    code, out, _ = run_cli(capsys, "show", mlp_plan)
+    assert code == 0
+    assert "model: " in out and "mlp.py" in out and "fingerprint:" in out
+    assert "s0     batched" in out and "params" not in out
+    code, out, _ = run_cli(capsys, "show", mlp_plan, MLP)
+    assert code == 0 and "params" in out and "FLOPs" in out and "16.6k" in out
+
+
+# --- errors: one line, exit 2 ------------------------------------------------------------
+
+def test_bad_plan_json(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    for argv in (["run", path, MLP], ["show", path]):
+        code, out, err = run_cli(capsys, *argv)
+        assert_one_line_error(code, err, argv[0], "bad.json is not valid JSON")
+
+
+def test_wrong_schema_version(mlp_plan, capsys):
+    d = json.loads(mlp_plan.read_text())
+    d["schema_version"] = 99
+    mlp_plan.write_text(json.dumps(d))
+    code, _, err = run_cli(capsys, "run", mlp_plan, MLP)
+    assert_one_line_error(code, err, "run", "schema_version is 99", "stagewise plan")
+
+
+def test_plan_for_another_model(mlp_plan, capsys, sample):
+    code, _, err = run_cli(capsys, "run", mlp_plan, DEEP)
+    _, mlp_graph = sample("mlp")
+    _, deep_graph = sample("deep_mlp")
+    assert_one_line_error(code, err, "run", mlp_graph.fingerprint, deep_graph.fingerprint, "re-plan")
+    code, _, err = run_cli(capsys, "show", mlp_plan, DEEP)
+    assert_one_line_error(code, err, "show", mlp_graph.fingerprint, deep_graph.fingerprint)
+
+
+def test_plan_naming_unknown_nodes(mlp_plan, capsys):
+    d = json.loads(mlp_plan.read_text())
+    d["stages"][0]["nodes"].append("fc9")
+    mlp_plan.write_text(json.dumps(d))
+    code, _, err = run_cli(capsys, "show", mlp_plan, MLP)
+    assert_one_line_error(code, err, "show", "'fc9'")
+
+
+def test_missing_model_file(tmp_path, capsys, mlp_plan):
+    code, _, err = run_cli(capsys, "plan", tmp_path / "nope.py")
+    assert_one_line_error(code, err, "plan", "nope.py does not exist")
+    code, _, err = run_cli(capsys, "run", mlp_plan, tmp_path / "nope.py")
+    assert_one_line_error(code, err, "run", "nope.py does not exist")
+
+
+def test_missing_plan_file(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "show", tmp_path / "nope.json")
+    assert_one_line_error(code, err, "show", "cannot read plan file", "nope.json")
+
+
+def test_model_file_with_syntax_error(capsys, write_model):
+    path = write_model("def build_model(:\n    pass\n", "broken.py")
+    code, _, err = run_cli(capsys, "plan", path)
+    assert_one_line_error(code, err, "plan", "broken.py has a syntax error at line 1")
+
+
+def test_model_file_without_example_inputs(capsys, write_model):
+    path = write_model("import torch.nn as nn\ndef build_model():\n    return nn.Linear(2, 2)\n", "noinputs.py")
+    code, _, err = run_cli(capsys, "plan", path)
+    assert_one_line_error(code, err, "plan", "noinputs.py defines no example_inputs()")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-n", "0"], ["n_members must be an integer >= 1"]),
+    (["--input-mode", "sometimes"], ["'sometimes'", "'shared', 'per_member'"]),
+    (["--input-mode", "x=shared", "per_member"], ["name=mode per input"]),
+    (["--input-mode", "y=shared"], ["unknown inputs ['y']"]),
+])
+def test_plan_bad_options(capsys, argv, words):
+    code, _, err = run_cli(capsys, "plan", MLP, *argv)
+    assert_one_line_error(code, err, "plan", *words)
+
+
+def test_wrong_member_count_from_weights(tmp_path, capsys, mlp_plan):
+    import torch
+
+    src = planner.load_model_file(MLP)
+    w = tmp_path / "m0.pt"
+    torch.save(src.members(1)[0].state_dict(), w)
+    code, _, err = run_cli(capsys, "run", mlp_plan, MLP, "--weights", w)
+    assert_one_line_error(code, err, "run", "1 weight files given but 3 members asked for")
+
+
+def test_device_without_cuda(mlp_plan, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run_cli(capsys, "run", mlp_plan, MLP, "--device", "cuda")
+    assert_one_line_error(code, err, "run", "no CUDA device")
+
+
+def test_unexpected_errors_are_one_line_too(mlp_plan, capsys, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(executor, "verify", boom)
+    monkeypatch.delenv("STAGEWISE_DEBUG", raising=False)
+    code, _, err = run_cli(capsys, "run", mlp_plan, MLP)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "unexpected RuntimeError: kaboom" in err and "STAGEWISE_DEBUG=1" in err
+
+
+# --- the installed console script ----------------------------------------------------------
+
+def _console_script() -> list[str]:
+    exe = Path(sys.executable).with_name("stagewise")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "app.cli"]
+
+
+def test_console_script(tmp_path, write_model):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("STAGEWISE_DEBUG", None)
+    plan = tmp_path / "tiny.json"
+    model = write_model(TINY_MODEL, "tiny.py")
+    ok = subprocess.run([*_console_script(), "plan", str(model), "-n", "2", "-o", str(plan)],
+                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "plan written to" in ok.stdout and plan.exists()
+    ran = subprocess.run([*_console_script(), "run", str(plan), str(model)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert ran.returncode == 0 and "MATCH" in ran.stdout, ran.stderr
+    plan.write_text("[]")
+    bad = subprocess.run([*_console_script(), "run", str(plan), str(model)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [f"stagewise run: error: {plan}: expected a JSON object, got list"]
