@@ -1,0 +1,164 @@
+"""Member weights from files (.safetensors, torch.save'd state_dicts) and torch.export archives (.pt2)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import executor
+import planner
+from planner import MemberError
+from conftest import SAMPLES_DIR
+
+N = 3
+
+
+def trained_like_members(name: str, n: int = N) -> list[torch.nn.Module]:
+    """n members with distinct weights, as someone's training run would leave them."""
+    src = planner.load_model_file(SAMPLES_DIR / f"{name}.py")
+    members = src.members(n)
+    with torch.no_grad():
+        for i, m in enumerate(members):
+            for p in m.parameters():
+                p.add_(0.01 * (i + 1))
+    return members
+
+
+def save_weights(members, folder, suffix: str) -> list:
+    paths = []
+    for i, m in enumerate(members):
+        path = folder / f"member{i}{suffix}"
+        state = {k: v.contiguous() for k, v in m.state_dict().items()}
+        if suffix == ".safetensors":
+            save_file(state, str(path))
+        else:
+            torch.save(state, path)
+        paths.append(path)
+    return paths
+
+
+def assert_same_state(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    g, w = got.state_dict(), want.state_dict()
+    assert g.keys() == w.keys()
+    for k in w:
+        assert torch.equal(g[k], w[k]), k
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_members_get_the_file_weights(tmp_path, suffix):
+    originals = trained_like_members("mlp")
+    paths = save_weights(originals, tmp_path, suffix)
+    src = planner.load_source(SAMPLES_DIR / "mlp.py", weights=paths)
+    members = src.members(N)
+    for got, want in zip(members, originals):
+        assert_same_state(got, want)
+    graph = planner.trace(src.model, src.example_inputs)
+    plan = planner.propose(graph, N, input_mode="per_member")
+    report = executor.verify(plan, members, executor.batched_inputs(plan, src.example_inputs))
+    assert report.ok, report.to_text()
+    out = executor.build(plan, members)(*executor.batched_inputs(plan, src.example_inputs))
+    with torch.no_grad():
+        want = originals[1](executor.batched_inputs(plan, src.example_inputs)[0][1])
+    torch.testing.assert_close(out[1], want)
+
+
+def test_weights_with_buffers(tmp_path):
+    """resblock has BatchNorm running statistics: buffers travel with the weights."""
+    originals = trained_like_members("resblock", 2)
+    with torch.no_grad():
+        for i, m in enumerate(originals):
+            for name, b in m.named_buffers():
+                if b.is_floating_point():
+                    b.add_(0.5 * (i + 1))
+    paths = save_weights(originals, tmp_path, ".safetensors")
+    members = planner.load_source(SAMPLES_DIR / "resblock.py", weights=paths).members(2)
+    for got, want in zip(members, originals):
+        assert_same_state(got, want)
+
+
+def test_weight_count_must_match_members(tmp_path):
+    paths = save_weights(trained_like_members("mlp", 2), tmp_path, ".pt")
+    src = planner.load_source(SAMPLES_DIR / "mlp.py", weights=paths)
+    with pytest.raises(MemberError, match="2 weight files given but 3 members asked for; pass one weight file per member"):
+        src.members(3)
+
+
+def test_weights_of_another_architecture(tmp_path):
+    paths = save_weights(trained_like_members("deep_mlp", 1), tmp_path, ".safetensors")
+    src = planner.load_source(SAMPLES_DIR / "mlp.py", weights=paths)
+    with pytest.raises(MemberError) as info:
+        src.members(1)
+    msg = str(info.value)
+    assert msg.startswith("member0.safetensors does not fit the architecture")
+    assert "missing ['fc1.bias', 'fc1.weight', 'fc2.bias', 'fc2.weight']" in msg
+    assert "unexpected [" in msg and "save the weights of this exact model" in msg
+
+
+def test_weights_with_wrong_shapes(tmp_path):
+    state = trained_like_members("mlp", 1)[0].state_dict()
+    state["fc1.weight"] = torch.zeros(100, 64)
+    torch.save(state, tmp_path / "w.pt")
+    src = planner.load_source(SAMPLES_DIR / "mlp.py", weights=[tmp_path / "w.pt"])
+    with pytest.raises(MemberError, match=r"w.pt does not fit the architecture: shape mismatch fc1.weight: file \(100, 64\) vs model \(128, 64\)"):
+        src.members(1)
+
+
+def test_missing_weight_file_fails_at_load(tmp_path):
+    with pytest.raises(planner.ModelLoadError, match="weight file .*gone.pt does not exist"):
+        planner.load_source(SAMPLES_DIR / "mlp.py", weights=[tmp_path / "gone.pt"])
+
+
+# --- torch.export archives ------------------------------------------------------------------
+
+def export_archive(name: str, folder) -> tuple:
+    src = planner.load_model_file(SAMPLES_DIR / f"{name}.py")
+    path = folder / f"{name}.pt2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(src.model, src.example_inputs), str(path))
+    return path, src
+
+
+@pytest.mark.parametrize("name", ["mlp", "shape_loop"])
+def test_export_archive_with_member_weights(tmp_path, name):
+    path, py_src = export_archive(name, tmp_path)
+    originals = trained_like_members(name, 2)
+    paths = save_weights(originals, tmp_path, ".safetensors")
+    src = planner.load_source(path, weights=paths)
+    assert src.name == name and src.path == path
+    for a, b in zip(src.example_inputs, py_src.example_inputs):
+        assert torch.equal(a, b)
+    members = src.members(2)
+    x = py_src.example_inputs
+    with torch.no_grad():
+        for got, want in zip(members, originals):
+            torch.testing.assert_close(got(*x), want(*x))  # the archive's graph with the file's weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(src.model, src.example_inputs)
+    plan = planner.propose(graph, 2, input_mode="per_member")
+    report = executor.verify(plan, members, executor.batched_inputs(plan, src.example_inputs))
+    assert report.ok, report.to_text()
+
+
+def test_export_archive_without_weights(tmp_path):
+    path, py_src = export_archive("mlp", tmp_path)
+    src = planner.load_source(path)
+    a, b = src.members(2)
+    assert_same_state(a, b)
+    assert a is not b and a is not src.model
+    with torch.no_grad():
+        torch.testing.assert_close(a(*src.example_inputs), py_src.model(*src.example_inputs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(src.model, src.example_inputs)
+    assert executor.verify(planner.propose(graph, 2), [a, b], src.example_inputs).ok
+
+
+def test_export_archive_with_weights_that_do_not_fit(tmp_path):
+    path, _ = export_archive("mlp", tmp_path)
+    paths = save_weights(trained_like_members("deep_mlp", 1), tmp_path, ".pt")
+    with pytest.raises(MemberError, match="member0.pt does not fit the architecture: missing"):
+        planner.load_source(path, weights=paths).members(1)
