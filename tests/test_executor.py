@@ -335,3 +335,32 @@ def test_cuda_matches_loop(sample, name):
     assert report.ok, report.to_text()
     module = executor.build(plan, members, example_inputs=tuple(x[0] for x in inputs), device="cuda")
     assert module(*inputs).device.type == "cuda"
+
+
+class ScaleInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        early = h + 1
+        h.mul_(2)
+        return h - 1, early
+
+
+@pytest.mark.parametrize("carve", [False, True])
+def test_inplace_activation_update(carve):
+    """An in-place op on an activation, batched or carved out as a loop, keeps the reads on either side right."""
+    torch.manual_seed(0)
+    members = [ScaleInPlace() for _ in range(3)]
+    x = torch.randn(3, 4)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, 3)
+    if carve:
+        plan = planner.exclude(plan, graph, "mul_")
+        assert len(plan.stages) == 3
+    late, early = executor.build(plan, members)(x)
+    with torch.no_grad():
+        torch.testing.assert_close(late, torch.stack([m(x)[0] for m in members]))
+        torch.testing.assert_close(early, torch.stack([m(x)[1] for m in members]))

@@ -216,3 +216,48 @@ def build_model():
 def example_inputs():
     return (torch.randn(3, 4),)
 '''
+
+
+# --- in-place updates: order edges ----------------------------------------------------------
+
+class RunningTotal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.total.add_(x.detach().mean(0))
+        return self.fc(x) + self.total
+
+
+def test_inplace_buffer_update_orders_later_reads():
+    model = RunningTotal().eval()
+    graph = planner.trace(model, (torch.randn(3, 4),))
+    assert torch.equal(model.total, torch.zeros(4)), "tracing ran the update on the model's own buffer"
+    dag = graph.dag
+    assert dag.edges["add_", "total_1"].get("order") is True  # fx records no data edge here
+    assert dag.edges["add_", "add"].get("order") is True
+    assert not dag.edges["total", "add_"].get("order")  # a data edge stays a data edge
+    assert nx.is_directed_acyclic_graph(dag)
+    for u, v in dag.edges:
+        assert graph.topo_index(u) < graph.topo_index(v)
+
+
+def test_inplace_on_an_activation_orders_its_other_readers():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            early = h + 1
+            h.mul_(2)
+            return h - 1, early
+
+    graph = planner.trace(Scale(), (torch.randn(3, 4),))
+    assert graph.dag.edges["add", "mul_"].get("order") is True  # read before the update
+    assert graph.dag.edges["mul_", "sub"].get("order") is True  # read after it
+    plan = planner.exclude(planner.propose(graph, 2), graph, "mul_")
+    assert [s.nodes for s in plan.stages] == [("fc", "add"), ("mul_",), ("sub",)]
