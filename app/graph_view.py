@@ -308,16 +308,15 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
             sids = sorted({stage_of.get(n, "?") for n in names}, key=lambda s: order.get(s, 1 << 30))
             if is_module:
                 hovers.append(_module_hover(vid, names, data, sids))
-                texts.append(labels.get(vid, ""))
+                texts.append("\u2002" + labels[vid] if labels.get(vid) else "")  # en space: clear of the selection ring
             else:
                 info = data.node(vid)
                 label = f"{sid} ({modes[sid].value})" if sid in modes else "none (input/output)"
                 hovers.append(hover_text(info, label))
-                texts.append(labels.get(vid, ""))
-            sel = any(n in opts.selected for n in names)
+                texts.append("\u2002" + labels[vid] if labels.get(vid) else "")  # en space: clear of the selection ring
             bad = any(not data.node(n).batchable for n in names)
-            line_w.append(4 if sel else (2.5 if bad or excluded else 1))
-            line_c.append("#000000" if sel else ("#b30000" if bad else (colors.get(sid, "#555") if excluded else "#ffffff")))
+            line_w.append(2.5 if bad or excluded else 1)
+            line_c.append("#b30000" if bad else (colors.get(sid, "#555") if excluded else "#ffffff"))
             sizes.append((22 if dense_rows < 30 else 15) if is_module else 14)
         xs = [pos[v][0] for v in vids]
         ys = [pos[v][1] for v in vids]
@@ -341,9 +340,16 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
         traces.append(go.Scatter(
             x=xs, y=ys, mode="markers+text" if show_labels else "markers", name=name, legendgroup=sid,
             customdata=vids, hovertext=hovers, hoverinfo="text", text=texts if show_labels else None,
-            textposition="middle right", textfont=dict(size=11), marker=marker,
+            textposition="middle right", textfont=dict(size=11, color="#333333"), marker=marker,
         ))
 
+    sel = [v for v in view.ids if any(n in opts.selected for n in view.members[v])]
+    if sel:  # a ring around selected nodes, so the node keeps its stage look (and the legend stays right)
+        traces.append(go.Scatter(
+            x=[pos[v][0] for v in sel], y=[pos[v][1] for v in sel], mode="markers", name="selected",
+            customdata=sel, hoverinfo="skip", showlegend=False,
+            marker=dict(size=21, symbol="circle-open", color="#000000", line=dict(width=2.5)),
+        ))
     hl = [v for v in view.ids if any(n in opts.highlighted for n in view.members[v])]
     if hl:
         traces.append(go.Scatter(
@@ -363,6 +369,7 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float
         height=height, margin=dict(l=10, r=40, t=40, b=10),
         hovermode="closest", plot_bgcolor="#ffffff", uirevision=data.fingerprint,
         modebar=dict(orientation="v"),  # on the right edge, clear of the legend on top
+        hoverlabel=dict(bgcolor="#ffffff", bordercolor="#444444", font=dict(color="#111111", size=12)),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.0, itemclick=False, itemdoubleclick=False),
         xaxis=dict(visible=False, range=[min(xs_all) - 0.8, max(xs_all) + 0.8 + 0.12 * longest]),
         yaxis=dict(visible=False, range=[min(p[1] for p in pos.values()) - 0.6 if pos else -1, 0.6]),

@@ -56,14 +56,14 @@ def test_figure_has_a_trace_per_stage_with_node_ids_in_customdata():
     view = gv.collapse(data)
     fig = gv.build_figure(data, view, gv.view_layout(view), plan, gv.FigureOptions(selected=frozenset({"add"})))
     names = [t.name for t in fig.data]
-    assert names[1:] == ["s0 · batched · 4 nodes", "s1 · excluded · 1 nodes", "s2 · batched · 1 nodes", "inputs / outputs"]
-    ids = [c for t in fig.data[1:] for c in t.customdata]
+    assert names[1:] == ["s0 · batched · 4 nodes", "s1 · excluded · 1 nodes", "s2 · batched · 1 nodes", "inputs / outputs", "selected"]
+    ids = [c for t in fig.data[1:-1] for c in t.customdata]
     assert sorted(ids) == sorted(view.ids)
     excluded = fig.data[2]
     assert excluded.marker.color == gv.EXCLUDED_FILL and excluded.marker.symbol[0] == "square-x"
     assert "not batchable</b>: calls .item()" in excluded.hovertext[0]
-    s0 = fig.data[1]
-    assert list(s0.marker.line.width)[list(s0.customdata).index("add")] == 4  # selected outline
+    ring = next(t for t in fig.data if t.name == "selected")
+    assert list(ring.customdata) == ["add"]  # selection ring drawn over the node
 
 
 def test_figure_colours_by_measured_time():
