@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-import plotly.graph_objects as go
-
 from app.layout import layered_layout
 from planner.plan import Plan, StageMode
 
@@ -54,6 +52,9 @@ class GraphData:
 
     def node(self, name: str) -> NodeInfo:
         return self._index()[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._index()
 
     def _index(self) -> dict[str, NodeInfo]:
         idx = self.__dict__.get("_idx")
@@ -208,7 +209,7 @@ def hover_text(info: NodeInfo, stage_label: str) -> str:
     return "<br>".join(lines)
 
 
-def _module_hover(vid: str, names: Sequence[str], data: GraphData, stage_ids: Sequence[str]) -> str:
+def module_hover(vid: str, names: Sequence[str], data: GraphData, stage_ids: Sequence[str]) -> str:
     infos = [data.node(n) for n in names]
     bad = [i.name for i in infos if not i.batchable]
     lines = [
@@ -250,131 +251,6 @@ def fit_labels(view: ViewGraph, pos: Mapping[str, tuple[float, float]]) -> dict[
             name = names[v]
             out[v] = name if len(name) <= room else (name[: room - 1] + "…" if room >= 4 else "")
     return out
-
-
-# -- figure ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FigureOptions:
-    selected: frozenset[str] = frozenset()  # fx node names drawn with a thick outline
-    highlighted: frozenset[str] = frozenset()  # search hits, drawn with a yellow halo
-    stage_times: Mapping[str, float] | None = None  # stage id -> ms; colours by time instead of stage
-    height: int | None = None  # pixels; None picks one from the number of layers
-
-
-def _stage_of_map(plan: Plan) -> dict[str, str]:
-    return {n: s.id for s in plan.stages for n in s.nodes}
-
-
-def build_figure(data: GraphData, view: ViewGraph, pos: Mapping[str, tuple[float, float]], plan: Plan,
-                 opts: FigureOptions = FigureOptions()) -> go.Figure:
-    """The stage-coloured graph: one marker trace per stage (so the legend lists stages), edges in grey.
-
-    Every marker carries its view id in `customdata`, which is what a Plotly selection returns.
-    """
-    stage_of = _stage_of_map(plan)
-    modes = {s.id: s.mode for s in plan.stages}
-    colors = stage_colors(plan)
-    order = {s.id: i for i, s in enumerate(plan.stages)}
-    show_labels = len(view.ids) <= LABEL_LIMIT
-
-    ex, ey = [], []
-    for u, v in view.edges:
-        (x0, y0), (x1, y1) = pos[u], pos[v]
-        ex += [x0, x1, None]
-        ey += [y0, y1, None]
-    traces: list[go.BaseTraceType] = [
-        go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#9a9a9a", width=1), hoverinfo="skip",
-                   showlegend=False, name="edges")
-    ]
-
-    groups: dict[str, list[str]] = {}  # stage id -> view ids drawn in its colour
-    for vid in view.ids:
-        names = view.members[vid]
-        first_stage = stage_of.get(names[0], "?")
-        groups.setdefault(first_stage, []).append(vid)
-
-    labels = fit_labels(view, pos) if show_labels else {}
-    dense_rows = len({round(p[1], 6) for p in pos.values()})  # layers; many layers draw smaller boxes
-    times = opts.stage_times
-    for sid in sorted(groups, key=lambda s: order.get(s, 1 << 30)):
-        vids = groups[sid]
-        excluded = modes.get(sid) == StageMode.EXCLUDED
-        hovers, texts, line_w, line_c, sizes = [], [], [], [], []
-        for vid in vids:
-            names = view.members[vid]
-            is_module = vid.startswith(MODULE_PREFIX)
-            sids = sorted({stage_of.get(n, "?") for n in names}, key=lambda s: order.get(s, 1 << 30))
-            if is_module:
-                hovers.append(_module_hover(vid, names, data, sids))
-                texts.append("\u2002" + labels[vid] if labels.get(vid) else "")  # en space: clear of the selection ring
-            else:
-                info = data.node(vid)
-                label = f"{sid} ({modes[sid].value})" if sid in modes else "none (input/output)"
-                hovers.append(hover_text(info, label))
-                texts.append("\u2002" + labels[vid] if labels.get(vid) else "")  # en space: clear of the selection ring
-            bad = any(not data.node(n).batchable for n in names)
-            line_w.append(2.5 if bad or excluded else 1)
-            line_c.append("#b30000" if bad else (colors.get(sid, "#555") if excluded else "#ffffff"))
-            sizes.append((22 if dense_rows < 30 else 15) if is_module else 14)
-        xs = [pos[v][0] for v in vids]
-        ys = [pos[v][1] for v in vids]
-        if sid not in modes:  # placeholders and the output belong to no stage
-            marker = dict(color=IO_COLOR)
-            name = "inputs / outputs"
-        elif times is not None:
-            t = times.get(sid)
-            fill: Any = [t if t is not None else 0.0] * len(vids)
-            marker = dict(color=fill, colorscale="YlOrRd", cmin=0, cmax=max(list(times.values()) + [1e-9]),
-                          showscale=sid == next(iter(sorted(groups, key=lambda s: order.get(s, 1 << 30)))),
-                          colorbar=dict(title="stage ms", thickness=14, len=0.6, x=1.0, xanchor="left"))
-            name = f"{sid}: {t:.3g} ms" if t is not None else f"{sid}: not measured"
-        else:
-            marker = dict(color=EXCLUDED_FILL if excluded else colors[sid])
-            name = f"{sid} · {'excluded' if excluded else 'batched'} · {len(plan.stage(sid).nodes)} nodes"
-        symbols = ["square-x" if excluded else ("square" if v.startswith(MODULE_PREFIX) else "circle") for v in vids]
-        if sid not in modes:
-            symbols = ["diamond"] * len(vids)
-        marker.update(size=sizes, symbol=symbols, line=dict(width=line_w, color=line_c))
-        traces.append(go.Scatter(
-            x=xs, y=ys, mode="markers+text" if show_labels else "markers", name=name, legendgroup=sid,
-            customdata=vids, hovertext=hovers, hoverinfo="text", text=texts if show_labels else None,
-            textposition="middle right", textfont=dict(size=11, color="#333333"), marker=marker,
-        ))
-
-    sel = [v for v in view.ids if any(n in opts.selected for n in view.members[v])]
-    if sel:  # a ring around selected nodes, so the node keeps its stage look (and the legend stays right)
-        traces.append(go.Scatter(
-            x=[pos[v][0] for v in sel], y=[pos[v][1] for v in sel], mode="markers", name="selected",
-            customdata=sel, hoverinfo="skip", showlegend=False,
-            marker=dict(size=21, symbol="circle-open", color="#000000", line=dict(width=2.5)),
-        ))
-    hl = [v for v in view.ids if any(n in opts.highlighted for n in view.members[v])]
-    if hl:
-        traces.append(go.Scatter(
-            x=[pos[v][0] for v in hl], y=[pos[v][1] for v in hl], mode="markers", name="search hits",
-            customdata=hl, hoverinfo="skip",
-            marker=dict(size=30, color="rgba(255,215,0,0.35)", line=dict(width=2, color="#e6b800")),
-        ))
-
-    n_layers = len({round(p[1], 6) for p in pos.values()}) or 1
-    xs_all = [p[0] for p in pos.values()] or [0.0]
-    longest = max((len(t) for t in view.ids), default=4) if show_labels else 0
-    # ~44 px per layer for small graphs; long chains get a tall figure (the page scrolls) at >= 24 px per layer
-    per_layer = 44 if n_layers <= 30 else 24
-    height = opts.height or max(420, min(9000, per_layer * n_layers + 80))
-    fig = go.Figure(traces)
-    fig.update_layout(
-        height=height, margin=dict(l=10, r=40, t=40, b=10),
-        hovermode="closest", plot_bgcolor="#ffffff", uirevision=data.fingerprint,
-        modebar=dict(orientation="v"),  # on the right edge, clear of the legend on top
-        hoverlabel=dict(bgcolor="#ffffff", bordercolor="#444444", font=dict(color="#111111", size=12)),
-        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.0, itemclick=False, itemdoubleclick=False),
-        xaxis=dict(visible=False, range=[min(xs_all) - 0.8, max(xs_all) + 0.8 + 0.12 * longest]),
-        yaxis=dict(visible=False, range=[min(p[1] for p in pos.values()) - 0.6 if pos else -1, 0.6]),
-    )
-    return fig
 
 
 def selection_from_event(event: Any, view: ViewGraph) -> list[str]:

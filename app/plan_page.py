@@ -8,6 +8,7 @@ import streamlit as st
 
 from app import actions, state
 from app import graph_view as gv
+from app.figure import FigureOptions, build_figure
 from app.dot_view import plan_dot
 from app.history import History
 from app.profile_view import stage_times
@@ -167,7 +168,7 @@ def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: lis
         if s.id in expanded_sel:
             expanded_sel |= set(s.nodes)
     times = stage_times(plan.profile) if st.session_state.get("color_by_time") and plan.profile else None
-    fig = gv.build_figure(data, view, pos, plan, gv.FigureOptions(
+    fig = build_figure(data, view, pos, plan, FigureOptions(
         selected=frozenset(expanded_sel), highlighted=frozenset(hits), stage_times=times))
     key = f"chart_{st.session_state.get('view_version', 0)}_{abs(hash(tuple(sorted(collapsed)))) % 10**8}"
     st.plotly_chart(fig, key=key, on_select=partial(_chart_selected, key, tuple(sorted(collapsed))),
@@ -181,7 +182,7 @@ def stage_rows(plan: Plan, data: gv.GraphData) -> pd.DataFrame:
     times = stage_times(plan.profile) if plan.profile else {}
     rows = []
     for s in plan.stages:
-        infos = [data.node(n) for n in s.nodes if n in data._index()]
+        infos = [data.node(n) for n in s.nodes if data.has(n)]
         rows.append({
             "stage": s.id, "mode": s.mode.value, "strategy": s.options.strategy.value,
             "nodes": len(s.nodes), "params": sum(i.params for i in infos), "FLOPs": sum(i.flops for i in infos),

@@ -9,6 +9,7 @@ import executor
 import planner
 from app import jobs, state
 from app import graph_view as gv
+from app.figure import FigureOptions, build_figure
 from app.profile_view import baselines, failures, headline, stage_rows, stage_times, sweep_rows
 from planner.errors import StagewiseError
 
@@ -54,7 +55,7 @@ def _start(task: str) -> None:
                      autotune=bool(st.session_state.get("autotune")),
                      compile_baseline=bool(st.session_state.get("compile_baseline")))
     st.session_state.job = job
-    st.session_state.job_plan = plan.dumps()
+    st.session_state.job_plan = plan.with_profile(None).dumps()
 
 
 def _cancel() -> None:
@@ -77,8 +78,10 @@ def _finish(job: jobs.Job, result: dict) -> None:
     st.session_state.profile_result = reports
     if h is None or not reports:
         return
-    main = next((r for r in reports if r["n"] == h.present.n_members), reports[-1])
-    if h.present.dumps() == st.session_state.get("job_plan") or h.present.with_profile(None).dumps() == st.session_state.get("job_plan"):
+    main = next((r for r in reports if r["n"] == h.present.n_members), None)
+    if main is None:
+        state.flash("info", f"the sweep did not include the plan's N={h.present.n_members}: no report is attached to the plan")
+    elif h.present.with_profile(None).dumps() == st.session_state.get("job_plan"):
         h.replace_present(h.entries[h.cursor][0], h.present.with_profile(main["report"]))
         state.save_autosave()
     else:
@@ -186,7 +189,7 @@ def results_ui(plan, loaded, ref) -> None:
     if times and {s.id for s in plan.stages} >= set(times):
         view, pos = state.view_and_layout(ref, ())
         st.markdown("**Graph coloured by measured stage time**")
-        gfig = gv.build_figure(loaded.data, view, pos, plan, gv.FigureOptions(stage_times=times, height=520))
+        gfig = build_figure(loaded.data, view, pos, plan, FigureOptions(stage_times=times, height=520))
         st.plotly_chart(gfig, key="time_graph")
     sweep = sweep_rows(reports)
     if len(sweep) > 1:

@@ -6,6 +6,7 @@ import time
 from app_fakes import random_dag, residual_graph, residual_plan
 
 from app import graph_view as gv
+from app.figure import FigureOptions, build_figure
 from app.dot_view import plan_dot
 from app.layout import layered_layout, layers_of
 
@@ -54,7 +55,7 @@ def test_search_matches_name_target_and_module():
 def test_figure_has_a_trace_per_stage_with_node_ids_in_customdata():
     data, plan = gv.graph_data(residual_graph()), residual_plan()
     view = gv.collapse(data)
-    fig = gv.build_figure(data, view, gv.view_layout(view), plan, gv.FigureOptions(selected=frozenset({"add"})))
+    fig = build_figure(data, view, gv.view_layout(view), plan, FigureOptions(selected=frozenset({"add"})))
     names = [t.name for t in fig.data]
     assert names[1:] == ["s0 · batched · 4 nodes", "s1 · excluded · 1 nodes", "s2 · batched · 1 nodes", "inputs / outputs", "selected"]
     ids = [c for t in fig.data[1:-1] for c in t.customdata]
@@ -69,7 +70,7 @@ def test_figure_has_a_trace_per_stage_with_node_ids_in_customdata():
 def test_figure_colours_by_measured_time():
     data, plan = gv.graph_data(residual_graph()), residual_plan()
     view = gv.collapse(data)
-    fig = gv.build_figure(data, view, gv.view_layout(view), plan, gv.FigureOptions(stage_times={"s0": 2.0, "s1": 5.0}))
+    fig = build_figure(data, view, gv.view_layout(view), plan, FigureOptions(stage_times={"s0": 2.0, "s1": 5.0}))
     assert fig.data[2].name == "s1: 5 ms" and fig.data[3].name == "s2: not measured"
 
 
@@ -93,7 +94,7 @@ def test_thousand_node_graph_lays_out_and_draws_fast():
     view = gv.collapse(data)
     pos = gv.view_layout(view)
     t1 = time.perf_counter()
-    fig = gv.build_figure(data, view, pos, plan, gv.FigureOptions(selected=frozenset(names[:5])))
+    fig = build_figure(data, view, pos, plan, FigureOptions(selected=frozenset(names[:5])))
     fig.to_json()
     t2 = time.perf_counter()
     assert t1 - t0 < 3.0, f"layout took {t1 - t0:.2f}s"

@@ -323,7 +323,7 @@ def test_profile_attaches_report_to_plan_and_export(at):
     at.switch_page("views/model.py").run()
     at.number_input(key="n_current").set_value(2).run()
     at.switch_page("views/profile.py").run()
-    at.text_input(key="sweep_ns").set_value("1, 2")
+    at.text_input(key="sweep_ns").set_value("1, 2")  # includes the plan's N=2, whose report is attached
     button(at, "Profile").click().run()
     _wait_for_job(at)
     assert not at.exception and not at.error, texts(at.error)
