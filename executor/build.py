@@ -6,6 +6,7 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Sequence
 
@@ -196,7 +197,9 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
             f"the plan is for {plan.n_members} members but {len(members)} were given; "
             f"pass {plan.n_members} members or use plan.with_n_members({len(members)})"
         )
-    graph = retrace(members[0], plan.tracer, example_inputs)
+    # a private copy: the stage modules keep the traced submodules, and .to()/.double() on the
+    # batched module must not move or convert the caller's member 0
+    graph = retrace(copy.deepcopy(members[0]), plan.tracer, example_inputs)
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
