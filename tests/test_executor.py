@@ -364,3 +364,19 @@ def test_inplace_activation_update(carve):
     with torch.no_grad():
         torch.testing.assert_close(late, torch.stack([m(x)[0] for m in members]))
         torch.testing.assert_close(early, torch.stack([m(x)[1] for m in members]))
+
+
+def test_build_leaves_the_members_alone(sample):
+    """The batched module owns its state: converting it does not convert member 0 (whose graph it re-traced)."""
+    src, _, plan = plan_for(sample, "mlp", 2)
+    members = src.members(2)
+    module = executor.build(plan, members)
+    mine = {id(p) for m in members for p in m.parameters()}
+    assert not any(id(p) in mine for p in module.parameters())
+    module.double()
+    assert all(p.dtype == torch.float32 for m in members for p in m.parameters())
+    x = src.example_inputs[0]
+    out = module(x.double())
+    assert out.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(out.float(), torch.stack([m(x) for m in members]), rtol=RTOL, atol=1e-5)
