@@ -14,6 +14,13 @@ from app.graph_view import EXCLUDED_FILL, MODULE_PREFIX, GraphData, ViewGraph, s
 from planner.plan import Plan, StageMode
 
 
+def tint(color: str, amount: float = 0.6) -> str:
+    """`color` (#rrggbb) mixed with white: light fills keep black labels readable."""
+    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    mix = lambda c: round(c + (255 - c) * amount)  # noqa: E731
+    return f"#{mix(r):02x}{mix(g):02x}{mix(b):02x}"
+
+
 def _quote_free(s: str) -> str:
     return s.replace('"', "'")
 
@@ -58,7 +65,7 @@ def _node_attrs(vid: str, data: GraphData, color: str, excluded: bool) -> dict[s
         info = data.node(vid)
         label = f"{vid}\\n{info.shape}"
         bad = not info.batchable
-    attrs = {"label": _quote_free(label), "fillcolor": EXCLUDED_FILL if excluded else color,
+    attrs = {"label": _quote_free(label), "fillcolor": EXCLUDED_FILL if excluded else tint(color),
              "color": "#b30000" if bad else color}
     if excluded:
         attrs["style"] = "rounded,filled,dashed"

@@ -174,7 +174,7 @@ def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: lis
     st.plotly_chart(fig, key=key, on_select=partial(_chart_selected, key, tuple(sorted(collapsed))),
                     selection_mode=("points", "box", "lasso"), config={"displaylogo": False, "scrollZoom": True})
     st.caption("Top to bottom = data flow. Colour = stage; grey squares with a cross = excluded (member loop); "
-               "red outline = cannot be batched (hover for why); black outline = selected. Click nodes to add them to "
+               "red outline = cannot be batched (hover for why); black ring = selected. Click nodes to add them to "
                "the selection, box/lasso (chart toolbar) to add many; double-click the chart to clear it.")
 
 
@@ -214,7 +214,7 @@ def graphviz_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: 
         return
     view, _ = state.view_and_layout(ref, collapsed)
     dot = plan_dot(data, view, plan)
-    st.graphviz_chart(dot, width="stretch")
+    st.graphviz_chart(dot, width="content")
     st.download_button("Download .dot", dot, file_name=f"{plan.model or 'plan'}.dot".replace("/", "_"), mime="text/vnd.graphviz")
 
 

@@ -1,7 +1,8 @@
 """One real-browser test: `streamlit run` on a free localhost port, driven by headless Debian Chromium.
 
-Loads the Plan page, waits for the graph, clicks a node, shift-clicks a node of
-another stage, merges, and checks that the stage count went down. Screenshots go
+Loads the Plan page, waits for the graph, clicks a node, clicks a node of another
+stage (clicks add to the selection), merges, checks that the stage count went
+down, undoes, and box-selects three nodes. Screenshots go
 to tests/artifacts/ (git-ignored); look at them.
 """
 from __future__ import annotations
@@ -122,5 +123,18 @@ def test_click_select_and_merge_in_chromium(server):
             page.get_by_role("button", name="Undo").click()
             page.get_by_text("undid: merge s0+s1").wait_for(timeout=20_000)
             assert _stage_count(page) == before
+
+            # box select from the chart toolbar picks several nodes at once
+            page.wait_for_timeout(1000)
+            page.locator(".js-plotly-plot").hover()
+            page.locator(".modebar-btn[data-val='select']").click()
+            a, c = page.evaluate(POINT_JS, "ffn_0"), page.evaluate(POINT_JS, "ffn_2")
+            page.mouse.move(a[0] - 30, a[1] - 10)
+            page.mouse.down()
+            page.mouse.move(c[0] + 30, c[1] + 10, steps=8)
+            page.mouse.up()
+            for node in ("ffn_0", "ffn_1", "ffn_2"):
+                page.get_by_text(f"{node} (s2)").wait_for(timeout=20_000)
+            page.screenshot(path=str(ARTIFACTS / "plan_box_selected.png"))
         finally:
             browser.close()
