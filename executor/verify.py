@@ -11,11 +11,11 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.graph import retrace
 from planner.plan import InputMode, Plan
-from executor.build import build
+from executor.build import build, resolve_device
 from executor.values import member_value
 
 DEFAULT_RTOL = 1e-4  # float32: vmap and the loop may sum in different orders
@@ -127,6 +127,8 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
 
     Args:
         inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
+        device: where the batched module runs (inputs are copied there); the loop
+            runs each member where it already is, on `inputs` as given.
     Returns:
         VerifyReport with max abs/rel error per output leaf and per stage-boundary value.
     """
@@ -135,7 +137,9 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=device)
     with torch.no_grad():
-        got, env = module.run_stages(*inputs, keep=True)
+        # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
+        on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
+        got, env = module.run_stages(*on_device, keep=True)
     want = loop_outputs(plan, members, inputs)
     report = VerifyReport(n_members=plan.n_members, rtol=rtol)
     want_stacked = [tree_flatten(w)[0] for w in want]
