@@ -244,3 +244,11 @@ def test_console_script(tmp_path, write_model):
     bad = subprocess.run([*_console_script(), "run", str(plan), str(model)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [f"stagewise run: error: {plan}: expected a JSON object, got list"]
+
+
+@pytest.mark.gpu
+def test_run_on_cuda(mlp_plan, capsys):
+    """Members and inputs come from the model file on the CPU; the batched module runs on the GPU."""
+    code, out, err = run_cli(capsys, "run", mlp_plan, MLP, "--device", "cuda")
+    assert code == 0, err
+    assert "MATCH" in out
