@@ -14,6 +14,7 @@ from torch import nn
 import executor
 import planner
 from executor.values import PerMember
+from executor.verify import compare
 from planner import InputError, MemberError, PlanMismatchError, StageMode
 from conftest import SAMPLE_NAMES
 
@@ -380,3 +381,69 @@ def test_build_leaves_the_members_alone(sample):
     assert out.dtype == torch.float64
     with torch.no_grad():
         torch.testing.assert_close(out.float(), torch.stack([m(x) for m in members]), rtol=RTOL, atol=1e-5)
+
+
+class TwoInputs(nn.Module):
+    """forward(x, y): x [B, 4] and y [B, 3]; y only feeds the second branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fx, self.fy = nn.Linear(4, 5), nn.Linear(3, 5)
+
+    def forward(self, x, y):
+        return torch.relu(self.fx(x)) * self.fy(y)
+
+
+@pytest.mark.parametrize("modes", [
+    {"x": "shared", "y": "shared"}, {"x": "per_member", "y": "shared"},
+    {"x": "shared", "y": "per_member"}, {"x": "per_member", "y": "per_member"},
+])
+def test_mixed_input_modes(modes):
+    n = 3
+    torch.manual_seed(0)
+    members = [TwoInputs() for _ in range(n)]
+    example = (torch.randn(2, 4), torch.randn(2, 3))
+    plan = planner.propose(planner.trace(members[0], example), n, input_mode=modes)
+    assert {i.name: i.mode.value for i in plan.inputs} == modes
+    inputs = executor.batched_inputs(plan, example)
+    for (name, mode), x, ex in zip(modes.items(), inputs, example):
+        assert x.shape == ((n, *ex.shape) if mode == "per_member" else ex.shape)
+    out = executor.build(plan, members)(*inputs)
+    with torch.no_grad():
+        want = torch.stack([m(*executor.member_inputs(plan, inputs, i)) for i, m in enumerate(members)])
+    torch.testing.assert_close(out, want)
+    assert executor.verify(plan, members, inputs).ok
+
+
+def test_batched_inputs_differ_per_member(sample):
+    src, _, plan = plan_for(sample, "mlp", 4, "per_member")
+    (x,) = executor.batched_inputs(plan, src.example_inputs)
+    assert x.shape == (4, 32, 64)
+    assert all(not torch.equal(x[i], x[j]) for i in range(4) for j in range(i))
+    assert torch.equal(executor.batched_inputs(plan, src.example_inputs)[0], x)  # seeded
+    shared = plan.with_input_modes({"x": "shared"})
+    assert executor.batched_inputs(shared, src.example_inputs)[0] is src.example_inputs[0]
+
+
+@pytest.mark.parametrize("options", [{"chunk_size": 2}, {"strategy": "loop"}])
+def test_stage_options_keep_results(sample, options):
+    src, graph, plan = plan_for(sample, "transformer_block", 5, "per_member")
+    for stage in ("s0", "s2"):
+        plan = planner.set_options(plan, graph, stage, **options)
+    report = executor.verify(plan, src.members(5), executor.batched_inputs(plan, src.example_inputs))
+    assert report.ok, report.to_text()
+
+
+def test_verify_reports_a_real_mismatch(sample):
+    """The comparison can fail: a member changed after building (its state was stacked) disagrees."""
+    src, _, plan = plan_for(sample, "mlp", 2)
+    members = src.members(2)
+    report = executor.verify(plan, members, src.example_inputs, rtol=-1.0)
+    assert not report.ok and "MISMATCH" in report.to_text()
+    module = executor.build(plan, members)
+    with torch.no_grad():
+        members[1].fc2.bias.add_(1.0)
+        got = module(*src.example_inputs)
+        want = torch.stack([m(*src.example_inputs) for m in members])
+    rows = compare("out", got, want, RTOL)
+    assert not rows[0].ok and rows[0].max_abs == pytest.approx(1.0, rel=1e-5)
