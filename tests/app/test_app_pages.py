@@ -203,6 +203,41 @@ def test_weights_that_do_not_fit_are_refused(at, tmp_path):
     assert plan_of(at) == before
 
 
+def test_weights_set_n_to_the_number_of_files(at, tmp_path):
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("mlp_sample", SAMPLES / "mlp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model_page(at)
+    at.file_uploader(key="model_upload").upload("mlp.py", (SAMPLES / "mlp.py").read_bytes(), "text/x-python")
+    uploader = at.file_uploader(key="weights_upload")
+    for i in range(3):
+        path = tmp_path / f"member_{i}.safetensors"
+        save_file({k: v.contiguous() for k, v in mod.build_model().state_dict().items()}, str(path))
+        uploader.upload(path.name, path.read_bytes(), "application/octet-stream")
+    at.run()
+    button(at, "Load uploaded model").click().run()
+    assert not at.error, texts(at.error)
+    assert plan_of(at).n_members == 3 and len(at.session_state["model_ref"].weights) == 3
+
+
+def test_upload_a_pt2_export_archive(at, tmp_path):
+    import torch
+
+    src = planner.load_source(SAMPLES / "mlp.py")
+    archive = tmp_path / "mlp.pt2"
+    torch.export.save(torch.export.export(src.model, src.example_inputs), str(archive))
+    model_page(at)
+    at.file_uploader(key="model_upload").upload("mlp.pt2", archive.read_bytes(), "application/octet-stream")
+    at.run()
+    button(at, "Load uploaded model").click().run()
+    assert not at.error, texts(at.error)
+    assert plan_of(at).model == "mlp.pt2" and len(plan_of(at).stages) == 1
+
+
 def test_n_and_input_mode_are_undoable_edits(at):
     model_page(at)
     at.number_input(key="n_current").set_value(4).run()
