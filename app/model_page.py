@@ -64,6 +64,9 @@ def source_ui() -> None:
     tab_sample, tab_upload = st.tabs(["Bundled sample", "Upload"])
     with tab_sample:
         if samples:
+            ref = state.model_ref()
+            if st.session_state.get("sample_choice") not in samples:  # start on the open model when it is a sample
+                st.session_state.sample_choice = ref.path if ref and ref.path in samples else samples[0]
             st.selectbox("Sample model", samples, key="sample_choice", format_func=lambda p: Path(p).name)
             st.button("Open sample", on_click=_open_sample, type="primary")
         else:

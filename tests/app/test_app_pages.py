@@ -306,6 +306,21 @@ def test_import_plan_json(at, tmp_path):
     assert plan_of(at).stages == wanted.stages
 
 
+def test_broken_start_model_shows_error_and_pages_still_work(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
+    monkeypatch.setenv("STAGEWISE_MODEL", str(broken))
+    monkeypatch.chdir(tmp_path)
+    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT).run()
+    assert not at.exception and "boom at import" in texts(at.error)
+    assert "No model is loaded" in texts(at.info)
+    at.switch_page("views/model.py").run()
+    assert at.selectbox(key="sample_choice").value.endswith(".py")
+    button(at, "Open sample").click().run()
+    assert plan_of(at) is not None
+
+
 def test_restore_from_autosave(tmp_path, monkeypatch):
     src = planner.load_source(SAMPLES / "transformer_block.py")
     g = planner.trace(src.model, src.example_inputs)
