@@ -7,8 +7,12 @@ from `nn_module_stack`. The tracer used and why the first one failed are kept.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +87,8 @@ def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.Grap
     except Exception as e:  # fx raises many types for untraceable Python
         fx_error = f"{type(e).__name__}: {_first_line(e)}"
     try:
-        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        with _quiet_on_failure():
+            ep = torch.export.export(model, tuple(example_inputs), strict=False)
     except Exception as e:
         raise TraceError(
             f"{type(model).__name__} cannot be traced. torch.fx failed: {fx_error}. "
@@ -93,6 +98,24 @@ def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.Grap
     gm = ep.module()
     _drop_guard_nodes(gm)
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
+
+
+@contextlib.contextmanager
+def _quiet_on_failure():
+    """Hold back what torch.export prints; show it only if export succeeds.
+
+    A failed export prints its partial graph to stderr and logs warnings; our
+    TraceError already says why, and a CLI user should see one line, not a dump.
+    """
+    held = io.StringIO()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        logging.disable(previous)
+    sys.stderr.write(held.getvalue())  # reached only on success
 
 
 def _drop_guard_nodes(gm: torch.fx.GraphModule) -> None:
@@ -145,7 +168,8 @@ def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None) -> Mode
         if example_inputs is None:
             raise TraceError("this plan was traced with torch.export, which needs example inputs; pass example_inputs= to executor.build")
         try:
-            ep = torch.export.export(model, tuple(example_inputs), strict=False)
+            with _quiet_on_failure():
+                ep = torch.export.export(model, tuple(example_inputs), strict=False)
         except Exception as e:
             raise TraceError(f"torch.export cannot trace this member ({type(e).__name__}: {_first_line(e)}); check the member and the example inputs") from None
         gm = ep.module()
