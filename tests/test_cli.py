@@ -252,3 +252,33 @@ def test_run_on_cuda(mlp_plan, capsys):
     code, out, err = run_cli(capsys, "run", mlp_plan, MLP, "--device", "cuda")
     assert code == 0, err
     assert "MATCH" in out
+
+
+def test_untraceable_model_names_both_tracers(capsys, write_model):
+    path = write_model('''
+import torch
+import torch.nn as nn
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def build_model():
+    return Branchy()
+
+
+def example_inputs():
+    return (torch.randn(3),)
+''', "branchy.py")
+    code, _, err = run_cli(capsys, "plan", path)
+    assert_one_line_error(code, err, "plan", "Branchy cannot be traced", "torch.fx failed", "torch.export failed")
+
+
+def test_model_file_that_fails_to_import(capsys, write_model):
+    path = write_model("import torch\nraise ImportError('needs flash-attn')\n", "needs.py")
+    code, _, err = run_cli(capsys, "plan", path)
+    assert_one_line_error(code, err, "plan", "needs.py failed to import: ImportError: needs flash-attn")
