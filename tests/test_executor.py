@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import executor
+import executor.stages
 import planner
+import planner.graph
 from executor.values import PerMember
 from executor.verify import compare
 from planner import InputError, MemberError, PlanMismatchError, StageMode
@@ -79,6 +81,8 @@ def test_module_is_reusable_and_nothing_is_retraced_per_call(sample, monkeypatch
     monkeypatch.setattr(torch.fx, "symbolic_trace", forbidden)
     monkeypatch.setattr(torch.export, "export", forbidden)
     monkeypatch.setattr(torch.func, "stack_module_state", forbidden)
+    monkeypatch.setattr(executor.stages, "vmap", forbidden)  # vmapped callables are made once and cached
+    monkeypatch.setattr(planner.graph, "retrace", forbidden)
     for _ in range(2):
         torch.testing.assert_close(module(x), first)
     torch.testing.assert_close(module(2 * x), loop_stack(members, [(2 * x,)] * 3), rtol=RTOL, atol=1e-5)
