@@ -122,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="run workloads whose name contains this text")
     ap.add_argument("--repeats", type=int, default=None, help="timed samples per measurement (default adaptive)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP threads stall at "
+                         "barriers whenever another process takes a core, which we measured as a 10x spread; "
+                         "0 keeps torch's default)")
     args = ap.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     started = time.perf_counter()
     workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]
     rows, reports = [], {}

@@ -45,10 +45,20 @@ COMPILE_MIN_MS = 0.1  # below this a stage is all launch overhead; compiling it 
 EAGER = (Strategy.VMAP, Strategy.WIDE, Strategy.LOOP)
 
 
+def vmap_falls_back(stage: Stage) -> bool:
+    """Excluded only because vmap would run an op through its slow per-member fallback.
+
+    Such a stage is still correct under vmap, and torch.compile may decompose the op
+    into batchable pieces, so `compile` is worth a try (checked against the loop).
+    """
+    return stage.mode is StageMode.EXCLUDED and "slow per-member loop" in stage.reason
+
+
 def candidate_strategies(program: StageProgram, device: torch.device, allowed: Optional[set[Strategy]] = None) -> list[Strategy]:
     """Strategies worth trying for this stage on `device`, eager ones first."""
     if program.stage.mode is StageMode.EXCLUDED:
         found = [Strategy.LOOP] + ([Strategy.WIDE] if not wide_rule_gaps(program) else [])
+        found += [Strategy.COMPILE] if vmap_falls_back(program.stage) else []
     else:
         found = [Strategy.VMAP, Strategy.WIDE, Strategy.LOOP, Strategy.COMPILE]
         if device.type == "cuda":
@@ -70,8 +80,7 @@ def _tune_stage(program: StageProgram, runner: Runner, args: list, n: int, devic
                 allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
                 progress: Progress, done: int, total: int) -> tuple[list[StrategyResult], StrategyResult, Any]:
     stage = program.stage
-    loop_runner = LoopRunner(program, n, runner.stacked, runner.member_states)
-    ref = loop_runner(args)
+    ref = LoopRunner(program, n, runner.stacked, runner.member_states)(args)  # the trusted reference
     check = stage_check(ref, n)
     results: list[StrategyResult] = []
     working: dict[str, tuple[StrategyResult, Any]] = {}
@@ -84,7 +93,7 @@ def _tune_stage(program: StageProgram, runner: Runner, args: list, n: int, devic
             progress(done, total, f"{stage.id}: {label}")
 
         def make():
-            r = loop_runner if strategy is Strategy.LOOP else make_runner(program, runner, strategy, chunk)
+            r = make_runner(program, runner, strategy, chunk)
             runners[label] = r
             return lambda: r(args)
 
@@ -132,7 +141,11 @@ def is_oom_text(error: str) -> bool:
 def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
          progress: Progress = None, repeats: Optional[int] = None, warmup: int = 2,
          strategies: Optional[Sequence[str | Strategy]] = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
-    """autotune, also returning every stage's measured candidates (stage id -> results)."""
+    """autotune, also returning the measured candidates: stage id of the tuned plan -> results.
+
+    When merging all stages into one won, "s0" holds the whole-plan candidates
+    ("per-stage", "merged/compile", ...) and "per-stage s<k>" each original stage's.
+    """
     dev = resolve_device(device)
     inputs = _on_device(tuple(inputs), dev)
     members = _members_on(list(members), dev)
@@ -159,11 +172,80 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
             strategy = Strategy(chosen.strategy.split("/")[0])
             tuned.append(replace(stage, options=StageOptions(strategy=strategy, chunk_size=chosen.chunk_size,
                                                              note=_note(results, chosen))))
+    per_stage = plan.with_stages(tuned)
     if progress is not None:
-        progress(total, total, "checking the tuned plan")
-    new_plan = plan.with_stages(tuned)
-    _check_end_to_end(new_plan, members, inputs, dev)
-    return new_plan, found
+        progress(total, total, "comparing with one merged stage")
+    with torch.no_grad():
+        best, merged_results = _best_of_merged(per_stage, members, inputs, dev, allowed, repeats, warmup)
+    if merged_results is not None:  # one merged stage won: its candidates are whole plans
+        found = {"s0": merged_results, **{f"per-stage {k}": v for k, v in found.items()}}
+    _check_end_to_end(best, members, inputs, dev)
+    return best, found
+
+
+def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[set[Strategy]]) -> list[Plan]:
+    """The whole model as one stage, with each strategy that could run it batched.
+
+    Per-stage choices cannot see what fusing across stage boundaries gains (one
+    compiled graph instead of several); these alternatives let the measurement decide.
+    """
+    if len(plan.stages) < 2:
+        return []
+    order = {n: i for i, n in enumerate(graph_order)}
+    nodes = tuple(sorted((n for s in plan.stages for n in s.nodes), key=lambda n: order.get(n, len(order))))
+    excluded = [s for s in plan.stages if s.mode is StageMode.EXCLUDED]
+    if excluded and not all(vmap_falls_back(s) or s.options.strategy is Strategy.WIDE for s in excluded):
+        return []
+    mode = StageMode.EXCLUDED if excluded else StageMode.BATCHED
+    reason = "; ".join(dict.fromkeys(s.reason for s in excluded))
+    compilable = all(vmap_falls_back(s) for s in excluded)
+    strategies = ([Strategy.COMPILE] if compilable else []) + [Strategy.WIDE] + ([Strategy.VMAP] if not excluded else [])
+    out = []
+    for strategy in strategies:
+        if allowed is None or strategy in allowed:
+            stage = Stage(id="s0", nodes=nodes, mode=mode, reason=reason, options=StageOptions(strategy=strategy))
+            out.append(plan.with_stages([stage]))
+    return out
+
+
+def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,
+                    allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int) -> tuple[Plan, Optional[list[StrategyResult]]]:
+    """The per-stage plan, or one merged stage if that is faster end to end and matches the loop.
+
+    Returns (plan, the whole-plan candidates if the merged stage won, else None).
+    """
+    from planner.graph import retrace
+
+    example = member_inputs(plan, inputs, 0)
+    alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example).node_names, allowed)
+    if not alternatives:
+        return plan, None
+    want = stack_outputs(loop_outputs(plan, members, inputs))
+    check = lambda out: max_rel_error(out, want)  # noqa: E731
+    cands: dict[str, tuple[StrategyResult, Any]] = {}
+    plans = {"per-stage": plan}
+    results = []
+    for label, p in [("per-stage", plan)] + [(f"merged/{a.stages[0].options.strategy.value}", a) for a in alternatives]:
+        plans[label] = p
+        make = lambda p=p: (lambda m: (lambda: m(*inputs)))(build(p, members, example_inputs=example, device=device))  # noqa: E731
+        res, call, _ = try_strategy(label, "whole", make, check, device)
+        results.append(res)
+        if call is not None:
+            cands[label] = (res, call)
+    time_candidates(cands, device, repeats, warmup, {k for k in cands if k == "merged/compile"})
+    ok = [r for r in results if r.ok and r.time]
+    if not ok:
+        return plan, None
+    chosen = min(ok, key=lambda r: r.time.min_ms)
+    summary = "; whole plan (min/median ms): " + ", ".join(
+        f"{r.strategy} {r.time.min_ms:.3g}/{r.time.median_ms:.3g}" + (f" +{r.compile_s:.1f}s compile" if r.compile_s >= 0.05 else "")
+        for r in sorted(ok, key=lambda r: r.time.min_ms)) + "".join(f"; {r.strategy} failed ({r.error[:80]})" for r in results if not r.ok)
+    best = plans[chosen.strategy]
+    if chosen.strategy == "per-stage":
+        return best.with_stages([replace(s, options=replace(s.options, note=s.options.note + summary)) for s in best.stages]), None
+    (stage,) = best.stages
+    note = f"autotune merged all stages and chose {stage.options.strategy.value}" + summary
+    return best.with_stages([replace(stage, options=replace(stage.options, note=note))]), results
 
 
 def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> None:

@@ -29,7 +29,7 @@ from planner.plan import Plan, StageMode, StageOptions, Strategy
 from executor import baselines as whole
 from executor.build import BatchedModule, build, resolve_device
 from executor.report import ProfileReport, StageProfile, StrategyResult
-from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
+from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram, effective_strategy
 from executor.timing import Timing, describe_error, inject_faults, interleaved, is_oom, one_call_seconds, peak_memory_bytes
 from executor.values import n_first
 from executor.verify import DEFAULT_RTOL, member_inputs
@@ -198,7 +198,7 @@ def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: 
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     saved = module.runners
-    module.runners = [_Labelled(r, f"stage {p.stage.id} [{p.stage.options.strategy.value if p.stage.mode is StageMode.BATCHED or p.stage.options.strategy is Strategy.WIDE else 'loop'}]")
+    module.runners = [_Labelled(r, f"stage {p.stage.id} [{effective_strategy(p.stage).value}]")
                       for p, r in zip(module.programs, saved)]
     try:
         with torch.profiler.profile(activities=activities) as prof:
@@ -212,12 +212,6 @@ def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: 
     finally:
         module.runners = saved
     return path
-
-
-def _effective_strategy(stage) -> Strategy:
-    if stage.mode is StageMode.EXCLUDED and stage.options.strategy is not Strategy.WIDE:
-        return Strategy.LOOP
-    return stage.options.strategy
 
 
 def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
@@ -282,20 +276,22 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     with torch.no_grad():
         for program, runner in zip(module.programs, module.runners):
             stage = program.stage
-            strategy = _effective_strategy(stage)
+            strategy = effective_strategy(stage)
             label = strategy_label(strategy, stage.options.chunk_size)
             tick(f"stage {stage.id} ({label})")
             args = [env[name] for name in program.input_names]
-            loop_runner = LoopRunner(program, n, runner.stacked, runner.member_states)
-            ref = loop_runner(args)
-            res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(args)), stage_check(ref, n), dev)
-            loop_res = StrategyResult("loop", ok=True, max_rel_err=0.0)
-            cands = {"loop": (loop_res, lambda: loop_runner(args))}
-            if call is not None and label != "loop":
-                cands[label] = (res, call)
-            time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
+            ref = LoopRunner(program, n, runner.stacked, runner.member_states)(args)  # the trusted reference
+            check = stage_check(ref, n)
+            res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(args)), check, dev)
+            cands = {label: (res, call)} if call is not None else {}
             if label == "loop":
-                res = loop_res
+                loop_res = res
+            else:  # the stage's own loop strategy on the same inputs, for the speedup column
+                loop_res, loop_call, _ = try_strategy("loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(args)),
+                                                      check, dev)
+                if loop_call is not None:
+                    cands["loop"] = (loop_res, loop_call)
+            time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
             if strategy is Strategy.COMPILE and res.ok:
                 res.compile_s = getattr(runner, "compile_seconds", res.compile_s)
             compile_total += res.compile_s

@@ -158,12 +158,22 @@ class LoopRunner(Runner):
 RUNNERS: dict[Strategy, type[Runner]] = {Strategy.VMAP: VmapRunner, Strategy.LOOP: LoopRunner}
 
 
+def effective_strategy(stage: Stage) -> Strategy:
+    """The strategy a stage runs with: excluded stages loop unless set to wide or compile.
+
+    Excluded means "not plain vmap": hand-batched `wide` kernels, or a compiled graph
+    (which may decompose an op that lacks a batching rule), can still batch such a
+    stage; autotune offers them only after checking them against the loop.
+    """
+    if stage.mode is StageMode.EXCLUDED and stage.options.strategy not in (Strategy.WIDE, Strategy.COMPILE):
+        return Strategy.LOOP
+    return stage.options.strategy
+
+
 def runner_for(program: StageProgram, n_members: int, stacked: dict[str, torch.Tensor], member_states: list[dict]) -> Runner:
     """The runner for a stage's mode and strategy."""
     stage = program.stage
-    strategy = stage.options.strategy
-    if stage.mode is StageMode.EXCLUDED and strategy is not Strategy.WIDE:
-        strategy = Strategy.LOOP  # excluded = no vmap; only hand-batched `wide` kernels may still batch it
+    strategy = effective_strategy(stage)
     cls = RUNNERS.get(strategy)
     if cls is None:
         known = ", ".join(s.value for s in RUNNERS)

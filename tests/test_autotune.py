@@ -45,11 +45,28 @@ def test_excluded_sdpa_stage_gets_wide_as_a_candidate(sample):
     plan = planner.propose(graph, N)
     tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
     sdpa = next(s for s in plan.stages if s.mode is StageMode.EXCLUDED)
-    tried = {r.strategy for r in found[sdpa.id]}
+    tried = {r.strategy for r in found.get(sdpa.id if len(tuned.stages) > 1 else f"per-stage {sdpa.id}")}
     assert tried == {"loop", "wide"}
-    chosen = tuned.stage(sdpa.id)
-    assert chosen.mode is StageMode.EXCLUDED and chosen.options.strategy in (Strategy.LOOP, Strategy.WIDE)
+    if len(tuned.stages) > 1:
+        chosen = tuned.stage(sdpa.id)
+        assert chosen.mode is StageMode.EXCLUDED and chosen.options.strategy in (Strategy.LOOP, Strategy.WIDE)
+    else:  # merging everything into one wide stage won
+        (chosen,) = tuned.stages
+        assert chosen.options.strategy is Strategy.WIDE and chosen.options.note.startswith("autotune merged")
+        assert {r.strategy for r in found["s0"]} == {"per-stage", "merged/wide"}
     tuned_ok(src, tuned)
+
+
+def test_merged_alternatives_cover_compile_only_where_vmap_can_run(sample):
+    from executor.autotune import merged_alternatives
+
+    for name, expect in (("transformer_block", {Strategy.COMPILE, Strategy.WIDE}), ("gru", set()), ("mlp", set())):
+        src, graph = sample(name)
+        plan = planner.propose(graph, N)
+        got = {p.stages[0].options.strategy for p in merged_alternatives(plan, graph.node_names, None)}
+        assert got == expect, name
+        for p in merged_alternatives(plan, graph.node_names, None):
+            planner.validate(p, graph)
 
 
 def test_data_dependent_stages_stay_loops(sample):

@@ -1,17 +1,20 @@
 """Stage strategies beyond the spine's vmap and loop, registered in executor.stages.RUNNERS.
 
+- loop: the member loop over per-member bound copies of the stage (no functional_call per call);
 - wide: hand-batched kernels (baddbmm Linear, grouped conv, fused norms, SDPA, GRU);
 - compile: torch.compile of the stage's vmapped callable (compile time kept apart);
 - cuda_graph: CUDA-graph capture of the stage (GPU only; refused on CPU).
 """
 from planner.plan import Strategy
 from executor.stages import RUNNERS
+from executor.strategies.bound_loop import BoundLoopRunner
 from executor.strategies.compiled import CompileRunner
 from executor.strategies.cudagraph import CPU_REFUSAL, CudaGraphRunner
 from executor.strategies.wide import WideRunner, wide_rule_gaps
 
+RUNNERS[Strategy.LOOP] = BoundLoopRunner  # same results as LoopRunner, without re-parametrising per call
 RUNNERS[Strategy.WIDE] = WideRunner
 RUNNERS[Strategy.COMPILE] = CompileRunner
 RUNNERS[Strategy.CUDA_GRAPH] = CudaGraphRunner
 
-__all__ = ["CompileRunner", "CudaGraphRunner", "WideRunner", "CPU_REFUSAL", "wide_rule_gaps"]
+__all__ = ["BoundLoopRunner", "CompileRunner", "CudaGraphRunner", "WideRunner", "CPU_REFUSAL", "wide_rule_gaps"]

@@ -8,6 +8,7 @@ that one op (see executor.strategies.wide).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -225,6 +226,29 @@ def _lift(x: Any, rank: int, n: int) -> torch.Tensor:
     return t.reshape(n, *([1] * extra), *t.shape[1:]).expand(n, *([-1] * rank)) if extra else t
 
 
+_LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def relaid(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """A stacked weight in the layout its GEMM wants, cached while `w` is unchanged.
+
+    kind "bmm": [N, out, in] -> contiguous [N, in, out]; kind "cat": -> contiguous [in, N*out].
+    The cache is keyed by the tensor and its version counter, so an in-place update of the
+    member state (BatchedModule.stacked_state) is seen on the next call. No caching while
+    autograd records (a cached copy would carry a stale graph).
+    """
+    make = (lambda: w.transpose(1, 2).contiguous()) if kind == "bmm" else (lambda: w.reshape(-1, w.shape[-1]).t().contiguous())
+    if torch.is_grad_enabled() and w.requires_grad:
+        return make()
+    key = (id(w), kind)
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == w._version:
+        return hit[2]
+    value = make()
+    _LAYOUTS[key] = (weakref.ref(w, lambda _, key=key: _LAYOUTS.pop(key, None)), w._version, value)
+    return value
+
+
 def linear(x: Any, weight: Any, bias: Any, n: int) -> torch.Tensor:
     """y[m] = x[m] @ W[m]^T + b[m] for every member m. Returns [N, *batch, out].
 
@@ -245,12 +269,13 @@ def linear(x: Any, weight: Any, bias: Any, n: int) -> torch.Tensor:
         t = x.t
         batch = t.shape[1:-1]
         x3 = t.reshape(n, -1, in_f)
-        y = torch.baddbmm(b.unsqueeze(1), x3, w.transpose(1, 2)) if b is not None else torch.bmm(x3, w.transpose(1, 2))
+        wt = relaid(w, "bmm")
+        y = torch.baddbmm(b.unsqueeze(1), x3, wt) if b is not None else torch.bmm(x3, wt)
         return y.view(n, *batch, out_f)
     batch = x.shape[:-1]
     x2 = x.reshape(-1, in_f)
-    w_cat = w.reshape(n * out_f, in_f)
-    y = torch.addmm(b.reshape(-1), x2, w_cat.t()) if b is not None else x2 @ w_cat.t()
+    w_cat_t = relaid(w, "cat")
+    y = torch.addmm(b.reshape(-1), x2, w_cat_t) if b is not None else x2 @ w_cat_t
     return y.view(*batch, n, out_f).movedim(-2, 0)
 
 
