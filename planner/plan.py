@@ -223,6 +223,10 @@ class Plan:
         n = d["n_members"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanFileError(f"{source}: n_members must be an integer >= 1, got {n!r}")
+        profile = d.get("profile")
+        if profile is not None and not isinstance(profile, dict):
+            raise PlanFileError(f"{source}: 'profile' must be a JSON object or null, got {type(profile).__name__}; "
+                                "delete it or re-profile with `stagewise profile`")
         return Plan(
             fingerprint=str(d["fingerprint"]),
             tracer=str(d["tracer"]),
@@ -230,7 +234,7 @@ class Plan:
             inputs=inputs,
             stages=stages,
             model=str(d.get("model", "")),
-            profile=d.get("profile"),
+            profile=profile,
             schema_version=version,
         )
 
