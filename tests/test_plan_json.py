@@ -210,3 +210,9 @@ def test_defaults_for_optional_stage_fields():
     assert plan.stages == (Stage("s0", ("a", "b")),)
     assert plan.stages[0].mode is StageMode.BATCHED and plan.stages[0].options == StageOptions()
     assert plan.model == "" and plan.profile is None
+
+
+@pytest.mark.parametrize("profile", [[1], "fast", 3])
+def test_profile_must_be_an_object(profile):
+    with pytest.raises(PlanFileError, match="'profile' must be a JSON object or null"):
+        Plan.from_json(plan_dict(profile=profile))
