@@ -162,3 +162,15 @@ def test_export_archive_with_weights_that_do_not_fit(tmp_path):
     paths = save_weights(trained_like_members("deep_mlp", 1), tmp_path, ".pt")
     with pytest.raises(MemberError, match="member0.pt does not fit the architecture: missing"):
         planner.load_source(path, weights=paths).members(1)
+
+
+def test_cli_with_export_archive_and_weights(tmp_path, capsys):
+    from app import cli
+
+    path, _ = export_archive("shape_loop", tmp_path)
+    weights = [str(p) for p in save_weights(trained_like_members("shape_loop", 2), tmp_path, ".safetensors")]
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", str(path), "-n", "2", "--input-mode", "per_member", "--weights", *weights, "-o", str(plan)]) == 0
+    assert cli.main(["run", str(plan), str(path), "--weights", *weights]) == 0
+    out = capsys.readouterr().out
+    assert "MATCH: batched vs loop over 2 members" in out
