@@ -128,3 +128,29 @@ def test_model_label_and_member_count(sample):
     assert plan.model == "sample_models/mlp.py" and plan.n_members == 5
     with pytest.raises(planner.StagewiseError, match="n_members"):
         planner.propose(graph, 0)
+
+
+def test_stage_rows_and_table(sample):
+    src, graph = sample("data_dependent")
+    plan = planner.propose(graph, 8)
+    rows = planner.stage_rows(plan, graph)
+    assert [(r["id"], r["mode"], r["strategy"], r["n_nodes"]) for r in rows] == [
+        ("s0", "batched", "vmap", 4), ("s1", "excluded", "loop", 1), ("s2", "batched", "vmap", 3),
+        ("s3", "excluded", "loop", 1), ("s4", "batched", "vmap", 1)]
+    assert sum(r["params"] for r in rows) == sum(p.numel() for p in src.model.parameters())
+    assert sum(r["flops"] for r in rows) == sum(graph.dag.nodes[n]["flops"] for n in graph.compute_nodes)
+    assert "params" not in planner.stage_rows(plan)[0]  # without a graph: plan data only
+    text = planner.format_stage_table(plan, graph)
+    lines = text.splitlines()
+    assert lines[0] == "5 stages (3 batched, 2 excluded), N=8, tracer=fx, inputs: x=shared"
+    assert len(lines) == 2 + len(rows)
+    assert lines[3].startswith("s1     excluded  loop") and lines[3].endswith(rows[1]["reason"])
+    one = planner.format_stage_table(planner.propose(sample("mlp")[1], 1))
+    assert one.startswith("1 stage (1 batched, 0 excluded), N=1")
+
+
+@pytest.mark.parametrize("n, text", [(0, "0"), (999, "999"), (1000, "1.0k"), (16576, "16.6k"), (2_500_000, "2.5M"), (3e9, "3.0G")])
+def test_human_numbers(n, text):
+    from planner.table import human
+
+    assert human(n) == text
