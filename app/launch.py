@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
+import webbrowser
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parent
@@ -22,12 +26,42 @@ SERVER_FLAGS = (
 )
 
 
-def command(port: int | None = None, headless: bool = False) -> list[str]:
-    """The `streamlit run` command line for the app."""
-    cmd = [sys.executable, "-m", "streamlit", "run", str(MAIN), *SERVER_FLAGS, f"--server.headless={str(headless).lower()}"]
+DEFAULT_PORT = 8501
+
+
+def command(port: int | None = None, headless: bool = True) -> list[str]:
+    """The `streamlit run` command line for the app.
+
+    Always headless as far as streamlit is concerned: a non-headless first run
+    stops at an e-mail prompt on the terminal. `main` opens the browser itself.
+    """
+    cmd = [sys.executable, "-m", "streamlit", "run", str(MAIN), *SERVER_FLAGS, "--server.headless=true"]
     if port is not None:
         cmd.append(f"--server.port={int(port)}")
     return cmd
+
+
+def free_port(preferred: int = DEFAULT_PORT) -> int:
+    """`preferred` if nothing listens on it on 127.0.0.1, else a free port the OS picks."""
+    for candidate in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
+
+
+def _open_browser_when_up(url: str, port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            webbrowser.open(url)
+            return
+        except OSError:
+            time.sleep(0.3)
 
 
 def environment(model_path: str | os.PathLike | None = None) -> dict[str, str]:
@@ -50,12 +84,16 @@ def main(model_path: str | os.PathLike | None = None, port: int | None = None, h
     Args:
         model_path: a .py model file or .pt2 archive to open on (default: a bundled sample).
         port: TCP port on 127.0.0.1 (default: streamlit's 8501, or the next free one).
-        headless: do not open a browser window.
+        headless: do not open a browser window (one is opened once the server answers, when a browser exists).
     """
     env = environment(model_path)
-    print(f"stagewise ui: serving on http://127.0.0.1:{port or 8501} (localhost only; uploaded model files run as code)")
+    port = int(port) if port is not None else free_port()
+    url = f"http://127.0.0.1:{port}/"
+    print(f"stagewise ui: serving on {url} (localhost only; uploaded model files run as code). Ctrl-C stops it.")
+    if not headless:
+        threading.Thread(target=_open_browser_when_up, args=(url, port), daemon=True).start()
     try:
-        return subprocess.call(command(port, headless), env=env)
+        return subprocess.call(command(port), env=env)
     except KeyboardInterrupt:
         return 0
 

@@ -48,7 +48,7 @@ def test_cancel_kills_the_worker(tmp_path):
 
 
 def test_launch_command_is_localhost_only_and_finds_the_packages(tmp_path):
-    cmd = launch.command(port=8599, headless=True)
+    cmd = launch.command(port=8599)
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("app/main.py")
     for flag in ("--server.address=127.0.0.1", "--browser.gatherUsageStats=false", "--server.enableXsrfProtection=true",
                  "--server.port=8599", "--server.headless=true"):
@@ -82,3 +82,33 @@ def test_snippet_builds_the_exported_plan(tmp_path):
     scope: dict = {}
     exec(compile(code, "snippet", "exec"), scope)
     assert scope["outputs"].shape[0] == 3
+
+
+def test_launch_main_serves_the_app(tmp_path, monkeypatch):
+    """app.launch.main (what `stagewise ui` calls) answers on 127.0.0.1 without any terminal prompt."""
+    import socket
+    import subprocess
+    import sys
+
+    port = launch.free_port(0)
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from app.launch import main; main(None, {port}, headless=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**__import__("os").environ, "STAGEWISE_AUTOSAVE": str(tmp_path / "a.json")})
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.3).close()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read().decode()
+                time.sleep(0.3)
+        else:
+            raise AssertionError("the app did not start listening")
+        import urllib.request
+
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=10).read() == b"ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -57,7 +57,7 @@ def server(tmp_path):
     env = launch.environment(MODEL)  # exactly what `stagewise ui MODEL` runs, from another directory
     env["STAGEWISE_AUTOSAVE"] = str(tmp_path / "autosave.json")
     log = open(tmp_path / "streamlit.log", "wb")
-    proc = subprocess.Popen(launch.command(port, headless=True), cwd=tmp_path, env=env, stdout=log,
+    proc = subprocess.Popen(launch.command(port), cwd=tmp_path, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 60
