@@ -451,3 +451,41 @@ def test_verify_reports_a_real_mismatch(sample):
         want = torch.stack([m(*src.example_inputs) for m in members])
     rows = compare("out", got, want, RTOL)
     assert not rows[0].ok and rows[0].max_abs == pytest.approx(1.0, rel=1e-5)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.fc2.weight = self.fc1.weight  # one parameter used by two layers
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class PassThrough(nn.Module):
+    """Returns its input, a value using a plain (non-state) tensor attribute, and a buffer as they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("b", torch.randn(4))
+        self.c = torch.ones(4)
+
+    def forward(self, x):
+        return x, self.fc(x) + self.c, self.b
+
+
+@pytest.mark.parametrize("cls", [Tied, PassThrough])
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_unusual_state_and_outputs(cls, mode):
+    torch.manual_seed(0)
+    members = [cls() for _ in range(3)]
+    x = torch.randn(2, 4)
+    plan = planner.propose(planner.trace(members[0], (x,)), 3, input_mode=mode)
+    inputs = executor.batched_inputs(plan, (x,))
+    report = executor.verify(plan, members, inputs)
+    assert report.ok, report.to_text()
+    out = executor.build(plan, members)(*inputs)
+    leaves = out if isinstance(out, tuple) else (out,)
+    assert all(t.shape[0] == 3 for t in leaves)
