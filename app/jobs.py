@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,8 +84,14 @@ def result(job: Job) -> dict[str, Any] | None:
                                   f"Last output:\n{tail}", "reports": []}
 
 
+def cleanup(job: Job) -> None:
+    """Remove the job's folder once its result has been read."""
+    shutil.rmtree(job.dir, ignore_errors=True)
+
+
 def cancel(job: Job) -> None:
     proc = _PROCS.pop(job.id, None)
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait(timeout=10)
+    cleanup(job)

@@ -67,6 +67,7 @@ def _cancel() -> None:
 
 def _finish(job: jobs.Job, result: dict) -> None:
     st.session_state.pop("job", None)
+    jobs.cleanup(job)
     if not result.get("ok"):
         state.flash("error", f"{job.task} failed: {result.get('error')}")
         return

@@ -45,6 +45,7 @@ def test_cancel_kills_the_worker(tmp_path):
     job = jobs.start("verify", str(model), (), residual_plan().to_json(), "cpu", [4])
     jobs.cancel(job)
     assert jobs.result(job)["ok"] is False  # gone, reported as such
+    assert not job.path.exists()
 
 
 def test_launch_command_is_localhost_only_and_finds_the_packages(tmp_path):

@@ -385,3 +385,7 @@ def test_profile_attaches_report_to_plan_and_export(at):
     at.switch_page("views/export.py").run()
     shown = [c.value for c in at.code if c.language == "json"][0]
     assert '"profile": {' in shown
+    at.switch_page("views/plan.py").run()
+    assert at.dataframe[0].value["last ms"].notna().all()  # measured time in the stage table
+    at.toggle(key="color_by_time").set_value(True).run()
+    assert "stage ms" in at.get("plotly_chart")[0].proto.spec
