@@ -289,6 +289,12 @@ def test_export_json_equals_the_session_plan(at, monkeypatch):
     downloaded = download_bytes(buttons["Download plan JSON"].proto.url).decode()
     assert downloaded == p.dumps()
     assert planner.Plan.loads(downloaded).to_json() == p.to_json()
+    import executor  # the downloaded plan is one executor.build accepts
+
+    src = planner.load_source(SAMPLES / "transformer_block.py")
+    loaded = planner.Plan.loads(downloaded)
+    out = executor.build(loaded, src.members(loaded.n_members))(*src.example_inputs)
+    assert out.shape[0] == loaded.n_members
     shown = [c.value for c in at.code if c.language == "json"]
     assert shown == [p.dumps().rstrip("\n")]
     snippet = next(c.value for c in at.code if c.language == "python")
