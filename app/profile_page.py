@@ -91,9 +91,10 @@ def _finish(job: jobs.Job, result: dict) -> None:
 
 @st.fragment(run_every=POLL_S)
 def _poll_ui() -> None:
+    """Progress of the running job, redrawn every POLL_S; drawn only while a job runs, so idle pages do not poll."""
     job = st.session_state.get("job")
-    if job is None:
-        return
+    if job is None:  # cancelled from inside this fragment: redraw the whole page once
+        st.rerun()
     result = jobs.result(job)
     if result is None:
         frac, msg = jobs.progress(job)
@@ -213,5 +214,6 @@ def profile_page() -> None:
         st.warning("Profiling is not available yet: this executor has no `executor.profile` (it comes with the "
                    "profiler issue). Verify against the member loop works already.")
     controls_ui(available)
-    _poll_ui()
+    if st.session_state.get("job") is not None:
+        _poll_ui()
     results_ui(h.present, state.current(), ref)

@@ -395,3 +395,14 @@ def test_profile_attaches_report_to_plan_and_export(at):
     assert at.dataframe[0].value["last ms"].notna().all()  # measured time in the stage table
     at.toggle(key="color_by_time").set_value(True).run()
     assert "stage ms" in at.get("plotly_chart")[0].proto.spec
+
+
+def test_cancel_a_running_profile(at):
+    at.switch_page("views/profile.py").run()
+    button(at, "Verify vs loop").click().run()
+    assert at.session_state["job"] is not None
+    job = at.session_state["job"]
+    button(at, "Cancel").click().run()
+    assert "job" not in at.session_state or at.session_state["job"] is None
+    assert "verify cancelled" in texts(at.info)
+    assert not job.path.exists() and len(plan_of(at).stages) == 3
