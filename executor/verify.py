@@ -110,6 +110,17 @@ def _loop_reference(column: list, got: Any) -> Any:
     return column[0] if all(c == column[0] for c in column) else column  # equal ones stay one plain value
 
 
+def _buffers(members: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
+    return [{k: b.detach().clone() for k, b in m.named_buffers()} for m in members]
+
+
+def _restore_buffers(members: Sequence[nn.Module], saved: list[dict[str, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for m, state in zip(members, saved):
+            for k, b in m.named_buffers():
+                b.copy_(state[k])
+
+
 class _Recorder(torch.fx.Interpreter):
     def __init__(self, gm, keep: set[str]):
         super().__init__(gm)
@@ -131,6 +142,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             runs each member where it already is, on `inputs` as given.
     Returns:
         VerifyReport with max abs/rel error per output leaf and per stage-boundary value.
+        The members are left as they were: buffer updates made in forward() are undone.
     """
     members = list(members)
     inputs = tuple(inputs)
@@ -140,6 +152,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
         # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
         on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
         got, env = module.run_stages(*on_device, keep=True)
+    saved = _buffers(members)  # forward may update buffers in place; each run starts from the same state
     want = loop_outputs(plan, members, inputs)
     report = VerifyReport(n_members=plan.n_members, rtol=rtol)
     want_stacked = [tree_flatten(w)[0] for w in want]
@@ -147,6 +160,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     for k, g in enumerate(got_leaves):
         ref = _loop_reference([w[k] for w in want_stacked], g)
         report.outputs.extend(compare(f"out[{k}]" if len(got_leaves) > 1 else "out", g, ref, rtol))
+    _restore_buffers(members, saved)
     # boundaries: each member's own graph run, compared with what crossed the stage boundary
     boundary = [n for p in module.programs for n in p.output_names]
     per_member = []
@@ -166,6 +180,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             worst = max((r for i in range(plan.n_members) for r in compare(name, member_value(env[name], i), per_member[i][name], rtol)),
                         key=lambda r: r.max_rel, default=ErrorRow(name, 0.0, 0.0, True))
             report.boundaries.append(ErrorRow(name, worst.max_abs, worst.max_rel, worst.ok))
+    _restore_buffers(members, saved)  # after comparing: recorded values may alias the buffers
     return report
 
 
