@@ -489,3 +489,15 @@ def test_unusual_state_and_outputs(cls, mode):
     out = executor.build(plan, members)(*inputs)
     leaves = out if isinstance(out, tuple) else (out,)
     assert all(t.shape[0] == 3 for t in leaves)
+
+
+def test_verify_with_buffer_updates_is_fair_and_leaves_members_alone():
+    """Loop and recorder runs start from the same buffers, and verify undoes the members' updates."""
+    torch.manual_seed(0)
+    members = [RunningTotal().eval() for _ in range(2)]
+    x = torch.randn(3, 4)
+    plan = planner.propose(planner.trace(members[0], (x,)), 2)
+    report = executor.verify(plan, members, (x,))
+    assert report.ok, report.to_text()
+    assert any(r.name == "add" for r in report.boundaries)
+    assert all(torch.equal(m.total, torch.zeros(4)) for m in members)
