@@ -439,3 +439,14 @@ def test_random_dag_proposals_match_the_loop(seed):
         check_plan_invariants(plan, graph)
         report = executor.verify(plan, members(3), executor.batched_inputs(plan, example))
         assert report.ok, report.to_text()
+
+
+def test_excluding_parameter_fetches_and_single_steps(sample):
+    """Carve a get_attr (a weight fetch) and one unrolled step out of the export graph; still matches the loop."""
+    src, graph = sample("shape_loop")
+    plan = planner.propose(graph, 3, input_mode="per_member")
+    plan = planner.exclude(planner.exclude(plan, graph, "cell_weight"), graph, "tanh_3")
+    check_plan_invariants(plan, graph)
+    assert [s.mode.value for s in plan.stages] == ["excluded", "batched", "batched", "excluded", "batched"]
+    report = executor.verify(plan, src.members(3), executor.batched_inputs(plan, src.example_inputs))
+    assert report.ok, report.to_text()
