@@ -27,6 +27,26 @@ import planner
 from benchmarks.workloads import WORKLOADS, Workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the OS.
+
+    By default every temporary above ~128 KB-32 MB is mmap'ed and unmapped again,
+    so each call page-faults its large tensors in afresh; on this VM that made a
+    10 MB elementwise op 10x slower than the op itself (it hits batched strategies,
+    whose tensors are N times larger, far more than the member loop). Same effect
+    as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in the environment; applies
+    to every strategy and baseline alike. Returns False where glibc is absent.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):
+        return False
 WHOLE = ("loop", "vmap", "vmap+compile")
 
 
@@ -48,10 +68,16 @@ def run_workload(w: Workload, device: str, repeats: int | None) -> executor.Prof
     return report
 
 
-def row_of(w: Workload, r: executor.ProfileReport) -> dict:
-    """One table row: times in ms, the best whole-model strategy and the ratios."""
-    times = {b.strategy: (b.ms if b.ok else None) for b in r.baselines}
-    stagewise = r.end_to_end.ms if r.end_to_end.ok else None
+def _ms(res, stat: str):
+    if not res.ok or res.time is None:
+        return None
+    return res.time.min_ms if stat == "min" else res.time.median_ms
+
+
+def row_of(w: Workload, r: executor.ProfileReport, stat: str = "min") -> dict:
+    """One table row: times in ms (`stat` of the samples), the best whole-model strategy and the ratios."""
+    times = {b.strategy: _ms(b, stat) for b in r.baselines}
+    stagewise = _ms(r.end_to_end, stat)
     whole = {k: times.get(k) for k in WHOLE if times.get(k) is not None}
     best_name = min(whole, key=whole.get) if whole else None
     best = whole.get(best_name) if best_name else None
@@ -66,6 +92,8 @@ def row_of(w: Workload, r: executor.ProfileReport) -> dict:
         "vs_floor": (stagewise / times["floor"]) if stagewise and times.get("floor") else None,  # <=1.5 is the target
         "strategies": " ".join(f"{s.id}:{s.strategy}" for s in r.stages),
         "errors": {b.strategy: b.error for b in r.baselines if not b.ok},
+        "median_ms": {b.strategy: _ms(b, "median") for b in r.baselines + [r.end_to_end]},
+        "min_ms": {b.strategy: _ms(b, "min") for b in r.baselines + [r.end_to_end]},
     }
 
 
@@ -76,9 +104,12 @@ def _f(x, spec=".2f", dash="fail") -> str:
 def markdown(rows: list[dict], meta: dict, verdicts: list[str]) -> str:
     lines = [f"# stagewise benchmark: {meta['device_name']} ({meta['device']})", "",
              f"{meta['date']} · torch {meta['torch']} · Python {meta['python']} · {meta['threads']} threads · "
-             f"{meta['cpus']} CPUs · {meta['platform']}", "",
-             "Median ms per forward of all N members (no grad). *ratio* = best of loop / whole vmap / whole vmap + compile "
-             "divided by stagewise (>1: stagewise faster). *floor* = one member on N x the batch (same FLOPs, shared weights).", "",
+             f"{meta['cpus']} CPUs · {meta['platform']} · glibc keeps freed memory: {meta['malloc_keeps_freed_memory']} · "
+             f"load average at the end {meta['load_average'][0]:.1f}", "",
+             f"ms per forward of all N members (no grad): the {meta['stat']} of {meta['repeats']} round-robin samples after warm-up"
+             + (" (the estimate least disturbed by other processes on a shared machine; medians are in the JSON)" if meta["stat"] == "min" else "")
+             + ". *ratio* = best of loop / whole vmap / whole vmap + compile divided by stagewise (>1: stagewise faster). "
+             "*floor* = one member on N x the batch (same FLOPs, shared weights).", "",
              "| workload | loop | whole vmap | vmap + compile (compile s) | stagewise auto | ratio vs best | floor | stagewise / floor | stages |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -126,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP threads stall at "
                          "barriers whenever another process takes a core, which we measured as a 10x spread; "
                          "0 keeps torch's default)")
+    ap.add_argument("--stat", choices=["min", "median"], default="min", help="statistic of the timed samples for the table")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's malloc as it is (default: keep freed memory, see keep_freed_memory)")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    malloc_tuned = False if args.default_malloc else keep_freed_memory()
     started = time.perf_counter()
     workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]
     rows, reports = [], {}
@@ -136,13 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{w.name}", file=sys.stderr)
         report = run_workload(w, args.device, args.repeats)
         reports[w.name] = report.to_json()
-        rows.append(row_of(w, report))
+        rows.append(row_of(w, report, args.stat))
     dev = executor.resolve_device(args.device)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
         "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(), "platform": platform.platform(), "wall_s": time.perf_counter() - started,
+        "malloc_keeps_freed_memory": malloc_tuned, "stat": args.stat,
+        "repeats": args.repeats or "adaptive (10-40)", "load_average": os.getloadavg(),
     }
     verdicts = verdicts_of(rows, str(dev))
     text = markdown(rows, meta, verdicts)

@@ -184,22 +184,24 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
 
 
 def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[set[Strategy]]) -> list[Plan]:
-    """The whole model as one stage, with each strategy that could run it batched.
+    """The whole model as one stage, with each strategy that could run it.
 
     Per-stage choices cannot see what fusing across stage boundaries gains (one
-    compiled graph instead of several); these alternatives let the measurement decide.
+    compiled graph instead of several) or what boundaries cost; these
+    alternatives let the end-to-end measurement decide. They include the plain
+    member loop, so a tuned plan is never knowingly slower than not batching.
     """
     if len(plan.stages) < 2:
-        return []
+        return []  # one stage: its own candidates already were these
     order = {n: i for i, n in enumerate(graph_order)}
     nodes = tuple(sorted((n for s in plan.stages for n in s.nodes), key=lambda n: order.get(n, len(order))))
     excluded = [s for s in plan.stages if s.mode is StageMode.EXCLUDED]
-    if excluded and not all(vmap_falls_back(s) or s.options.strategy is Strategy.WIDE for s in excluded):
-        return []
     mode = StageMode.EXCLUDED if excluded else StageMode.BATCHED
     reason = "; ".join(dict.fromkeys(s.reason for s in excluded))
     compilable = all(vmap_falls_back(s) for s in excluded)
-    strategies = ([Strategy.COMPILE] if compilable else []) + [Strategy.WIDE] + ([Strategy.VMAP] if not excluded else [])
+    widenable = all(vmap_falls_back(s) or s.options.strategy is Strategy.WIDE for s in excluded)
+    strategies = (([Strategy.COMPILE] if compilable else []) + ([Strategy.WIDE] if widenable else [])
+                  + ([Strategy.VMAP] if not excluded else []) + [Strategy.LOOP])
     out = []
     for strategy in strategies:
         if allowed is None or strategy in allowed:

@@ -121,13 +121,14 @@ def time_candidates(cands: dict[str, tuple[StrategyResult, Callable]], device: t
     fns = {label: call for label, (res, call) in cands.items()}
     try:
         timings = interleaved(fns, device, repeats, warmup)
-    except Exception as e:  # a candidate that ran once but fails when repeated (OOM on the second buffer set)
+    except Exception:  # a candidate that ran once but fails when repeated (OOM on a second buffer set): find which
         for label, (res, call) in cands.items():
             try:
                 res.time = interleaved({label: call}, device, repeats, warmup)[label]
-            except Exception as e2:
-                res.ok, res.error = False, describe_error(e2)
-        del e
+            except Exception as e:
+                res.ok, res.error = False, describe_error(e)
+                if is_oom(e) and device.type == "cuda":
+                    torch.cuda.empty_cache()
         timings = {label: res.time for label, (res, _) in cands.items() if res.ok}
     for label, (res, call) in cands.items():
         if label not in timings or not res.ok:
@@ -224,7 +225,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         plan, members: as for executor.build (exactly plan.n_members members).
         inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
         device: "cpu" or "cuda"; CUDA on a machine without it raises planner.DeviceError.
-        repeats: timed samples per measurement (default: enough for ~0.25 s, 5..40).
+        repeats: timed samples per measurement (default: enough for ~0.25 s, 10..40).
         warmup: untimed calls before timing (default 2).
         baselines: also time the member loop and whole-model vmap end to end.
         compile_baseline: also time torch.compile of whole-model vmap (compile time reported apart).

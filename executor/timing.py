@@ -23,7 +23,7 @@ import torch
 
 TINY_CALL_S = 2e-4  # calls faster than this are repeated within one sample
 SAMPLE_BUDGET_S = 0.25  # default time spent timing one callable (repeats derived from it)
-MIN_REPEATS, MAX_REPEATS = 5, 40
+MIN_REPEATS, MAX_REPEATS = 10, 40
 
 
 @dataclass

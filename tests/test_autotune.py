@@ -50,17 +50,18 @@ def test_excluded_sdpa_stage_gets_wide_as_a_candidate(sample):
     if len(tuned.stages) > 1:
         chosen = tuned.stage(sdpa.id)
         assert chosen.mode is StageMode.EXCLUDED and chosen.options.strategy in (Strategy.LOOP, Strategy.WIDE)
-    else:  # merging everything into one wide stage won
+    else:  # merging everything into one stage won
         (chosen,) = tuned.stages
-        assert chosen.options.strategy is Strategy.WIDE and chosen.options.note.startswith("autotune merged")
-        assert {r.strategy for r in found["s0"]} == {"per-stage", "merged/wide"}
+        assert chosen.options.strategy in (Strategy.WIDE, Strategy.LOOP) and chosen.options.note.startswith("autotune merged")
+        assert {r.strategy for r in found["s0"]} == {"per-stage", "merged/wide", "merged/loop"}
     tuned_ok(src, tuned)
 
 
 def test_merged_alternatives_cover_compile_only_where_vmap_can_run(sample):
     from executor.autotune import merged_alternatives
 
-    for name, expect in (("transformer_block", {Strategy.COMPILE, Strategy.WIDE}), ("gru", set()), ("mlp", set())):
+    for name, expect in (("transformer_block", {Strategy.COMPILE, Strategy.WIDE, Strategy.LOOP}), ("gru", {Strategy.LOOP}),
+                         ("mlp", set()), ("data_dependent", {Strategy.LOOP})):
         src, graph = sample(name)
         plan = planner.propose(graph, N)
         got = {p.stages[0].options.strategy for p in merged_alternatives(plan, graph.node_names, None)}

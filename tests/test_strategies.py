@@ -15,7 +15,7 @@ import planner
 from executor.baselines import stack_outputs
 from executor.profile import max_rel_error
 from executor.stages import LoopRunner, runner_for
-from executor.strategies import CPU_REFUSAL, CompileRunner, WideRunner, compiled, wide_rule_gaps
+from executor.strategies import CPU_REFUSAL, CompileRunner, WideRunner, compiled, wide_layers, wide_rule_gaps
 from executor.strategies.wide_layers import gru
 from executor.strategies.wide_ops import NFirst, linear
 from planner.plan import StageMode, StageOptions, Strategy
@@ -61,6 +61,15 @@ def test_eager_strategies_match_the_loop(sample, name, strategy, mode):
     src, graph = sample(name)
     plan = with_strategy(planner.propose(graph, N, mode), strategy)
     check(src, plan)
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("name", ["cnn", "resblock"])
+def test_wide_grouped_convolution_matches_the_loop(sample, name, mode, monkeypatch):
+    """The grouped-conv path GPUs take (CPU loops the conv per member), checked here on CPU."""
+    monkeypatch.setattr(wide_layers, "GROUPED_CONV_ON_CPU", True)
+    src, graph = sample(name)
+    check(src, with_strategy(planner.propose(graph, N, mode), Strategy.WIDE))
 
 
 @pytest.mark.parametrize("name", SAMPLE_NAMES)
