@@ -22,7 +22,7 @@ import executor
 import planner
 from planner import EditError, Plan, StageMode, Strategy
 from planner.validate import stage_graph
-from conftest import SAMPLE_NAMES, check_plan_invariants
+from conftest import SAMPLE_NAMES, check_plan_invariants, examples
 
 RTOL = 1e-4
 
@@ -412,20 +412,20 @@ def run_edit_sequence(data, name: str, steps: int, verify_every: int | None, n: 
     return accepted
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(data=st.data(), seed=st.sampled_from(DAG_SEEDS))
 def test_random_edits_on_random_dags(data, seed):
     run_edit_sequence(data, f"dag{seed}", steps=10, verify_every=3)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(data=st.data(), name=st.sampled_from(SAMPLE_NAMES))
 def test_random_edits_on_samples(data, name):
     run_edit_sequence(data, name, steps=10, verify_every=None)
 
 
 @pytest.mark.slow
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(data=st.data(), name=st.sampled_from(sorted(set(SAMPLE_NAMES) - {"shape_loop"})))
 def test_random_edits_on_samples_still_match_the_loop(data, name):
     run_edit_sequence(data, name, steps=6, verify_every=3)
