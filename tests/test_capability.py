@@ -41,7 +41,8 @@ def test_sample_verdicts(sample, name):
 
 
 def fresh_graph(model: nn.Module, *inputs: torch.Tensor):
-    return planner.trace(model.eval() if not getattr(model, "keep_training", False) else model, tuple(inputs))
+    """Trace a model made by the test (eval mode), not a cached sample: annotate_capability writes to the graph."""
+    return planner.trace(model.eval(), tuple(inputs))
 
 
 class RunningTotal(nn.Module):
