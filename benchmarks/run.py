@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    try:
+        executor.resolve_device(args.device)
+    except planner.StagewiseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     malloc_tuned = False if args.default_malloc else keep_freed_memory()
     started = time.perf_counter()
     workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]

@@ -284,6 +284,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
             ref = LoopRunner(program, n, runner.stacked, runner.member_states)(args)  # the trusted reference
             check = stage_check(ref, n)
             res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(args)), check, dev)
+            res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
             cands = {label: (res, call)} if call is not None else {}
             if label == "loop":
                 loop_res = res

@@ -144,7 +144,8 @@ class ProfileReport:
         for s in self.stages:
             lines.append(_stage_row(s))
             for c in s.candidates:
-                lines.append(_candidate_row(c, chosen=c.strategy == s.strategy and c.chunk_size == s.result.chunk_size))
+                chosen = c.strategy in (s.strategy, f"merged/{s.strategy}") and c.chunk_size == s.result.chunk_size
+                lines.append(_candidate_row(c, chosen=chosen))
         lines += ["", f"{'whole model':<24} {'median ms':>10} {'p10-p90 ms':>15} {'compile s':>9} {'max rel err':>11}  vs stagewise"]
         for r in [self.end_to_end] + self.baselines:
             lines.append(_baseline_row(r, self.end_to_end))
