@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
 MODEL = ROOT / "sample_models" / "transformer_block.py"
+WAIT_MS = 45_000  # generous: CI machines are often busy, and a rerun then takes seconds
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 
 # Centre of the marker whose customdata is `id`, in page coordinates (Plotly draws
@@ -96,8 +97,8 @@ def test_click_select_and_merge_in_chromium(server):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1500})
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1500})
             page.goto(server)
             page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=90_000)
             page.wait_for_timeout(1000)
@@ -107,21 +108,23 @@ def test_click_select_and_merge_in_chromium(server):
 
             page.wait_for_timeout(500)
             _click_node(page, "ln1")  # stage s0
-            page.get_by_text("ln1 (s0)").wait_for(timeout=20_000)  # mirrored into the multiselect
+            page.get_by_text("ln1 (s0)").wait_for(timeout=WAIT_MS)  # mirrored into the multiselect
             page.wait_for_timeout(1000)  # let the chart redraw with the selection outline
             _click_node(page, "scaled_dot_product_attention")  # stage s1 (excluded): clicks add to the selection
-            page.get_by_text("scaled_dot_product_attention (s1)").wait_for(timeout=20_000)
+            page.get_by_text("scaled_dot_product_attention (s1)").wait_for(timeout=WAIT_MS)
             page.screenshot(path=str(ARTIFACTS / "plan_selected.png"))
 
-            page.get_by_role("button", name="Merge").click()
-            page.get_by_text("merge s0+s1", exact=False).first.wait_for(timeout=20_000)
-            page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=20_000)
+            merge = page.get_by_role("button", name="Merge")
+            sync_api.expect(merge).to_be_enabled(timeout=WAIT_MS)
+            merge.click()
+            page.get_by_text("merge s0+s1", exact=False).first.wait_for(timeout=WAIT_MS)
+            page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=WAIT_MS)
             page.wait_for_timeout(1000)
             assert _stage_count(page) == before - 1
             page.screenshot(path=str(ARTIFACTS / "plan_merged.png"))
 
             page.get_by_role("button", name="Undo").click()
-            page.get_by_text("undid: merge s0+s1").wait_for(timeout=20_000)
+            page.get_by_text("undid: merge s0+s1").wait_for(timeout=WAIT_MS)
             assert _stage_count(page) == before
 
             # box select from the chart toolbar picks several nodes at once
@@ -134,7 +137,10 @@ def test_click_select_and_merge_in_chromium(server):
             page.mouse.move(c[0] + 30, c[1] + 10, steps=8)
             page.mouse.up()
             for node in ("ffn_0", "ffn_1", "ffn_2"):
-                page.get_by_text(f"{node} (s2)").wait_for(timeout=20_000)
+                page.get_by_text(f"{node} (s2)").wait_for(timeout=WAIT_MS)
             page.screenshot(path=str(ARTIFACTS / "plan_box_selected.png"))
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"))  # what the browser showed when it failed
+            raise
         finally:
             browser.close()
