@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pandas as pd
 import streamlit as st
 
 from app import state
@@ -110,6 +111,18 @@ def current_ui() -> None:
             st.session_state[key] = spec.mode.value
         st.radio(spec.name, [m.value for m in InputMode], key=key, horizontal=True, on_change=_set_input_mode,
                  args=(spec.name,))
+    nodes_ui(loaded, plan)
+
+
+def nodes_ui(loaded: state.Loaded, plan) -> None:
+    """Every traced node as a table: what the planner knows and which stage holds it."""
+    stage_of = {n: s.id for s in plan.stages for n in s.nodes}
+    bad = sum(not n.batchable for n in loaded.data.nodes)
+    with st.expander(f"Traced nodes ({len(loaded.data.nodes)}, {bad} cannot be batched)"):
+        rows = [{"node": n.name, "op": n.op, "target": n.target, "module": n.module_path, "shape": n.shape,
+                 "dtype": n.dtype, "params": n.params, "FLOPs": n.flops, "stage": stage_of.get(n.name, ""),
+                 "batchable": n.batchable, "why not": n.reason} for n in loaded.data.nodes]
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
 
 def model_page() -> None:

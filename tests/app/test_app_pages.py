@@ -159,6 +159,8 @@ def upload_model(at: AppTest, name: str, content: bytes) -> None:
 
 def test_open_another_sample(at):
     model_page(at)
+    table = at.dataframe[0].value
+    assert len(table) == 29 and not table.set_index("node").loc["scaled_dot_product_attention", "batchable"]
     at.selectbox(key="sample_choice").set_value(str(SAMPLES / "data_dependent.py"))
     at.number_input(key="n_new").set_value(4)
     button(at, "Open sample").click().run()
