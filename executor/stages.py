@@ -16,9 +16,10 @@ import torch.fx
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from planner.capability import is_inplace
 from planner.errors import ExecutionError
 from planner.plan import Stage, StageMode, Strategy
-from executor.values import Batched, PerMember, Shared, batched_arg, member_value
+from executor.values import Batched, PerMember, Shared, as_batched, batched_arg, member_value
 
 
 @dataclass
@@ -120,8 +121,13 @@ class VmapRunner(Runner):
 
         self._one_member = one_member
         self._vmapped: dict[Any, Callable] = {}
+        # vmap cannot write a batched value into an unbatched tensor in place (`h.add_(fc(x))` with h
+        # computed from a shared input), so a stage that writes in place gets every input batched
+        self._batch_shared_inputs = any(is_inplace(n) for n in module.graph.nodes)
 
     def run(self, args: list) -> list:
+        if self._batch_shared_inputs:
+            args = [as_batched(a, self.n_members) for a in args]
         pairs = [batched_arg(a) for a in args]
         inputs = [p[0] for p in pairs]
         dims = [p[1] for p in pairs]

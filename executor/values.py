@@ -78,11 +78,18 @@ def member_value(v, i: int) -> Any:
     return v.values[i]
 
 
+def as_batched(v, n: int):
+    """`v` with the member axis on its tensors: a Shared value becomes [N, ...] copies (writable, not a view)."""
+    if isinstance(v, Shared):
+        return Batched(tree_map(lambda x: x.unsqueeze(0).expand(n, *x.shape).clone() if _is_tensor(x) else x, v.value))
+    return v
+
+
 def n_first(v, n: int) -> Any:
     """A boundary value as the module's output: tensors N-first, a pytree of them for containers."""
     if isinstance(v, Batched):
         return v.tree
     if isinstance(v, Shared):
-        return tree_map(lambda x: x.unsqueeze(0).expand(n, *x.shape).clone() if _is_tensor(x) else x, v.value)
+        return as_batched(v, n).tree
     tree, _ = stack_members(v.values)  # per-member numbers come back as a [N] tensor, equal ones stay plain
     return tree
