@@ -156,7 +156,7 @@ class BatchedModule(nn.Module):
                 if not read or e.__cause__ is None or isinstance(e.__cause__, StagewiseError):
                     raise
                 # torch failed in a stage fed by the model inputs: most likely their shape or dtype
-                raise InputError(f"{e}. The stage reads model input(s) {read}: pass inputs shaped like example_inputs() "
+                raise InputError(f"{e}. The stage reads model input(s) {read}; check they are shaped like example_inputs() "
                                  "(per_member ones with a leading [N] axis)") from e
             for name, value in zip(program.output_names, outs):
                 env[name] = value
