@@ -501,3 +501,28 @@ def test_verify_with_buffer_updates_is_fair_and_leaves_members_alone():
     assert report.ok, report.to_text()
     assert any(r.name == "add" for r in report.boundaries)
     assert all(torch.equal(m.total, torch.zeros(4)) for m in members)
+
+
+class InPlaceIntoShared(nn.Module):
+    """`h` is computed from the shared input only, then a member-specific value is added into it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = x * 1.0
+        h.add_(self.fc(x))
+        return h
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_inplace_write_into_a_shared_value(mode):
+    torch.manual_seed(0)
+    members = [InPlaceIntoShared() for _ in range(3)]
+    x = torch.randn(2, 4)
+    plan = planner.propose(planner.trace(members[0], (x,)), 3, input_mode=mode)
+    assert [s.mode for s in plan.stages] == [StageMode.BATCHED]
+    inputs = executor.batched_inputs(plan, (x,))
+    report = executor.verify(plan, members, inputs)
+    assert report.ok, report.to_text()
