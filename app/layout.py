@@ -23,7 +23,16 @@ def layers_of(nodes: Iterable[Hashable], edges: Iterable[tuple[Hashable, Hashabl
     g.add_nodes_from(nodes)
     g.add_edges_from(edges)
     if nx.is_directed_acyclic_graph(g):
-        return [list(layer) for layer in nx.topological_generations(g)]
+        layer = {n: i for i, gen in enumerate(nx.topological_generations(g)) for n in gen}
+        # Sources (parameters, constants, inputs) sit just above their first consumer instead of all
+        # in the top row: export graphs lift every weight to an input, and long edges would cross everything.
+        for n in g.nodes:
+            if g.in_degree(n) == 0 and g.out_degree(n) > 0:
+                layer[n] = min(layer[s] for s in g.successors(n)) - 1
+        out: dict[int, list[Hashable]] = {}
+        for n in g.nodes:
+            out.setdefault(layer[n], []).append(n)
+        return [out[k] for k in sorted(out)]
     # A collapsed module view can contain cycles (a module called twice with
     # other work in between); layer the condensation and keep members together.
     cond = nx.condensation(g)

@@ -114,3 +114,9 @@ def test_auto_collapse_picks_the_finest_level_that_fits():
     assert gv.auto_collapse(data, max_view=60) == 2 and len(gv.modules_at_depth(data, 2)) == 50
     assert gv.auto_collapse(data, max_view=250) == 3 and len(gv.modules_at_depth(data, 3)) == 200
     assert gv.auto_collapse(data, max_view=1) == 1 and gv.auto_collapse(data, max_view=0) == 0
+
+
+def test_sources_sit_just_above_their_first_consumer():
+    # x -> a -> b -> c, and a weight w used only by c: w belongs next to c, not in the top row
+    pos = layered_layout(["x", "w", "a", "b", "c"], [("x", "a"), ("a", "b"), ("b", "c"), ("w", "c")])
+    assert pos["x"][1] == 0 and pos["w"][1] == pos["b"][1] > pos["c"][1]
