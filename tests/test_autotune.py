@@ -17,7 +17,7 @@ from executor.timing import fault_hook, simulate_oom
 from executor.values import Batched
 from planner.plan import StageMode, Strategy
 
-N = 4
+N = 3
 EAGER = ["vmap", "wide", "loop"]
 
 
@@ -96,10 +96,11 @@ def test_out_of_memory_strategies_are_never_chosen(sample):
     results = {r.strategy: r for r in found[stage.id]}
     assert not results["vmap"].ok and results["vmap"].error.startswith("out of memory")
     assert not results["wide"].ok
-    assert results["vmap/chunk=2"].ok  # vmap that runs out of memory is retried in chunks
+    chunked = [r for r in found[stage.id] if r.strategy.startswith("vmap/chunk=")]
+    assert chunked and chunked[0].ok and chunked[0].chunk_size == N // 2  # out-of-memory vmap is retried in chunks
     assert stage.options.strategy in (Strategy.VMAP, Strategy.LOOP)
     if stage.options.strategy is Strategy.VMAP:
-        assert stage.options.chunk_size == 2
+        assert stage.options.chunk_size == N // 2
     assert "failed" in stage.options.note
     tuned_ok(src, tuned)
 

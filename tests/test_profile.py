@@ -75,7 +75,7 @@ def test_progress_counts_up_to_the_total(mlp_plan):
 
 
 def test_chrome_trace_has_one_label_per_stage(sample, tmp_path):
-    src, graph = sample("transformer_block")
+    src, graph = sample("data_dependent")  # five stages, batched and excluded
     plan = planner.propose(graph, N)
     path = tmp_path / "trace.json"
     report = executor.profile(plan, src.members(N), src.example_inputs, baselines=False, trace_path=str(path), **FAST)
