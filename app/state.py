@@ -177,15 +177,20 @@ def open_model(ref: ModelRef, n_members: int, input_mode: Any = "shared", *, sav
     if result is None:
         return False
     m, proposed = result
-    ss().model_ref = ref
-    ss().history = History.start(proposed)
-    ss().selection = []
-    ss().collapsed = []
-    ss().collapse_depth = gv.auto_collapse(m.data) if len(m.data.nodes) > gv.AUTO_COLLAPSE_NODES else 0
-    bump_view()
+    _install(ref, History.start(proposed), m.data)
     if save:
         save_autosave()
     return True
+
+
+def _install(ref: ModelRef, history: History, data: gv.GraphData) -> None:
+    """Make `ref` the current model with this history; fresh selection and view (big graphs open collapsed)."""
+    ss().model_ref = ref
+    ss().history = history
+    ss().selection = []
+    ss().collapsed = []
+    ss().collapse_depth = gv.auto_collapse(data) if len(data.nodes) > gv.AUTO_COLLAPSE_NODES else 0
+    bump_view()
 
 
 def bump_view() -> None:
@@ -229,7 +234,7 @@ def init() -> None:
     if path:
         open_model(ModelRef(path, label=Path(path).name), DEFAULT_N, save=False)
     offer = ss().get("autosave_offer")
-    # the autosave we just wrote for the default model is no offer; an older, different plan is
+    # an autosave equal to the plan just opened (profile aside) is nothing to restore
     if offer is not None and plan() is not None and _without_profile(offer.plan) == _without_profile(plan()) and not offer.weights:
         ss().autosave_offer = None
 
@@ -256,14 +261,9 @@ def restore_autosave() -> None:
     if result is None:
         return
     proposed, restored = result
-    data = loaded(ref).data
-    ss().model_ref = ref
-    ss().history = History.start(proposed)
-    ss().history.push("restored autosave", restored)
-    ss().selection = []
-    ss().collapsed = []
-    ss().collapse_depth = gv.auto_collapse(data) if len(data.nodes) > gv.AUTO_COLLAPSE_NODES else 0
-    bump_view()
+    history = History.start(proposed)
+    history.push("restored autosave", restored)
+    _install(ref, history, loaded(ref).data)
     save_autosave()
     flash("success", f"restored the autosaved plan ({len(restored.stages)} stages) for {ref.name}")
 
