@@ -123,8 +123,8 @@ def _tune_stage(program: StageProgram, runner: Runner, args: list, n: int, devic
         before = set(working)
         attempt(strategy)
         late.update({k: v for k, v in working.items() if k not in before})
-    if late:
-        time_candidates(late, device, repeats, warmup, set(late))
+    if late:  # re-time everything that works in one round-robin, so load changes between rounds cannot decide
+        time_candidates({k: v for k, v in working.items() if v[0].ok}, device, repeats, warmup, set(late))
         for label, (res, _) in late.items():
             res.compile_s = getattr(runners.get(label), "compile_seconds", res.compile_s) if label == "compile" else res.compile_s
     ok = [r for r in results if r.ok and r.time]
