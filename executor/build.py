@@ -20,7 +20,7 @@ from planner.graph import ModelGraph, fingerprint_lines, retrace
 from planner.plan import InputMode, Plan, Stage
 from planner.validate import stage_graph, validate
 from executor.stages import Runner, StageProgram, runner_for
-from executor.values import Batched, Shared, n_first
+from executor.values import Batched, Shared, as_batched, n_first
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -149,8 +149,14 @@ class BatchedModule(nn.Module):
         """Run all stages; returns (N-first outputs, boundary values by node name if `keep`)."""
         env = self._bind_inputs(inputs)
         for program, runner in zip(self.programs, self.runners):
+            args = [env[n] for n in program.input_names]
+            if program.writes_in_place:
+                # an in-place write must land in one [N, ...] tensor that later stages read too
+                # (vmap cannot write a batched value into a shared one; a loop would write N times into it)
+                args = [as_batched(a, self.n_members) for a in args]
+                env.update(zip(program.input_names, args))
             try:
-                outs = runner([env[n] for n in program.input_names])
+                outs = runner(args)
             except ExecutionError as e:
                 read = [n for n in program.input_names if n in self._input_names]
                 if not read or e.__cause__ is None or isinstance(e.__cause__, StagewiseError):

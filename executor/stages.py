@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from planner.capability import is_inplace
 from planner.errors import ExecutionError
 from planner.plan import Stage, StageMode, Strategy
-from executor.values import Batched, PerMember, Shared, as_batched, batched_arg, member_value
+from executor.values import Batched, PerMember, Shared, batched_arg, member_value
 
 
 @dataclass
@@ -32,6 +32,7 @@ class StageProgram:
     output_names: list[str]  # stage nodes read outside the stage, in output order
     state_names: list[str]  # member state (params/buffers) the stage reads, full dotted names
     describe: str = ""  # "s1 (linear, relu, ...)" for error messages
+    writes_in_place: bool = False  # some node updates a value in place (x.add_(y), operator.iadd, ...)
 
     @staticmethod
     def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
@@ -55,7 +56,8 @@ class StageProgram:
         g.output(tuple(env[n] for n in outputs))
         module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
         shown = ", ".join(stage.nodes[:4]) + (", ..." if len(stage.nodes) > 4 else "")
-        return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})")
+        return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
+                            writes_in_place=any(is_inplace(n) for n in g.nodes))
 
 
 def _state_of(gm: torch.fx.GraphModule, node: torch.fx.Node, state_keys: set[str]) -> list[str]:
@@ -121,13 +123,8 @@ class VmapRunner(Runner):
 
         self._one_member = one_member
         self._vmapped: dict[Any, Callable] = {}
-        # vmap cannot write a batched value into an unbatched tensor in place (`h.add_(fc(x))` with h
-        # computed from a shared input), so a stage that writes in place gets every input batched
-        self._batch_shared_inputs = any(is_inplace(n) for n in module.graph.nodes)
 
     def run(self, args: list) -> list:
-        if self._batch_shared_inputs:
-            args = [as_batched(a, self.n_members) for a in args]
         pairs = [batched_arg(a) for a in args]
         inputs = [p[0] for p in pairs]
         dims = [p[1] for p in pairs]

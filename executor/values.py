@@ -79,10 +79,18 @@ def member_value(v, i: int) -> Any:
 
 
 def as_batched(v, n: int):
-    """`v` with the member axis on its tensors: a Shared value becomes [N, ...] copies (writable, not a view)."""
+    """`v` as a Batched value whose member rows can be written in place.
+
+    Shared tensors become [N, ...] copies, PerMember ones are stacked, and
+    Batched tensors that are expanded views (stride 0 on the member axis) are copied.
+    """
     if isinstance(v, Shared):
         return Batched(tree_map(lambda x: x.unsqueeze(0).expand(n, *x.shape).clone() if _is_tensor(x) else x, v.value))
-    return v
+    if isinstance(v, PerMember):
+        return Batched(stack_members(v.values)[0])
+    # vmap returns a value that did not depend on the members as an expanded view (stride 0 on
+    # the member axis): all members would share one memory row, so give them their own
+    return Batched(tree_map(lambda x: x.clone() if _is_tensor(x) and x.dim() and x.shape[0] > 1 and x.stride(0) == 0 else x, v.tree))
 
 
 def n_first(v, n: int) -> Any:
