@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import torch.nn.functional as F
 from torch import nn
 
 import executor
@@ -271,13 +272,14 @@ def test_edited_plan_still_matches_the_loop(dd, sample):
 # --- random DAG models --------------------------------------------------------------------
 
 class RandomDAG(nn.Module):
-    """A random fx-traceable model: Linear, elementwise, two-branch adds and `.item()` rescalings.
+    """A random fx-traceable model: Linear (as modules and as F.linear on parameters, i.e. get_attr
+    nodes), elementwise, two-branch adds, in-place adds and `.item()` rescalings.
 
     The architecture comes from `arch_seed` (Python RNG); weights from torch's RNG.
     Input layout [B, D]; output one [B, D] tensor, or a tuple of two.
     """
 
-    KINDS = ("linear", "linear", "linear", "relu", "tanh", "scale", "add", "add", "item")
+    KINDS = ("linear", "linear", "flinear", "relu", "tanh", "scale", "add", "add", "inplace", "item")
 
     def __init__(self, arch_seed: int, n_ops: int = 10, d: int = 6):
         super().__init__()
@@ -294,7 +296,10 @@ class RandomDAG(nn.Module):
             if kind == "linear":
                 self.layers[f"l{i}"] = nn.Linear(d, d)
                 self.spec.append((kind, a, f"l{i}"))
-            elif kind == "add":
+            elif kind == "flinear":
+                self.register_parameter(f"w{i}", nn.Parameter(torch.randn(d, d) / d ** 0.5))
+                self.spec.append((kind, a, f"w{i}"))
+            elif kind in ("add", "inplace"):
                 self.spec.append((kind, a, rng.randrange(i + 1)))
             else:
                 self.spec.append((kind, a, None))
@@ -312,8 +317,13 @@ class RandomDAG(nn.Module):
                 v = torch.tanh(v)
             elif kind == "scale":
                 v = v * 0.5
+            elif kind == "flinear":
+                v = F.linear(v, getattr(self, b))
             elif kind == "add":
                 v = v + values[b]
+            elif kind == "inplace":  # a fresh value, updated in place (readers before and after must stay right)
+                v = v * 1.0
+                v.add_(values[b])
             else:  # item: a Python float crosses into the next ops
                 s = v.abs().mean().item()
                 v = v / (1.0 + s)
@@ -350,6 +360,8 @@ def subject(name: str):
 def test_random_dags_have_unbatchable_nodes():
     kinds = [planner.unbatchable(subject(f"dag{s}")[0]) for s in DAG_SEEDS]
     assert any(kinds) and all(all(n.startswith("item") for n in k) for k in kinds)
+    ops = {graph.dag.nodes[n]["target"] for s in DAG_SEEDS for graph in [subject(f"dag{s}")[0]] for n in graph.compute_nodes}
+    assert {"add_", "item"} <= ops and any(t.startswith("w") for t in ops)  # in-place and get_attr nodes appear
     assert sum(len(subject(f"dag{s}")[0].compute_nodes) for s in DAG_SEEDS) > 40
 
 

@@ -516,13 +516,28 @@ class InPlaceIntoShared(nn.Module):
         return h
 
 
+class InPlaceAcross(InPlaceIntoShared):
+    def forward(self, x):
+        h = x * 1.0
+        h.add_(self.fc(x))
+        return h, h * 2
+
+
+@pytest.mark.parametrize("cls", [InPlaceIntoShared, InPlaceAcross])
+@pytest.mark.parametrize("edit", ["none", "carve", "split"])
 @pytest.mark.parametrize("mode", ["shared", "per_member"])
-def test_inplace_write_into_a_shared_value(mode):
+def test_inplace_write_into_a_shared_value(cls, edit, mode):
+    """The written value may come from another stage, shared by all members; the update must reach later readers."""
     torch.manual_seed(0)
-    members = [InPlaceIntoShared() for _ in range(3)]
+    members = [cls() for _ in range(3)]
     x = torch.randn(2, 4)
-    plan = planner.propose(planner.trace(members[0], (x,)), 3, input_mode=mode)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, 3, input_mode=mode)
     assert [s.mode for s in plan.stages] == [StageMode.BATCHED]
+    if edit == "carve":
+        plan = planner.exclude(plan, graph, "add_")
+    elif edit == "split":
+        plan = planner.split(plan, graph, "s0", at="add_")
     inputs = executor.batched_inputs(plan, (x,))
     report = executor.verify(plan, members, inputs)
     assert report.ok, report.to_text()
