@@ -76,7 +76,7 @@ def _chart_selected(key: str, collapsed: tuple[str, ...]) -> None:
     view, _ = state.view_and_layout(ref, collapsed)
     picked = gv.selection_from_event(st.session_state.get(key), view)
     # Each redraw resets Plotly's own selection, so clicks add to ours; an empty
-    # event (double-click on the chart) clears it.
+    # selection event (Plotly's deselect) clears it.
     current = list(st.session_state.get("selection", []))
     st.session_state.selection = list(dict.fromkeys(current + picked)) if picked else []
 
@@ -175,7 +175,7 @@ def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: lis
                     selection_mode=("points", "box", "lasso"), config={"displaylogo": False, "scrollZoom": True})
     st.caption("Top to bottom = data flow. Colour = stage; grey squares with a cross = excluded (member loop); "
                "red outline = cannot be batched (hover for why); black ring = selected. Click nodes to add them to "
-               "the selection, box/lasso (chart toolbar) to add many; double-click the chart to clear it.")
+               "the selection, box/lasso (chart toolbar) to add many; clear it with ✕ in the selection box.")
 
 
 def stage_rows(plan: Plan, data: gv.GraphData) -> pd.DataFrame:
