@@ -224,3 +224,13 @@ def test_bound_loop_sees_in_place_updates_of_the_stacked_state(sample):
         module.stacked_state["fc2.bias"].add_(1.0)
         after = module(x)
     assert torch.allclose(after, before + 1.0, atol=1e-5)
+
+
+def test_sibling_linears_run_as_one_gemm(sample):
+    """q, k and v read one value: the wide runner computes them with one concatenated GEMM."""
+    src, graph = sample("transformer_block")
+    plan = with_strategy(planner.propose(graph, N), Strategy.WIDE, excluded_too=True)
+    module = executor.build(plan, src.members(N))
+    groups = [g for r in module.runners for g in r._fused.values()]
+    assert ["q", "k", "v"] in groups
+    check(src, plan)

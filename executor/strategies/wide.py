@@ -79,9 +79,33 @@ class WideRunner(Runner):
                 value = self.stacked.get(str(node.target))
                 self._calls[node.name] = (NFirst(value) if value is not None else _attr(gm, str(node.target)),)
 
+        self._fused = _sibling_linears(gm, self.stacked)  # first node of a group -> the group's node names
+        self._pending: dict[str, Any] = {}
+        self._fused_weights: dict[str, tuple] = {}
+
+    def _linear_group(self, first: str, group: list[str], x: Any) -> Any:
+        """Sibling Linears reading one input as one GEMM against their weights concatenated;
+        the other members' results wait in self._pending until their nodes run."""
+        states = [self._calls[name][2] for name in group]
+        tensors = [st[k] for st in states for k in ("weight", "bias") if k in st]
+        versions = [(id(t), t._version) for t in tensors]
+        cached = self._fused_weights.get(first)
+        if cached is None or cached[0] != versions:
+            w = torch.cat([st["weight"] for st in states], dim=1)
+            b = torch.cat([st["bias"] for st in states], dim=1) if "bias" in states[0] else None
+            cached = (versions, w, b)
+            self._fused_weights[first] = cached
+        _, w, b = cached
+        y = wide_ops.linear(x, NFirst(w), NFirst(b) if b is not None else None, self.n_members)
+        parts = y.split([st["weight"].shape[1] for st in states], dim=-1)
+        for name, part in zip(group[1:], parts[1:]):
+            self._pending[name] = NFirst(part)
+        return NFirst(parts[0])
+
     def run(self, args: list) -> list:
         n = self.n_members
         env: dict[str, Any] = {}
+        self._pending.clear()
         inputs = iter(args)
         load = lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
         for node in self._nodes:
@@ -101,6 +125,10 @@ class WideRunner(Runner):
         n = self.n_members
         entry = self._calls[node.name]
         if node.op == "call_module":
+            if node.name in self._pending:
+                return self._pending.pop(node.name)
+            if node.name in self._fused:
+                return self._linear_group(node.name, self._fused[node.name], args[0])
             mod, rule, state = entry
             if not state and not _any_nf((args, kwargs)):
                 return mod(*args, **kwargs)
@@ -115,6 +143,28 @@ class WideRunner(Runner):
         if out is None:
             out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs)
         return out
+
+
+def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[str]]:
+    """Groups of >= 2 nn.Linear nodes that read the same value (q, k, v projections), keyed by the first.
+
+    HFTA-style horizontal fusion: one GEMM with the members' weights concatenated
+    along the output axis instead of one small GEMM per layer.
+    """
+    groups: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        mod = gm.get_submodule(node.target)
+        if type(mod) is torch.nn.Linear and f"{node.target}.weight" in stacked:
+            groups.setdefault(node.args[0].name, []).append(node)
+    fused = {}
+    for nodes in groups.values():
+        mods = [gm.get_submodule(x.target) for x in nodes]
+        same = all(m.in_features == mods[0].in_features and (m.bias is None) == (mods[0].bias is None) for m in mods)
+        if len(nodes) >= 2 and same and all(f"{x.target}.bias" in stacked for x in nodes if mods[0].bias is not None):
+            fused[nodes[0].name] = [x.name for x in nodes]
+    return fused
 
 
 def _attr(gm: torch.nn.Module, target: str) -> Any:

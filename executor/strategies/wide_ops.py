@@ -160,7 +160,12 @@ def view_like(name: str, args: tuple, kwargs: dict) -> Any:
         sizes = _sizes(args)
         if any(isinstance(s, torch.dtype) for s in sizes):
             return None
-        return NFirst(x.t.view(n, *sizes) if name == "view" else x.t.reshape(n, *sizes))
+        if name == "view":
+            try:
+                return NFirst(x.t.view(n, *sizes))
+            except RuntimeError:  # a slice of a fused GEMM's output cannot always be viewed: same values, copied
+                pass
+        return NFirst(x.t.reshape(n, *sizes))
     if name == "expand" and not kwargs:
         return NFirst(x.t.expand(n, *_sizes(args)))
     if name == "permute":
@@ -216,6 +221,13 @@ def sdpa(args: tuple, kwargs: dict, n: int, training: bool = False) -> Any:
     mask = bound.get("attn_mask")
     if is_nf(mask):
         bound["attn_mask"] = _lift(mask, mask.rank, n)
+    if mask is None and q_t.dim() > 4:
+        # PyTorch's fused CPU kernel takes 4-D inputs only (5-D goes to the slower math path):
+        # fold the member axis into the batch axis, [N, B, H, S, D] -> [N*B, H, S, D] (a view here)
+        lead = q_t.shape[:-3]
+        fold = lambda t: t.reshape(-1, *t.shape[-3:])  # noqa: E731
+        out = F.scaled_dot_product_attention(fold(q_t), fold(k_t), fold(v_t), **bound)
+        return NFirst(out.view(*lead, *out.shape[-3:]))
     return NFirst(F.scaled_dot_product_attention(q_t, k_t, v_t, **bound))
 
 
