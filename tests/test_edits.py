@@ -240,7 +240,7 @@ def test_set_options(dd):
                             ({"chunk_size": 0}, "chunk_size must be a positive integer"), ({"chunk_size": 1.5}, "chunk_size")]:
         with pytest.raises(EditError, match=message):
             planner.set_options(plan, graph, "s0", **kwargs)
-    with pytest.raises(EditError, match="s1 is excluded .*include it before choosing a batched strategy"):
+    with pytest.raises(EditError, match="s1 is excluded .*cannot run under vmap; use loop, wide or compile"):
         planner.set_options(plan, graph, "s1", strategy="vmap")
 
 
@@ -273,13 +273,13 @@ def test_edited_plan_still_matches_the_loop(dd, sample):
 
 class RandomDAG(nn.Module):
     """A random fx-traceable model: Linear (as modules and as F.linear on parameters, i.e. get_attr
-    nodes), elementwise, two-branch adds, in-place adds and `.item()` rescalings.
+    nodes), elementwise, reshapes through sizes, two-branch adds, in-place adds and `.item()` rescalings.
 
     The architecture comes from `arch_seed` (Python RNG); weights from torch's RNG.
     Input layout [B, D]; output one [B, D] tensor, or a tuple of two.
     """
 
-    KINDS = ("linear", "linear", "flinear", "relu", "tanh", "scale", "add", "add", "inplace", "item")
+    KINDS = ("linear", "linear", "flinear", "relu", "tanh", "scale", "add", "add", "inplace", "item", "reshape")
 
     def __init__(self, arch_seed: int, n_ops: int = 10, d: int = 6):
         super().__init__()
@@ -317,6 +317,9 @@ class RandomDAG(nn.Module):
                 v = torch.tanh(v)
             elif kind == "scale":
                 v = v * 0.5
+            elif kind == "reshape":  # sizes (Python ints) cross stage boundaries too
+                rows = v.shape[0]
+                v = v.reshape(rows, 2, -1).flatten(1)
             elif kind == "flinear":
                 v = F.linear(v, getattr(self, b))
             elif kind == "add":
