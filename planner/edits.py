@@ -79,7 +79,8 @@ def split(plan: Plan, graph: ModelGraph, stage: str, at: str | Iterable[str]) ->
     `at` a node name: the nodes before it (graph order) form one stage, it and
     the nodes after it the other; such a split is always convex.
     `at` a collection of node names: those nodes become a stage of their own;
-    refused when either part would not be convex.
+    refused when either part would not be convex, or when values would flow
+    both ways between the parts (a cycle of two stages).
     """
     what = f"split({stage!r}, at={at!r})"
     _check_graph(plan, graph, what)
@@ -179,8 +180,11 @@ def set_options(plan: Plan, graph: ModelGraph, stage: str, **options) -> Plan:
             options["strategy"] = Strategy(options["strategy"])
         except ValueError:
             raise EditError(f"{what}: unknown strategy {options['strategy']!r}; use one of {[x.value for x in Strategy]}") from None
-        if s.mode is StageMode.EXCLUDED and options["strategy"] is not Strategy.LOOP:
-            raise EditError(f"{what}: stage {s.id} is excluded ({s.reason}); include it before choosing a batched strategy")
+        if s.mode is StageMode.EXCLUDED and options["strategy"] in (Strategy.VMAP, Strategy.CUDA_GRAPH):
+            raise EditError(
+                f"{what}: stage {s.id} is excluded ({s.reason}), so it cannot run under vmap; "
+                "use loop, wide or compile, or include it first"
+            )
     chunk = options.get("chunk_size")
     if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
         raise EditError(f"{what}: chunk_size must be a positive integer or None, got {chunk!r}")
