@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
-MODEL  ?= sample_models/mlp.py
+MODEL  ?= sample_models/transformer_block.py
 
 .PHONY: run test bench browser-deps clean plan
 
@@ -20,19 +20,21 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	touch $@
 
-# Debian's chromium for the real-browser test. Best effort: when it cannot be
-# installed the browser test is skipped and says why.
+# Debian's chromium for the real-browser test and graphviz's `dot` for SVG export.
+# Best effort: without chromium the browser test is skipped and says why;
+# without dot the app offers DOT only.
 browser-deps:
-	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-		|| echo "chromium could not be installed; the browser test will be skipped"; \
+	@missing=""; [ -x /usr/bin/chromium ] || missing="$$missing chromium"; command -v dot >/dev/null || missing="$$missing graphviz"; \
+	if [ -n "$$missing" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+		|| echo "could not install$$missing: the browser test will be skipped / SVG export disabled"; \
 	fi
 
 run: $(VENV)/.installed
 	$(BIN)/stagewise ui $(MODEL)
 
 plan: $(VENV)/.installed
-	$(BIN)/stagewise plan $(MODEL) -n 8 -o plan.json && $(BIN)/stagewise run plan.json $(MODEL)
+	$(BIN)/stagewise plan sample_models/mlp.py -n 8 -o plan.json && $(BIN)/stagewise run plan.json sample_models/mlp.py
 
 test: $(VENV)/.installed-test browser-deps
 	$(BIN)/python -m pytest -q

@@ -77,6 +77,11 @@ class Stage:
     reason: str = ""  # why the stage is excluded ("" for batched stages)
     options: StageOptions = field(default_factory=StageOptions)
 
+    def __post_init__(self) -> None:
+        # an excluded stage cannot run under vmap: a vmap strategy carried over from before becomes the loop
+        if self.mode is StageMode.EXCLUDED and self.options.strategy in (Strategy.VMAP, Strategy.CUDA_GRAPH):
+            object.__setattr__(self, "options", replace(self.options, strategy=Strategy.LOOP, chunk_size=None))
+
     def to_json(self) -> dict:
         return {
             "id": self.id,
