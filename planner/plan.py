@@ -255,8 +255,11 @@ class Plan:
         """Write the plan atomically (a crash mid-write never leaves half a plan)."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.dumps())
-        tmp.replace(path)
+        try:
+            tmp.write_text(self.dumps())
+            tmp.replace(path)
+        except OSError as e:
+            raise PlanFileError(f"cannot write plan file {path}: {e.strerror}; check that the folder exists and is writable") from None
         return path
 
     @staticmethod
