@@ -282,3 +282,8 @@ def test_model_file_that_fails_to_import(capsys, write_model):
     path = write_model("import torch\nraise ImportError('needs flash-attn')\n", "needs.py")
     code, _, err = run_cli(capsys, "plan", path)
     assert_one_line_error(code, err, "plan", "needs.py failed to import: ImportError: needs flash-attn")
+
+
+def test_plan_output_into_a_missing_folder(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "plan", MLP, "-n", "2", "-o", tmp_path / "nofolder" / "p.json")
+    assert_one_line_error(code, err, "plan", "cannot write plan file", "check that the folder exists")

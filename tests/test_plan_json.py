@@ -216,3 +216,8 @@ def test_defaults_for_optional_stage_fields():
 def test_profile_must_be_an_object(profile):
     with pytest.raises(PlanFileError, match="'profile' must be a JSON object or null"):
         Plan.from_json(plan_dict(profile=profile))
+
+
+def test_save_into_a_missing_folder(tmp_path):
+    with pytest.raises(PlanFileError, match="cannot write plan file .*nofolder.*check that the folder exists"):
+        small_plan().save(tmp_path / "nofolder" / "plan.json")
