@@ -50,6 +50,25 @@ def keep_freed_memory() -> bool:
 WHOLE = ("loop", "vmap", "vmap+compile")
 
 
+def cold_compile_caches() -> str:
+    """Give torch.compile an empty cache folder and turn off its FX-graph and AOT-autograd caches,
+    which would make repeated runs' compile times look free. Returns the folder (removed at exit)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    folder = tempfile.mkdtemp(prefix="stagewise-bench-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder  # compiled kernels (.so) are cached here by source hash
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    inductor_config.fx_graph_cache = False
+    inductor_config.autotune_local_cache = False
+    functorch_config.enable_autograd_cache = False
+    return folder
+
+
 def run_workload(w: Workload, device: str, repeats: int | None) -> executor.ProfileReport:
     src = planner.load_model_file(w.path)
     with warnings.catch_warnings():
@@ -103,9 +122,9 @@ def _f(x, spec=".2f", dash="fail") -> str:
 
 def markdown(rows: list[dict], meta: dict, verdicts: list[str]) -> str:
     lines = [f"# stagewise benchmark: {meta['device_name']} ({meta['device']})", "",
-             f"{meta['date']} · torch {meta['torch']} · Python {meta['python']} · {meta['threads']} threads · "
+             f"{meta['date']} · torch {meta['torch']} · Python {meta['python']} · torch intra-op threads: {meta['threads']} · "
              f"{meta['cpus']} CPUs · {meta['platform']} · glibc keeps freed memory: {meta['malloc_keeps_freed_memory']} · "
-             f"load average at the end {meta['load_average'][0]:.1f}", "",
+             f"torch.compile caches {meta['compile_caches']} · load average at the end {meta['load_average'][0]:.1f}", "",
              f"ms per forward of all N members (no grad): the {meta['stat']} of {meta['repeats']} round-robin samples after warm-up"
              + (" (the estimate least disturbed by other processes on a shared machine; medians are in the JSON)" if meta["stat"] == "min" else "")
              + ". *ratio* = best of loop / whole vmap / whole vmap + compile divided by stagewise (>1: stagewise faster). "
@@ -158,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                          "barriers whenever another process takes a core, which we measured as a 10x spread; "
                          "0 keeps torch's default)")
     ap.add_argument("--stat", choices=["min", "median"], default="min", help="statistic of the timed samples for the table")
+    ap.add_argument("--warm-compile-cache", action="store_true",
+                    help="let torch.compile reuse its on-disk caches from earlier runs (default: cold, so the "
+                         "compile times shown are what a first run pays)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave glibc's malloc as it is (default: keep freed memory, see keep_freed_memory)")
     args = ap.parse_args(argv)
@@ -169,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     malloc_tuned = False if args.default_malloc else keep_freed_memory()
+    if not args.warm_compile_cache:
+        cold_compile_caches()
     started = time.perf_counter()
     workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]
     rows, reports = [], {}
@@ -183,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
         "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(), "platform": platform.platform(), "wall_s": time.perf_counter() - started,
-        "malloc_keeps_freed_memory": malloc_tuned, "stat": args.stat,
+        "malloc_keeps_freed_memory": malloc_tuned, "stat": args.stat, "compile_caches": "warm" if args.warm_compile_cache else "cold",
         "repeats": args.repeats or "adaptive (10-40)", "load_average": os.getloadavg(),
     }
     verdicts = verdicts_of(rows, str(dev))
