@@ -244,112 +244,133 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     warmup = 2 if warmup is None else warmup
     inputs = _on_device(tuple(inputs), dev)
     members = _members_on(list(members), dev)
-    n = plan.n_members
+    ticks = _Ticks(progress, len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0)
+                   + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}
-    steps = len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0) + (1 if trace_path else 0)
-    done = 0
     if autotune:
         from executor.autotune import tune
 
-        tune_total = [0]
-
-        def tune_progress(d: int, total: int, label: str) -> None:
-            tune_total[0] = total
-            if progress is not None:
-                progress(d, total + steps, f"autotune {label}")
-
-        plan, candidates = tune(plan, members, inputs, device=dev, progress=tune_progress, repeats=repeats, warmup=warmup)
-        done = tune_total[0]
-        steps += done
+        plan, candidates = tune(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats, warmup=warmup)
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=dev)
     flops = stage_flops(plan, members[0], example)
-
-    def tick(label: str) -> None:
-        nonlocal done
-        if progress is not None:
-            progress(done, steps, label)
-        done += 1
-
     env = module._bind_inputs(inputs)
-    stages: list[StageProfile] = []
-    compile_total = sum(c.compile_s for cs in candidates.values() for c in cs)
     with torch.no_grad():
-        for program, runner in zip(module.programs, module.runners):
-            stage = program.stage
-            strategy = effective_strategy(stage)
-            label = strategy_label(strategy, stage.options.chunk_size)
-            tick(f"stage {stage.id} ({label})")
-            args = [env[name] for name in program.input_names]
-            ref = LoopRunner(program, n, runner.stacked, runner.member_states)(args)  # the trusted reference
-            check = stage_check(ref, n)
-            res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(args)), check, dev)
-            res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
-            cands = {label: (res, call)} if call is not None else {}
-            if label == "loop":
-                loop_res = res
-            else:  # the stage's own loop strategy on the same inputs, for the speedup column
-                loop_res, loop_call, _ = try_strategy("loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(args)),
-                                                      check, dev)
-                if loop_call is not None:
-                    cands["loop"] = (loop_res, loop_call)
-            time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
-            if strategy is Strategy.COMPILE and res.ok:
-                res.compile_s = getattr(runner, "compile_seconds", res.compile_s)
-            compile_total += res.compile_s
-            for name, value in zip(program.output_names, out if res.ok else ref):
-                env[name] = value
-            stages.append(StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes),
-                                       flops=flops.get(stage.id, 0), result=res, loop=loop_res,
-                                       candidates=candidates.get(stage.id, []), note=stage.options.note))
-
-        tick("end to end and baselines")
-        all_ok = all(s.result.ok for s in stages)
-        ref_out = whole.stack_outputs(whole.loop(plan, members, inputs)())
-        builders: dict[str, Callable[[], Callable]] = {}
-        if all_ok:
-            builders["stagewise"] = lambda: (lambda: module(*inputs))
-        if baselines:
-            builders["loop"] = lambda: whole.loop(plan, members, inputs)
-            builders["vmap"] = lambda: whole.whole_vmap(plan, members, inputs, dev)
-            if compile_baseline:
-                builders["vmap+compile"] = lambda: whole.whole_vmap_compiled(plan, members, inputs, dev)
-        if floor:
-            builders["floor"] = lambda: whole.floor(plan, members, inputs)
-        results: dict[str, StrategyResult] = {}
-        working: dict[str, tuple[StrategyResult, Callable]] = {}
-        for name, make in builders.items():
-            if name in ("vmap", "vmap+compile"):
-                tick(f"baseline {name}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # vmap's slow-fallback warnings: the timing shows it
-                check = None if name in ("loop", "floor") else (lambda out: max_rel_error(out, ref_out))
-                res, call, _ = try_strategy(name, "whole", make, check, dev)
-                if name == "loop" and res.ok:
-                    res.max_rel_err = 0.0  # the reference itself
-            results[name] = res
-            if call is not None:
-                working[name] = (res, call)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            time_candidates(working, dev, repeats, warmup, {"vmap+compile"})
-        compile_total += results["vmap+compile"].compile_s if "vmap+compile" in results else 0.0
-        end_to_end = results.pop("stagewise", None) or StrategyResult(
-            "stagewise", ok=False, error="a stage failed: " + "; ".join(f"{s.id}: {s.result.error}" for s in stages if not s.result.ok))
-        if baselines:
-            tick("baselines done")
+        stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
+                                 candidates.get(program.stage.id, []))
+                  for program, runner in zip(module.programs, module.runners)]
+        whole_results = _profile_whole(plan, module, members, inputs, dev, stages, repeats, warmup, ticks,
+                                       baselines=baselines, compile_baseline=compile_baseline, floor=floor)
+        end_to_end = whole_results.pop("stagewise")
         trace_file = None
         if trace_path:
-            tick("chrome trace")
+            ticks("chrome trace")
             trace_file = write_chrome_trace(module, inputs, trace_path, dev)
-    if progress is not None:
-        progress(steps, steps, "done")
+    ticks.finish()
+    compile_total = (sum(c.compile_s for cs in candidates.values() for c in cs) + sum(s.result.compile_s for s in stages)
+                     + sum(r.compile_s for r in whole_results.values()))
     notes = []
     if dev.type == "cpu":
         notes.append("peak MB on CPU: peak live bytes of torch's CPU allocator during one call, above the level before it")
     return ProfileReport(
-        model=plan.model, fingerprint=plan.fingerprint, n_members=n, device=str(dev), device_name=_device_name(dev),
+        model=plan.model, fingerprint=plan.fingerprint, n_members=plan.n_members, device=str(dev), device_name=_device_name(dev),
         torch_version=torch.__version__, threads=torch.get_num_threads(), stages=stages, end_to_end=end_to_end,
-        baselines=list(results.values()), warmup=warmup, autotuned=autotune, plan=plan.to_json(),
+        baselines=list(whole_results.values()), warmup=warmup, autotuned=autotune, plan=plan.to_json(),
         trace_path=trace_file, profile_s=time.perf_counter() - started, compile_s=compile_total, notes=notes,
     )
+
+
+class _Ticks:
+    """Progress reporting: `ticks(label)` before each measurement; nested() for autotune's own steps."""
+
+    def __init__(self, progress: Progress, steps: int):
+        self.progress, self.steps, self.done = progress, steps, 0
+
+    def __call__(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.steps, label)
+        self.done += 1
+
+    def nested(self, prefix: str) -> Callable[[int, int, str], None]:
+        """A progress callback for a sub-task whose steps come before this one's remaining ones."""
+        base, own = self.done, self.steps - self.done
+
+        def report(done: int, total: int, label: str) -> None:
+            self.steps = base + total + own
+            self.done = base + done
+            if self.progress is not None:
+                self.progress(self.done, self.steps, f"{prefix} {label}")
+
+        return report
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress(self.steps, self.steps, "done")
+
+
+def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.device, repeats: Optional[int], warmup: int,
+                   ticks: _Ticks, flops: int, candidates: list[StrategyResult]) -> StageProfile:
+    """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`."""
+    stage, n = program.stage, runner.n_members
+    strategy = effective_strategy(stage)
+    label = strategy_label(strategy, stage.options.chunk_size)
+    ticks(f"stage {stage.id} ({label})")
+    args = [env[name] for name in program.input_names]
+    ref = LoopRunner(program, n, runner.stacked, runner.member_states)(args)  # the trusted reference
+    check = stage_check(ref, n)
+    res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(args)), check, dev)
+    res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
+    cands = {label: (res, call)} if call is not None else {}
+    if label == "loop":
+        loop_res = res
+    else:  # the stage's own loop strategy on the same inputs, for the speedup column
+        loop_res, loop_call, _ = try_strategy(
+            "loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(args)), check, dev)
+        if loop_call is not None:
+            cands["loop"] = (loop_res, loop_call)
+    time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
+    if strategy is Strategy.COMPILE and res.ok:
+        res.compile_s = getattr(runner, "compile_seconds", res.compile_s)
+    for name, value in zip(program.output_names, out if res.ok else ref):
+        env[name] = value  # a failed strategy's consumers go on with the loop's outputs
+    return StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes), flops=flops,
+                        result=res, loop=loop_res, candidates=candidates, note=stage.options.note)
+
+
+def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tuple, dev: torch.device,
+                   stages: list[StageProfile], repeats: Optional[int], warmup: int, ticks: _Ticks, *,
+                   baselines: bool, compile_baseline: bool, floor: bool) -> dict[str, StrategyResult]:
+    """The plan end to end ("stagewise") and the whole-model baselines, checked, then timed round-robin."""
+    ticks("end to end and baselines")
+    ref_out = whole.stack_outputs(whole.loop(plan, members, inputs)())
+    builders: dict[str, Callable[[], Callable]] = {}
+    if all(s.result.ok for s in stages):
+        builders["stagewise"] = lambda: (lambda: module(*inputs))
+    if baselines:
+        builders["loop"] = lambda: whole.loop(plan, members, inputs)
+        builders["vmap"] = lambda: whole.whole_vmap(plan, members, inputs, dev)
+        if compile_baseline:
+            builders["vmap+compile"] = lambda: whole.whole_vmap_compiled(plan, members, inputs, dev)
+    if floor:
+        builders["floor"] = lambda: whole.floor(plan, members, inputs)
+    results: dict[str, StrategyResult] = {}
+    working: dict[str, tuple[StrategyResult, Callable]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vmap's slow-fallback warnings: the timing shows what they mean
+        for name, make in builders.items():
+            if name in ("vmap", "vmap+compile"):
+                ticks(f"baseline {name}")
+            check = None if name in ("loop", "floor") else (lambda out: max_rel_error(out, ref_out))
+            res, call, _ = try_strategy(name, "whole", make, check, dev)
+            if name == "loop" and res.ok:
+                res.max_rel_err = 0.0  # the reference itself
+            results[name] = res
+            if call is not None:
+                working[name] = (res, call)
+        time_candidates(working, dev, repeats, warmup, {"vmap+compile"})
+    if baselines:
+        ticks("baselines done")
+    if "stagewise" not in results:
+        failed = "; ".join(f"{s.id}: {s.result.error}" for s in stages if not s.result.ok)
+        results["stagewise"] = StrategyResult("stagewise", ok=False, error=f"a stage failed: {failed}")
+    return results

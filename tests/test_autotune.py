@@ -155,3 +155,16 @@ def test_profile_with_autotune_lists_candidates_and_the_tuned_plan(sample):
     tuned = planner.Plan.from_json(report.plan)
     assert tuned.stage("s0").options.note.startswith("autotune chose")
     assert "*" in report.to_text()
+
+
+def test_profile_progress_covers_autotune_and_ends_at_the_total(sample):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    calls = []
+    with simulate_oom(strategy="compile"):
+        executor.profile(plan, src.members(N), src.example_inputs, autotune=True, repeats=3, warmup=1,
+                         progress=lambda d, t, label: calls.append((d, t, label)))
+    assert any(label.startswith("autotune") for _, _, label in calls)
+    assert calls[-1][0] == calls[-1][1]
+    assert all(0 <= d <= t for d, t, _ in calls)
+    assert [d for d, _, _ in calls] == sorted(d for d, _, _ in calls)
