@@ -266,8 +266,7 @@ def linear(x: Any, weight: Any, bias: Any, n: int) -> torch.Tensor:
     """y[m] = x[m] @ W[m]^T + b[m] for every member m. Returns [N, *batch, out].
 
     Batched x [N, *batch, in]: one baddbmm over [N, M, in] x [N, in, out].
-    Shared x [*batch, in]: one GEMM against all members' weights concatenated
-    ([N*out, in]), then the [*batch, N, out] result viewed member-first.
+    Shared x [*batch, in]: the same baddbmm with x broadcast over members (no copy).
     Shared weights (not per member): one F.linear on the N-first x.
     """
     if not is_nf(weight):
@@ -285,11 +284,14 @@ def linear(x: Any, weight: Any, bias: Any, n: int) -> torch.Tensor:
         wt = relaid(w, "bmm")
         y = torch.baddbmm(b.unsqueeze(1), x3, wt) if b is not None else torch.bmm(x3, wt)
         return y.view(n, *batch, out_f)
+    # shared x: the same input for every member, broadcast (stride 0, no copy) into one baddbmm.
+    # Measured faster on CPU than one GEMM against the concatenated weights ([M, in] x [in, N*out]),
+    # whose [M, N, out] result leaves the next layer a strided N-first view (MLP N=100: 1.66 vs 1.87 ms)
     batch = x.shape[:-1]
-    x2 = x.reshape(-1, in_f)
-    w_cat_t = w.reshape(n * out_f, in_f).t()  # a view: MKL's NT GEMM measured faster here than a relaid copy
-    y = torch.addmm(b.reshape(-1), x2, w_cat_t) if b is not None else x2 @ w_cat_t
-    return y.view(*batch, n, out_f).movedim(-2, 0)
+    x3 = x.reshape(1, -1, in_f).expand(n, -1, -1)
+    wt = relaid(w, "bmm")
+    y = torch.baddbmm(b.unsqueeze(1), x3, wt) if b is not None else torch.bmm(x3, wt)
+    return y.view(n, *batch, out_f)
 
 
 def affine(y: torch.Tensor, weight: Any, bias: Any, n_trailing: int) -> torch.Tensor:
