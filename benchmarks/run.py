@@ -172,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="run workloads whose name contains this text")
     ap.add_argument("--repeats", type=int, default=None, help="timed samples per measurement (default adaptive)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP threads stall at "
-                         "barriers whenever another process takes a core, which we measured as a 10x spread; "
-                         "0 keeps torch's default)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (default 0: torch's own default). Use 1 on a machine other jobs share: "
+                         "with two OpenMP threads on two cores every op stalls at a barrier whenever another process "
+                         "takes a core, which we measured as a 10x spread")
     ap.add_argument("--stat", choices=["min", "median"], default="min", help="statistic of the timed samples for the table")
     ap.add_argument("--warm-compile-cache", action="store_true",
                     help="let torch.compile reuse its on-disk caches from earlier runs (default: cold, so the "
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows, meta, verdicts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = dev.type + ("-" + args.only.replace(" ", "_") if args.only else "")
+    stem = dev.type + (f"-threads{args.threads}" if args.threads else "") + ("-" + args.only.replace(" ", "_") if args.only else "")
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "verdicts": verdicts, "reports": reports},
                                                  sort_keys=True, indent=2) + "\n")
