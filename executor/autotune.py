@@ -32,12 +32,11 @@ from torch import nn
 
 from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from executor.build import build, resolve_device
-from executor.profile import (Progress, _members_on, _on_device, make_runner, max_rel_error, stage_check,
+from executor.profile import (Progress, members_on, on_device, make_runner, max_rel_error, stage_check,
                               strategy_label, time_candidates, try_strategy)
 from executor.report import StrategyResult
 from executor.stages import LoopRunner, Runner, StageProgram
 from executor.strategies import wide_rule_gaps
-from executor.timing import is_oom
 from executor.verify import DEFAULT_RTOL, loop_outputs, member_inputs
 from executor.baselines import stack_outputs
 
@@ -147,8 +146,8 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     ("per-stage", "merged/compile", ...) and "per-stage s<k>" each original stage's.
     """
     dev = resolve_device(device)
-    inputs = _on_device(tuple(inputs), dev)
-    members = _members_on(list(members), dev)
+    inputs = on_device(tuple(inputs), dev)
+    members = members_on(list(members), dev)
     n = plan.n_members
     allowed = {Strategy(s) for s in strategies} if strategies is not None else None
     module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)

@@ -25,12 +25,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.errors import StagewiseError
 from planner.graph import trace
-from planner.plan import Plan, StageMode, StageOptions, Strategy
+from planner.plan import Plan, StageOptions, Strategy
 from executor import baselines as whole
 from executor.build import BatchedModule, build, resolve_device
 from executor.report import ProfileReport, StageProfile, StrategyResult
 from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram, effective_strategy
-from executor.timing import Timing, describe_error, inject_faults, interleaved, is_oom, one_call_seconds, peak_memory_bytes
+from executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
 from executor.values import n_first
 from executor.verify import DEFAULT_RTOL, member_inputs
 
@@ -157,11 +157,12 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _on_device(x: Any, device: torch.device) -> Any:
+def on_device(x: Any, device: torch.device) -> Any:
+    """Tensors of a pytree moved to `device`."""
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
 
 
-def _members_on(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
+def members_on(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
     """Members on `device`, copying (never moving) the caller's modules."""
     out = []
     for m in members:
@@ -242,8 +243,8 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     started = time.perf_counter()
     dev = resolve_device(device)
     warmup = 2 if warmup is None else warmup
-    inputs = _on_device(tuple(inputs), dev)
-    members = _members_on(list(members), dev)
+    inputs = on_device(tuple(inputs), dev)
+    members = members_on(list(members), dev)
     ticks = _Ticks(progress, len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0)
                    + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}

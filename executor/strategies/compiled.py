@@ -16,7 +16,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from executor.stages import VmapRunner
-from executor.values import Batched, Shared, batched_arg
+from executor.values import Batched, batched_arg
 
 BACKEND = "inductor"  # torch.compile backend; tests switch to "aot_eager" to check the plumbing quickly
 _serial = itertools.count()
