@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from executor.build import build, resolve_device
-from executor.profile import (Progress, members_on, on_device, make_runner, max_rel_error, stage_check,
-                              strategy_label, time_candidates, try_strategy)
+from executor.profile import (Progress, advance, make_runner, max_rel_error, members_on, on_device, stage_check,
+                              stage_inputs, strategy_label, time_candidates, try_strategy)
 from executor.report import StrategyResult
 from executor.stages import LoopRunner, Runner, StageProgram
 from executor.strategies import wide_rule_gaps
@@ -75,11 +75,13 @@ def _note(results: list[StrategyResult], chosen: StrategyResult) -> str:
     return f"autotune chose {chosen.strategy} (min/median ms): " + ", ".join(parts) + ("; " + "; ".join(failed) if failed else "")
 
 
-def _tune_stage(program: StageProgram, runner: Runner, args: list, n: int, device: torch.device,
+def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int, device: torch.device,
                 allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
-                progress: Progress, done: int, total: int) -> tuple[list[StrategyResult], StrategyResult, Any]:
+                progress: Progress, done: int, total: int) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
+    """Every candidate of one stage on its real inputs; returns (results, chosen, its outputs, its runner)."""
     stage = program.stage
-    ref = LoopRunner(program, n, runner.stacked, runner.member_states)(args)  # the trusted reference
+    reference = LoopRunner(program, n, runner.stacked, runner.member_states)  # the trusted reference
+    ref = reference(fresh())
     check = stage_check(ref, n)
     results: list[StrategyResult] = []
     working: dict[str, tuple[StrategyResult, Any]] = {}
@@ -94,7 +96,7 @@ def _tune_stage(program: StageProgram, runner: Runner, args: list, n: int, devic
         def make():
             r = make_runner(program, runner, strategy, chunk)
             runners[label] = r
-            return lambda: r(args)
+            return lambda: r(fresh())
 
         res, call, out = try_strategy(label, stage.id, make, check, device)
         res.chunk_size = chunk
@@ -129,8 +131,8 @@ def _tune_stage(program: StageProgram, runner: Runner, args: list, n: int, devic
     ok = [r for r in results if r.ok and r.time]
     chosen = min(ok, key=lambda r: r.time.min_ms) if ok else None
     if chosen is None:  # even the loop failed (e.g. injected faults everywhere): keep the loop's outputs
-        return results, StrategyResult("loop", ok=False, error="no strategy worked"), ref
-    return results, chosen, outputs[chosen.strategy]
+        return results, StrategyResult("loop", ok=False, error="no strategy worked"), ref, reference
+    return results, chosen, outputs[chosen.strategy], runners[chosen.strategy]
 
 
 def is_oom_text(error: str) -> bool:
@@ -158,12 +160,12 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     found: dict[str, list[StrategyResult]] = {}
     with torch.no_grad():
         for program, runner in zip(module.programs, module.runners):
-            args = [env[name] for name in program.input_names]
-            results, chosen, out = _tune_stage(program, runner, args, n, dev, allowed, repeats, warmup, progress, done, total)
+            fresh = stage_inputs(program, env, n)
+            results, chosen, out, chosen_runner = _tune_stage(program, runner, fresh, n, dev, allowed, repeats, warmup,
+                                                              progress, done, total)
             done += len(candidate_strategies(program, dev, allowed))
             found[program.stage.id] = results
-            for name, value in zip(program.output_names, out):
-                env[name] = value
+            advance(program, env, fresh, out, chosen_runner)
             stage = program.stage
             if not chosen.ok:
                 tuned.append(stage)

@@ -31,7 +31,7 @@ from executor.build import BatchedModule, build, resolve_device
 from executor.report import ProfileReport, StageProfile, StrategyResult
 from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram, effective_strategy
 from executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
-from executor.values import n_first
+from executor.values import Batched, as_batched, n_first
 from executor.verify import DEFAULT_RTOL, member_inputs
 
 Progress = Optional[Callable[[int, int, str], None]]
@@ -107,6 +107,28 @@ def try_strategy(label: str, stage_id: str, make: Callable[[], Callable[[], Any]
         return StrategyResult(label, ok=False, error=f"wrong result: max rel err {err:.2e} > {rtol:g} vs the member loop",
                               max_rel_err=err), None, None
     return StrategyResult(label, ok=True, max_rel_err=err, compile_s=first_s), call, out
+
+
+def stage_inputs(program: StageProgram, env: dict, n: int) -> Callable[[], list]:
+    """The stage's input values from `env`. For a stage that writes in place, a fresh writable
+    [N, ...] copy per call (what BatchedModule passes it), so repeated timing calls and the
+    reference never see each other's writes; the copy is inside the timed call."""
+    args = [env[name] for name in program.input_names]
+    if not program.writes_in_place:
+        return lambda: args
+    base = [as_batched(a, n) for a in args]
+    return lambda: [Batched(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, b.tree)) for b in base]
+
+
+def advance(program: StageProgram, env: dict, fresh: Callable[[], list], outputs: Optional[list],
+            run: Callable[[list], list]) -> None:
+    """Put the stage's outputs into `env` (and, if it writes in place, the inputs it wrote into)."""
+    if program.writes_in_place:
+        args = fresh()
+        outputs = run(args)
+        env.update(zip(program.input_names, args))
+    for name, value in zip(program.output_names, outputs):
+        env[name] = value
 
 
 def stage_check(want_values: list, n: int) -> Callable[[list], float]:
@@ -316,24 +338,25 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
     strategy = effective_strategy(stage)
     label = strategy_label(strategy, stage.options.chunk_size)
     ticks(f"stage {stage.id} ({label})")
-    args = [env[name] for name in program.input_names]
-    ref = LoopRunner(program, n, runner.stacked, runner.member_states)(args)  # the trusted reference
+    fresh = stage_inputs(program, env, n)
+    reference = LoopRunner(program, n, runner.stacked, runner.member_states)  # the trusted reference
+    ref = reference(fresh())
     check = stage_check(ref, n)
-    res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(args)), check, dev)
+    res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(fresh())), check, dev)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
     if label == "loop":
         loop_res = res
     else:  # the stage's own loop strategy on the same inputs, for the speedup column
         loop_res, loop_call, _ = try_strategy(
-            "loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(args)), check, dev)
+            "loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(fresh())), check, dev)
         if loop_call is not None:
             cands["loop"] = (loop_res, loop_call)
     time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
     if strategy is Strategy.COMPILE and res.ok:
         res.compile_s = getattr(runner, "compile_seconds", res.compile_s)
-    for name, value in zip(program.output_names, out if res.ok else ref):
-        env[name] = value  # a failed strategy's consumers go on with the loop's outputs
+    # a failed strategy's consumers go on with the loop's outputs
+    advance(program, env, fresh, out if res.ok else ref, runner if res.ok else reference)
     return StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes), flops=flops,
                         result=res, loop=loop_res, candidates=candidates, note=stage.options.note)
 

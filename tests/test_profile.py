@@ -194,3 +194,45 @@ def test_n_sweep_reports_break_even_and_memory_budget(sample):
     d = report.to_json()
     assert plain_json(d) and SweepReport.from_json(json.loads(json.dumps(d))).to_json() == d
     assert "break" in report.to_text() or "never beat" in report.to_text() or "beats the loop" in report.to_text()
+
+
+INPLACE_MODEL = '''
+"""Two Linears; the second's output is added in place into the first's."""
+import torch
+import torch.nn as nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.add_(self.b(x))
+        return h * 2
+
+
+def build_model():
+    return M().eval()
+
+
+def example_inputs():
+    return (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),)
+'''
+
+
+def test_a_stage_that_writes_in_place_is_timed_on_fresh_inputs(write_model):
+    """Repeated timing calls must not accumulate the in-place write, nor leak it into the reference."""
+    src = planner.load_model_file(write_model(INPLACE_MODEL))
+    graph = planner.trace(src.model, src.example_inputs)
+    plan = planner.propose(graph, N)
+    add = next(n for n in graph.node_names if "add" in n)
+    plan = planner.split(plan, graph, plan.stage_of(add).id, at=add)  # the write lands in a value from another stage
+    members = src.members(N)
+    report = executor.profile(plan, members, src.example_inputs, repeats=5, warmup=2)
+    assert all(s.result.ok for s in report.stages), report.to_text()
+    assert report.end_to_end.ok and report.end_to_end.max_rel_err <= 1e-4
+    tuned = executor.autotune(plan, members, src.example_inputs, strategies=["vmap", "wide", "loop"], repeats=3)
+    assert executor.verify(tuned, members, src.example_inputs).ok
