@@ -98,11 +98,14 @@ def cmd_profile(args) -> int:
     if progress:
         sys.stderr.write("\n")
     print(report.to_text())
-    tuned = getattr(report, "plan", None)
     if args.output:
-        out_plan = (tuned or plan).with_profile(report.to_json())
-        out_plan.save(args.output)
-        print(f"plan with profile written to {args.output}")
+        # the report carries the profiled (tuned) plan's JSON; store the report inside that plan, not the plan twice
+        profiled = planner.Plan.from_json(report.plan, source="profile report") if report.plan else plan
+        stored = {k: v for k, v in report.to_json().items() if k != "plan"}
+        profiled.with_profile(stored).save(args.output)
+        print(f"plan{' (autotuned)' if args.autotune else ''} with its profile written to {args.output}")
+    elif args.autotune:
+        print("note: the tuned plan was not saved; pass -o tuned.json to keep it")
     return 0
 
 

@@ -30,7 +30,7 @@ from executor import baselines as whole
 from executor.build import BatchedModule, build, resolve_device
 from executor.report import ProfileReport, StageProfile, StrategyResult
 from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram, effective_strategy
-from executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
+from executor.timing import describe_error, inject_faults, interleaved, is_oom, native_stderr_silenced, peak_memory_bytes
 from executor.values import Batched, as_batched, n_first
 from executor.verify import DEFAULT_RTOL, member_inputs
 
@@ -225,7 +225,7 @@ def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: 
     module.runners = [_Labelled(r, f"stage {p.stage.id} [{effective_strategy(p.stage).value}]")
                       for p, r in zip(module.programs, saved)]
     try:
-        with torch.profiler.profile(activities=activities) as prof:
+        with native_stderr_silenced(), torch.profiler.profile(activities=activities) as prof:
             for _ in range(2):
                 with torch.profiler.record_function("stagewise forward"):
                     module(*inputs)

@@ -13,8 +13,10 @@ of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs).
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -45,6 +47,20 @@ class Timing:
     @staticmethod
     def from_json(d: dict | None) -> Optional["Timing"]:
         return Timing(**d) if d else None
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """Silence file descriptor 2 (Kineto prints start/stop lines from C++ on every profiler run)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _sync(device: torch.device) -> None:
@@ -141,7 +157,7 @@ def allocator_peak_bytes(fn: Callable[[], object]) -> Optional[int]:
     try:
         from torch._C._profiler import _EventType
 
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with native_stderr_silenced(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             fn()
         events = []
         stack = list(prof.profiler.kineto_results.experimental_event_tree())
