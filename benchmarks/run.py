@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads (default 0: torch's own default). Use 1 on a machine other jobs share: "
                          "with two OpenMP threads on two cores every op stalls at a barrier whenever another process "
                          "takes a core, which we measured as a 10x spread")
-    ap.add_argument("--stat", choices=["min", "median"], default="min", help="statistic of the timed samples for the table")
+    ap.add_argument("--stat", choices=["min", "median"], default="median",
+                    help="statistic of the timed samples for the table (default median; min is the estimate least disturbed by other processes)")
     ap.add_argument("--warm-compile-cache", action="store_true",
                     help="let torch.compile reuse its on-disk caches from earlier runs (default: cold, so the "
                          "compile times shown are what a first run pays)")
