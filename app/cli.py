@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import planner
 import executor
@@ -86,8 +85,6 @@ def cmd_show(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    if not hasattr(executor, "profile"):
-        raise StagewiseError("profiling is not available in this build of stagewise")
     plan = planner.Plan.load(args.plan)
     _, members, inputs = _members_and_inputs(plan, args)
     progress = _progress_bar() if sys.stderr.isatty() or args.progress else None

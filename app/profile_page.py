@@ -5,7 +5,6 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-import executor
 import planner
 from app import jobs, state
 from app import graph_view as gv
@@ -119,17 +118,17 @@ def _adopt_tuned() -> None:
     state.commit("adopt autotuned strategies", plan.with_n_members(h.present.n_members))
 
 
-def controls_ui(available: bool) -> None:
+def controls_ui() -> None:
     c = st.columns([1, 2, 1, 1], vertical_alignment="bottom")
     c[0].selectbox("Device", _devices(), key="device")
     c[1].text_input("N sweep (comma separated; empty = the plan's N)", key="sweep_ns", placeholder="2, 4, 8, 16")
     busy = st.session_state.get("job") is not None
-    c[2].button("Profile", type="primary", on_click=_start, args=("profile",), disabled=busy or not available,
+    c[2].button("Profile", type="primary", on_click=_start, args=("profile",), disabled=busy,
                 width="stretch")
     c[3].button("Verify vs loop", on_click=_start, args=("verify",), disabled=busy, width="stretch")
     o = st.columns(3)
-    o[0].checkbox("Autotune each stage's strategy first", key="autotune", disabled=not available)
-    o[1].checkbox("Also time torch.compile of the whole vmap", key="compile_baseline", disabled=not available)
+    o[0].checkbox("Autotune each stage's strategy first", key="autotune")
+    o[1].checkbox("Also time torch.compile of the whole vmap", key="compile_baseline")
 
 
 def _bar(title: str, labels: list[str], series: dict[str, list], colors: dict[str, str] | None = None) -> go.Figure:
@@ -209,11 +208,7 @@ def profile_page() -> None:
     if h is None or ref is None:
         st.info("No model is loaded. Open one on the Model page.")
         return
-    available = hasattr(executor, "profile")
-    if not available:
-        st.warning("Profiling is not available yet: this executor has no `executor.profile` (it comes with the "
-                   "profiler issue). Verify against the member loop works already.")
-    controls_ui(available)
+    controls_ui()
     if st.session_state.get("job") is not None:
         _poll_ui()
     results_ui(h.present, state.current(), ref)

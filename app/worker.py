@@ -60,7 +60,7 @@ def run(job_dir: Path) -> dict:
 
             rep = executor.profile(p, members, inputs, device=req.get("device", "cpu"), progress=tick,
                                    autotune=bool(req.get("autotune")), compile_baseline=bool(req.get("compile_baseline")))
-        reports.append({"n": n, "report": rep.to_json(), "text": rep.to_text() if hasattr(rep, "to_text") else ""})
+        reports.append({"n": n, "report": rep.to_json(), "text": rep.to_text()})
     progress("done", 1.0)
     return {"ok": True, "error": None, "reports": reports}
 
