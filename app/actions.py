@@ -7,12 +7,11 @@ the planner after an edit, so steps track stages by one of their nodes.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 import planner
 from planner.errors import EditError
-from planner.plan import Plan, StageOptions, Strategy
+from planner.plan import Plan, Strategy
 
 
 def split_selection(plan: Plan, selection: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -106,16 +105,11 @@ def include_selected(plan: Plan, graph: Any, selection: Sequence[str]) -> tuple[
 
 def set_options_selected(plan: Plan, graph: Any, selection: Sequence[str], strategy: Strategy | str,
                          chunk_size: int | None) -> tuple[str, Plan]:
-    """Set strategy and chunk size on every touched stage (through planner.set_options when the planner has it)."""
+    """Set strategy and chunk size on every touched stage (planner.set_options, which refuses what cannot run)."""
     ids = stages_touched(plan, selection)
     if not ids:
         raise EditError("select a stage (or one of its nodes) to set its strategy")
-    opts = {"strategy": Strategy(strategy), "chunk_size": chunk_size, "note": "set in the app"}
-    setter = getattr(planner, "set_options", None)
     new = plan
     for sid in ids:
-        if setter is not None:
-            new = setter(new, graph, sid, **opts)
-        else:  # planner without set_options: a plain functional update
-            new = new.with_stages(replace(s, options=StageOptions(**opts)) if s.id == sid else s for s in new.stages)
+        new = planner.set_options(new, graph, sid, strategy=Strategy(strategy), chunk_size=chunk_size, note="set in the app")
     return f"strategy {Strategy(strategy).value} on {', '.join(ids)}", new
