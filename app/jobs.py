@@ -6,7 +6,6 @@ live in a module-level registry so finished children are reaped.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.launch import REPO_ROOT
+from app.launch import REPO_ROOT, environment
 
 _PROCS: dict[str, subprocess.Popen] = {}
 
@@ -39,10 +38,8 @@ def start(task: str, model_path: str, weights: tuple[str, ...], plan_json: dict,
     d = Path(tempfile.mkdtemp(prefix=f"stagewise_{task}_"))
     (d / "request.json").write_text(json.dumps({"task": task, "model_path": model_path, "weights": list(weights),
                                                 "plan": plan_json, "device": device, "ns": ns, **options}))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     log = open(d / "log.txt", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "app.worker", str(d)], cwd=str(REPO_ROOT), env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "app.worker", str(d)], cwd=str(REPO_ROOT), env=environment(),
                             stdout=log, stderr=subprocess.STDOUT)
     log.close()
     job = Job(id=d.name, dir=str(d), task=task, started=time.time())
