@@ -124,11 +124,24 @@ class VmapRunner(Runner):
         self._one_member = one_member
         self._vmapped: dict[Any, Callable] = {}
 
-    def run(self, args: list) -> list:
+    def _vmap_args(self, args: list) -> tuple[list, list, bool]:
+        """(inputs, their in_dims, whether anything member-specific goes in)."""
         pairs = [batched_arg(a) for a in args]
         inputs = [p[0] for p in pairs]
         dims = [p[1] for p in pairs]
-        if not self.stacked and all(d is None or not any(x == 0 for x in tree_flatten(d)[0]) for d in dims):
+        per_member = bool(self.stacked) or any(d is not None and any(x == 0 for x in tree_flatten(d)[0]) for d in dims)
+        return inputs, dims, per_member
+
+    def _rebuild(self, tensors: Any) -> list:
+        """The stage's outputs: vmap's tensors put back into the structure one_member recorded."""
+        leaves = list(self._meta["leaves"])
+        for slot, t in zip(self._meta["tensor_at"], tensors):
+            leaves[slot] = t
+        return [Batched(v) for v in tree_unflatten(leaves, self._meta["spec"])]
+
+    def run(self, args: list) -> list:
+        inputs, dims, per_member = self._vmap_args(args)
+        if not per_member:
             # nothing member-specific goes in: compute once, share the result
             out = functional_call(self.program.module, {}, tuple(inputs))
             return [Shared(v) for v in out]
@@ -137,12 +150,7 @@ class VmapRunner(Runner):
         if fn is None:
             fn = vmap(self._one_member, in_dims=(0, dims), randomness="error", chunk_size=self.program.stage.options.chunk_size)
             self._vmapped[key] = fn
-        tensors = fn(self.stacked, inputs)
-        leaves = list(self._meta["leaves"])
-        for slot, t in zip(self._meta["tensor_at"], tensors):
-            leaves[slot] = t
-        outputs = tree_unflatten(leaves, self._meta["spec"])
-        return [Batched(v) for v in outputs]
+        return self._rebuild(fn(self.stacked, inputs))
 
 
 class LoopRunner(Runner):

@@ -9,14 +9,13 @@ from __future__ import annotations
 import itertools
 import time
 import types
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from executor.stages import VmapRunner
-from executor.values import Batched, batched_arg
 
 BACKEND = "inductor"  # torch.compile backend; tests switch to "aot_eager" to check the plumbing quickly
 _serial = itertools.count()
@@ -55,10 +54,8 @@ class CompileRunner(VmapRunner):
         self.compile_seconds = 0.0
 
     def run(self, args: list) -> list:
-        pairs = [batched_arg(a) for a in args]
-        inputs = [p[0] for p in pairs]
-        dims = [p[1] for p in pairs]
-        if not self.stacked and all(d is None or not any(x == 0 for x in tree_flatten(d)[0]) for d in dims):
+        inputs, dims, per_member = self._vmap_args(args)
+        if not per_member:
             return super().run(args)  # nothing per member: computed once, nothing to compile
         key = repr(dims)
         fn = self._compiled.get(key)
@@ -76,9 +73,3 @@ class CompileRunner(VmapRunner):
         else:
             tensors = fn(self.stacked, inputs)
         return self._rebuild(tensors)
-
-    def _rebuild(self, tensors: Any) -> list:
-        leaves = list(self._meta["leaves"])
-        for slot, t in zip(self._meta["tensor_at"], tensors):
-            leaves[slot] = t
-        return [Batched(v) for v in tree_unflatten(leaves, self._meta["spec"])]
