@@ -43,20 +43,22 @@ def loop(plan: Plan, members: Sequence[nn.Module], inputs: tuple) -> Callable[[]
     return run
 
 
-def whole_vmap(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> Callable[[], Any]:
+def _vmapped_model(plan: Plan, members: Sequence[nn.Module], device: torch.device) -> tuple[Callable, dict[str, torch.Tensor]]:
+    """(vmap of member 0's functional_call over stacked state and the plan's input modes, that stacked state)."""
     base = members[0]
-    stacked = stack_members(members, device)
     dims = tuple(0 if spec.mode is InputMode.PER_MEMBER else None for spec in plan.inputs)
     fn = vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error")
+    return fn, stack_members(members, device)
+
+
+def whole_vmap(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> Callable[[], Any]:
+    fn, stacked = _vmapped_model(plan, members, device)
     return lambda: fn(stacked, *inputs)
 
 
 def whole_vmap_compiled(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> Callable[[], Any]:
-    base = members[0]
-    stacked = stack_members(members, device)
-    dims = tuple(0 if spec.mode is InputMode.PER_MEMBER else None for spec in plan.inputs)
-    fn = compiled.compile_fresh(vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error"),
-                                "whole_model")
+    fn, stacked = _vmapped_model(plan, members, device)
+    fn = compiled.compile_fresh(fn, "whole_model")
     return lambda: fn(stacked, *inputs)
 
 
