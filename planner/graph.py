@@ -87,17 +87,23 @@ def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.Grap
     except Exception as e:  # fx raises many types for untraceable Python
         fx_error = f"{type(e).__name__}: {_first_line(e)}"
     try:
-        with _quiet_on_failure():
-            ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        gm = _export(model, example_inputs)
     except Exception as e:
         raise TraceError(
             f"{type(model).__name__} cannot be traced. torch.fx failed: {fx_error}. "
             f"torch.export failed: {type(e).__name__}: {_first_line(e)}. "
             "Remove data-dependent Python control flow from forward() or wrap it with torch.fx.wrap / torch.cond"
         ) from None
+    return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
+
+
+def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
+    """torch.export's graph of `model` (non-strict, quiet unless it succeeds), without the input-guard node."""
+    with _quiet_on_failure():
+        ep = torch.export.export(model, tuple(example_inputs), strict=False)
     gm = ep.module()
     _drop_guard_nodes(gm)
-    return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
+    return gm
 
 
 @contextlib.contextmanager
@@ -168,12 +174,9 @@ def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None) -> Mode
         if example_inputs is None:
             raise TraceError("this plan was traced with torch.export, which needs example inputs; pass example_inputs= to executor.build")
         try:
-            with _quiet_on_failure():
-                ep = torch.export.export(model, tuple(example_inputs), strict=False)
+            gm = _export(model, example_inputs)
         except Exception as e:
             raise TraceError(f"torch.export cannot trace this member ({type(e).__name__}: {_first_line(e)}); check the member and the example inputs") from None
-        gm = ep.module()
-        _drop_guard_nodes(gm)
         return graph_of(gm, "export", "")
     raise TraceError(f"unknown tracer {tracer!r} in the plan; expected 'fx' or 'export'")
 
