@@ -29,7 +29,7 @@ from planner.plan import Plan, StageOptions, Strategy
 from executor import baselines as whole
 from executor.build import BatchedModule, build, resolve_device
 from executor.report import ProfileReport, StageProfile, StrategyResult
-from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram, effective_strategy
+from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
 from executor.timing import describe_error, inject_faults, interleaved, is_oom, native_stderr_silenced, peak_memory_bytes
 from executor.values import Batched, as_batched, n_first
 from executor.verify import DEFAULT_RTOL, member_inputs
@@ -222,7 +222,7 @@ def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: 
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     saved = module.runners
-    module.runners = [_Labelled(r, f"stage {p.stage.id} [{effective_strategy(p.stage).value}]")
+    module.runners = [_Labelled(r, f"stage {p.stage.id} [{p.stage.options.strategy.value}]")
                       for p, r in zip(module.programs, saved)]
     try:
         with native_stderr_silenced(), torch.profiler.profile(activities=activities) as prof:
@@ -335,7 +335,7 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
                    ticks: _Ticks, flops: int, candidates: list[StrategyResult]) -> StageProfile:
     """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`."""
     stage, n = program.stage, runner.n_members
-    strategy = effective_strategy(stage)
+    strategy = stage.options.strategy
     label = strategy_label(strategy, stage.options.chunk_size)
     ticks(f"stage {stage.id} ({label})")
     fresh = stage_inputs(program, env, n)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.capability import is_inplace
 from planner.errors import ExecutionError
-from planner.plan import Stage, StageMode, Strategy
+from planner.plan import Stage, Strategy
 from executor.values import Batched, PerMember, Shared, batched_arg, member_value
 
 
@@ -169,22 +169,15 @@ class LoopRunner(Runner):
 RUNNERS: dict[Strategy, type[Runner]] = {Strategy.VMAP: VmapRunner, Strategy.LOOP: LoopRunner}
 
 
-def effective_strategy(stage: Stage) -> Strategy:
-    """The strategy a stage runs with: excluded stages loop unless set to wide or compile.
-
-    Excluded means "not plain vmap": hand-batched `wide` kernels, or a compiled graph
-    (which may decompose an op that lacks a batching rule), can still batch such a
-    stage; autotune offers them only after checking them against the loop.
-    """
-    if stage.mode is StageMode.EXCLUDED and stage.options.strategy not in (Strategy.WIDE, Strategy.COMPILE):
-        return Strategy.LOOP
-    return stage.options.strategy
-
-
 def runner_for(program: StageProgram, n_members: int, stacked: dict[str, torch.Tensor], member_states: list[dict]) -> Runner:
-    """The runner for a stage's mode and strategy."""
+    """The runner for a stage's strategy.
+
+    An excluded stage never carries vmap or cuda_graph (planner.plan.Stage turns them
+    into loop), so it runs as the loop, or as `wide` / `compile` where autotune found
+    those batch it correctly after all.
+    """
     stage = program.stage
-    strategy = effective_strategy(stage)
+    strategy = stage.options.strategy
     cls = RUNNERS.get(strategy)
     if cls is None:
         known = ", ".join(s.value for s in RUNNERS)

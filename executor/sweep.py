@@ -15,7 +15,6 @@ from torch import nn
 
 from planner.errors import StagewiseError
 from planner.plan import Plan, Strategy
-from executor.stages import effective_strategy
 from executor.profile import Progress, profile
 from executor.report import SweepPoint, SweepReport
 
@@ -56,7 +55,7 @@ def n_sweep(plan: Plan, make_members: Callable[[int], Sequence[nn.Module]], inpu
     if progress is not None:
         progress(len(ns), len(ns), "done")
     stage_ids = [s.id for s in plan.stages]
-    looped = {s.id for s in plan.stages if effective_strategy(s) is Strategy.LOOP}
+    looped = {s.id for s in plan.stages if s.options.strategy is Strategy.LOOP}
     break_even = {sid: (None if sid in looped else _break_even(points, sid)) for sid in stage_ids}
     notes = [f"{sid} runs as a member loop in this plan (no break-even)" for sid in stage_ids if sid in looped]
     fits, estimate = _budget(points, memory_budget)
