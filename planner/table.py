@@ -12,7 +12,7 @@ def stage_rows(plan: Plan, graph: ModelGraph | None = None) -> list[dict]:
         row = {
             "id": s.id,
             "mode": s.mode.value,
-            "strategy": "loop" if s.mode.value == "excluded" else s.options.strategy.value,
+            "strategy": s.options.strategy.value,  # an excluded stage runs loop, or wide/compile if autotuned so
             "n_nodes": len(s.nodes),
             "nodes": list(s.nodes),
             "reason": s.reason,
