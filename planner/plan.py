@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from planner.errors import PlanFileError, PlanMismatchError, StagewiseError
+from planner.errors import MemberError, PlanFileError, PlanMismatchError, StagewiseError
 
 SCHEMA_VERSION = 1
 
@@ -137,7 +137,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         if isinstance(self.n_members, bool) or not isinstance(self.n_members, int) or self.n_members < 1:
-            raise StagewiseError(f"n_members must be an integer >= 1, got {self.n_members!r}; pass -n 1 or more")
+            raise MemberError(f"n_members must be an integer >= 1, got {self.n_members!r}; pass -n 1 or more")
 
     # -- lookups -------------------------------------------------------------
     def stage(self, stage_id: str) -> Stage:
