@@ -57,9 +57,7 @@ def load(path: Path | None = None) -> AutosaveRecord | None:
         plan = Plan.from_json(d["plan"], source=str(path))
         return AutosaveRecord(plan, str(d["model_path"]), tuple(str(w) for w in d.get("weights", [])),
                               float(d.get("saved_at", 0.0)))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        if isinstance(e, PlanFileError):
-            raise
+    except (OSError, ValueError, KeyError, TypeError) as e:  # Plan.from_json's PlanFileError passes through
         raise PlanFileError(f"autosave file {path} is damaged ({e!r}); delete it or discard it in the app") from None
 
 

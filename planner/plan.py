@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from planner.errors import MemberError, PlanFileError, PlanMismatchError, StagewiseError
+from planner.errors import MemberError, PlanFileError, PlanMismatchError
 
 SCHEMA_VERSION = 1
 
@@ -218,9 +218,7 @@ class Plan:
         try:
             inputs = tuple(InputSpec(str(i["name"]), InputMode(i.get("mode", "shared"))) for i in d["inputs"])
             stages = tuple(Stage.from_json(s) for s in d["stages"])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, StagewiseError):
-                raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # Stage.from_json's PlanFileError passes through
             raise PlanFileError(f"{source}: malformed inputs or stages ({e!r}); re-create the plan with `stagewise plan`") from None
         ids = [s.id for s in stages]
         if len(set(ids)) != len(ids):
