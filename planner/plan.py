@@ -55,7 +55,7 @@ class StageOptions:
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "StageOptions":
         if not isinstance(d, Mapping):
-            raise PlanFileError(f"stage options must be a JSON object, got {d!r}")
+            raise PlanFileError(f"stage options must be a JSON object, got {d!r}; write {{\"strategy\": \"vmap\"}} or leave them out")
         try:
             strategy = Strategy(d.get("strategy", "vmap"))
         except ValueError:
@@ -63,7 +63,7 @@ class StageOptions:
             raise PlanFileError(f"unknown strategy {d.get('strategy')!r}; use one of {known}") from None
         chunk = d.get("chunk_size")
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise PlanFileError(f"chunk_size must be a positive integer or null, got {chunk!r}")
+            raise PlanFileError(f"chunk_size must be a positive integer or null, got {chunk!r}; fix it in the plan file")
         return StageOptions(strategy=strategy, chunk_size=chunk, note=str(d.get("note", "")))
 
 
@@ -222,10 +222,10 @@ class Plan:
             raise PlanFileError(f"{source}: malformed inputs or stages ({e!r}); re-create the plan with `stagewise plan`") from None
         ids = [s.id for s in stages]
         if len(set(ids)) != len(ids):
-            raise PlanFileError(f"{source}: duplicate stage ids {sorted({i for i in ids if ids.count(i) > 1})}")
+            raise PlanFileError(f"{source}: duplicate stage ids {sorted({i for i in ids if ids.count(i) > 1})}; give each stage its own id")
         n = d["n_members"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise PlanFileError(f"{source}: n_members must be an integer >= 1, got {n!r}")
+            raise PlanFileError(f"{source}: n_members must be an integer >= 1, got {n!r}; fix it in the plan file")
         profile = d.get("profile")
         if profile is not None and not isinstance(profile, dict):
             raise PlanFileError(f"{source}: 'profile' must be a JSON object or null, got {type(profile).__name__}; "

@@ -35,7 +35,7 @@ class ModelSource:
     def members(self, n: int) -> list[nn.Module]:
         """`n` members of this architecture (eval mode, own weights)."""
         if not isinstance(n, int) or n < 1:
-            raise MemberError(f"the number of members must be an integer >= 1, got {n!r}")
+            raise MemberError(f"the number of members must be an integer >= 1, got {n!r}; ask for 1 or more members")
         members = self._build_members(n)
         if len(members) != n:
             raise MemberError(f"{self.name}: build_members({n}) returned {len(members)} modules; it must return exactly {n}")
@@ -99,7 +99,7 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
             raise ModelLoadError(f"{p.name} defines no {required}(); a model file needs build_model() and example_inputs()")
     model = _call_user(p, "build_model", module.build_model)
     if not isinstance(model, nn.Module):
-        raise ModelLoadError(f"{p.name}: build_model() returned {type(model).__name__}, not an nn.Module")
+        raise ModelLoadError(f"{p.name}: build_model() returned {type(model).__name__}, not an nn.Module; return the model instance")
     inputs = _call_user(p, "example_inputs", module.example_inputs)
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
@@ -113,7 +113,7 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
         def build(n: int) -> list[nn.Module]:
             members = _call_user(p, "build_members", module.build_members, n)
             if not isinstance(members, (list, tuple)) or not all(isinstance(m, nn.Module) for m in members):
-                raise ModelLoadError(f"{p.name}: build_members({n}) must return a list of nn.Module")
+                raise ModelLoadError(f"{p.name}: build_members({n}) must return a list of nn.Module; fix build_members() in the model file")
             return list(members)
     else:
         def build(n: int) -> list[nn.Module]:

@@ -103,7 +103,8 @@ def validate(plan: Plan, graph: ModelGraph) -> Plan:
             if n not in known:
                 raise PlanMismatchError(f"stage {s.id} names node {n!r}, which the graph does not have (or is an input/output); re-plan")
             if n in seen:
-                raise PlanMismatchError(f"node {n!r} is in two stages ({seen[n]} and {s.id}); every node belongs to exactly one stage")
+                raise PlanMismatchError(f"node {n!r} is in two stages ({seen[n]} and {s.id}); every node belongs to exactly one stage: "
+                                       "remove it from one of them or re-plan")
             seen[n] = s.id
     missing = [n for n in compute if n not in seen]
     if missing:
@@ -111,13 +112,16 @@ def validate(plan: Plan, graph: ModelGraph) -> Plan:
     for s in plan.stages:
         path = convexity_violation(graph, s.nodes)
         if path:
-            raise PlanMismatchError(f"stage {s.id} is not convex: path {' -> '.join(path)} leaves it and comes back")
+            raise PlanMismatchError(f"stage {s.id} is not convex: path {' -> '.join(path)} leaves it and comes back; "
+                                   "add the nodes on that path to the stage, or split it there")
         if s.mode is StageMode.BATCHED:
             bad = [n for n in s.nodes if not graph.dag.nodes[n]["batchable"]]
             if bad:
-                raise PlanMismatchError(f"batched stage {s.id} holds {bad[0]!r}, which cannot be batched: {graph.dag.nodes[bad[0]]['reason']}")
+                raise PlanMismatchError(f"batched stage {s.id} holds {bad[0]!r}, which cannot be batched: {graph.dag.nodes[bad[0]]['reason']}; "
+                                       f"exclude({bad[0]!r}) or mark the stage excluded")
     q = stage_graph(plan, graph)
     if not nx.is_directed_acyclic_graph(q):
         cycle = nx.find_cycle(q)
-        raise PlanMismatchError(f"stage graph has a cycle {' -> '.join(u for u, _ in cycle)} -> {cycle[0][0]}")
+        raise PlanMismatchError(f"stage graph has a cycle {' -> '.join(u for u, _ in cycle)} -> {cycle[0][0]}; "
+                                "merge the stages on the cycle, or re-plan")
     return plan
