@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from app.layout import layered_layout
-from planner.plan import Plan, StageMode
+from planner.plan import Plan
 
 # Twenty colours that stay apart from each other and from the excluded grey
 # (Tableau 10 + its light half, reordered so neighbours in the list contrast).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx

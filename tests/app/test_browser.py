@@ -7,7 +7,6 @@ to tests/artifacts/ (git-ignored); look at them.
 """
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
