@@ -1,6 +1,9 @@
 # Two commands from nothing but Python: `make run` and `make test`.
-# torch is pinned through constraints.txt so a CPU-only machine never pulls the CUDA build.
+# torch is pinned to the tested release through constraints.txt. The pin does not choose the build:
+# PyPI's Linux torch wheel brings the CUDA libraries (gigabytes). Where pip has no CPU wheel of its own
+# (a local wheel folder or index), a CPU-only machine passes TORCH_INDEX=https://download.pytorch.org/whl/cpu.
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
@@ -12,7 +15,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
-	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e .
 	touch $@
 
