@@ -18,6 +18,7 @@ import networkx as nx
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from torch import nn
 
 import planner
 from planner import StageMode
@@ -93,6 +94,19 @@ def build_model():
 def example_inputs():
     return (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),)
 '''
+
+
+class RunningTotal(nn.Module):
+    """Accumulates the input mean in a buffer (the update must see a traced value to land in the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.total.add_(x.detach().mean(0))
+        return self.fc(x) + self.total
 
 
 def check_plan_invariants(plan: planner.Plan, graph: planner.ModelGraph) -> None:

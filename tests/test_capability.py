@@ -8,7 +8,7 @@ from torch import nn
 
 import planner
 from planner.capability import DEFAULT_CHECK, classify_vmap_error
-from conftest import SAMPLE_NAMES
+from conftest import SAMPLE_NAMES, RunningTotal
 
 EXPECTED_UNBATCHABLE = {  # sample -> {node: words the reason must contain}
     "mlp": {},
@@ -43,19 +43,6 @@ def test_sample_verdicts(sample, name):
 def fresh_graph(model: nn.Module, *inputs: torch.Tensor):
     """Trace a model made by the test (eval mode), not a cached sample: annotate_capability writes to the graph."""
     return planner.trace(model.eval(), tuple(inputs))
-
-
-class RunningTotal(nn.Module):
-    """Accumulates the input mean in a buffer (the update must see a traced value to land in the graph)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.register_buffer("total", torch.zeros(4))
-
-    def forward(self, x):
-        self.total.add_(x.detach().mean(0))
-        return self.fc(x) + self.total
 
 
 def test_inplace_buffer_update():

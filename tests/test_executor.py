@@ -18,7 +18,7 @@ import planner.graph
 from executor.values import PerMember
 from executor.verify import compare
 from planner import InputError, MemberError, PlanMismatchError, StageMode
-from conftest import SAMPLE_NAMES
+from conftest import SAMPLE_NAMES, RunningTotal
 
 RTOL = 1e-4
 
@@ -191,17 +191,6 @@ def test_parameter_free_model_still_returns_n_first():
     out = executor.build(plan, [NoParams() for _ in range(4)])(x)
     assert out.shape == (4, 2, 3)
     torch.testing.assert_close(out, (torch.tanh(x) * 2).expand(4, 2, 3))
-
-
-class RunningTotal(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.register_buffer("total", torch.zeros(4))
-
-    def forward(self, x):
-        self.total.add_(x.detach().mean(0))
-        return self.fc(x) + self.total
 
 
 def test_inplace_buffer_update_runs_before_its_readers():

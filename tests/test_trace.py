@@ -9,7 +9,7 @@ from torch import nn
 import planner
 from planner import NodeInfo, TraceError
 from planner.graph import COMPUTE_OPS, _normalise_module_path, describe_shape, fingerprint_lines
-from conftest import EXPORT_SAMPLES, SAMPLE_NAMES
+from conftest import EXPORT_SAMPLES, SAMPLE_NAMES, RunningTotal
 
 
 @pytest.mark.parametrize("name", SAMPLE_NAMES)
@@ -219,16 +219,6 @@ def example_inputs():
 
 
 # --- in-place updates: order edges ----------------------------------------------------------
-
-class RunningTotal(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.register_buffer("total", torch.zeros(4))
-
-    def forward(self, x):
-        self.total.add_(x.detach().mean(0))
-        return self.fc(x) + self.total
 
 
 def test_inplace_buffer_update_orders_later_reads():
