@@ -374,10 +374,6 @@ def _wait_for_job(at: AppTest, timeout: float = 240) -> None:
 
 
 def test_profile_attaches_report_to_plan_and_export(at):
-    import executor
-
-    if not hasattr(executor, "profile"):
-        pytest.skip("executor.profile is not in this build")
     at.switch_page("views/model.py").run()
     at.number_input(key="n_current").set_value(2).run()
     at.switch_page("views/profile.py").run()
