@@ -34,8 +34,8 @@ from planner.errors import ExecutionError
 from planner.graph import retrace
 from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from executor.build import build, resolve_device
-from executor.profile import (Progress, advance, make_runner, max_rel_error, members_on, on_device, stage_check,
-                              stage_inputs, strategy_label, time_candidates, try_strategy)
+from executor.candidates import (Progress, advance, make_runner, max_rel_error, members_on, on_device, stage_check,
+                                 stage_inputs, strategy_label, time_candidates, try_strategy)
 from executor.report import StrategyResult
 from executor.stages import LoopRunner, Runner, StageProgram
 from executor.strategies import wide_rule_gaps

@@ -10,158 +10,27 @@ on with the loop's outputs. End to end and the baselines are timed round-robin.
 """
 from __future__ import annotations
 
-import copy
-import math
 import os
 import platform
 import time
 import warnings
-from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.errors import StagewiseError
 from planner.graph import trace
-from planner.plan import Plan, StageOptions, Strategy
+from planner.plan import Plan, Strategy
 from executor import baselines as whole
+from executor.autotune import tune
 from executor.build import BatchedModule, build, resolve_device
+from executor.candidates import (Progress, advance, make_runner, max_rel_error, members_on, on_device, stage_check,
+                                 stage_inputs, strategy_label, time_candidates, try_strategy)
 from executor.report import ProfileReport, StageProfile, StrategyResult
-from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
-from executor.timing import describe_error, inject_faults, interleaved, is_oom, native_stderr_silenced, peak_memory_bytes
-from executor.values import Batched, as_batched, n_first
-from executor.verify import DEFAULT_RTOL, member_inputs
-
-Progress = Optional[Callable[[int, int, str], None]]
-
-
-# --- comparing with the loop ------------------------------------------------------------
-
-def max_rel_error(got: Any, want: Any) -> float:
-    """Worst member's normwise error: max|got-want| / max|want| per member, N-first trees."""
-    g_leaves, g_spec = tree_flatten(got)
-    w_leaves, w_spec = tree_flatten(want)
-    if len(g_leaves) != len(w_leaves):
-        return math.inf
-    worst = 0.0
-    for g, w in zip(g_leaves, w_leaves):
-        if not isinstance(w, torch.Tensor):
-            if g != w and not (isinstance(w, float) and abs(g - w) <= DEFAULT_RTOL * max(abs(w), 1e-30)):
-                return math.inf
-            continue
-        g = torch.as_tensor(g)
-        if g.shape != w.shape:
-            return math.inf
-        if w.numel() == 0:
-            continue
-        g64, w64 = g.detach().double().reshape(w.shape[0], -1), w.detach().double().reshape(w.shape[0], -1)
-        if not g64.isfinite().all() and not torch.equal(g64.isnan(), w64.isnan()):
-            return math.inf
-        diff = (g64 - w64).abs().nan_to_num(0.0).amax(dim=1)
-        scale = w64.abs().nan_to_num(0.0).amax(dim=1)
-        rel = torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff)
-        worst = max(worst, float(rel.max()))
-    return worst
-
-
-def _nfirst_all(values: list, n: int) -> list:
-    return [n_first(v, n) for v in values]
-
-
-# --- running one strategy ------------------------------------------------------------------
-
-def strategy_label(strategy: Strategy, chunk_size: Optional[int]) -> str:
-    return strategy.value + (f"/chunk={chunk_size}" if chunk_size and strategy is Strategy.VMAP else "")
-
-
-def make_runner(program: StageProgram, base: Runner, strategy: Strategy, chunk_size: Optional[int] = None) -> Runner:
-    """A runner of `strategy` for the stage `base` runs, sharing base's stacked state."""
-    options = StageOptions(strategy=strategy, chunk_size=chunk_size, note=program.stage.options.note)
-    prog = replace(program, stage=replace(program.stage, options=options))
-    return RUNNERS[strategy](prog, base.n_members, base.stacked, base.member_states)
-
-
-def try_strategy(label: str, stage_id: str, make: Callable[[], Callable[[], Any]],
-                 check: Optional[Callable[[Any], float]], device: torch.device,
-                 rtol: float = DEFAULT_RTOL) -> tuple[StrategyResult, Optional[Callable], Any]:
-    """Build one candidate and run it once; `check(outputs)` gives its error against the loop.
-
-    Returns (result without timing, the callable, its outputs); the callable is
-    None when the candidate failed. Out of memory and wrong results never escape.
-    The first call's wall time is kept in compile_s until time_candidates corrects it.
-    """
-    start = time.perf_counter()
-    try:
-        inject_faults(stage_id, label)
-        call = make()
-        out = call()
-        first_s = time.perf_counter() - start
-        err = check(out) if check is not None else None
-    except Exception as e:  # any failure of a candidate is a result, not a crash
-        if is_oom(e) and device.type == "cuda":
-            torch.cuda.empty_cache()
-        return StrategyResult(label, ok=False, error=describe_error(e)), None, None
-    if err is not None and not err <= rtol:
-        return StrategyResult(label, ok=False, error=f"wrong result: max rel err {err:.2e} > {rtol:g} vs the member loop",
-                              max_rel_err=err), None, None
-    return StrategyResult(label, ok=True, max_rel_err=err, compile_s=first_s), call, out
-
-
-def stage_inputs(program: StageProgram, env: dict, n: int) -> Callable[[], list]:
-    """The stage's input values from `env`. For a stage that writes in place, a fresh writable
-    [N, ...] copy per call (what BatchedModule passes it), so repeated timing calls and the
-    reference never see each other's writes; the copy is inside the timed call."""
-    args = [env[name] for name in program.input_names]
-    if not program.writes_in_place:
-        return lambda: args
-    base = [as_batched(a, n) for a in args]
-    return lambda: [Batched(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, b.tree)) for b in base]
-
-
-def advance(program: StageProgram, env: dict, fresh: Callable[[], list], outputs: Optional[list],
-            run: Callable[[list], list]) -> None:
-    """Put the stage's outputs into `env` (and, if it writes in place, the inputs it wrote into)."""
-    if program.writes_in_place:
-        args = fresh()
-        outputs = run(args)
-        env.update(zip(program.input_names, args))
-    for name, value in zip(program.output_names, outputs):
-        env[name] = value
-
-
-def stage_check(want_values: list, n: int) -> Callable[[list], float]:
-    """Error of a stage's boundary outputs against the loop runner's, per member."""
-    want = _nfirst_all(want_values, n)
-    return lambda out: max_rel_error(_nfirst_all(out, n), want)
-
-
-def time_candidates(cands: dict[str, tuple[StrategyResult, Callable]], device: torch.device,
-                    repeats: Optional[int], warmup: int, compiles: set[str]) -> None:
-    """Time the working candidates round-robin; fill time, peak memory and compile_s in place."""
-    fns = {label: call for label, (res, call) in cands.items()}
-    try:
-        timings = interleaved(fns, device, repeats, warmup)
-    except Exception:  # a candidate that ran once but fails when repeated (OOM on a second buffer set): find which
-        for label, (res, call) in cands.items():
-            try:
-                res.time = interleaved({label: call}, device, repeats, warmup)[label]
-            except Exception as e:
-                res.ok, res.error = False, describe_error(e)
-                if is_oom(e) and device.type == "cuda":
-                    torch.cuda.empty_cache()
-        timings = {label: res.time for label, (res, _) in cands.items() if res.ok}
-    for label, (res, call) in cands.items():
-        if label not in timings or not res.ok:
-            continue
-        res.time = timings[label]
-        first = res.compile_s
-        res.compile_s = max(0.0, first - res.time.median_ms / 1e3) if label in compiles else 0.0
-        try:
-            res.peak_mem_bytes = peak_memory_bytes(call, device)
-        except Exception as e:
-            res.ok, res.error = False, describe_error(e)
+from executor.stages import LoopRunner, Runner, StageProgram
+from executor.timing import native_stderr_silenced
+from executor.verify import member_inputs
 
 
 # --- the profile ---------------------------------------------------------------------------------
@@ -178,19 +47,6 @@ def _device_name(device: torch.device) -> str:
         pass
     return platform.processor() or platform.machine()
 
-
-def on_device(x: Any, device: torch.device) -> Any:
-    """Tensors of a pytree moved to `device`."""
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
-
-
-def members_on(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
-    """Members on `device`, copying (never moving) the caller's modules."""
-    out = []
-    for m in members:
-        p = next(iter(list(m.parameters()) + list(m.buffers())), None)
-        out.append(m if p is None or p.device == device else copy.deepcopy(m).to(device))
-    return out
 
 
 def stage_flops(plan: Plan, member: nn.Module, example: tuple) -> dict[str, int]:
@@ -271,8 +127,6 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
                    + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}
     if autotune:
-        from executor.autotune import tune
-
         plan, candidates = tune(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats, warmup=warmup)
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=dev)
