@@ -25,6 +25,7 @@ import torch
 import executor
 import planner
 from benchmarks.workloads import WORKLOADS, Workload
+from executor.profile import device_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = executor.resolve_device(args.device)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
+        "device_name": device_name(dev),
         "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(), "platform": platform.platform(), "wall_s": time.perf_counter() - started,
         "malloc_keeps_freed_memory": malloc_tuned, "stat": args.stat, "compile_caches": "warm" if args.warm_compile_cache else "cold",
@@ -222,12 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"wrote {out / (stem + '.md')} and {stem}.json", file=sys.stderr)
     return 0
-
-
-def _cpu_name() -> str:
-    from executor.profile import _device_name
-
-    return _device_name(torch.device("cpu"))
 
 
 if __name__ == "__main__":

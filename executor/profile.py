@@ -35,7 +35,8 @@ from executor.verify import member_inputs
 
 # --- the profile ---------------------------------------------------------------------------------
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model from /proc/cpuinfo (platform's guess elsewhere)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -150,7 +151,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     if dev.type == "cpu":
         notes.append("peak MB on CPU: peak live bytes of torch's CPU allocator during one call, above the level before it")
     return ProfileReport(
-        model=plan.model, fingerprint=plan.fingerprint, n_members=plan.n_members, device=str(dev), device_name=_device_name(dev),
+        model=plan.model, fingerprint=plan.fingerprint, n_members=plan.n_members, device=str(dev), device_name=device_name(dev),
         torch_version=torch.__version__, threads=torch.get_num_threads(), stages=stages, end_to_end=end_to_end,
         baselines=list(whole_results.values()), warmup=warmup, autotuned=autotune, plan=plan.to_json(),
         trace_path=trace_file, profile_s=time.perf_counter() - started, compile_s=compile_total, notes=notes,
