@@ -36,10 +36,10 @@ def _import_plan() -> None:
 
 def export_page() -> None:
     st.header("Export")
-    h, ref = state.history(), state.model_ref()
-    if h is None or ref is None:
-        st.info("No model is loaded. Open one on the Model page.")
+    found = state.loaded_or_notice()
+    if found is None:
         return
+    h, ref = found
     plan = h.present
     stem = Path(ref.name).stem
     text = plan.dumps()

@@ -220,10 +220,10 @@ def graphviz_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: 
 
 def plan_page() -> None:
     st.header("Plan")
-    h, ref = state.history(), state.model_ref()
-    if h is None or ref is None:
-        st.info("No model is loaded. Open one on the Model page.")
+    found = state.loaded_or_notice()
+    if found is None:
         return
+    h, ref = found
     loaded = state.current()
     plan = h.present
     summary_ui(plan, loaded, ref)

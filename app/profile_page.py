@@ -204,10 +204,10 @@ def results_ui(plan, loaded, ref) -> None:
 
 def profile_page() -> None:
     st.header("Profile")
-    h, ref = state.history(), state.model_ref()
-    if h is None or ref is None:
-        st.info("No model is loaded. Open one on the Model page.")
+    found = state.loaded_or_notice()
+    if found is None:
         return
+    h, ref = found
     controls_ui()
     if st.session_state.get("job") is not None:
         _poll_ui()

@@ -121,6 +121,15 @@ def current() -> Loaded | None:
     return loaded(ref) if ref else None
 
 
+def loaded_or_notice() -> tuple[History, ModelRef] | None:
+    """(history, model ref) of the loaded model; None, after telling the user to open one, when there is none."""
+    h, ref = history(), model_ref()
+    if h is None or ref is None:
+        st.info("No model is loaded. Open one on the Model page.")
+        return None
+    return h, ref
+
+
 def default_model_path() -> str | None:
     env = os.environ.get(MODEL_ENV)
     if env:
