@@ -1,4 +1,4 @@
-"""stagewise executor: build, run and verify a plan's batched module.
+"""stagewise executor: build, run and verify a plan's batched module; profile, autotune and N-sweep it.
 
 Imports planner, never app.
 """

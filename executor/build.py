@@ -194,7 +194,9 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         inputs as [N, ...]; returns the model's outputs with tensors N-first.
     Raises:
         MemberError (count or state mismatch), PlanMismatchError (plan for another
-        model: both fingerprints and the first difference), DeviceError.
+        model: both fingerprints and the first difference; or a plan that breaks the
+        invariants), TraceError (members[0] cannot be traced again with the plan's
+        tracer, or an export plan without example_inputs), DeviceError.
     """
     dev = resolve_device(device)
     members = list(members)
