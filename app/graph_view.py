@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from app.layout import layered_layout
 from planner.plan import Plan
+from planner.table import human
 
 # Twenty colours that stay apart from each other and from the excluded grey
 # (Tableau 10 + its light half, reordered so neighbours in the list contrast).
@@ -187,13 +188,6 @@ def stage_colors(plan: Plan) -> dict[str, str]:
     return {s.id: PALETTE[i % len(PALETTE)] for i, s in enumerate(plan.stages)}
 
 
-def _human(n: int) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.1f}{unit}"
-    return str(n)
-
-
 def hover_text(info: NodeInfo, stage_label: str) -> str:
     """Hover box of one fx node: name, op, shape, params, FLOPs, stage, and why it is not batchable."""
     lines = [
@@ -201,7 +195,7 @@ def hover_text(info: NodeInfo, stage_label: str) -> str:
         f"op: {info.op} {info.target}",
         f"module: {info.module_path or '-'}",
         f"shape: {info.shape} {info.dtype}",
-        f"params: {_human(info.params)} · FLOPs: {_human(info.flops)}",
+        f"params: {human(info.params)} · FLOPs: {human(info.flops)}",
         f"stage: {stage_label}",
     ]
     if not info.batchable:
@@ -214,7 +208,7 @@ def module_hover(vid: str, names: Sequence[str], data: GraphData, stage_ids: Seq
     bad = [i.name for i in infos if not i.batchable]
     lines = [
         f"<b>{vid[len(MODULE_PREFIX):]}</b> (collapsed, {len(names)} nodes)",
-        f"params: {_human(sum(i.params for i in infos))} · FLOPs: {_human(sum(i.flops for i in infos))}",
+        f"params: {human(sum(i.params for i in infos))} · FLOPs: {human(sum(i.flops for i in infos))}",
         f"stages: {', '.join(stage_ids)}",
     ]
     if bad:
