@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
+import networkx as nx
+
 from planner.errors import EditError, PlanMismatchError
 from planner.graph import ModelGraph
 from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
@@ -140,7 +142,7 @@ def exclude(plan: Plan, graph: ModelGraph, target: str) -> Plan:
     s = plan.stage_of(target)
     if len(s.nodes) == 1:
         return exclude(plan, graph, s.id)
-    downstream = {d for d in _descendants(graph, target)}
+    downstream = nx.descendants(graph.dag, target)
     before = tuple(n for n in s.nodes if n != target and n not in downstream)
     after = tuple(n for n in s.nodes if n in downstream)
     reason = graph.dag.nodes[target]["reason"] or USER_EXCLUDED
@@ -207,9 +209,3 @@ def _edge_between(graph: ModelGraph, src: Iterable[str], dst: Iterable[str]) -> 
             if v in targets:
                 return u, v
     return None
-
-
-def _descendants(graph: ModelGraph, node: str) -> set[str]:
-    import networkx as nx
-
-    return nx.descendants(graph.dag, node)

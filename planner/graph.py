@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from planner.capability import alias_chain, annotate_capability, is_inplace
 from planner.errors import TraceError
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
@@ -156,8 +157,6 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True) -> Mod
     values, flops = _run_and_record(gm, example_inputs)
     graph = graph_of(gm, tracer, note, values, flops)
     if probe:
-        from planner.capability import annotate_capability
-
         annotate_capability(graph)
     return graph
 
@@ -227,8 +226,6 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     chain; for module state, every get_attr of the same target). Edges follow
     graph order, so the DAG stays acyclic and node order stays topological.
     """
-    from planner.capability import alias_chain, is_inplace
-
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     edges = []
