@@ -4,6 +4,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
+import torch
 
 import planner
 from app import jobs, state
@@ -17,12 +18,7 @@ BASELINE_COLORS = {"stagewise": "#2ca02c", "loop": "#7f7f7f", "vmap": "#1f77b4",
 
 
 def _devices() -> list[str]:
-    try:
-        import torch
-
-        return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    except ImportError:  # torch is a dependency; this only guards odd installs
-        return ["cpu"]
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def _parse_ns(text: str, default: int) -> list[int]:
