@@ -234,3 +234,78 @@ def test_sibling_linears_run_as_one_gemm(sample):
     groups = [g for r in module.runners for g in r._fused.values()]
     assert ["q", "k", "v"] in groups
     check(src, plan)
+
+
+# --- the wide runner's direct Linear steps (weights transposed once, activation in place) -------
+
+class _LinearChain(nn.Module):
+    """Linear -> act (fused in place) -> Linear read twice (not fused) -> act -> Linear on a 4-D input."""
+
+    def __init__(self, act: nn.Module, bias: bool):
+        super().__init__()
+        self.fc1, self.act1 = nn.Linear(6, 8, bias=bias), act
+        self.fc2, self.act2 = nn.Linear(8, 8, bias=bias), nn.Tanh()
+        self.fc3 = nn.Linear(8, 5, bias=bias)
+
+    def forward(self, x):
+        h = self.fc2(self.act1(self.fc1(x)))
+        return self.fc3(self.act2(h) + h)
+
+
+def _wide_chain(act, bias, mode, shape=(4, 6)):
+    torch.manual_seed(0)
+    members = [_LinearChain(act, bias).eval() for _ in range(N)]
+    example = (torch.randn(*shape),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(members[0], example)
+        plan = with_strategy(planner.propose(graph, N, mode), Strategy.WIDE)
+        inputs = executor.batched_inputs(plan, example)
+        module = executor.build(plan, members)
+    return plan, members, inputs, module
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU(), nn.LeakyReLU(0.2), nn.Sigmoid()],
+                         ids=lambda m: repr(m))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("shape", [(4, 6), (2, 3, 6), (6,)])
+def test_wide_linear_steps_match_the_loop(act, bias, mode, shape):
+    plan, members, inputs, module = _wide_chain(act, bias, mode, shape)
+    runner = module.runners[0]
+    assert isinstance(runner, WideRunner) and len(plan.stages) == 1
+    assert len(runner._program[2]) < len(runner.program.module.graph.nodes) - 2  # fc1 + act1 are one step
+    with torch.no_grad():
+        got = module(*inputs)
+        again = module(*inputs)  # the in-place activation never touches an input or a cached weight
+    want = stack_outputs(executor.loop_outputs(plan, members, inputs))
+    assert max_rel_error(got, want) <= RTOL
+    assert torch.equal(got, again)
+
+
+def test_wide_linear_steps_see_in_place_weight_updates():
+    """The [N, in, out] copy made at construction is remade when the stacked weight changes in place."""
+    plan, members, inputs, module = _wide_chain(nn.ReLU(), True, "shared")
+    with torch.no_grad():
+        module(*inputs)
+        module.stacked_state["fc1.weight"].mul_(0.5)
+        module.stacked_state["fc3.bias"].add_(1.0)
+        got = module(*inputs)
+        for i, m in enumerate(members):
+            m.fc1.weight.mul_(0.5)
+            m.fc3.bias.add_(1.0)
+    want = stack_outputs(executor.loop_outputs(plan, members, inputs))
+    assert max_rel_error(got, want) <= RTOL
+
+
+def test_wide_linear_steps_keep_autograd():
+    """With gradients recorded the steps take the interpreted path: same values, gradients flow to the input."""
+    plan, members, inputs, module = _wide_chain(nn.GELU(), True, "per_member")
+    x = inputs[0].clone().requires_grad_(True)
+    got = module(x)
+    got.sum().backward()
+    want = stack_outputs(executor.loop_outputs(plan, members, (x.detach(),)))
+    assert max_rel_error(got.detach(), want) <= RTOL
+    xs = x.detach().clone().requires_grad_(True)
+    torch.stack([m(xs[i]) for i, m in enumerate(members)]).sum().backward()
+    assert rel_err(x.grad, xs.grad) <= RTOL

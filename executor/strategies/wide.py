@@ -12,7 +12,7 @@ says which nodes of a stage would still need vmap.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from executor.stages import Runner, StageProgram
 from executor.strategies import wide_ops
-from executor.strategies.wide_layers import module_rule
+from executor.strategies.wide_layers import ELEMENTWISE_MODULES, inplace_activation, module_rule
 from executor.strategies.wide_ops import NFirst, is_nf, op_name
 from executor.values import Batched, PerMember, Shared, stack_members
 
@@ -82,6 +82,7 @@ class WideRunner(Runner):
         self._fused = _sibling_linears(gm, self.stacked)  # first node of a group -> the group's node names
         self._pending: dict[str, Any] = {}
         self._fused_weights: dict[str, tuple] = {}
+        self._program = self._compile_program(gm)
 
     def _linear_group(self, first: str, group: list[str], x: Any) -> Any:
         """Sibling Linears reading one input as one GEMM against their weights concatenated;
@@ -102,24 +103,139 @@ class WideRunner(Runner):
             self._pending[name] = NFirst(part)
         return NFirst(parts[0])
 
-    def run(self, args: list) -> list:
-        n = self.n_members
-        env: dict[str, Any] = {}
-        self._pending.clear()
-        inputs = iter(args)
-        load = lambda a: env[a.name] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    def _compile_program(self, gm: torch.fx.GraphModule) -> tuple:
+        """The node program, built once: (constants, placeholder names, steps, output args).
+
+        Each step is a closure `step(env)` that reads its inputs from `env` (node name -> value)
+        and stores its result; per call only the steps run. Linear layers (not in a sibling group)
+        get a direct kernel step against weights transposed here once, with the activation module
+        that is their only reader applied in place on the fresh GEMM output (see _linear_step).
+        Every other node interprets its arguments (_generic_step).
+        """
+        grouped = {name for group in self._fused.values() for name in group}
+        consts, placeholders, steps, skip = {}, [], [], set()
+        outputs: Any = ()
         for node in self._nodes:
             if node.op == "placeholder":
-                env[node.name] = _bind(next(inputs))
+                placeholders.append(node.name)
             elif node.op == "get_attr":
-                env[node.name] = self._calls[node.name][0]
+                consts[node.name] = self._calls[node.name][0]
             elif node.op == "output":
-                return [_unbind(v, n) for v in torch.fx.node.map_arg(node.args[0], load)]
+                outputs = node.args[0]
+            elif node.name in skip:
+                continue
+            elif node.op == "call_module" and node.name not in grouped and (fast := self._linear_step(gm, node)):
+                step, fused_act = fast
+                steps.append(step)
+                if fused_act is not None:
+                    skip.add(fused_act)
+            elif node.op == "call_module" and isinstance(self._calls[node.name][0], ELEMENTWISE_MODULES):
+                steps.append(self._elementwise_step(node))
             else:
-                a = torch.fx.node.map_arg(node.args, load)
-                kw = torch.fx.node.map_arg(node.kwargs, load)
-                env[node.name] = self._call(node, a, kw)
-        raise AssertionError("stage graph has no output node")
+                steps.append(self._generic_step(node))
+        return consts, placeholders, steps, tuple(outputs) if isinstance(outputs, (list, tuple)) else (outputs,)
+
+    def _generic_step(self, node: torch.fx.Node) -> Callable[[dict], None]:
+        """Interpret one node: load its arguments from env, dispatch through _call."""
+        name, args, kwargs, call = node.name, node.args, node.kwargs, self._call
+        map_arg = torch.fx.node.map_arg
+
+        def step(env: dict) -> None:
+            load = lambda a: env[a.name]  # noqa: E731
+            env[name] = call(node, map_arg(args, load), map_arg(kwargs, load))
+
+        return step
+
+    def _elementwise_step(self, node: torch.fx.Node) -> Callable[[dict], None]:
+        """A stateless elementwise module (ReLU, GELU, ...) on one N-first tensor: the module itself."""
+        generic = self._generic_step(node)
+        mod = self._calls[node.name][0]
+        src = node.args[0].name if len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], torch.fx.Node) else None
+        if src is None:
+            return generic
+        name = node.name
+
+        def step(env: dict) -> None:
+            x = env[src]
+            if type(x) is NFirst:
+                env[name] = NFirst(mod(x.t))
+            else:
+                generic(env)
+
+        return step
+
+    def _linear_step(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[tuple[Callable[[dict], None], Optional[str]]]:
+        """nn.Linear of every member as one baddbmm on [N, M, in] x [N, in, out], or None (no fast form).
+
+        The weights are transposed to [N, in, out] here, once (NN batched GEMM measured faster
+        than NT), and again only when their version counter shows an in-place update; the bias
+        is a [N, 1, out] view, broadcast inside baddbmm. Where the Linear's only reader is an
+        activation module with an in-place form, the activation runs in place on the GEMM
+        output and the pair is one step (returns the activation's node name to skip).
+        Calls that need autograd, or inputs of another form, take the interpreted path.
+        Returns (step, fused activation node name or None).
+        """
+        mod, _, state = self._calls[node.name]
+        if (type(mod) is not torch.nn.Linear or node.kwargs or len(node.args) != 1
+                or not isinstance(node.args[0], torch.fx.Node) or "weight" not in state
+                or (mod.bias is not None and "bias" not in state)):
+            return None
+        w, b = state["weight"], state.get("bias")
+        if w.dim() != 3:
+            return None
+        n, out_f, in_f = w.shape
+        act, act_node = None, None
+        users = list(node.users)
+        if len(users) == 1 and users[0].op == "call_module" and len(users[0].args) == 1 and not users[0].kwargs:
+            act = inplace_activation(gm.get_submodule(users[0].target))
+            act_node = users[0] if act is not None else None
+        with torch.no_grad():
+            layout = [w._version, w.transpose(1, 2).contiguous()]
+        b3 = b.unsqueeze(1) if b is not None else None
+        src, dst = node.args[0].name, (act_node or node).name
+        generic = self._generic_step(node)
+        generic_act = self._generic_step(act_node) if act_node is not None else None
+
+        def interpreted(env: dict) -> None:
+            generic(env)
+            if generic_act is not None:
+                generic_act(env)
+
+        def step(env: dict) -> None:
+            x = env[src]
+            if type(x) is NFirst:
+                t = x.t
+                batch = t.shape[1:-1]
+                x3 = t if t.dim() == 3 else t.reshape(n, -1, in_f)
+            elif isinstance(x, torch.Tensor) and x.dim() >= 1:
+                t = x
+                batch = x.shape[:-1]
+                x3 = x.reshape(1, -1, in_f).expand(n, -1, -1)  # shared: broadcast, no copy
+            else:
+                return interpreted(env)
+            if torch.is_grad_enabled() and (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+                return interpreted(env)  # the cached transpose would carry no autograd history
+            if layout[0] != w._version:
+                with torch.no_grad():
+                    layout[1] = w.transpose(1, 2).contiguous()
+                layout[0] = w._version
+            y = torch.baddbmm(b3, x3, layout[1]) if b3 is not None else torch.bmm(x3, layout[1])
+            if act is not None:
+                act(y)  # y is fresh (ours alone) and no autograd records: safe in place
+            env[dst] = NFirst(y if len(batch) == 1 else y.view(n, *batch, out_f))
+
+        return step, (act_node.name if act_node is not None else None)
+
+    def run(self, args: list) -> list:
+        n = self.n_members
+        consts, placeholders, steps, outputs = self._program
+        self._pending.clear()
+        env = dict(consts)
+        for name, value in zip(placeholders, args):
+            env[name] = _bind(value)
+        for step in steps:
+            step(env)
+        return [_unbind(env[v.name] if isinstance(v, torch.fx.Node) else v, n) for v in outputs]
 
     def _call(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
         n = self.n_members
@@ -188,6 +304,8 @@ def _bind(value: Any) -> Any:
     if isinstance(value, Shared):
         return value.value
     if isinstance(value, Batched):
+        if isinstance(value.tree, torch.Tensor):
+            return NFirst(value.tree)
         return tree_map(lambda x: NFirst(x) if isinstance(x, torch.Tensor) else x, value.tree)
     assert isinstance(value, PerMember)
     tree, dims = stack_members(value.values)
@@ -198,6 +316,8 @@ def _bind(value: Any) -> Any:
 
 def _unbind(value: Any, n: int) -> Any:
     """A stage output as a boundary value: Batched if anything in it is per member, else Shared."""
+    if type(value) is NFirst:
+        return Batched(value.t)
     if not _any_nf(value):
         return Shared(value)
     return Batched(tree_map(lambda x: x.t if is_nf(x) else (x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, torch.Tensor) else x),

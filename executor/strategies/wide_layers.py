@@ -194,6 +194,27 @@ def gru(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> An
     return (inp, NFirst(torch.stack(finals, dim=1)))
 
 
+def inplace_activation(module: nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The in-place form of an activation module (applied to a fresh GEMM output: no second
+    [N, B, out] buffer, the data stays in cache), or None where there is none or it differs."""
+    t = type(module)
+    if t is nn.ReLU:
+        return torch.relu_
+    if t is nn.GELU:
+        approximate = module.approximate
+        return lambda y: torch._C._nn.gelu_(y, approximate=approximate)
+    if t is nn.Tanh:
+        return torch.tanh_
+    if t is nn.Sigmoid:
+        return torch.sigmoid_
+    if t is nn.SiLU:
+        return torch._C._nn.silu_
+    if t is nn.LeakyReLU:
+        slope = module.negative_slope
+        return lambda y: torch._C._nn.leaky_relu_(y, slope)
+    return None
+
+
 MODULE_RULES: list[tuple[tuple[type, ...], ModuleRule]] = [
     ((nn.Linear,), linear_module),
     ((nn.Conv1d, nn.Conv2d), conv),
