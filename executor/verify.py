@@ -170,15 +170,16 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             rec.run(*member_inputs(plan, inputs, i))
         per_member.append(rec.values)
     for name in boundary:
+        seen: list[ErrorRow] = []
         for i in range(plan.n_members):
             rows = compare(f"{name} (member {i})", member_value(env[name], i), per_member[i][name], rtol)
             bad = [r for r in rows if not r.ok]
             if bad:
                 report.boundaries.extend(bad)
                 break
-        else:
-            worst = max((r for i in range(plan.n_members) for r in compare(name, member_value(env[name], i), per_member[i][name], rtol)),
-                        key=lambda r: r.max_rel, default=ErrorRow(name, 0.0, 0.0, True))
+            seen += rows
+        else:  # every member matched: one row with the worst error, named by the node alone
+            worst = max(seen, key=lambda r: r.max_rel, default=ErrorRow(name, 0.0, 0.0, True))
             report.boundaries.append(ErrorRow(name, worst.max_abs, worst.max_rel, worst.ok))
     _restore_buffers(members, saved)  # after comparing: recorded values may alias the buffers
     return report
