@@ -7,6 +7,7 @@ by the model's content digest.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import tempfile
@@ -43,15 +44,26 @@ class ModelRef:
         return self.label or Path(self.path).name
 
     def digest(self) -> str:
-        """Content hash of model and weight files: the cache key, so an edited file is traced again."""
+        """Content hash of model and weight files: the cache key, so an edited file is traced again.
+
+        Pages ask for it several times per rerun; each file is read and hashed again
+        only when its size or modification time changed (weights can be large).
+        """
         h = hashlib.sha256()
         for p in (self.path, *self.weights):
             h.update(p.encode())
             try:
-                h.update(Path(p).read_bytes())
+                info = os.stat(p)
+                h.update(_file_digest(p, info.st_mtime_ns, info.st_size))
             except OSError:
                 h.update(b"<missing>")
         return h.hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, mtime_ns: int, size: int) -> bytes:
+    """sha256 of a file's bytes, remembered per (path, mtime, size)."""
+    return hashlib.sha256(Path(path).read_bytes()).digest()
 
 
 @dataclass(frozen=True)
