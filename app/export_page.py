@@ -7,7 +7,7 @@ import streamlit as st
 
 import planner
 from app import state
-from app.dot_view import dot_to_svg, has_dot_binary, plan_dot
+from app.dot_view import dot_to_svg, plan_dot
 
 
 def snippet(model_path: str, plan_file: str, weights: tuple[str, ...] = (), export: bool = False) -> str:
@@ -22,6 +22,12 @@ ensemble = executor.build(plan, src.members(plan.n_members){", src.example_input
 inputs = executor.batched_inputs(plan, src.example_inputs)
 outputs = ensemble(*inputs)  # N-first: [N, ...] per output tensor
 '''
+
+
+@st.cache_data(max_entries=16, show_spinner="Rendering SVG…")
+def _svg(dot: str) -> bytes | None:
+    """dot_to_svg, run once per distinct graph text rather than on every rerun of the page."""
+    return dot_to_svg(dot)
 
 
 def _import_plan() -> None:
@@ -51,7 +57,7 @@ def export_page() -> None:
     view, _ = state.view_and_layout(ref, st.session_state.get("collapsed", []))
     dot = plan_dot(loaded.data, view, plan)
     c[1].download_button("Download .dot", dot, file_name=f"{stem}.dot", mime="text/vnd.graphviz", key="dl_dot")
-    svg = dot_to_svg(dot) if has_dot_binary() else None
+    svg = _svg(dot)
     if svg is not None:
         c[2].download_button("Download .svg", svg, file_name=f"{stem}.svg", mime="image/svg+xml", key="dl_svg")
     else:
