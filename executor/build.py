@@ -61,7 +61,8 @@ def _first_difference(plan: Plan, graph: ModelGraph) -> str:
     lost = [n for n in planned if n not in have]
     if lost:
         return f"first plan node the model lacks: {lost[0]!r}"
-    extra = [n for n in graph.compute_nodes if n not in set(planned)]
+    placed = set(planned)
+    extra = [n for n in graph.compute_nodes if n not in placed]
     if extra:
         return f"first model node the plan lacks: {extra[0]!r}"
     return "same node names: parameter shapes, dtypes or module types differ (" + fingerprint_lines(graph.gm)[-1] + " ...)"
