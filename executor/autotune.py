@@ -34,10 +34,10 @@ from planner.errors import ExecutionError
 from planner.graph import retrace
 from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from executor.build import build, resolve_device
-from executor.candidates import (Progress, advance, make_runner, max_rel_error, members_on, on_device, stage_check,
+from executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
                                  stage_inputs, strategy_label, time_candidates, try_strategy)
 from executor.report import StrategyResult
-from executor.stages import LoopRunner, Runner, StageProgram
+from executor.stages import Runner, StageProgram
 from executor.strategies import wide_rule_gaps
 from executor.timing import MIN_REPEATS
 from executor.verify import DEFAULT_RTOL, loop_outputs, member_inputs
@@ -87,9 +87,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
                 progress: Progress, done: int, total: int) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
     """Every candidate of one stage on its real inputs; returns (results, chosen, its outputs, its runner)."""
     stage = program.stage
-    reference = LoopRunner(program, n, runner.stacked, runner.member_states)  # the trusted reference
-    ref = reference(fresh())
-    check = stage_check(ref, n)
+    reference, ref, check = loop_reference(program, runner, fresh)
     results: list[StrategyResult] = []
     working: dict[str, tuple[StrategyResult, Any]] = {}
     outputs: dict[str, Any] = {}

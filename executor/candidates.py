@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.plan import StageOptions, Strategy
 from executor.report import StrategyResult
-from executor.stages import RUNNERS, Runner, StageProgram
+from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
 from executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
 from executor.values import Batched, as_batched, n_first
 from executor.verify import DEFAULT_RTOL
@@ -119,6 +119,13 @@ def advance(program: StageProgram, env: dict, fresh: Callable[[], list], outputs
         env.update(zip(program.input_names, args))
     for name, value in zip(program.output_names, outputs):
         env[name] = value
+
+
+def loop_reference(program: StageProgram, runner: Runner, fresh: Callable[[], list]) -> tuple[Runner, list, Callable[[list], float]]:
+    """The stage's member loop (the trusted reference), its outputs on `fresh()` inputs, and a check against them."""
+    reference = LoopRunner(program, runner.n_members, runner.stacked, runner.member_states)
+    ref = reference(fresh())
+    return reference, ref, stage_check(ref, runner.n_members)
 
 
 def stage_check(want_values: list, n: int) -> Callable[[list], float]:

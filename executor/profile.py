@@ -25,10 +25,10 @@ from planner.plan import Plan, Strategy
 from executor import baselines as whole
 from executor.autotune import tune
 from executor.build import BatchedModule, build, resolve_device
-from executor.candidates import (Progress, advance, make_runner, max_rel_error, members_on, on_device, stage_check,
+from executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
                                  stage_inputs, strategy_label, time_candidates, try_strategy)
 from executor.report import ProfileReport, StageProfile, StrategyResult
-from executor.stages import LoopRunner, Runner, StageProgram
+from executor.stages import Runner, StageProgram
 from executor.timing import native_stderr_silenced
 from executor.verify import member_inputs
 
@@ -194,9 +194,7 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
     label = strategy_label(strategy, stage.options.chunk_size)
     ticks(f"stage {stage.id} ({label})")
     fresh = stage_inputs(program, env, n)
-    reference = LoopRunner(program, n, runner.stacked, runner.member_states)  # the trusted reference
-    ref = reference(fresh())
-    check = stage_check(ref, n)
+    reference, ref, check = loop_reference(program, runner, fresh)
     res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(fresh())), check, dev)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
