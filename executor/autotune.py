@@ -174,7 +174,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
     total = sum(len(candidate_strategies(p, dev, allowed)) for p in module.programs)
     done = 0
-    env = module._bind_inputs(inputs)
+    env = module.bind_inputs(inputs)
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
     with torch.no_grad():

@@ -129,7 +129,8 @@ class BatchedModule(nn.Module):
         """Member state stacked [N, ...] by dotted name (shared with the runners; in-place updates persist)."""
         return self._stacked
 
-    def _bind_inputs(self, inputs: tuple) -> dict[str, Any]:
+    def bind_inputs(self, inputs: tuple) -> dict[str, Any]:
+        """Model inputs by placeholder name as boundary values (Batched for per_member, Shared otherwise); InputError if they do not fit."""
         if len(inputs) != len(self._input_names):
             raise InputError(f"the model takes {len(self._input_names)} inputs {self._input_names}, got {len(inputs)}; pass them positionally")
         env: dict[str, Any] = {}
@@ -148,7 +149,7 @@ class BatchedModule(nn.Module):
 
     def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
         """Run all stages; returns (N-first outputs, boundary values by node name if `keep`)."""
-        env = self._bind_inputs(inputs)
+        env = self.bind_inputs(inputs)
         for program, runner in zip(self.programs, self.runners):
             args = [env[n] for n in program.input_names]
             if program.writes_in_place:

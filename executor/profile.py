@@ -132,7 +132,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=dev)
     flops = stage_flops(plan, members[0], example)
-    env = module._bind_inputs(inputs)
+    env = module.bind_inputs(inputs)
     with torch.no_grad():
         stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
                                  candidates.get(program.stage.id, []))
