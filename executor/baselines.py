@@ -16,22 +16,18 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.plan import InputMode, Plan
 from executor.build import stack_members
 from executor.strategies import compiled
+from executor.values import PerMember, n_first
 from executor.verify import member_inputs
 
 
 def stack_outputs(outputs: list) -> Any:
-    """N per-member output trees -> one tree with N-first tensors (equal non-tensors kept)."""
-    flat = [tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    leaves = []
-    for column in zip(*(f[0] for f in flat)):
-        leaves.append(torch.stack(column) if isinstance(column[0], torch.Tensor) else column[0])
-    return tree_unflatten(leaves, spec)
+    """N per-member output trees in the layout the batched module returns (values.n_first):
+    N-first tensors, per-member Python numbers as an [N] tensor, equal non-tensors kept."""
+    return n_first(PerMember(list(outputs)), len(outputs))
 
 
 def loop(plan: Plan, members: Sequence[nn.Module], inputs: tuple) -> Callable[[], Any]:

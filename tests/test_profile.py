@@ -142,6 +142,28 @@ def test_excluded_stages_are_profiled_as_loops(sample):
     assert report.end_to_end.ok
 
 
+class ItemOutput(torch.nn.Module):
+    """Returns a per-member Python number next to a tensor (the module gives it back as an [N] tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y, y.sum().item()
+
+
+def test_per_member_number_outputs_are_checked_in_the_modules_layout():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    plan = planner.propose(planner.trace(ItemOutput().eval(), (x,)), N)
+    members = [ItemOutput().eval() for _ in range(N)]
+    report = executor.profile(plan, members, (x,), baselines=False, **FAST)
+    assert report.end_to_end.ok, report.end_to_end.error
+    assert report.end_to_end.max_rel_err <= 1e-4
+
+
 @pytest.mark.gpu
 def test_profile_on_gpu(mlp_plan):
     src, plan = mlp_plan
