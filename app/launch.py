@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -92,10 +93,21 @@ def main(model_path: str | os.PathLike | None = None, port: int | None = None, h
     print(f"stagewise ui: serving on {url} (localhost only; uploaded model files run as code). Ctrl-C stops it.")
     if not headless:
         threading.Thread(target=_open_browser_when_up, args=(url, port), daemon=True).start()
+    proc = subprocess.Popen(command(port), env=env)
+    # the server is our child: stopping `stagewise ui` (Ctrl-C or SIGTERM) must stop it too, never orphan it
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.terminate())
     try:
-        return subprocess.call(command(port), env=env)
+        return proc.wait()
     except KeyboardInterrupt:
         return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 if __name__ == "__main__":

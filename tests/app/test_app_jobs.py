@@ -113,3 +113,13 @@ def test_launch_main_serves_the_app(tmp_path, monkeypatch):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+    # the server launch.main started went away with it (no orphaned streamlit)
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.3).close()
+            time.sleep(0.3)
+        except OSError:
+            break
+    else:
+        raise AssertionError(f"streamlit still serves on port {port} after `stagewise ui` was stopped")
