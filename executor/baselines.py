@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from planner.plan import InputMode, Plan
-from executor.build import stack_members
+from executor.build import stack_member_state
 from executor.strategies import compiled
 from executor.values import PerMember, n_first
 from executor.verify import member_inputs
@@ -44,7 +44,7 @@ def _vmapped_model(plan: Plan, members: Sequence[nn.Module], device: torch.devic
     base = members[0]
     dims = tuple(0 if spec.mode is InputMode.PER_MEMBER else None for spec in plan.inputs)
     fn = vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error")
-    return fn, stack_members(members, device)
+    return fn, stack_member_state(members, device)
 
 
 def whole_vmap(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> Callable[[], Any]:

@@ -36,7 +36,7 @@ def member_state(member: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(member.named_parameters()), **dict(member.named_buffers())}
 
 
-def stack_members(members: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
+def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
     """Stack member state into [N, ...] tensors; MemberError names the first mismatching member and key."""
     states = [member_state(m) for m in members]
     ref = states[0]
@@ -217,5 +217,5 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         )
     validate(plan, graph)
     register_output_dataclasses(graph.gm)
-    stacked = stack_members(members, dev)
+    stacked = stack_member_state(members, dev)
     return BatchedModule(plan, graph, stacked, dev)

@@ -43,10 +43,10 @@ def batched_arg(v) -> tuple[Any, Any]:
         return v.value, None
     if isinstance(v, Batched):
         return v.tree, tree_map(lambda x: 0 if _is_tensor(x) else None, v.tree)
-    return stack_members(v.values)
+    return stack_member_values(v.values)
 
 
-def stack_members(values: list) -> tuple[Any, Any]:
+def stack_member_values(values: list) -> tuple[Any, Any]:
     """Turn N per-member values into one tree with N-first tensors (and its in_dims)."""
     flat = [tree_flatten(v) for v in values]
     spec = flat[0][1]
@@ -87,7 +87,7 @@ def as_batched(v, n: int):
     if isinstance(v, Shared):
         return Batched(tree_map(lambda x: x.unsqueeze(0).expand(n, *x.shape).clone() if _is_tensor(x) else x, v.value))
     if isinstance(v, PerMember):
-        return Batched(stack_members(v.values)[0])
+        return Batched(stack_member_values(v.values)[0])
     # vmap returns a value that did not depend on the members as an expanded view (stride 0 on
     # the member axis): all members would share one memory row, so give them their own
     return Batched(tree_map(lambda x: x.clone() if _is_tensor(x) and x.dim() and x.shape[0] > 1 and x.stride(0) == 0 else x, v.tree))
@@ -99,5 +99,5 @@ def n_first(v, n: int) -> Any:
         return v.tree
     if isinstance(v, Shared):
         return as_batched(v, n).tree
-    tree, _ = stack_members(v.values)  # per-member numbers come back as a [N] tensor, equal ones stay plain
+    tree, _ = stack_member_values(v.values)  # per-member numbers come back as a [N] tensor, equal ones stay plain
     return tree

@@ -31,7 +31,7 @@ from executor.stages import Runner, StageProgram
 from executor.strategies import wide_ops
 from executor.strategies.wide_layers import ELEMENTWISE_MODULES, inplace_activation, module_rule
 from executor.strategies.wide_ops import NFirst, is_nf, op_name
-from executor.values import Batched, PerMember, Shared, stack_members
+from executor.values import Batched, PerMember, Shared, stack_member_values
 
 # functions/methods with a rule of their own (everything else falls back to vmap of the op)
 _RULED = (wide_ops.ELEMENTWISE | set(wide_ops.DIM_ARGS) | wide_ops.META | wide_ops.MATMUL
@@ -316,7 +316,7 @@ def _bind(value: Any) -> Any:
             return NFirst(value.tree)
         return tree_map(lambda x: NFirst(x) if isinstance(x, torch.Tensor) else x, value.tree)
     assert isinstance(value, PerMember)
-    tree, dims = stack_members(value.values)
+    tree, dims = stack_member_values(value.values)
     leaves, spec = tree_flatten(tree)
     dim_leaves = tree_flatten(dims)[0]
     return spec.unflatten([NFirst(x) if d == 0 else x for x, d in zip(leaves, dim_leaves)])
