@@ -96,6 +96,20 @@ def example_inputs():
 '''
 
 
+class ScaleInPlace(nn.Module):
+    """An in-place update of an activation that another node read before it (needs an order edge)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        early = h + 1
+        h.mul_(2)
+        return h - 1, early
+
+
 class RunningTotal(nn.Module):
     """Accumulates the input mean in a buffer (the update must see a traced value to land in the graph)."""
 

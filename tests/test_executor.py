@@ -18,7 +18,7 @@ import planner.graph
 from executor.values import PerMember
 from executor.verify import compare
 from planner import InputError, MemberError, PlanMismatchError, StageMode
-from conftest import SAMPLE_NAMES, RunningTotal
+from conftest import SAMPLE_NAMES, RunningTotal, ScaleInPlace
 
 RTOL = 1e-4
 
@@ -329,18 +329,6 @@ def test_cuda_matches_loop(sample, name):
     assert report.ok, report.to_text()
     module = executor.build(plan, members, example_inputs=tuple(x[0] for x in inputs), device="cuda")
     assert module(*inputs).device.type == "cuda"
-
-
-class ScaleInPlace(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.fc(x)
-        early = h + 1
-        h.mul_(2)
-        return h - 1, early
 
 
 @pytest.mark.parametrize("carve", [False, True])

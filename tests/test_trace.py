@@ -9,7 +9,7 @@ from torch import nn
 import planner
 from planner import NodeInfo, TraceError
 from planner.graph import COMPUTE_OPS, _normalise_module_path, describe_shape, fingerprint_lines
-from conftest import EXPORT_SAMPLES, SAMPLE_NAMES, RunningTotal
+from conftest import EXPORT_SAMPLES, SAMPLE_NAMES, RunningTotal, ScaleInPlace
 
 
 @pytest.mark.parametrize("name", SAMPLE_NAMES)
@@ -235,18 +235,7 @@ def test_inplace_buffer_update_orders_later_reads():
 
 
 def test_inplace_on_an_activation_orders_its_other_readers():
-    class Scale(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            h = self.fc(x)
-            early = h + 1
-            h.mul_(2)
-            return h - 1, early
-
-    graph = planner.trace(Scale(), (torch.randn(3, 4),))
+    graph = planner.trace(ScaleInPlace(), (torch.randn(3, 4),))
     assert graph.dag.edges["add", "mul_"].get("order") is True  # read before the update
     assert graph.dag.edges["mul_", "sub"].get("order") is True  # read after it
     plan = planner.exclude(planner.propose(graph, 2), graph, "mul_")
