@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planner.errors import PlanFileError
+from planner.files import write_atomic
 from planner.plan import Plan
 
 ENV_VAR = "STAGEWISE_AUTOSAVE"
@@ -37,14 +38,15 @@ class AutosaveRecord:
 
 
 def save(plan: Plan, model_path: str, weights: tuple[str, ...] = (), path: Path | None = None) -> Path:
-    """Write the record atomically; returns the file written."""
-    path = path or autosave_path()
+    """Write the record atomically (two app sessions saving at once never collide); returns the file written.
+
+    Raises:
+        OSError when the file cannot be written (app.state turns it into a warning); no temp file is left behind.
+    """
+    path = Path(path or autosave_path())
     record = {"format": FORMAT, "saved_at": time.time(), "model_path": str(model_path),
               "weights": [str(w) for w in weights], "plan": plan.to_json()}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, sort_keys=True, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return write_atomic(path, json.dumps(record, sort_keys=True, indent=2) + "\n")
 
 
 def load(path: Path | None = None) -> AutosaveRecord | None:
@@ -57,7 +59,7 @@ def load(path: Path | None = None) -> AutosaveRecord | None:
         plan = Plan.from_json(d["plan"], source=str(path))
         return AutosaveRecord(plan, str(d["model_path"]), tuple(str(w) for w in d.get("weights", [])),
                               float(d.get("saved_at", 0.0)))
-    except (OSError, ValueError, KeyError, TypeError) as e:  # Plan.from_json's PlanFileError passes through
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # Plan.from_json's PlanFileError passes through
         raise PlanFileError(f"autosave file {path} is damaged ({e!r}); delete it or discard it in the app") from None
 
 

@@ -44,3 +44,7 @@ class ExecutionError(StagewiseError):
 
 class DeviceError(StagewiseError):
     """A device was requested that this machine does not have."""
+
+
+class UntrustedArchiveError(ModelLoadError):
+    """A `.pt2` archive needs unpickling (which can run code) and the caller did not opt in to trusting it."""

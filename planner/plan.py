@@ -1,6 +1,6 @@
 """Core types: Plan, Stage, StageOptions and their enums.
 
-This module imports nothing of ours except the error family. `Plan.to_json` and
+This module imports nothing of ours except the error family and planner.files. `Plan.to_json` and
 `Plan.from_json` are the only code that knows the JSON layout; everything else
 works on the frozen dataclasses. Edits (planner.edits) return new plans.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from planner.errors import MemberError, PlanFileError, PlanMismatchError
+from planner.files import write_atomic
 
 SCHEMA_VERSION = 1
 
@@ -62,7 +63,7 @@ class StageOptions:
             known = ", ".join(s.value for s in Strategy)
             raise PlanFileError(f"unknown strategy {d.get('strategy')!r}; use one of {known}") from None
         chunk = d.get("chunk_size")
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):  # true is no size
             raise PlanFileError(f"chunk_size must be a positive integer or null, got {chunk!r}; fix it in the plan file")
         return StageOptions(strategy=strategy, chunk_size=chunk, note=str(d.get("note", "")))
 
@@ -227,9 +228,10 @@ class Plan:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanFileError(f"{source}: n_members must be an integer >= 1, got {n!r}; fix it in the plan file")
         profile = d.get("profile")
-        if profile is not None and not isinstance(profile, dict):
-            raise PlanFileError(f"{source}: 'profile' must be a JSON object or null, got {type(profile).__name__}; "
-                                "delete it or re-profile with `stagewise profile`")
+        problem = _profile_problem(profile)
+        if problem:
+            raise PlanFileError(f"{source}: the 'profile' block is malformed ({problem}); "
+                                "delete it (set it to null) or re-profile with `stagewise profile -o`")
         return Plan(
             fingerprint=str(d["fingerprint"]),
             tracer=str(d["tracer"]),
@@ -242,20 +244,27 @@ class Plan:
         )
 
     @staticmethod
-    def loads(text: str, *, source: str = "plan") -> "Plan":
+    def loads(text: str | bytes, *, source: str = "plan") -> "Plan":
+        """Parse plan JSON text (bytes must be UTF-8); raises PlanFileError naming `source`."""
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PlanFileError(f"{source} is not UTF-8 text (bad byte at offset {e.start}); "
+                                    "pass a file written by `stagewise plan` or Plan.save") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanFileError(f"{source} is not valid JSON ({e}); pass a file written by `stagewise plan` or Plan.save") from None
+        except RecursionError:
+            raise PlanFileError(f"{source} nests JSON too deeply to be a plan; pass a file written by `stagewise plan` or Plan.save") from None
         return Plan.from_json(d, source=source)
 
     def save(self, path: str | Path) -> Path:
-        """Write the plan atomically (a crash mid-write never leaves half a plan)."""
+        """Write the plan atomically: readers see the old or the new plan, never a part; concurrent saves do not collide."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(self.dumps())
-            tmp.replace(path)
+            write_atomic(path, self.dumps())
         except OSError as e:
             raise PlanFileError(f"cannot write plan file {path}: {e.strerror}; check that the folder exists and is writable") from None
         return path
@@ -264,7 +273,41 @@ class Plan:
     def load(path: str | Path) -> "Plan":
         path = Path(path)
         try:
-            text = path.read_text()
+            data = path.read_bytes()
         except OSError as e:
             raise PlanFileError(f"cannot read plan file {path}: {e.strerror}; check the path") from None
-        return Plan.loads(text, source=str(path))
+        return Plan.loads(data, source=str(path))
+
+
+# The profile block is executor.ProfileReport.to_json(); the planner cannot import it, so it checks the
+# shape every reader relies on (the CLI's `show`, the app's charts, ProfileReport.from_json).
+def _profile_problem(profile: Any) -> str:
+    """What is wrong with a plan's 'profile' value, or "" when it is null or well-formed."""
+    if profile is None:
+        return ""
+    if not isinstance(profile, dict):
+        return f"expected a JSON object or null, got {type(profile).__name__}"
+    stages, baselines = profile.get("stages", []), profile.get("baselines", [])
+    if not isinstance(stages, list) or not isinstance(baselines, list):
+        return "'stages' and 'baselines' must be lists"
+    results = [("end_to_end", profile.get("end_to_end")), *((f"baselines[{i}]", b) for i, b in enumerate(baselines))]
+    for i, st in enumerate(stages):
+        if not isinstance(st, dict) or not isinstance(st.get("id"), str):
+            return f"stages[{i}] must be an object with a string 'id'"
+        results += [(f"stages[{i}].result", st.get("result")), (f"stages[{i}].loop", st.get("loop"))]
+        candidates = st.get("candidates", [])
+        if not isinstance(candidates, list):
+            return f"stages[{i}].candidates must be a list"
+        results += [(f"stages[{i}].candidates[{j}]", c) for j, c in enumerate(candidates)]
+    for where, result in results:
+        if result is None:
+            continue
+        if not isinstance(result, dict):
+            return f"{where} must be an object or null"
+        time = result.get("time")
+        if time is not None and not isinstance(time, dict):
+            return f"{where}.time must be an object or null"
+        for key, value in (time or {}).items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return f"{where}.time.{key} must be a number"
+    return ""

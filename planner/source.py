@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import io
+import json
+import pickle
 import sys
 import traceback
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -17,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from planner.errors import MemberError, ModelLoadError
+from planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
 
 MEMBER_SEED_BASE = 1234  # member i is built after torch.manual_seed(MEMBER_SEED_BASE + i)
 
@@ -42,11 +46,14 @@ class ModelSource:
         return members
 
 
-def load_source(path: str | Path, weights: Sequence[str | Path] | None = None) -> ModelSource:
-    """Load a `.py` model file or a `.pt2` export archive, by suffix."""
+def load_source(path: str | Path, weights: Sequence[str | Path] | None = None, *, trust_archive: bool = False) -> ModelSource:
+    """Load a `.py` model file or a `.pt2` export archive, by suffix.
+
+    `trust_archive` only matters for `.pt2` archives (see load_export).
+    """
     p = Path(path)
     if p.suffix == ".pt2":
-        return load_export(p, weights)
+        return load_export(p, weights, trust_archive=trust_archive)
     if p.suffix == ".py":
         return load_model_file(p, weights)
     raise ModelLoadError(f"{p.name}: unknown model format {p.suffix!r}; pass a .py model file or a .pt2 torch.export archive")
@@ -64,6 +71,10 @@ def _import_file(p: Path):
     except SyntaxError as e:
         sys.modules.pop(module_name, None)
         raise ModelLoadError(f"{p.name} has a syntax error at line {e.lineno}: {e.msg}; fix the file and load it again") from None
+    except SystemExit as e:  # sys.exit() in a model file must not end the CLI or the app without a word
+        sys.modules.pop(module_name, None)
+        raise ModelLoadError(f"{p.name} called sys.exit({e.code!r}) while being imported; "
+                             "remove the exit (guard script code with `if __name__ == '__main__':`)") from None
     except Exception as e:  # any failure of user code at import time
         sys.modules.pop(module_name, None)
         last = traceback.extract_tb(e.__traceback__)[-1]
@@ -76,6 +87,8 @@ def _import_file(p: Path):
 def _call_user(p: Path, fn_name: str, fn: Callable, *args):
     try:
         return fn(*args)
+    except SystemExit as e:  # a model function calling sys.exit() must not end the CLI silently
+        raise ModelLoadError(f"{p.name}: {fn_name}() called sys.exit({e.code!r}); return a value from {fn_name}() instead") from None
     except Exception as e:  # user code: report which function failed
         raise ModelLoadError(f"{p.name}: {fn_name}() raised {type(e).__name__}: {e}; fix {fn_name}() in the model file") from None
 
@@ -129,27 +142,55 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
     return ModelSource(name=p.stem, path=p, model=model, example_inputs=inputs, _build_members=build)
 
 
-def load_export(path: str | Path, weights: Sequence[str | Path] | None = None) -> ModelSource:
+def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *, trust_archive: bool = False) -> ModelSource:
     """Load a `.pt2` archive written by `torch.export.save`.
 
     Members are copies of the exported module, each loaded with one weight file
     when `weights` is given (otherwise all members share the archive's weights,
     which is only useful for checking a plan).
+
+    Args:
+        path: the `.pt2` file.
+        weights: optional, one weight file per member (see load_model_file).
+        trust_archive: allow parts that torch.export.load would unpickle (pickled
+            weights or constants, custom objects, example inputs beyond tensors, compiled
+            code). Unpickling runs code, so only pass True for files you trust.
+    Raises:
+        UntrustedArchiveError when the archive needs unpickling and trust_archive is False;
+        ModelLoadError when it is not a readable torch.export archive.
     """
     p = Path(path)
     if not p.is_file():
         raise ModelLoadError(f"export archive {p} does not exist; check the path")
     try:
-        ep = torch.export.load(str(p))
+        data = p.read_bytes()  # read once: the bytes checked are the bytes loaded
+    except OSError as e:
+        raise ModelLoadError(f"cannot read export archive {p}: {e.strerror}; check the path and its permissions") from None
+    if not trust_archive:
+        found = unsafe_archive_part(data)
+        if found is not None:
+            part, why = found
+            raise UntrustedArchiveError(
+                f"{p.name}: part {part!r} {why}; refusing to load the archive. "
+                "If you trust this file, pass --trust-archive (CLI) or tick 'trust this archive' in the app "
+                "(only for files you trust: loading it runs code)"
+            )
+    try:
+        ep = torch.export.load(io.BytesIO(data))
     except Exception as e:  # torch raises many types for a bad archive
-        raise ModelLoadError(f"{p.name} is not a torch.export archive ({type(e).__name__}: {e}); write it with torch.export.save") from None
+        raise ModelLoadError(f"{p.name} is not a torch.export archive ({type(e).__name__}: {_first_line(e)}); "
+                             "write it with torch.export.save") from None
     example = getattr(ep, "example_inputs", None)
     if not example:
         raise ModelLoadError(f"{p.name} stores no example inputs; export with torch.export.export(model, args) on torch >= 2.4")
     args, kwargs = example
     if kwargs:
         raise ModelLoadError(f"{p.name}: keyword example inputs {sorted(kwargs)} are not supported; export with positional args")
-    model = ep.module()
+    try:
+        model = ep.module()
+    except Exception as e:  # a damaged or hand-edited archive fails here, in torch's unflattening
+        raise ModelLoadError(f"{p.name}: torch could not rebuild the module from the archive ({type(e).__name__}: {_first_line(e)}); "
+                             "write it again with torch.export.save") from None
     base = lambda: copy.deepcopy(model)  # noqa: E731
     if weights:
         build = _members_from_weights(p.name, base, weights)
@@ -158,8 +199,106 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None) -
     return ModelSource(name=p.stem, path=p, model=model, example_inputs=tuple(args), _build_members=build)
 
 
+# -- what torch.export.load (torch 2.13) would unpickle ---------------------------------------
+# Current archives ("pt2" format, records under one top folder, read by torch's PyTorchFileReader):
+#   data/weights/<model>_weights_config.json, data/constants/<model>_constants_config.json: JSON
+#     payload configs; an entry with use_pickle is read with torch.load(weights_only=False), and
+#     constants named custom_obj_* / opaque_obj_* with the TorchScript unpickler / pickle.loads.
+#   data/weights/<model>.pt, data/constants/<model>.pt: legacy state files, read like sample inputs.
+#   data/sample_inputs/<model>.pt: torch.load(weights_only=True), on failure weights_only=False.
+#   data/aotinductor/...: a compiled shared library that load_pt2 dlopens.
+# Archives of torch <= 2.7 (a top-level "version" file, read with zipfile when the above fails):
+#   serialized_{state_dict,constants,example_inputs}.{pt,json}: the same weights_only fallback.
+# Raw tensor records and models/<model>.json are read as bytes and JSON, never unpickled.
+_NEEDS_PICKLE = "holds objects beyond plain tensors, which only a full unpickle (able to run code) can read"
+_LEGACY_PARTS = ("serialized_state_dict.pt", "serialized_state_dict.json", "serialized_constants.pt",
+                 "serialized_constants.json", "serialized_example_inputs.pt")
+
+
+def unsafe_archive_part(data: bytes) -> tuple[str, str] | None:
+    """The first part of a `.pt2` archive that torch.export.load would unpickle, as (part, why); None if none.
+
+    Reads the zip and its JSON configs; pickled parts are only tried with torch's weights_only
+    loader (tensors and plain containers, no code), which is what torch.export.load tries first.
+    An archive torch cannot read at all is left to torch.export.load to refuse.
+    """
+    try:
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None  # not a zip: torch.export.load fails on it without unpickling anything
+    lowered = [n.lower() for n in names]
+    if len(set(lowered)) != len(lowered):  # torch's zip reader matches names case-insensitively
+        dup = next(n for n in names if lowered.count(n.lower()) > 1)
+        return dup, "appears twice in the zip, so what is checked might not be what torch loads"
+    if "version" in names:  # torch <= 2.7 layout, read with zipfile
+        zf = zipfile.ZipFile(io.BytesIO(data))
+        for part in _LEGACY_PARTS:
+            if part in names and not _loads_weights_only(zf.read(part)):
+                return part, _NEEDS_PICKLE
+    from torch.export.pt2_archive import PT2ArchiveReader
+    from torch.export.pt2_archive import constants as C
+
+    try:
+        reader = PT2ArchiveReader(io.BytesIO(data))
+        records = reader.get_file_names()
+    except (RuntimeError, AssertionError, ValueError):
+        return None  # not a current archive: torch.export.load reads it no further than we did
+    for record in records:
+        if record.startswith(C.AOTINDUCTOR_DIR):
+            return record, "is AOTInductor compiled code, which runs when loaded"
+    prefix, suffix = C.MODELS_FILENAME_FORMAT.split("{}")
+    models = [r[len(prefix):-len(suffix)] for r in records if r.startswith(prefix) and r.endswith(suffix)]
+    for model in models:
+        for part in (C.SAMPLE_INPUTS_FILENAME_FORMAT.format(model), f"{C.WEIGHTS_DIR}{model}.pt", f"{C.CONSTANTS_DIR}{model}.pt"):
+            if part in records and not _loads_weights_only(reader.read_bytes(part)):
+                return part, _NEEDS_PICKLE
+        for config_name, base, kind in ((C.WEIGHTS_CONFIG_FILENAME_FORMAT, C.WEIGHTS_DIR, "weight"),
+                                        (C.CONSTANTS_CONFIG_FILENAME_FORMAT, C.CONSTANTS_DIR, "constant")):
+            config_file = config_name.format(model)
+            if config_file in records:
+                found = _pickled_payload(reader.read_bytes(config_file), config_file, base, kind, C.TENSOR_CONSTANT_FILENAME_PREFIX)
+                if found is not None:
+                    return found
+    return None
+
+
+def _pickled_payload(raw: bytes, config_file: str, base: str, kind: str, tensor_prefix: str) -> tuple[str, str] | None:
+    """The first entry of a payload config that is stored as a pickle (anything not plainly raw bytes)."""
+    try:
+        entries = json.loads(raw)["config"]
+        items = list(entries.items())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return config_file, "cannot be read as a payload config, so its parts cannot be checked"
+    for fqn, meta in items:
+        if not isinstance(meta, dict) or not isinstance(meta.get("path_name"), str):
+            return config_file, f"has a malformed entry for {fqn!r}, so it cannot be checked"
+        part = base + meta["path_name"]
+        if meta.get("use_pickle") is not False:  # torch only tests truthiness; accept exactly false
+            return part, f"({kind} {fqn!r}) is stored as a pickle, which can run code when loaded"
+        if kind == "constant" and not meta["path_name"].startswith(tensor_prefix):
+            return part, f"(constant {fqn!r}) is a pickled object, which can run code when loaded"
+    return None
+
+
+def _loads_weights_only(raw: bytes) -> bool:
+    """Whether torch.load(weights_only=True) reads these bytes (then torch never falls back to full pickle)."""
+    if len(raw) == 0:
+        return True  # torch skips empty artifacts
+    try:
+        torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception:  # any failure makes torch.export.load retry with weights_only=False
+        return False
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's message cut to its first non-empty line, so errors stay one line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read one member's weights: `.safetensors`, or a state_dict saved with torch.save."""
+    """Read one member's weights: `.safetensors`, or a state_dict saved with torch.save (weights_only=True)."""
     p = Path(path)
     if not p.is_file():
         raise ModelLoadError(f"weight file {p} does not exist; check the path")
@@ -170,8 +309,14 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             state = load_file(str(p))
         else:
             state = torch.load(str(p), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refused a non-tensor object; its message is many lines
+        raise ModelLoadError(
+            f"weight file {p.name} holds objects other than tensors, which stagewise does not unpickle (that can run code); "
+            "save only the tensors: torch.save(model.state_dict(), path) or safetensors"
+        ) from None
     except Exception as e:  # corrupt files raise many types
-        raise ModelLoadError(f"weight file {p.name} could not be read ({type(e).__name__}: {e}); pass a .safetensors file or a torch.save'd state_dict") from None
+        raise ModelLoadError(f"weight file {p.name} could not be read ({type(e).__name__}: {_first_line(e)}); "
+                             "pass a .safetensors file or a torch.save'd state_dict") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelLoadError(f"weight file {p.name} does not hold a state_dict (a dict of tensors); save model.state_dict()")
     return state

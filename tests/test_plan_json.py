@@ -176,6 +176,9 @@ BAD_STAGES = {
     "unknown strategy": ([{"id": "s0", "nodes": ["a"], "options": {"strategy": "magic"}}], "unknown strategy 'magic'"),
     "chunk zero": ([{"id": "s0", "nodes": ["a"], "options": {"chunk_size": 0}}], "chunk_size"),
     "chunk float": ([{"id": "s0", "nodes": ["a"], "options": {"chunk_size": 1.5}}], "chunk_size"),
+    "chunk true": ([{"id": "s0", "nodes": ["a"], "options": {"chunk_size": True}}], "chunk_size must be a positive integer or null, got True"),
+    "chunk false": ([{"id": "s0", "nodes": ["a"], "options": {"chunk_size": False}}], "chunk_size"),
+    "chunk string": ([{"id": "s0", "nodes": ["a"], "options": {"chunk_size": "4"}}], "chunk_size"),
     "missing id": ([{"nodes": ["a"]}], "malformed"),
     "duplicate ids": ([{"id": "s0", "nodes": ["a"]}, {"id": "s0", "nodes": ["b"]}], "duplicate stage ids \\['s0'\\]"),
     "stage not an object": ([1], "must be a JSON object"),
@@ -214,8 +217,50 @@ def test_defaults_for_optional_stage_fields():
 
 @pytest.mark.parametrize("profile", [[1], "fast", 3])
 def test_profile_must_be_an_object(profile):
-    with pytest.raises(PlanFileError, match="'profile' must be a JSON object or null"):
+    with pytest.raises(PlanFileError, match="'profile' block is malformed \\(expected a JSON object or null"):
         Plan.from_json(plan_dict(profile=profile))
+
+
+BAD_PROFILES = {
+    "stages not a list": ({"stages": 5}, "'stages' and 'baselines' must be lists"),
+    "baselines not a list": ({"baselines": {"loop": 1}}, "'stages' and 'baselines' must be lists"),
+    "stage not an object": ({"stages": ["s0"]}, "stages\\[0\\] must be an object with a string 'id'"),
+    "stage without id": ({"stages": [{"result": None}]}, "stages\\[0\\] must be an object with a string 'id'"),
+    "result not an object": ({"stages": [{"id": "s0", "result": "fast"}]}, "stages\\[0\\].result must be an object or null"),
+    "time not an object": ({"end_to_end": {"ok": True, "time": 3}}, "end_to_end.time must be an object or null"),
+    "time not a number": ({"baselines": [{"ok": True, "time": {"median_ms": "1 ms"}}]}, "baselines\\[0\\].time.median_ms must be a number"),
+    "candidates not a list": ({"stages": [{"id": "s0", "candidates": 1}]}, "stages\\[0\\].candidates must be a list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROFILES))
+def test_malformed_profile_block_names_the_file_and_the_problem(case):
+    profile, message = BAD_PROFILES[case]
+    with pytest.raises(PlanFileError, match="p.json: the 'profile' block is malformed .*" + message):
+        Plan.loads(json.dumps(plan_dict(profile=profile)), source="p.json")
+
+
+def test_a_real_profile_block_is_accepted():
+    profile = {"stages": [{"id": "s0", "result": {"ok": True, "time": {"median_ms": 1.5, "repeats": 5}}, "loop": None,
+                           "candidates": [{"ok": False, "time": None, "error": "oom"}]}],
+               "end_to_end": {"ok": True, "time": {"median_ms": 2.0}}, "baselines": [{"strategy": "loop", "ok": True, "time": None}]}
+    assert Plan.from_json(plan_dict(profile=profile)).profile == profile
+
+
+def test_invalid_utf8_names_the_file(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(small_plan().dumps().replace('"fx"', '"f\xe9"').encode("latin-1"))
+    with pytest.raises(PlanFileError, match=r"latin1.json is not UTF-8 text \(bad byte at offset \d+\)"):
+        Plan.load(path)
+
+
+def test_deep_nesting_names_the_file(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(PlanFileError, match="deep.json nests JSON too deeply"):
+        Plan.load(path)
+    with pytest.raises(PlanFileError, match="deep.json nests JSON too deeply"):
+        Plan.loads('{"profile": ' + "{\"a\": " * 100_000 + "1" + "}" * 100_001, source="deep.json")
 
 
 def test_save_into_a_missing_folder(tmp_path):

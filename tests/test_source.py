@@ -102,6 +102,9 @@ BROKEN_FILES = {
     "example_inputs a dict": (TINY_MODEL.replace("return (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)),)",
                                                  "return {'x': torch.zeros(3, 4)}"),
                               r"example_inputs\(\) must return a tuple of inputs, got dict"),
+    "sys.exit at import": ("import sys\nsys.exit(3)\n", r"model.py called sys.exit\(3\) while being imported"),
+    "sys.exit in build_model": (TINY_MODEL.replace("return nn.Sequential", "raise SystemExit('done')\n    return nn.Sequential"),
+                                r"build_model\(\) called sys.exit\('done'\)"),
 }
 
 
@@ -165,3 +168,42 @@ def test_read_state_dict_errors(tmp_path):
     torch.save([torch.zeros(2)], not_a_dict)
     with pytest.raises(ModelLoadError, match="list.pt does not hold a state_dict"):
         planner.read_state_dict(not_a_dict)
+
+
+def test_keyboard_interrupt_at_import_still_propagates(write_model):
+    with pytest.raises(KeyboardInterrupt):
+        planner.load_model_file(write_model("raise KeyboardInterrupt\n"))
+
+
+def test_sys_exit_at_import_leaves_no_module_behind(write_model):
+    import sys
+
+    before = set(sys.modules)
+    with pytest.raises(ModelLoadError, match="sys.exit"):
+        planner.load_model_file(write_model("import sys\nsys.exit()\n"))
+    assert not [m for m in set(sys.modules) - before if m.startswith("_stagewise_model_")]
+
+
+def test_weight_file_with_pickled_objects_is_refused_in_one_line(tmp_path):
+    marker = tmp_path / "marker"
+
+    class WritesMarker:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('ran')",)
+
+    path = tmp_path / "member0.pt"
+    torch.save({"weight": torch.zeros(2), "extra": WritesMarker()}, path)
+    with pytest.raises(ModelLoadError) as info:
+        planner.read_state_dict(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "member0.pt holds objects other than tensors" in message and "state_dict()" in message
+    assert not marker.exists()
+
+
+def test_unreadable_weight_file_error_is_one_line(tmp_path):
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"PK\x03\x04 truncated zip")
+    with pytest.raises(ModelLoadError, match="junk.pt could not be read") as info:
+        planner.read_state_dict(junk)
+    assert "\n" not in str(info.value)

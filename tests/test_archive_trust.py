@@ -1,0 +1,175 @@
+"""A `.pt2` archive is refused when torch.export.load would unpickle any part of it (which runs code).
+
+Each crafted archive is a real torch.export.save archive with one part swapped for a pickle whose
+__reduce__ writes a marker file; trusting the archive shows the payload really runs.
+"""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner import ModelLoadError, UntrustedArchiveError
+from planner.source import unsafe_archive_part
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("shift", torch.ones(3))
+
+    def forward(self, x):
+        return self.lin(x) + self.shift + torch.tensor([1.0, 2.0, 3.0])  # the literal becomes a lifted constant
+
+
+class WritesMarker:
+    """Unpickling this writes `path`: the stand-in for any code an archive could run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return exec, (f"open({self.path!r}, 'w').write('ran')",)
+
+
+def save_archive(path: Path) -> Path:
+    torch.export.save(torch.export.export(Small(), (torch.randn(2, 4),)), str(path))
+    return path
+
+
+def rewrite(src: Path, dst: Path, replace: dict[str, bytes], add: dict[str, bytes] = {}) -> Path:
+    """Copy a zip, swapping the records whose name ends with a key of `replace` and adding `add`."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        top = zin.namelist()[0].split("/")[0]
+        for info in zin.infolist():
+            new = next((v for k, v in replace.items() if info.filename == f"{top}/{k}"), None)
+            zout.writestr(info, zin.read(info) if new is None else new)
+        for name, data in add.items():
+            zout.writestr(f"{top}/{name}", data)
+    return dst
+
+
+def torch_pickle(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def read_member(path: Path, suffix: str) -> bytes:
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith(suffix)))
+
+
+def evil_sample_inputs(tmp: Path, marker: Path) -> Path:
+    return rewrite(save_archive(tmp / "ok.pt2"), tmp / "evil.pt2", {"data/sample_inputs/model.pt": torch_pickle(WritesMarker(marker))})
+
+
+def evil_pickled_weight(tmp: Path, marker: Path) -> Path:
+    ok = save_archive(tmp / "ok.pt2")
+    config = json.loads(read_member(ok, "data/weights/model_weights_config.json"))
+    config["config"]["lin.weight"]["use_pickle"] = True
+    return rewrite(ok, tmp / "evil.pt2", {
+        "data/weights/model_weights_config.json": json.dumps(config).encode(),
+        "data/weights/" + config["config"]["lin.weight"]["path_name"]: torch_pickle(WritesMarker(marker)),
+    })
+
+
+def evil_opaque_constant(tmp: Path, marker: Path) -> Path:
+    ok = save_archive(tmp / "ok.pt2")
+    config = json.loads(read_member(ok, "data/constants/model_constants_config.json"))
+    config["config"]["extra"] = {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+    return rewrite(ok, tmp / "evil.pt2", {"data/constants/model_constants_config.json": json.dumps(config).encode()},
+                   add={"data/constants/opaque_obj_0": pickle.dumps(WritesMarker(marker))})
+
+
+CRAFTED = {
+    "sample inputs": (evil_sample_inputs, "data/sample_inputs/model.pt"),
+    "pickled weight": (evil_pickled_weight, "data/weights/weight_0"),
+    "opaque constant": (evil_opaque_constant, "data/constants/opaque_obj_0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_crafted_archive_is_refused_without_running_code(tmp_path, case):
+    craft, part = CRAFTED[case]
+    marker = tmp_path / "marker"
+    evil = craft(tmp_path, marker)
+    for load in (planner.load_source, planner.load_export):
+        with pytest.raises(UntrustedArchiveError) as info:
+            load(evil)
+        message = str(info.value)
+        assert "\n" not in message
+        for words in ("evil.pt2", part, "--trust-archive", "trust this archive", "runs code"):
+            assert words in message, (words, message)
+        assert not marker.exists()
+    assert isinstance(info.value, ModelLoadError)
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_trusting_a_crafted_archive_runs_its_code(tmp_path, case):
+    """The same archives do run code once trusted: the refusal above is what stops them."""
+    craft, _ = CRAFTED[case]
+    marker = tmp_path / "marker"
+    evil = craft(tmp_path, marker)
+    try:
+        planner.load_export(evil, trust_archive=True)
+    except ModelLoadError:
+        pass  # the payload is not a valid part, but torch unpickled it before noticing
+    assert marker.read_text() == "ran"
+
+
+def test_plain_archive_loads_without_trust(tmp_path):
+    path = save_archive(tmp_path / "plain.pt2")
+    assert unsafe_archive_part(path.read_bytes()) is None
+    src = planner.load_source(path)
+    assert src.name == "plain"
+    assert src.example_inputs[0].shape == (2, 4)
+    x = torch.randn(2, 4)  # the export trace is static in the batch size
+    members = src.members(2)
+    torch.testing.assert_close(members[0](x), src.model(x))
+
+
+def test_compiled_code_in_an_archive_is_refused(tmp_path):
+    evil = rewrite(save_archive(tmp_path / "ok.pt2"), tmp_path / "aoti.pt2", {},
+                   add={"data/aotinductor/model/model.so": b"\x7fELF"})
+    with pytest.raises(UntrustedArchiveError, match=r"data/aotinductor/model/model.so.*compiled code"):
+        planner.load_export(evil)
+
+
+def test_names_differing_only_in_case_are_refused(tmp_path):
+    ok = save_archive(tmp_path / "ok.pt2")
+    twin = rewrite(ok, tmp_path / "twin.pt2", {}, add={"DATA/sample_inputs/model.pt": torch_pickle(WritesMarker(tmp_path / "m"))})
+    with pytest.raises(UntrustedArchiveError, match="appears twice"):
+        planner.load_export(twin)
+
+
+def test_old_layout_parts_are_checked(tmp_path):
+    """torch <= 2.7 archives (a top-level 'version' file) are read with zipfile and the same fallback."""
+    old = tmp_path / "old.pt2"
+    with zipfile.ZipFile(old, "w") as z:
+        z.writestr("version", "8.0")
+        z.writestr("serialized_exported_program.json", "{}")
+        z.writestr("serialized_example_inputs.pt", torch_pickle(WritesMarker(tmp_path / "m")))
+    assert unsafe_archive_part(old.read_bytes())[0] == "serialized_example_inputs.pt"
+    safe = tmp_path / "old_safe.pt2"
+    with zipfile.ZipFile(safe, "w") as z:
+        z.writestr("version", "8.0")
+        z.writestr("serialized_example_inputs.pt", torch_pickle(((torch.zeros(2),), {})))
+    assert unsafe_archive_part(safe.read_bytes()) is None
+
+
+def test_junk_is_left_to_torch_to_refuse(tmp_path):
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a zip file")
+    assert unsafe_archive_part(junk.read_bytes()) is None
+    with pytest.raises(ModelLoadError, match="junk.pt2 is not a torch.export archive") as info:
+        planner.load_export(junk)
+    assert not isinstance(info.value, UntrustedArchiveError)
