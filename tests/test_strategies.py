@@ -298,6 +298,63 @@ def test_wide_linear_steps_see_in_place_weight_updates():
     assert max_rel_error(got, want) <= RTOL
 
 
+def _wide_wherever_it_applies(src, graph, mode: str):
+    """The sample's plan on `wide`: every batched stage (ops without a wide rule run under vmap of
+    the op there), and every excluded stage whose nodes all have a wide rule (others stay the loop)."""
+    plan = planner.propose(graph, N, mode)
+    all_wide = with_strategy(plan, Strategy.WIDE, excluded_too=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = executor.build(all_wide, src.members(N), example_inputs=src.example_inputs)
+    loop = {p.stage.id for p in module.programs if p.stage.mode is StageMode.EXCLUDED and wide_rule_gaps(p)}
+    return plan.with_stages([s if s.id in loop else ws for s, ws in zip(plan.stages, all_wide.stages)])
+
+
+def _update_members_like_an_optimizer(module, members, how: str, seed: int) -> None:
+    """One update of every member's float state, different per member, applied both to the
+    stacked state (in place: the version counter moves; or `.data =`: the storage moves) and to
+    each member, so the member loop is the reference for the updated weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, t in module.stacked_state.items():
+            if not t.is_floating_point():
+                continue
+            new = t * (1 + 0.3 * torch.rand(t.shape, generator=gen))
+            if not key.endswith("running_var"):  # keep variances positive
+                new += 0.1 * torch.randn(t.shape, generator=gen)
+            if how == "in_place":
+                t.copy_(new)
+            else:
+                t.data = new
+            for i, m in enumerate(members):
+                {**dict(m.named_parameters()), **dict(m.named_buffers())}[key].copy_(new[i])
+
+
+@pytest.mark.parametrize("how, mode", [("in_place", "shared"), ("in_place", "per_member"), ("new_storage", "shared")])
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_wide_sees_updates_of_the_stacked_state(sample, name, how, mode):
+    """After an optimizer-style update of BatchedModule.stacked_state the wide path equals the loop
+    over members given the same update: every cached re-layout (transposed weights, concatenated
+    sibling weights, bias views) is remade, on every sample, twice in a row."""
+    src, graph = sample(name)
+    plan = _wide_wherever_it_applies(src, graph, mode)
+    if how == "new_storage" and any(s.options.strategy is not Strategy.WIDE for s in plan.stages):
+        pytest.skip("a stage runs as the loop, whose per-member views do not follow new storage")
+    assert any(s.options.strategy is Strategy.WIDE for s in plan.stages)
+    members = src.members(N)
+    inputs = executor.batched_inputs(plan, src.example_inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = executor.build(plan, members, example_inputs=executor.member_inputs(plan, inputs, 0))
+    with torch.no_grad():
+        module(*inputs)  # fills the caches
+        for step in range(2):
+            _update_members_like_an_optimizer(module, members, how, seed=step)
+            got = module(*inputs)
+            want = stack_outputs(executor.loop_outputs(plan, members, inputs))
+            assert max_rel_error(got, want) <= RTOL, f"{name}: update {step + 1}, max rel err {max_rel_error(got, want):.2e}"
+
+
 def test_wide_linear_steps_keep_autograd():
     """With gradients recorded the steps take the interpreted path: same values, gradients flow to the input."""
     plan, members, inputs, module = _wide_chain(nn.GELU(), True, "per_member")

@@ -97,7 +97,7 @@ class WideRunner(Runner):
         the other members' results wait in self._pending until their nodes run."""
         states = [self._calls[name][2] for name in group]
         tensors = [st[k] for st in states for k in ("weight", "bias") if k in st]
-        versions = [(id(t), t._version) for t in tensors]
+        versions = wide_ops.stamp(*tensors)
         cached = self._fused_weights.get(first)
         if cached is None or cached[0] != versions:
             w = torch.cat([st["weight"] for st in states], dim=1)
@@ -176,7 +176,7 @@ class WideRunner(Runner):
         """nn.Linear of every member as one baddbmm on [N, M, in] x [N, in, out], or None (no fast form).
 
         The weights are transposed to [N, in, out] here, once (NN batched GEMM measured faster
-        than NT), and again only when their version counter shows an in-place update; the bias
+        than NT), and again only when their stamp (version counter, storage) shows an update; the bias
         is a [N, 1, out] view, broadcast inside baddbmm. Where the Linear's only reader is an
         activation module with an in-place form, the activation runs in place on the GEMM
         output and the pair is one step (returns the activation's node name to skip).
@@ -197,9 +197,15 @@ class WideRunner(Runner):
         if len(users) == 1 and users[0].op == "call_module" and len(users[0].args) == 1 and not users[0].kwargs:
             act = inplace_activation(gm.get_submodule(users[0].target))
             act_node = users[0] if act is not None else None
-        with torch.no_grad():
-            layout = [w._version, w.transpose(1, 2).contiguous()]
-        b3 = b.unsqueeze(1) if b is not None else None
+        layout: list = [None, None, None]  # [stamp of (w, b), w as [N, in, out], b as [N, 1, out]]
+
+        def relayout() -> None:
+            with torch.no_grad():
+                layout[1] = w.transpose(1, 2).contiguous()
+            layout[2] = b.unsqueeze(1) if b is not None else None  # a view: remade when b's storage moves
+            layout[0] = wide_ops.stamp(w, b)
+
+        relayout()
         src, dst = node.args[0].name, (act_node or node).name
         generic = self._generic_step(node)
         generic_act = self._generic_step(act_node) if act_node is not None else None
@@ -223,10 +229,9 @@ class WideRunner(Runner):
                 return interpreted(env)
             if torch.is_grad_enabled() and (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
                 return interpreted(env)  # the cached transpose would carry no autograd history
-            if layout[0] != w._version:
-                with torch.no_grad():
-                    layout[1] = w.transpose(1, 2).contiguous()
-                layout[0] = w._version
+            if layout[0] != wide_ops.stamp(w, b):
+                relayout()  # the stacked state changed since the copy was made (an optimizer step)
+            b3 = layout[2]
             y = torch.baddbmm(b3, x3, layout[1]) if b3 is not None else torch.bmm(x3, layout[1])
             if act is not None:
                 act(y)  # y is fresh (ours alone) and no autograd records: safe in place

@@ -238,16 +238,26 @@ def _lift(x: Any, rank: int, n: int) -> torch.Tensor:
     return t.reshape(n, *([1] * extra), *t.shape[1:]).expand(n, *([-1] * rank)) if extra else t
 
 
-_LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
+def stamp(*tensors: Optional[torch.Tensor]) -> tuple:
+    """What a copy derived from `tensors` depends on: each one's version counter and storage address.
+
+    An in-place update (`stacked_state[k].add_(...)`, every optimizer step) bumps the version;
+    `t.data = other` or `t.set_(other)` swaps the storage, which the version alone may not show.
+    Cheap enough to check on every call (two attribute reads per tensor).
+    """
+    return tuple((t._version, t.data_ptr()) if t is not None else None for t in tensors)
+
+
+_LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, tuple, torch.Tensor]] = {}
 
 
 def relaid(w: torch.Tensor, kind: str) -> torch.Tensor:
     """A stacked weight in the layout its GEMM wants, cached while `w` is unchanged.
 
     kind "bmm": [N, out, in] -> contiguous [N, in, out] (NN batched GEMM measured ~10% faster than NT).
-    The cache is keyed by the tensor and its version counter, so an in-place update of the
-    member state (BatchedModule.stacked_state) is seen on the next call. No caching while
-    autograd records (a cached copy would carry a stale graph).
+    The cache is keyed by the tensor and its `stamp` (version counter and storage), so an in-place
+    update of the member state (BatchedModule.stacked_state) is seen on the next call. No caching
+    while autograd records (a cached copy would carry a stale graph).
     """
     assert kind == "bmm", kind
     make = lambda: w.transpose(1, 2).contiguous()  # noqa: E731
@@ -255,10 +265,11 @@ def relaid(w: torch.Tensor, kind: str) -> torch.Tensor:
         return make()
     key = (id(w), kind)
     hit = _LAYOUTS.get(key)
-    if hit is not None and hit[0]() is w and hit[1] == w._version:
+    now = stamp(w)
+    if hit is not None and hit[0]() is w and hit[1] == now:
         return hit[2]
     value = make()
-    _LAYOUTS[key] = (weakref.ref(w, lambda _, key=key: _LAYOUTS.pop(key, None)), w._version, value)
+    _LAYOUTS[key] = (weakref.ref(w, lambda _, key=key: _LAYOUTS.pop(key, None)), now, value)
     return value
 
 
