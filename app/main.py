@@ -1,7 +1,8 @@
 """Streamlit entry point: `streamlit run app/main.py` (or `stagewise ui [MODEL]`, see app/launch.py).
 
-Opens on a bundled sample (or $STAGEWISE_MODEL), offers to restore an autosaved
-plan, and routes to the Model, Plan, Profile and Export pages.
+Lets in only a browser session that presented the access token `stagewise ui` made
+(state.access_refusal), then opens on a bundled sample (or $STAGEWISE_MODEL), offers
+to restore an autosaved plan, and routes to the Model, Plan, Profile and Export pages.
 """
 from __future__ import annotations
 
@@ -30,10 +31,25 @@ def autosave_offer_ui() -> None:
         c[1].button("Dismiss", on_click=state.dismiss_autosave, key="dismiss_autosave")
 
 
+def access_ui() -> bool:
+    """Whether this browser session may use the app; when not, say how to get in (nothing else runs)."""
+    why = state.access_refusal()
+    if why is None:
+        state.keep_token_in_address()
+        return True
+    st.title("stagewise")
+    st.error(f"Access refused: {why}.")
+    st.caption("Uploading a model runs its code on this machine, so the app only works in the browser tab "
+               "opened from the address with the token that `stagewise ui` prints when it starts.")
+    return False
+
+
 def main() -> None:
     st.set_page_config(page_title="stagewise", layout="wide")
     # less empty space above the page title: the graph is what people came for
     st.html("<style>[data-testid='stMainBlockContainer']{padding-top:2.5rem}</style>")
+    if not access_ui():  # no model load, no autosave offer, no pages (so no upload, no profile)
+        st.stop()
     state.init()
     pages = [
         st.Page(str(VIEWS / "plan.py"), title="Plan", default=True, url_path="plan"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -23,16 +24,31 @@ def _open_sample() -> None:
         state.open_model(state.ModelRef(path, label=Path(path).name), int(st.session_state.get("n_new", state.DEFAULT_N)))
 
 
+def _trust_key(up) -> str:
+    """The trust checkbox's key: one per uploaded file, so choosing another archive starts unticked."""
+    return f"trust_archive_{up.file_id}"
+
+
 def _open_upload() -> None:
     up = st.session_state.get("model_upload")
     if up is None:
         state.flash("error", "choose a .py model file or a .pt2 archive first")
         return
-    path = state.save_upload(up.name, up.getvalue())
+    trust = up.name.endswith(".pt2") and bool(st.session_state.get(_trust_key(up)))
     weights = sorted(st.session_state.get("weights_upload") or [], key=lambda f: _natural(f.name))
-    wpaths = tuple(state.save_upload(w.name, w.getvalue()) for w in weights)
+
+    def save() -> tuple[Path, str, tuple[str, ...]]:
+        d = state.new_upload_dir()  # private (0700) and unique per upload: nothing planted can be picked up
+        return d, state.save_upload(d, up.name, up.getvalue()), tuple(state.save_upload(d, w.name, w.getvalue())
+                                                                       for w in weights)
+
+    saved = state.guarded(f"saving {up.name}", save)
+    if saved is None:
+        return
+    d, path, wpaths = saved
     n = int(st.session_state.get("n_new", state.DEFAULT_N))
-    state.open_model(state.ModelRef(path, wpaths, label=up.name), n)
+    if not state.open_model(state.ModelRef(path, wpaths, label=up.name, trust_archive=trust), n):
+        shutil.rmtree(d, ignore_errors=True)  # nothing refers to a model that did not load
 
 
 def _set_n() -> None:
@@ -74,9 +90,15 @@ def source_ui() -> None:
             st.info("No bundled samples found in sample_models/.")
     with tab_upload:
         st.warning("Uploading a model file **runs its code** on this machine (build_model(), example_inputs()). "
-                   "Only upload files you trust. The app listens on 127.0.0.1 only, so nobody else can upload.")
-        st.file_uploader("Model file (.py with build_model() and example_inputs()) or torch.export archive (.pt2)",
-                         type=["py", "pt2"], key="model_upload")
+                   "Only upload files you trust. The app listens on 127.0.0.1 only and only for the browser tab "
+                   "opened with the token `stagewise ui` printed, so nobody else can upload. A `.pt2` archive "
+                   "is loaded without unpickling anything unless you tick *Trust this archive*.")
+        up = st.file_uploader("Model file (.py with build_model() and example_inputs()) or torch.export archive (.pt2)",
+                              type=["py", "pt2"], key="model_upload")
+        if up is not None and up.name.endswith(".pt2"):
+            st.checkbox("Trust this archive (it runs code from the file)", value=False, key=_trust_key(up),
+                        help="Some archives store weights or example inputs as pickles; loading those runs code "
+                             "the archive's author chose. Tick only for an archive you made or trust.")
         st.file_uploader("Member weights (optional): one .safetensors or state_dict file per member, "
                          "assigned in file-name order; N becomes the number of files",
                          type=WEIGHT_TYPES, accept_multiple_files=True, key="weights_upload")

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import os
+import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
 
 import streamlit as st
 
@@ -21,14 +25,18 @@ import planner
 from app import autosave
 from app import graph_view as gv
 from app.history import History
-from app.launch import MODEL_ENV, REPO_ROOT
+from app.launch import LOCAL_HOSTS, MODEL_ENV, NO_TOKEN_ENV, REPO_ROOT, TOKEN_ENV
 from planner.errors import StagewiseError
 from planner.plan import Plan
 
 SAMPLES_DIR = REPO_ROOT / "sample_models"
 DEFAULT_SAMPLE = "transformer_block.py"  # several stages and an excluded one: shows what the app is for
 DEFAULT_N = 8
-UPLOAD_DIR = Path(tempfile.gettempdir()) / "stagewise_uploads"
+ACCESS_KEY = "access_granted"  # session-state flag: this browser session presented the token
+
+
+class AccessError(StagewiseError):
+    """This browser session has not presented the app's access token, or uploads have no private place."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class ModelRef:
     path: str  # .py model file or .pt2 archive
     weights: tuple[str, ...] = ()  # one weight file per member, in member order
     label: str = ""  # what the user called it (upload name or sample name)
+    trust_archive: bool = False  # the user allowed this .pt2 archive to unpickle (run code)
 
     @property
     def name(self) -> str:
@@ -76,26 +85,153 @@ class Loaded:
 
 
 @st.cache_resource(max_entries=8, show_spinner="Loading and tracing the model…")
-def _load(path: str, weights: tuple[str, ...], digest: str) -> Loaded:
-    src = planner.load_source(path, list(weights) or None)
+def _load(path: str, weights: tuple[str, ...], digest: str, trust_archive: bool = False) -> Loaded:
+    src = planner.load_source(path, list(weights) or None, trust_archive=trust_archive)
     graph = planner.trace(src.model, src.example_inputs)
     return Loaded(src, graph, gv.graph_data(graph))
 
 
 def loaded(ref: ModelRef) -> Loaded:
-    return _load(ref.path, ref.weights, ref.digest())
+    return _load(ref.path, ref.weights, ref.digest(), ref.trust_archive)
 
 
 @st.cache_resource(max_entries=32)
-def _view(path: str, weights: tuple[str, ...], digest: str, collapsed: tuple[str, ...]) -> tuple[gv.ViewGraph, dict]:
-    data = _load(path, weights, digest).data
+def _view(path: str, weights: tuple[str, ...], digest: str, trust_archive: bool,
+          collapsed: tuple[str, ...]) -> tuple[gv.ViewGraph, dict]:
+    data = _load(path, weights, digest, trust_archive).data
     view = gv.collapse(data, collapsed)
     return view, gv.view_layout(view)
 
 
 def view_and_layout(ref: ModelRef, collapsed: Sequence[str]) -> tuple[gv.ViewGraph, dict]:
     """The drawn graph and its layout, cached per model digest and collapse choice."""
-    return _view(ref.path, ref.weights, ref.digest(), tuple(sorted(collapsed)))
+    return _view(ref.path, ref.weights, ref.digest(), ref.trust_archive, tuple(sorted(collapsed)))
+
+
+# -- access: the token `stagewise ui` made (app/launch.py) ---------------------------------
+
+
+def _host_name(host_header: str | None) -> str | None:
+    """The lower-case host name of a Host header ("127.0.0.1:8501" -> "127.0.0.1"); None when there is none."""
+    if not host_header:
+        return None
+    try:
+        return (urlsplit(f"//{host_header}").hostname or "").rstrip(".")
+    except ValueError:  # a malformed port or bracket: not a name we serve
+        return ""
+
+
+def access_refusal() -> str | None:
+    """Why this browser session may not use the app, or None when it may (and is now let in).
+
+    The rule: the session's Host header, when it sends one, names this machine
+    (127.0.0.1 / localhost; a browser on a DNS-rebound name sends that name), and
+    - the app has a token ($STAGEWISE_UI_TOKEN, which `stagewise ui` sets): the session
+      presented it once as ?token=...; it is remembered in session state, so page links
+      that drop the query string keep working;
+    - the app has no token (`streamlit run app/main.py`): refused, unless
+      $STAGEWISE_UI_NO_TOKEN is "1", an explicit choice to run without one.
+    """
+    host = _host_name(st.context.headers.get("Host"))
+    if host is not None and host not in LOCAL_HOSTS:
+        return (f"this app only answers on {' or '.join(LOCAL_HOSTS)}, and this page came from {host!r}; "
+                "open the address `stagewise ui` printed (`http://127.0.0.1:PORT/?token=...`)")
+    if ss().get(ACCESS_KEY):
+        return None
+    expected = os.environ.get(TOKEN_ENV, "")
+    if not expected:
+        if os.environ.get(NO_TOKEN_ENV) == "1":
+            ss()[ACCESS_KEY] = True
+            return None
+        return ("this app was started without an access token, so it does nothing: start it with "
+                f"`stagewise ui` and open the address it prints (or set {NO_TOKEN_ENV}=1 to run it without one)")
+    given = st.query_params.get("token")
+    if not given:
+        return ("this page was opened without the app's access token: open the address `stagewise ui` printed "
+                "in its terminal (`http://127.0.0.1:PORT/?token=...`)")
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        return ("the token in this address is not this app's: open the address the running `stagewise ui` "
+                "printed in its terminal (each start makes a new token)")
+    ss()[ACCESS_KEY] = True
+    return None
+
+
+def require_access() -> None:
+    """Raise AccessError unless this session presented the token (a second lock behind main.py's check)."""
+    if not ss().get(ACCESS_KEY):
+        raise AccessError("this browser session has not presented the app's access token; "
+                          "open the address `stagewise ui` printed")
+
+
+def keep_token_in_address() -> None:
+    """Put the token back into the address bar after a page link dropped it, so a reload still gets in."""
+    token = os.environ.get(TOKEN_ENV)
+    if token and ss().get(ACCESS_KEY) and st.query_params.get("token") != token:
+        st.query_params["token"] = token
+
+
+# -- uploads: a private per-user directory ---------------------------------------------------
+
+
+def upload_root() -> Path:
+    """Where uploads are kept: $XDG_CACHE_HOME/stagewise/uploads (default ~/.cache/...), mode 0700.
+
+    Kept across restarts so an autosave can find the uploaded model it refers to.
+    Raises AccessError when the directory (or its parent) is not this user's alone:
+    another user able to write there could swap in a model file of their own.
+    """
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    base.mkdir(parents=True, exist_ok=True)
+    root = base / "stagewise" / "uploads"
+    for d, others_may in ((root.parent, 0o055), (root, 0)):  # others may list .../stagewise, never write it
+        d.mkdir(mode=0o700, exist_ok=True)
+        _check_private(d, others_may)
+    return root
+
+
+def _check_private(d: Path, others_may: int = 0) -> None:
+    """Raise AccessError unless `d` is a real directory of this user that others can use only as `others_may` allows."""
+    info = os.lstat(d)
+    if not stat.S_ISDIR(info.st_mode):
+        raise AccessError(f"upload directory {d} is not a directory (a link or a file); delete it and load again")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise AccessError(f"upload directory {d} belongs to another user (uid {info.st_uid}); "
+                          "delete it, or set XDG_CACHE_HOME to a directory of your own")
+    if info.st_mode & 0o077 & ~others_may:
+        raise AccessError(f"upload directory {d} is open to other users (mode {stat.S_IMODE(info.st_mode):o}); "
+                          f"run `chmod 700 {d}` (or delete it) and load again")
+
+
+def new_upload_dir() -> Path:
+    """A fresh, uniquely named directory (mode 0700) for the files of one upload."""
+    require_access()
+    return Path(tempfile.mkdtemp(prefix="upload-", dir=upload_root()))
+
+
+def _safe_name(name: str) -> str:
+    """The last component of an uploaded file's name, without path parts or leading dots."""
+    base = re.split(r"[/\\]", name)[-1].strip().lstrip(".")
+    return base or "upload"
+
+
+def save_upload(directory: Path, name: str, data: bytes) -> str:
+    """Write an uploaded file into `directory` (from new_upload_dir) as a new file, mode 0600; returns its path.
+
+    Never opens an existing file: a second file of the same name gets a numbered name.
+    """
+    require_access()
+    stem, dot, ext = _safe_name(name).rpartition(".")
+    base = _safe_name(name)
+    for i in range(1000):
+        p = directory / (base if i == 0 else (f"{stem}-{i}.{ext}" if dot else f"{base}-{i}"))
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return str(p)
+    raise AccessError(f"more than 1000 uploaded files named {base!r} in one upload; rename them")
 
 
 # -- session ----------------------------------------------------------------------------
@@ -159,17 +295,6 @@ def sample_paths() -> list[str]:
     return sorted(str(p) for p in SAMPLES_DIR.iterdir() if p.suffix in (".py", ".pt2") and not p.name.startswith("_"))
 
 
-def save_upload(name: str, data: bytes) -> str:
-    """Keep an uploaded file on disk (content-addressed), so the planner can import it and autosave can find it."""
-    digest = hashlib.sha256(data).hexdigest()[:16]
-    d = UPLOAD_DIR / digest
-    d.mkdir(parents=True, exist_ok=True)
-    p = d / Path(name).name
-    if not p.is_file():
-        p.write_bytes(data)
-    return str(p)
-
-
 def guarded(what: str, fn: Callable[[], Any]) -> Any:
     """Run fn; on a library error (or a crash in user model code) flash it and return None, keeping the state."""
     try:
@@ -188,6 +313,7 @@ def open_model(ref: ModelRef, n_members: int, input_mode: Any = "shared", *, sav
     """
 
     def go() -> tuple[Loaded, Plan]:
+        require_access()
         m = loaded(ref)
         n = len(ref.weights) if ref.weights else n_members
         if ref.weights:
@@ -271,8 +397,15 @@ def restore_autosave() -> None:
     if rec is None:
         return
     ref = ModelRef(rec.model_path, rec.weights, label=Path(rec.model_path).name)
+    gone = [p for p in (ref.path, *ref.weights) if not Path(p).is_file()]
+    if gone:
+        flash("error", f"restoring the autosaved plan: its model file{'s' if len(gone) > 1 else ''} "
+                       f"{', '.join(gone)} {'are' if len(gone) > 1 else 'is'} gone (deleted since the plan was saved); "
+                       "open or upload the model again on the Model page")
+        return
 
     def go() -> tuple[Plan, Plan]:
+        require_access()
         m = loaded(ref)
         restored = planner.validate(rec.plan, m.graph)
         proposed = planner.propose(m.graph, rec.plan.n_members, {i.name: i.mode for i in rec.plan.inputs}, model=ref.name)

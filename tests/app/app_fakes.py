@@ -1,11 +1,49 @@
-"""Small stand-ins for planner objects, so layout/figure/history tests need no torch tracing."""
+"""Small stand-ins for planner objects, so layout/figure/history tests need no torch tracing,
+and `app_test`: the app under AppTest as `stagewise ui` starts it (token set and presented)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import networkx as nx
 
 from planner.plan import InputSpec, Plan, Stage, StageMode
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = str(ROOT / "app" / "main.py")
+TEST_TOKEN = "test-token-not-secret"
+APP_TIMEOUT = 60  # the first run imports torch and traces
+
+
+def app_env(monkeypatch, tmp_path, model: Path | None = None, token: str | None = TEST_TOKEN) -> None:
+    """The environment `stagewise ui` gives the app: its token, a model, and (here) private places in tmp_path."""
+    from app import launch
+
+    monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # uploads land in tmp_path/cache/stagewise/uploads
+    monkeypatch.delenv(launch.NO_TOKEN_ENV, raising=False)
+    if token is None:
+        monkeypatch.delenv(launch.TOKEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(launch.TOKEN_ENV, token)
+    if model is not None:
+        monkeypatch.setenv(launch.MODEL_ENV, str(model))
+    monkeypatch.chdir(tmp_path)
+
+
+def app_test(monkeypatch, tmp_path, model: Path | None = None, present: str | None = TEST_TOKEN,
+             token: str | None = TEST_TOKEN):
+    """AppTest of app/main.py (not run yet) opened as from the address `stagewise ui` prints (?token=...).
+
+    `token`: the app's token (None: started without one); `present`: what the address carries.
+    """
+    from streamlit.testing.v1 import AppTest
+
+    app_env(monkeypatch, tmp_path, model, token)
+    at = AppTest.from_file(MAIN, default_timeout=APP_TIMEOUT)
+    if present is not None:
+        at.query_params["token"] = present
+    return at
 
 
 @dataclass

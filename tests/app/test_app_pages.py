@@ -13,19 +13,15 @@ from streamlit.testing.v1 import AppTest
 
 import planner
 from app import autosave
+from app_fakes import app_test
 
 ROOT = Path(__file__).resolve().parents[2]
-MAIN = str(ROOT / "app" / "main.py")
 SAMPLES = ROOT / "sample_models"
-TIMEOUT = 60  # the first run imports torch and traces
 
 
 @pytest.fixture
 def at(tmp_path, monkeypatch) -> AppTest:
-    monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
-    monkeypatch.setenv("STAGEWISE_MODEL", str(SAMPLES / "transformer_block.py"))
-    monkeypatch.chdir(tmp_path)
-    app = AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    app = app_test(monkeypatch, tmp_path, SAMPLES / "transformer_block.py")  # with the token, as `stagewise ui`
     app.run()
     assert not app.exception, [e.value for e in app.exception]
     return app
@@ -317,10 +313,7 @@ def test_import_plan_json(at, tmp_path):
 def test_broken_start_model_shows_error_and_pages_still_work(tmp_path, monkeypatch):
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('boom at import')\n")
-    monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
-    monkeypatch.setenv("STAGEWISE_MODEL", str(broken))
-    monkeypatch.chdir(tmp_path)
-    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT).run()
+    at = app_test(monkeypatch, tmp_path, broken).run()
     assert not at.exception and "boom at import" in texts(at.error)
     assert "No model is loaded" in texts(at.info)
     at.switch_page("views/model.py").run()
@@ -333,11 +326,9 @@ def test_restore_from_autosave(tmp_path, monkeypatch):
     src = planner.load_source(SAMPLES / "transformer_block.py")
     g = planner.trace(src.model, src.example_inputs)
     edited = planner.merge(planner.propose(g, 8, model="transformer_block.py"), g, "s0", "s1")
-    monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
-    monkeypatch.setenv("STAGEWISE_MODEL", str(SAMPLES / "mlp.py"))  # opens on another model
-    monkeypatch.chdir(tmp_path)
+    at = app_test(monkeypatch, tmp_path, SAMPLES / "mlp.py")  # opens on another model
     autosave.save(edited, str(SAMPLES / "transformer_block.py"))
-    at = AppTest.from_file(MAIN, default_timeout=TIMEOUT).run()
+    at.run()
     assert "An autosaved plan exists" in texts(at.info)
     assert plan_of(at).model == "mlp.py"
     at.button(key="restore_autosave").click().run()

@@ -1,9 +1,10 @@
 """One real-browser test: `streamlit run` on a free localhost port, driven by headless Debian Chromium.
 
-Loads the Plan page, waits for the graph, clicks a node, clicks a node of another
-stage (clicks add to the selection), merges, checks that the stage count went
-down, undoes, and box-selects three nodes. Screenshots go
-to tests/artifacts/ (git-ignored); look at them.
+Loads the Plan page from the tokened address `stagewise ui` prints, waits for the
+graph, clicks a node, clicks a node of another stage (clicks add to the selection),
+merges, checks that the stage count went down, undoes, and box-selects three nodes;
+then follows a page link and reloads (the token survives), and opens the app
+without the token (refused). Screenshots go to tests/artifacts/ (git-ignored); look at them.
 """
 from __future__ import annotations
 
@@ -54,8 +55,11 @@ def _free_port() -> int:
 @pytest.fixture
 def server(tmp_path):
     port = _free_port()
+    token = launch.new_token()
     env = launch.environment(MODEL)  # exactly what `stagewise ui MODEL` runs, from another directory
+    env[launch.TOKEN_ENV] = token
     env["STAGEWISE_AUTOSAVE"] = str(tmp_path / "autosave.json")
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     log = open(tmp_path / "streamlit.log", "wb")
     proc = subprocess.Popen(launch.command(port), cwd=tmp_path, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
@@ -68,7 +72,7 @@ def server(tmp_path):
             except OSError:
                 assert proc.poll() is None, (tmp_path / "streamlit.log").read_text()
                 time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/"
+        yield launch.url(port, token)
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -138,6 +142,22 @@ def test_click_select_and_merge_in_chromium(server):
             for node in ("ffn_0", "ffn_1", "ffn_2"):
                 page.get_by_text(f"{node} (s2)").wait_for(timeout=WAIT_MS)
             page.screenshot(path=str(ARTIFACTS / "plan_box_selected.png"))
+
+            # a page link drops the query string; the app puts the token back, so a reload still gets in
+            page.get_by_role("link", name="Model").click()
+            page.get_by_text("Open a model").wait_for(timeout=WAIT_MS)
+            page.wait_for_timeout(1000)
+            assert "token=" in page.url, page.url
+            page.reload()
+            page.get_by_text("Open a model").wait_for(timeout=WAIT_MS)
+            assert page.get_by_text("Access refused").count() == 0
+
+            # the address without the token: nothing but the refusal
+            stranger = browser.new_page(viewport={"width": 1200, "height": 800})
+            stranger.goto(server.split("?", 1)[0])
+            stranger.get_by_text("Access refused").wait_for(timeout=WAIT_MS)
+            assert stranger.locator(".js-plotly-plot").count() == 0
+            stranger.screenshot(path=str(ARTIFACTS / "no_token_refused.png"))
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "failure.png"))  # what the browser showed when it failed
             raise
