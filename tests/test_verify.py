@@ -1,0 +1,180 @@
+"""executor.verify must be able to say MISMATCH: batched results made wrong on purpose (a tampered
+stacked state, a runner that swaps members) are caught in the outputs and at the stage boundaries,
+with the error the comparison should measure, and real tolerances decide both ways."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import executor
+import planner
+from executor.stages import RUNNERS, VmapRunner
+from executor.values import Batched
+from planner.plan import Strategy
+
+from conftest import RunningTotal
+
+verify_module = importlib.import_module("executor.verify")  # `executor.verify` is the function
+N = 3
+
+
+@pytest.fixture(scope="module")
+def two_stages(sample):
+    """mlp as s0 (fc1) | s1 (act, fc2): boundaries fc1 and fc2."""
+    src, graph = sample("mlp")
+    plan = planner.split(planner.propose(graph, N), graph, "s0", at="act")
+    assert [s.nodes for s in plan.stages] == [("fc1",), ("act", "fc2")]
+    return src, plan
+
+
+def loop_scale(src, members) -> float:
+    """max |loop output| over all members: the normwise denominator verify divides by."""
+    with torch.no_grad():
+        return torch.stack([m(*src.example_inputs) for m in members]).abs().max().item()
+
+
+def tampered_build(monkeypatch, key: str, member: int, delta: float) -> None:
+    """verify builds the batched module, then one member's slice of one stacked tensor is shifted."""
+    real = verify_module.build
+
+    def build(*args, **kwargs):
+        module = real(*args, **kwargs)
+        with torch.no_grad():
+            module.stacked_state[key][member] += delta
+        return module
+
+    monkeypatch.setattr(verify_module, "build", build)
+
+
+def rows(report, kind: str) -> dict[str, verify_module.ErrorRow]:
+    return {r.name: r for r in getattr(report, kind)}
+
+
+def test_untouched_plan_matches_with_small_errors(two_stages):
+    src, plan = two_stages
+    report = executor.verify(plan, src.members(N), src.example_inputs)
+    assert report.ok and report.to_text().splitlines()[-1].startswith("MATCH:")
+    assert list(rows(report, "boundaries")) == ["fc1", "fc2"] and list(rows(report, "outputs")) == ["out"]
+    assert all(r.max_rel <= 1e-6 and r.ok for r in report.outputs + report.boundaries)
+
+
+def test_a_tampered_output_stage_is_a_mismatch_in_the_output_and_its_boundary(two_stages, monkeypatch):
+    src, plan = two_stages
+    members = src.members(N)
+    delta = 0.5
+    tampered_build(monkeypatch, "fc2.bias", 1, delta)
+    report = executor.verify(plan, members, src.example_inputs)
+    assert not report.ok and report.to_text().splitlines()[-1].startswith("MISMATCH:")
+    out = rows(report, "outputs")["out"]
+    assert not out.ok
+    assert out.max_abs == pytest.approx(delta, rel=1e-5)
+    assert out.max_rel == pytest.approx(delta / loop_scale(src, members), rel=1e-5)
+    bounds = rows(report, "boundaries")
+    assert bounds["fc1"].ok and bounds["fc1"].max_abs <= 1e-6  # upstream of the tampered weight: unaffected
+    assert not bounds["fc2 (member 1)"].ok and bounds["fc2 (member 1)"].max_abs == pytest.approx(delta, rel=1e-5)
+
+
+def test_a_tampered_first_stage_is_a_mismatch_at_its_boundary(two_stages, monkeypatch):
+    src, plan = two_stages
+    tampered_build(monkeypatch, "fc1.bias", 2, 1.0)
+    report = executor.verify(plan, src.members(N), src.example_inputs)
+    assert not report.ok
+    bad = [r for r in report.boundaries if not r.ok]
+    assert [r.name for r in bad] == ["fc1 (member 2)", "fc2 (member 2)"]  # the first member that differs is named
+    assert bad[0].max_abs == pytest.approx(1.0, rel=1e-5)
+    assert not rows(report, "outputs")["out"].ok
+
+
+class SwappingRunner(VmapRunner):
+    """Correct values, but members 0 and 1 of every output swapped: a member mix-up."""
+
+    def run(self, args):
+        out = []
+        for v in super().run(args):
+            t = v.tree
+            out.append(Batched(torch.cat([t[1:2], t[0:1], t[2:]])))
+        return out
+
+
+def test_a_member_mix_up_is_a_mismatch(two_stages, monkeypatch):
+    src, plan = two_stages
+    monkeypatch.setitem(RUNNERS, Strategy.VMAP, SwappingRunner)
+    report = executor.verify(plan, src.members(N), src.example_inputs)
+    assert not report.ok
+    assert {r.name for r in report.boundaries if not r.ok} == {"fc1 (member 0)", "fc2 (member 0)"}
+    assert not rows(report, "outputs")["out"].ok
+
+
+@pytest.mark.parametrize("per_member_input", [False, True])
+def test_the_tolerance_decides_both_ways(two_stages, monkeypatch, per_member_input):
+    """An error of known size passes an rtol just above it and fails one just below it."""
+    src, plan = two_stages
+    if per_member_input:
+        plan = plan.with_input_modes({"x": "per_member"})
+    inputs = executor.batched_inputs(plan, src.example_inputs)
+    members = src.members(N)
+    with torch.no_grad():
+        want = torch.stack([m(*executor.member_inputs(plan, inputs, i)) for i, m in enumerate(members)])
+    delta = 1e-3
+    expected = delta / want.abs().max().item()  # about 1e-3 / 1: far above float32 noise
+    tampered_build(monkeypatch, "fc2.bias", 0, delta)
+    above = executor.verify(plan, members, inputs, rtol=expected * 1.05)
+    below = executor.verify(plan, members, inputs, rtol=expected * 0.95)
+    assert above.ok and above.rtol == expected * 1.05, above.to_text()
+    assert not below.ok and not rows(below, "outputs")["out"].ok
+    assert rows(below, "boundaries")["fc1"].ok  # the boundary before the error still matches at that rtol
+    assert rows(above, "outputs")["out"].max_rel == pytest.approx(expected, rel=1e-3)
+
+
+def test_default_tolerance_passes_float_noise_and_catches_a_small_error(two_stages, monkeypatch):
+    src, plan = two_stages
+    assert verify_module.DEFAULT_RTOL == 1e-4
+    tampered_build(monkeypatch, "fc2.bias", 1, 1e-3)  # relative error about 1e-3 > 1e-4
+    assert not executor.verify(plan, src.members(N), src.example_inputs).ok
+
+
+def test_a_plan_of_loops_is_exact(two_stages):
+    """The loop strategy runs each member's own ops: zero error, so even rtol=0 passes (<=, not <)."""
+    src, plan = two_stages
+    graph = planner.trace(src.model, src.example_inputs)
+    for sid in ("s0", "s1"):
+        plan = planner.set_options(plan, graph, sid, strategy="loop")
+    report = executor.verify(plan, src.members(N), src.example_inputs, rtol=0.0)
+    assert report.ok, report.to_text()
+    assert all(r.max_abs == 0.0 for r in report.outputs + report.boundaries)
+
+
+def test_compare_measures_normwise_error_and_shape_mismatch():
+    want = torch.tensor([[1.0, -4.0], [2.0, 0.0]])
+    (row,) = verify_module.compare("v", want + torch.tensor([[0.0, 0.0], [0.0, 0.2]]), want, rtol=0.06)
+    assert row.max_abs == pytest.approx(0.2) and row.max_rel == pytest.approx(0.05) and row.ok
+    (row,) = verify_module.compare("v", want + torch.tensor([[0.0, 0.0], [0.0, 0.2]]), want, rtol=0.04)
+    assert not row.ok
+    (row,) = verify_module.compare("v", want[:1], want, rtol=1.0)
+    assert not row.ok and "shape [1, 2] vs [2, 2]" in row.name
+    assert [r.ok for r in verify_module.compare("t", (want, 3), (want, 4), rtol=1.0)] == [True, False]
+    assert not verify_module.compare("t", (want,), (want, 1), rtol=1.0)[0].ok  # a missing leaf
+
+
+def test_verify_leaves_members_buffers_as_they_were():
+    """forward() updates a buffer; verify runs the members several times and restores it each time."""
+    torch.manual_seed(0)
+    members = [RunningTotal().eval() for _ in range(N)]
+    x = torch.randn(5, 4)
+    graph = planner.trace(RunningTotal().eval(), (x,))
+    plan = planner.propose(graph, N)
+    before = [m.total.clone() for m in members]
+    report = executor.verify(plan, members, (x,))
+    assert report.ok, report.to_text()
+    for m, b in zip(members, before):
+        assert torch.equal(m.total, b)
+
+
+def test_report_json_carries_the_verdict(two_stages, monkeypatch):
+    src, plan = two_stages
+    tampered_build(monkeypatch, "fc2.bias", 1, 0.5)
+    d = executor.verify(plan, src.members(N), src.example_inputs).to_json()
+    assert d["ok"] is False and d["n_members"] == N and d["rtol"] == verify_module.DEFAULT_RTOL
+    assert [r["ok"] for r in d["outputs"]] == [False]
