@@ -56,7 +56,7 @@ def load(path: Path | None = None) -> AutosaveRecord | None:
         return None
     try:
         d = json.loads(path.read_text())
-        plan = Plan.from_json(d["plan"], source=str(path))
+        plan = Plan.loads(json.dumps(d["plan"]), source=str(path))  # loads names the file in every PlanFileError
         return AutosaveRecord(plan, str(d["model_path"]), tuple(str(w) for w in d.get("weights", [])),
                               float(d.get("saved_at", 0.0)))
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # Plan.from_json's PlanFileError passes through

@@ -13,20 +13,37 @@ import traceback
 import planner
 import executor
 from planner import StagewiseError
+from planner.files import temp_beside, writable_problem
 from executor.verify import DEFAULT_RTOL
 
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
 
 
-def _load(model: str, weights: list[str] | None):
-    src = planner.load_source(model, weights=weights or None)
+def _load(model: str, weights: list[str] | None, trust_archive: bool = False):
+    src = planner.load_source(model, weights=weights or None, trust_archive=trust_archive)
     graph = planner.trace(src.model, src.example_inputs)
     return src, graph
 
 
+def _check_plan_output(path: str | None) -> None:
+    """Refuse an -o destination that cannot be written, before any slow work."""
+    problem = path and writable_problem(path)
+    if problem:
+        raise planner.PlanFileError(f"cannot write plan file {path}: {problem}; "
+                                    "check that the folder exists and is writable, or pass another -o path")
+
+
+def _check_trace_output(path: str | None) -> None:
+    problem = path and writable_problem(path)
+    if problem:
+        raise planner.OutputFileError(f"cannot write the chrome trace {path}: {problem}; "
+                                      "pass --trace a path in an existing, writable folder")
+
+
 def cmd_plan(args) -> int:
-    src, graph = _load(args.model, args.weights)
+    _check_plan_output(args.output)
+    src, graph = _load(args.model, args.weights, args.trust_archive)
     if graph.tracer_note:
         print(f"note: {graph.tracer_note}")
     modes = _parse_modes(args.input_mode, graph.input_names)
@@ -54,7 +71,7 @@ def _parse_modes(values: list[str] | None, names: list[str]):
 
 
 def _members_and_inputs(plan, args):
-    src = planner.load_source(args.model, weights=args.weights or None)
+    src = planner.load_source(args.model, weights=args.weights or None, trust_archive=args.trust_archive)
     members = src.members(plan.n_members)
     inputs = executor.batched_inputs(plan, src.example_inputs)
     return src, members, inputs
@@ -74,7 +91,7 @@ def cmd_show(args) -> int:
     plan = planner.Plan.load(args.plan)
     graph = None
     if args.model:
-        _, graph = _load(args.model, None)
+        _, graph = _load(args.model, None, args.trust_archive)
         planner.validate(plan, graph)
     if plan.model:
         print(f"model: {plan.model}  fingerprint: {plan.fingerprint}")
@@ -85,13 +102,12 @@ def cmd_show(args) -> int:
 
 
 def cmd_profile(args) -> int:
+    _check_plan_output(args.output)  # both checked before the (long) profile, not after it
+    _check_trace_output(args.trace)
     plan = planner.Plan.load(args.plan)
     _, members, inputs = _members_and_inputs(plan, args)
     progress = _progress_bar() if sys.stderr.isatty() or args.progress else None
-    report = executor.profile(
-        plan, members, inputs, device=args.device, repeats=args.repeats, compile_baseline=args.compile_baseline,
-        trace_path=args.trace, progress=progress, autotune=args.autotune,
-    )
+    report, trace_error = _profile(plan, members, inputs, args, progress)
     if progress:
         sys.stderr.write("\n")
     print(report.to_text())
@@ -103,7 +119,36 @@ def cmd_profile(args) -> int:
         print(f"plan{' (autotuned)' if args.autotune else ''} with its profile written to {args.output}")
     elif args.autotune:
         print("note: the tuned plan was not saved; pass -o tuned.json to keep it")
+    if trace_error:
+        print(f"stagewise profile: error: {trace_error}", file=sys.stderr)
+        return EXIT_ERROR
     return 0
+
+
+def _profile(plan, members, inputs, args, progress):
+    """executor.profile with the chrome trace written beside its destination and moved there only once complete.
+
+    Returns (report, error): error is a one-line reason when --trace was given but no trace
+    was written; the report then names no trace file.
+    """
+    run = lambda trace_path: executor.profile(  # noqa: E731
+        plan, members, inputs, device=args.device, repeats=args.repeats, compile_baseline=args.compile_baseline,
+        trace_path=trace_path, progress=progress, autotune=args.autotune,
+    )
+    if not args.trace:
+        return run(None), None
+    report = None
+    try:
+        with temp_beside(args.trace) as tmp:
+            report = run(str(tmp))
+    except OSError as e:  # nothing (or nothing complete) was written, or the move failed; a failed profile raises past here
+        if report is None:
+            raise
+        report.trace_path = None
+        return report, (f"the chrome trace was not written to {args.trace} ({e.strerror or 'the profiler wrote nothing'}); "
+                        "check the folder and disk space and run the profile again")
+    report.trace_path = args.trace
+    return report, None
 
 
 def _progress_bar():
@@ -132,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--input-mode", nargs="+", metavar="MODE", help="shared | per_member, or name=mode per input (default shared)")
     sp.add_argument("--weights", nargs="+", help="member weight files (.safetensors or state_dict), one per member")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
+    sp.add_argument("--trust-archive", action="store_true",
+                    help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
     sp.set_defaults(func=cmd_plan)
 
     sr = sub.add_parser("run", help="build the plan and verify it against the member loop")
@@ -140,11 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--weights", nargs="+")
     sr.add_argument("--device", default=None, help="cpu (default) or cuda")
     sr.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="max normwise relative error (default 1e-4)")
+    sr.add_argument("--trust-archive", action="store_true",
+                    help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
     sr.set_defaults(func=cmd_run)
 
     ss = sub.add_parser("show", help="print a plan's stage table")
     ss.add_argument("plan")
     ss.add_argument("model", nargs="?", help="optional: check the plan against this model and add params/FLOPs")
+    ss.add_argument("--trust-archive", action="store_true",
+                    help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
     ss.set_defaults(func=cmd_show)
 
     sf = sub.add_parser("profile", help="time each stage and the baselines")
@@ -158,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     sf.add_argument("--compile-baseline", action="store_true", help="also time torch.compile of whole-model vmap (slow to compile)")
     sf.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     sf.add_argument("-o", "--output", help="write the (tuned) plan with the report inside here")
+    sf.add_argument("--trust-archive", action="store_true",
+                    help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
     sf.set_defaults(func=cmd_profile)
 
     su = sub.add_parser("ui", help="open the planner in the browser (localhost only)")

@@ -4,7 +4,7 @@ Imports nothing above it (executor, app); see shared/DESIGN.md for the vocabular
 """
 from planner.errors import (  # noqa: F401
     DeviceError, EditError, ExecutionError, InputError, MemberError, ModelLoadError,
-    PlanFileError, PlanMismatchError, StagewiseError, TraceError, UntrustedArchiveError,
+    OutputFileError, PlanFileError, PlanMismatchError, StagewiseError, TraceError, UntrustedArchiveError,
 )
 from planner.plan import InputMode, InputSpec, Plan, Stage, StageMode, StageOptions, Strategy, SCHEMA_VERSION  # noqa: F401
 from planner.source import ModelSource, load_export, load_model_file, load_source, read_state_dict  # noqa: F401

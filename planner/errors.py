@@ -48,3 +48,7 @@ class DeviceError(StagewiseError):
 
 class UntrustedArchiveError(ModelLoadError):
     """A `.pt2` archive needs unpickling (which can run code) and the caller did not opt in to trusting it."""
+
+
+class OutputFileError(StagewiseError):
+    """A file stagewise was asked to write (a chrome trace, a report) cannot be written."""

@@ -258,7 +258,12 @@ class Plan:
             raise PlanFileError(f"{source} is not valid JSON ({e}); pass a file written by `stagewise plan` or Plan.save") from None
         except RecursionError:
             raise PlanFileError(f"{source} nests JSON too deeply to be a plan; pass a file written by `stagewise plan` or Plan.save") from None
-        return Plan.from_json(d, source=source)
+        try:
+            return Plan.from_json(d, source=source)
+        except PlanFileError as e:  # errors of one stage or input do not know the file; name it
+            if str(e).startswith(source):
+                raise
+            raise PlanFileError(f"{source}: {e}") from None
 
     def save(self, path: str | Path) -> Path:
         """Write the plan atomically: readers see the old or the new plan, never a part; concurrent saves do not collide."""

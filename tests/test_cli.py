@@ -83,7 +83,8 @@ def test_plan_input_modes(tmp_path, capsys, argv, mode):
     path = tmp_path / "p.json"
     code, _, _ = run_cli(capsys, "plan", MLP, "-n", "2", *argv, "-o", path)
     assert code == 0
-    assert json.loads(path.read_text())["inputs"] == [{"name": "x", "mode": mode}]
+    inputs = json.loads(path.read_text())["inputs"]
+    assert [(i["name"], i["mode"]) for i in inputs] == [("x", mode)]  # inputs may also record traced shapes
 
 
 def test_run_exits_0_on_match(mlp_plan, capsys):
@@ -287,3 +288,110 @@ def test_model_file_that_fails_to_import(capsys, write_model):
 def test_plan_output_into_a_missing_folder(tmp_path, capsys):
     code, _, err = run_cli(capsys, "plan", MLP, "-n", "2", "-o", tmp_path / "nofolder" / "p.json")
     assert_one_line_error(code, err, "plan", "cannot write plan file", "check that the folder exists")
+
+
+# --- .pt2 archives that need unpickling (issue 7, item 7) ------------------------------------
+
+def test_crafted_archive_is_refused_in_one_line_and_runs_nothing(tmp_path, capsys):
+    from test_archive_trust import evil_sample_inputs
+
+    marker = tmp_path / "marker"
+    evil = evil_sample_inputs(tmp_path, marker)
+    code, _, err = run_cli(capsys, "plan", evil)
+    assert_one_line_error(code, err, "plan", "evil.pt2", "data/sample_inputs/model.pt", "--trust-archive")
+    assert not marker.exists()
+    code, _, err = run_cli(capsys, "plan", evil, "--trust-archive")
+    assert marker.exists()  # the flag really hands the file to torch's unpickler
+
+
+def test_plain_archive_needs_no_trust(tmp_path, capsys):
+    from test_archive_trust import save_archive
+
+    path = save_archive(tmp_path / "plain.pt2")
+    out_plan = tmp_path / "p.json"
+    code, out, err = run_cli(capsys, "plan", path, "-n", "2", "-o", out_plan)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "run", out_plan, path)
+    assert code == 0, err
+
+
+# --- destinations are checked before the slow work (item 9) -------------------------------
+
+def _forbid(monkeypatch, target, name):
+    def called(*a, **k):
+        raise AssertionError(f"{name} ran although the output could not be written")
+
+    monkeypatch.setattr(target, name, called)
+
+
+def test_plan_checks_output_before_loading(tmp_path, capsys, monkeypatch):
+    _forbid(monkeypatch, planner, "load_source")
+    code, _, err = run_cli(capsys, "plan", MLP, "-o", tmp_path / "nofolder" / "p.json")
+    assert_one_line_error(code, err, "plan", "cannot write plan file", "nofolder", "does not exist")
+    code, _, err = run_cli(capsys, "plan", MLP, "-o", tmp_path)
+    assert_one_line_error(code, err, "plan", "cannot write plan file", "it is a folder")
+
+
+@pytest.mark.parametrize("flag", ["-o", "--trace"])
+def test_profile_checks_destinations_before_profiling(mlp_plan, tmp_path, capsys, monkeypatch, flag):
+    _forbid(monkeypatch, executor, "profile")
+    _forbid(monkeypatch, planner, "load_source")
+    code, _, err = run_cli(capsys, "profile", mlp_plan, MLP, flag, tmp_path / "nofolder" / "out.json")
+    what = "cannot write plan file" if flag == "-o" else "cannot write the chrome trace"
+    assert_one_line_error(code, err, "profile", what, "nofolder", "does not exist")
+
+
+def test_trace_is_written_whole_and_named(mlp_plan, tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    code, out, err = run_cli(capsys, "profile", mlp_plan, MLP, "--repeats", "2", "--trace", trace)
+    assert code == 0, err
+    assert f"chrome trace: {trace}" in out
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "trace.json"]  # no temp file left
+
+
+def test_trace_never_names_a_file_it_did_not_write(mlp_plan, tmp_path, capsys, monkeypatch):
+    profile_module = sys.modules["executor.profile"]
+    monkeypatch.setattr(profile_module, "write_chrome_trace", lambda module, inputs, path, device: path)  # writes nothing
+    trace = tmp_path / "trace.json"
+    saved = tmp_path / "profiled.json"
+    code, out, err = run_cli(capsys, "profile", mlp_plan, MLP, "--repeats", "2", "--trace", trace, "-o", saved)
+    assert_one_line_error(code, err, "profile", f"the chrome trace was not written to {trace}")
+    assert str(trace) not in out and "chrome trace:" not in out
+    assert not trace.exists()
+    assert planner.Plan.load(saved).profile["trace_path"] is None  # the report kept in the plan names no trace either
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "profiled.json"]
+
+
+# --- loose ends (item 13) ----------------------------------------------------------------------
+
+def test_model_file_calling_sys_exit_is_an_error_not_a_silent_exit(capsys, write_model):
+    path = write_model("import sys\nprint('loading')\nsys.exit(0)\n", "exits.py")
+    code, _, err = run_cli(capsys, "plan", path)
+    assert_one_line_error(code, err, "plan", "exits.py called sys.exit(0) while being imported")
+
+
+def test_plan_file_with_chunk_size_true_is_refused(mlp_plan, capsys):
+    d = json.loads(mlp_plan.read_text())
+    d["stages"][0]["options"]["chunk_size"] = True
+    mlp_plan.write_text(json.dumps(d))
+    code, _, err = run_cli(capsys, "run", mlp_plan, MLP)
+    assert_one_line_error(code, err, "run", str(mlp_plan), "chunk_size must be a positive integer or null, got True")
+
+
+@pytest.mark.parametrize("case", ["latin-1", "deep", "profile"])
+def test_damaged_plan_files_are_plan_file_errors(mlp_plan, capsys, case):
+    if case == "latin-1":
+        mlp_plan.write_bytes(mlp_plan.read_text().replace('"fx"', '"f\u00e9"').encode("latin-1"))
+        words = ("is not UTF-8 text",)
+    elif case == "deep":
+        mlp_plan.write_text("[" * 200_000 + "]" * 200_000)
+        words = ("nests JSON too deeply",)
+    else:
+        d = json.loads(mlp_plan.read_text())
+        d["profile"] = {"stages": 3}
+        mlp_plan.write_text(json.dumps(d))
+        words = ("'profile' block is malformed",)
+    code, _, err = run_cli(capsys, "show", mlp_plan)
+    assert_one_line_error(code, err, "show", str(mlp_plan), *words)
+    assert "unexpected" not in err
