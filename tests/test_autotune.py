@@ -168,3 +168,129 @@ def test_profile_progress_covers_autotune_and_ends_at_the_total(sample):
     assert calls[-1][0] == calls[-1][1]
     assert all(0 <= d <= t for d, t, _ in calls)
     assert [d for d, _, _ in calls] == sorted(d for d, _, _ in calls)
+
+
+# --- the choice, with controlled timings (the candidates still run and are checked for real) ----------
+
+class FakeTimer:
+    """Stands in for time_candidates: each label's time is read from `times` (ms), one entry per
+    timing round of that label (the last entry repeats), so which candidate is fastest is known."""
+
+    def __init__(self, times: dict[str, list[float]], fail_when_repeated: frozenset = frozenset()):
+        self.times, self.rounds, self.fail = times, {}, fail_when_repeated
+
+    def __call__(self, cands, device, repeats, warmup, compiles):
+        from executor.timing import Timing
+
+        for label, (res, call) in cands.items():
+            call()
+            k = self.rounds.get(label, 0)
+            self.rounds[label] = k + 1
+            seq = self.times[label]
+            ms = seq[min(k, len(seq) - 1)]
+            res.time, res.compile_s = Timing(ms, ms, ms, ms, 1), 0.0
+            if label in self.fail:  # as time_candidates records a candidate that fails on a later call
+                res.ok, res.error = False, "out of memory: simulated on the second buffer set"
+
+
+def fake_times(monkeypatch, times: dict[str, list[float]], fail_when_repeated: frozenset = frozenset()) -> FakeTimer:
+    timer = FakeTimer(times, fail_when_repeated)
+    monkeypatch.setattr(autotune_module, "time_candidates", timer)
+    return timer
+
+
+@pytest.mark.parametrize("fastest, middle, slowest", [("vmap", "wide", "loop"), ("wide", "loop", "vmap"), ("loop", "vmap", "wide")])
+def test_autotune_chooses_the_fastest_working_candidate(sample, monkeypatch, fastest, middle, slowest):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    timer = fake_times(monkeypatch, {fastest: [1.0], middle: [2.0], slowest: [3.0]})
+    tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    (stage,) = tuned.stages
+    assert stage.options.strategy.value == fastest
+    assert stage.options.note.startswith(f"autotune chose {fastest} (min/median ms): {fastest} 1/1 ms, {middle} 2/2 ms, {slowest} 3/3 ms")
+    assert all(r.ok for r in found["s0"]) and timer.rounds == {fastest: 1, middle: 1, slowest: 1}  # 2x apart: no re-timing
+
+
+def test_a_wrong_candidate_is_never_chosen_when_timed_fastest(sample, monkeypatch):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    monkeypatch.setitem(RUNNERS, Strategy.WIDE, FastWrongRunner)
+    timer = fake_times(monkeypatch, {"wide": [0.1], "loop": [1.0], "vmap": [2.0]})
+    tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    assert tuned.stage("s0").options.strategy is Strategy.LOOP
+    assert "wide" not in timer.rounds  # a wrong result is not even timed
+    wide = next(r for r in found["s0"] if r.strategy == "wide")
+    assert not wide.ok and wide.error.startswith("wrong result") and wide.max_rel_err > 1e-4
+
+
+def test_a_candidate_that_fails_while_timed_is_never_chosen(sample, monkeypatch):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    fake_times(monkeypatch, {"vmap": [1.0], "wide": [2.0], "loop": [3.0]}, fail_when_repeated=frozenset({"vmap"}))
+    tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    assert tuned.stage("s0").options.strategy is Strategy.WIDE
+    assert "vmap failed (out of memory" in tuned.stage("s0").options.note
+
+
+@pytest.mark.parametrize("second_round, winner", [({"vmap": [1.0, 1.5], "wide": [1.03, 1.0]}, "wide"),
+                                                  ({"vmap": [1.0, 1.0], "wide": [1.03, 1.2]}, "vmap")])
+def test_close_candidates_are_timed_again_and_the_second_timing_decides(sample, monkeypatch, second_round, winner):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    timer = fake_times(monkeypatch, {**second_round, "loop": [5.0]})
+    tuned, _ = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    assert tuned.stage("s0").options.strategy.value == winner
+    assert timer.rounds == {"vmap": 2, "wide": 2, "loop": 1}  # within CLOSE: the best two again, head to head
+
+
+def test_candidates_further_apart_than_close_are_not_timed_again(sample, monkeypatch):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    timer = fake_times(monkeypatch, {"vmap": [1.0], "wide": [1.0 * (1 + autotune_module.CLOSE) + 0.01], "loop": [5.0]})
+    tuned, _ = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    assert tuned.stage("s0").options.strategy is Strategy.VMAP and timer.rounds == {"vmap": 1, "wide": 1, "loop": 1}
+
+
+@pytest.fixture
+def mlp_two_stages(sample):
+    src, graph = sample("mlp")
+    return src, graph, planner.split(planner.propose(graph, N), graph, "s0", at="act")
+
+
+PER_STAGE = {"vmap": [1.0], "wide": [2.0], "loop": [3.0]}
+
+
+def test_a_faster_merged_stage_replaces_the_per_stage_plan(mlp_two_stages, monkeypatch):
+    src, graph, plan = mlp_two_stages
+    fake_times(monkeypatch, {**PER_STAGE, "per-stage": [2.0], "merged/vmap": [3.0], "merged/wide": [1.0], "merged/loop": [4.0]})
+    tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    (stage,) = tuned.stages
+    assert stage.options.strategy is Strategy.WIDE and stage.options.note.startswith("autotune merged all stages and chose wide")
+    assert {r.strategy for r in found["s0"]} == {"per-stage", "merged/vmap", "merged/wide", "merged/loop"}
+    planner.validate(tuned, graph)
+    tuned_ok(src, tuned)
+
+
+def test_the_per_stage_plan_stays_when_it_is_fastest(mlp_two_stages, monkeypatch):
+    src, graph, plan = mlp_two_stages
+    fake_times(monkeypatch, {**PER_STAGE, "per-stage": [1.0], "merged/vmap": [3.0], "merged/wide": [2.0], "merged/loop": [4.0]})
+    tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    assert [s.options.strategy for s in tuned.stages] == [Strategy.VMAP, Strategy.VMAP]
+    assert set(found) == {"s0", "s1"} and all("whole plan" in s.options.note for s in tuned.stages)
+
+
+def test_a_wrong_merged_stage_is_never_chosen(mlp_two_stages, monkeypatch):
+    """merged/wide runs wrong and is timed fastest: the tuned plan keeps the working per-stage plan."""
+    src, graph, plan = mlp_two_stages
+    real = RUNNERS[Strategy.WIDE]
+
+    class WrongWhenMerged(real):
+        def run(self, args):
+            out = super().run(args)
+            return [Batched(torch.zeros_like(v.tree)) for v in out] if len(self.program.stage.nodes) == 3 else out
+
+    monkeypatch.setitem(RUNNERS, Strategy.WIDE, WrongWhenMerged)
+    fake_times(monkeypatch, {**PER_STAGE, "per-stage": [2.0], "merged/vmap": [3.0], "merged/wide": [0.1], "merged/loop": [4.0]})
+    tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
+    assert len(tuned.stages) == 2 and all(s.options.strategy is Strategy.VMAP for s in tuned.stages)
+    tuned_ok(src, tuned)
