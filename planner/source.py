@@ -6,17 +6,20 @@ and optionally `build_members(n) -> list[nn.Module]`. Without it, members are
 """
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import io
 import json
+import math
+import operator
 import pickle
 import sys
 import traceback
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -152,9 +155,10 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
     Args:
         path: the `.pt2` file.
         weights: optional, one weight file per member (see load_model_file).
-        trust_archive: allow parts that torch.export.load would unpickle (pickled
+        trust_archive: allow parts that torch.export.load would unpickle or run (pickled
             weights or constants, custom objects, example inputs beyond tensors, compiled
-            code). Unpickling runs code, so only pass True for files you trust.
+            code, graph strings that are not operators or shape arithmetic). That runs code
+            from the file, so only pass True for files you trust.
     Raises:
         UntrustedArchiveError when the archive needs unpickling and trust_archive is False;
         ModelLoadError when it is not a readable torch.export archive.
@@ -209,7 +213,7 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
 #   data/aotinductor/...: a compiled shared library that load_pt2 dlopens.
 # Archives of torch <= 2.7 (a top-level "version" file, read with zipfile when the above fails):
 #   serialized_{state_dict,constants,example_inputs}.{pt,json}: the same weights_only fallback.
-# Raw tensor records and models/<model>.json are read as bytes and JSON, never unpickled.
+# Raw tensor records are read as bytes; models/<model>.json is JSON, but see _code_in_program.
 _NEEDS_PICKLE = "holds objects beyond plain tensors, which only a full unpickle (able to run code) can read"
 _LEGACY_PARTS = ("serialized_state_dict.pt", "serialized_state_dict.json", "serialized_constants.pt",
                  "serialized_constants.json", "serialized_example_inputs.pt")
@@ -240,26 +244,119 @@ def unsafe_archive_part(data: bytes) -> tuple[str, str] | None:
 
     try:
         reader = PT2ArchiveReader(io.BytesIO(data))
-        records = reader.get_file_names()
+        # torch's reader finds "data/weights/x" under any letter case, so every lookup here ignores case too
+        records = {r.lower(): r for r in reader.get_file_names()}
     except (RuntimeError, AssertionError, ValueError):
         return None  # not a current archive: torch.export.load reads it no further than we did
-    for record in records:
-        if record.startswith(C.AOTINDUCTOR_DIR):
+    for lowered_record, record in records.items():
+        if lowered_record.startswith(C.AOTINDUCTOR_DIR.lower()):
             return record, "is AOTInductor compiled code, which runs when loaded"
     prefix, suffix = C.MODELS_FILENAME_FORMAT.split("{}")
-    models = [r[len(prefix):-len(suffix)] for r in records if r.startswith(prefix) and r.endswith(suffix)]
+    models = [r[len(prefix):-len(suffix)] for r in records.values() if r.startswith(prefix) and r.endswith(suffix)]
     for model in models:
-        for part in (C.SAMPLE_INPUTS_FILENAME_FORMAT.format(model), f"{C.WEIGHTS_DIR}{model}.pt", f"{C.CONSTANTS_DIR}{model}.pt"):
-            if part in records and not _loads_weights_only(reader.read_bytes(part)):
+        found = _code_in_program(reader.read_bytes(C.MODELS_FILENAME_FORMAT.format(model)), C.MODELS_FILENAME_FORMAT.format(model))
+        if found is not None:
+            return found
+        for name in (C.SAMPLE_INPUTS_FILENAME_FORMAT.format(model), f"{C.WEIGHTS_DIR}{model}.pt", f"{C.CONSTANTS_DIR}{model}.pt"):
+            part = records.get(name.lower())
+            if part is not None and not _loads_weights_only(reader.read_bytes(part)):
                 return part, _NEEDS_PICKLE
         for config_name, base, kind in ((C.WEIGHTS_CONFIG_FILENAME_FORMAT, C.WEIGHTS_DIR, "weight"),
                                         (C.CONSTANTS_CONFIG_FILENAME_FORMAT, C.CONSTANTS_DIR, "constant")):
-            config_file = config_name.format(model)
-            if config_file in records:
+            config_file = records.get(config_name.format(model).lower())
+            if config_file is not None:
                 found = _pickled_payload(reader.read_bytes(config_file), config_file, base, kind, C.TENSOR_CONSTANT_FILENAME_PREFIX)
                 if found is not None:
                     return found
     return None
+
+
+# The program JSON is not pickled, but torch turns three kinds of its strings into code: node targets
+# (any callable reachable from `torch`, `operator` or `math`, e.g. torch.os.system, becomes a graph call),
+# symbolic expressions (sympy.sympify, which evals) and guards_code (exec'd into the module's input check).
+_SHAPE_METHODS = frozenset({"size", "stride", "storage_offset", "dim", "numel"})
+_EXPR_FUNCTIONS = frozenset({  # sympy's srepr constructors, and the functions torch gives sympify and its guards
+    "Symbol", "Integer", "Float", "Rational", "Add", "Mul", "Pow", "Max", "Min", "Abs", "Mod", "Eq", "Ne", "Ge", "Gt", "Le", "Lt", "And", "Or", "Not", "floor", "ceiling", "sqrt",
+    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv", "LShift",
+    "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "IsNonOverlappingAndDenseIndicator",
+    "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "OpaqueUnaryFn_sqrt",
+    "cast_symbool_to_symint_guardless", "isnan",
+})
+
+
+def _code_in_program(raw: bytes, part: str) -> tuple[str, str] | None:
+    """The first string of an exported program's JSON that would run as code other than shape arithmetic."""
+    try:
+        program = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None  # torch cannot parse it either
+    stack = [program]
+    while stack:  # iterative: the JSON may nest deeper than Python recursion allows
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        for key, value in item.items():
+            if key == "guards_code" and isinstance(value, list):
+                checks = [("guard", g) for g in value]
+            elif key == "expr_str":
+                checks = [("symbolic expression", value)]
+            elif key == "as_operator" or (key == "target" and "inputs" in item):
+                checks = [("call target", value)] if not _is_torch_operator(value) else []
+            else:
+                checks = []
+                stack.append(value)
+            for what, text in checks:
+                if what == "call target" or not _is_shape_expression(text):
+                    return part, f"has a {what} {str(text)[:80]!r} that torch would run as code"
+    return None
+
+
+def _is_torch_operator(target: Any) -> bool:
+    """Whether a serialized node target resolves, as torch.export.load resolves it, to an operator (not any callable)."""
+    if not isinstance(target, str):
+        return False
+    from torch._export.serde.serialize import _SYM_OPS
+
+    head, _, rest = target.partition(".")
+    roots = {"torch": torch, "_operator": operator, "math": math}
+    if head not in roots:
+        return False  # torch keeps other strings as unresolved names (and then refuses the node)
+    obj: Any = roots[head]
+    for name in rest.split(".") if rest else []:
+        if name.startswith("__") or not hasattr(obj, name):
+            return not name.startswith("__")  # unresolved: torch refuses the node itself
+        obj = getattr(obj, name)
+    return isinstance(obj, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) or obj in _SYM_OPS or obj is operator.getitem
+
+
+def _is_shape_expression(text: Any) -> bool:
+    """Whether `text` parses as arithmetic/comparisons over sizes: names, numbers, shape methods, sympy functions."""
+    if not isinstance(text, str):
+        return False
+    try:
+        tree = ast.parse(text.replace("\n", " "), mode="eval")
+    except (SyntaxError, ValueError, RecursionError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            ok = (isinstance(f, ast.Name) and f.id in _EXPR_FUNCTIONS) or (
+                isinstance(f, ast.Attribute) and (f.attr in _SHAPE_METHODS or (isinstance(f.value, ast.Name) and f.value.id == "math")))
+            if not ok or not all(isinstance(k.value, ast.Constant) for k in node.keywords):  # Symbol('s0', integer=True)
+                return False
+        elif isinstance(node, ast.Attribute):
+            if node.attr.startswith("_") or not (node.attr in _SHAPE_METHODS or (isinstance(node.value, ast.Name) and node.value.id == "math")):
+                return False
+        elif isinstance(node, ast.Name):
+            if node.id.startswith("_") or node.id in {"eval", "exec", "open", "compile", "getattr", "globals", "locals", "vars"}:
+                return False
+        elif not isinstance(node, (ast.Expression, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.Constant, ast.Subscript,
+                                   ast.Load, ast.operator, ast.unaryop, ast.boolop, ast.cmpop, ast.Tuple, ast.keyword)):
+            return False
+    return True
 
 
 def _pickled_payload(raw: bytes, config_file: str, base: str, kind: str, tensor_prefix: str) -> tuple[str, str] | None:

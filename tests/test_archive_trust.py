@@ -151,6 +151,89 @@ def test_names_differing_only_in_case_are_refused(tmp_path):
         planner.load_export(twin)
 
 
+def test_parts_are_found_under_any_letter_case(tmp_path):
+    """torch's zip reader looks records up ignoring case, so a renamed part is still loaded (and must be checked)."""
+    marker = tmp_path / "marker"
+    ok = save_archive(tmp_path / "ok.pt2")
+    renamed = tmp_path / "case.pt2"
+    with zipfile.ZipFile(ok) as zin, zipfile.ZipFile(renamed, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("data/sample_inputs/model.pt"):
+                info.filename = info.filename.replace("sample_inputs", "SAMPLE_Inputs")
+                data = torch_pickle(WritesMarker(marker))
+            zout.writestr(info, data)
+    with pytest.raises(UntrustedArchiveError, match="data/SAMPLE_Inputs/model.pt"):
+        planner.load_export(renamed)
+    assert not marker.exists()
+    with pytest.raises(ModelLoadError):
+        planner.load_export(renamed, trust_archive=True)
+    assert marker.exists()  # torch did find and unpickle the renamed part
+
+
+def edit_program(src: Path, dst: Path, edit) -> Path:
+    program = json.loads(read_member(src, "models/model.json"))
+    edit(program)
+    return rewrite(src, dst, {"models/model.json": json.dumps(program).encode()})
+
+
+def test_guard_code_is_code_too(tmp_path):
+    """guards_code strings are exec'd into the module's input check: not a pickle, but code all the same."""
+    marker = tmp_path / "marker"
+    evil = edit_program(save_archive(tmp_path / "ok.pt2"), tmp_path / "guard.pt2",
+                        lambda p: p.update(guards_code=[f"open({str(marker)!r}, 'w').write('ran') > 0"]))
+    with pytest.raises(UntrustedArchiveError, match="models/model.json.*has a guard .*open"):
+        planner.load_source(evil)
+    src = planner.load_source(evil, trust_archive=True)
+    src.model(*src.example_inputs)
+    assert marker.read_text() == "ran"
+
+
+def test_graph_calling_a_non_operator_is_refused(tmp_path):
+    def retarget(program):
+        node = next(n for n in program["graph_module"]["graph"]["nodes"] if n["target"] == "torch.ops.aten.add.Tensor")
+        node["target"] = "torch.os.system"  # torch resolves any callable reachable from `torch`
+
+    evil = edit_program(save_archive(tmp_path / "ok.pt2"), tmp_path / "call.pt2", retarget)
+    with pytest.raises(UntrustedArchiveError, match="has a call target 'torch.os.system'"):
+        planner.load_export(evil)
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("Mul(Integer(2), Symbol('s74', positive=True, integer=True))", True),
+    ("(L['x'].size()[0] // 2) <= L['y'].size()[0]", True),
+    ("Max(2, s0) == FloorDiv(s1, 2)", True),
+    ("__import__('os').system('true')", False),
+    ("exec('1')", False),
+    ("Symbol('s0').__class__", False),
+    ("L['x'].size.__globals__", False),
+    ("Symbol(open('f').read())", False),
+    ("lambda: 1", False),
+])
+def test_symbolic_expressions_are_shape_arithmetic_only(text, ok):
+    from planner.source import _is_shape_expression
+
+    assert _is_shape_expression(text) is ok
+
+
+def test_dynamic_shape_archive_loads_without_trust(tmp_path):
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            with torch.no_grad():  # a higher-order op in the graph
+                z = self.lin(x)
+            return z.sum(0) + y[: x.shape[0] // 2].sum(0)
+
+    half = torch.export.Dim("half", min=2, max=32)
+    ep = torch.export.export(Pair(), (torch.randn(6, 4), torch.randn(12, 3)), dynamic_shapes={"x": {0: 2 * half}, "y": {0: 4 * half}})
+    torch.export.save(ep, str(tmp_path / "dyn.pt2"))
+    src = planner.load_source(tmp_path / "dyn.pt2")
+    assert src.example_inputs[0].shape == (6, 4)
+
+
 def test_old_layout_parts_are_checked(tmp_path):
     """torch <= 2.7 archives (a top-level 'version' file) are read with zipfile and the same fallback."""
     old = tmp_path / "old.pt2"
