@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import logging
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import networkx as nx
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from planner.capability import alias_chain, annotate_capability, is_inplace
 from planner.errors import TraceError
+from planner.inputs import traced_specs
+from planner.plan import InputSpec
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
 
@@ -58,6 +61,8 @@ class ModelGraph:
     fingerprint: str
     example_values: dict[str, Any] = field(repr=False, default_factory=dict)  # node -> value on example inputs
     out_spec: Any = None  # pytree spec of the output for export graphs (flat outputs otherwise)
+    input_specs: dict[str, InputSpec] = field(default_factory=dict)  # traced shape/dtype/dynamic dims per input (planner.inputs)
+    input_guard: Any = field(repr=False, default=None)  # export's input-guard function (one member's inputs), None for fx
 
     @property
     def compute_nodes(self) -> list[str]:
@@ -81,9 +86,13 @@ class ModelGraph:
 # --- tracing -------------------------------------------------------------------
 
 def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.GraphModule, str, str]:
-    """Trace with torch.fx, falling back to torch.export. Returns (gm, tracer, note)."""
+    """Trace with torch.fx, falling back to torch.export. Returns (gm, tracer, note).
+
+    The graph takes exactly the inputs `example_inputs` gives: forward() parameters
+    after them keep their defaults (see `_fx_trace`).
+    """
     try:
-        gm = torch.fx.symbolic_trace(model)
+        gm = _fx_trace(model, len(example_inputs))
         return gm, "fx", ""
     except Exception as e:  # fx raises many types for untraceable Python
         fx_error = f"{type(e).__name__}: {_first_line(e)}"
@@ -98,13 +107,114 @@ def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.Grap
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
 
 
-def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
-    """torch.export's graph of `model` (non-strict, quiet unless it succeeds), without the input-guard node."""
-    with _quiet_on_failure():
-        ep = torch.export.export(model, tuple(example_inputs), strict=False)
-    gm = ep.module()
-    _drop_guard_nodes(gm)
+def _fx_trace(model: nn.Module, given: int | Sequence[str]) -> torch.fx.GraphModule:
+    """torch.fx's graph of `model` taking only the `given` inputs (a count of leading parameters, or names).
+
+    Without this, a forward(x, mask=None, flag=False) called with x alone traces
+    to a graph with three required placeholders. The other parameters that have
+    defaults are traced as constants (fx `concrete_args`), so `if mask is not None`
+    takes the branch the default takes, and their placeholders are removed.
+    """
+    fixed = _defaults_not_given(model, given)
+    gm = torch.fx.symbolic_trace(model, concrete_args=fixed or None)
+    if fixed:
+        _drop_concrete_placeholders(gm, fixed)
     return gm
+
+
+def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
+    """forward() parameters with a default that `given` (a count or names) does not supply -> their defaults."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a readable signature: trace it as it is
+        return {}
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if isinstance(given, int):
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            return {}  # forward(x, *rest, ...): extra positionals go to *rest, nothing to fix
+        names = {p.name for p in named[:given]}
+    else:
+        names = set(given)
+    return {p.name: p.default for p in named if p.name not in names and p.default is not p.empty}
+
+
+def _drop_concrete_placeholders(gm: torch.fx.GraphModule, fixed: dict[str, Any]) -> None:
+    """Remove fx's placeholders for `concrete_args` (`mask_1`) and the value checks that are their only users."""
+    prefixes = tuple(f"{name}_" for name in fixed)
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and str(n.target).startswith(prefixes)]:
+        users = _all_users(node)
+        if all(u.op == "call_function" for u in users):  # only fx's `eq`/`_assert` specialisation checks
+            for u in reversed(users):
+                gm.graph.erase_node(u)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _all_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every node that depends on `node`, in graph order."""
+    seen: dict[torch.fx.Node, None] = {}
+    todo = list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen[n] = None
+            todo.extend(n.users)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
+    """torch.export's graph of `model` (non-strict, quiet unless it succeeds), without the input-guard node.
+
+    Every dim of every tensor input is offered to export as dynamic (Dim.AUTO):
+    dims the model does not specialise stay symbolic, so the plan accepts other
+    batch sizes and sequence lengths; dims it does specialise (a loop over
+    x.shape[1]) stay fixed. A model that fails that way is exported static.
+    The symbol ranges go to gm.meta["stagewise_ranges"], the guard function stays
+    as gm._guards_fn (planner.inputs records and checks what they say).
+    """
+    args = tuple(example_inputs)
+    auto = tree_map(lambda v: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None, args)
+    try:
+        with _quiet_on_failure():
+            ep = torch.export.export(model, args, dynamic_shapes=auto, strict=False)
+    except Exception:  # export raises many types; the static export below reports its own failure
+        with _quiet_on_failure():
+            ep = torch.export.export(model, args, strict=False)
+    gm = ep.module()
+    gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
+    _drop_guard_nodes(gm)
+    _sizes_as_methods(gm)
+    return gm
+
+
+_SYM_QUERIES = {"aten::sym_size.int": "size", "aten::sym_numel": "numel", "aten::sym_stride.int": "stride"}
+
+
+def _sizes_as_methods(gm: torch.fx.GraphModule) -> None:
+    """`aten.sym_size.int(x, 0)` -> `x.size(0)` (same value): vmap has no rule for the aten op, but a
+    batched tensor's size() is one member's size. Dynamic dims put these reads in the graph."""
+    changed = False
+    for node in gm.graph.nodes:
+        method = _SYM_QUERIES.get(getattr(node.target, "name", lambda: "")()) if node.op == "call_function" else None
+        if method:
+            node.op, node.target, changed = "call_method", method, True
+    if changed:
+        gm.recompile()
+
+
+def _range_of(vr) -> tuple[int, int | None]:
+    """A sympy value range as (min, max or None for unbounded)."""
+    lo, hi = _finite_int(vr.lower), _finite_int(vr.upper)
+    return max(lo or 0, 0), hi
+
+
+def _finite_int(v) -> int | None:
+    """int(v) for a finite sympy bound, None for +-infinity (torch's int_oo)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
 
 
 @contextlib.contextmanager
@@ -153,7 +263,26 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True) -> Mod
         traced graph does not run on the example inputs.
     """
     example_inputs = tuple(example_inputs)
+    before = StateSnapshot.take(model)
     gm, tracer, note = fx_or_export(model, example_inputs)
+    changed = before.restore_if_changed(model)
+    if changed and tracer == "fx" and not changed.attributes:
+        # fx ran forward() on the real module: an in-place update of real state happened
+        # at trace time and is missing from the graph. export records such updates as nodes.
+        try:
+            gm = _export(model, example_inputs)
+        except Exception as e:
+            raise TraceError(
+                f"forward() updates {changed.describe()} in place, which torch.fx cannot record, and torch.export "
+                f"failed ({type(e).__name__}: {_first_line(e)}); move the update out of forward() or make it exportable"
+            ) from None
+        tracer, note = "export", f"forward() updates {changed.describe()} in place, which torch.fx cannot record; traced with torch.export"
+        changed = before.restore_if_changed(model)
+    if changed:
+        raise TraceError(
+            f"forward() changes {changed.describe()} while it is traced, and the traced graph cannot repeat that per member; "
+            "keep counters and caches out of forward(), or hold them in a tensor buffer updated in place"
+        )
     values, flops = _run_and_record(gm, example_inputs)
     graph = graph_of(gm, tracer, note, values, flops)
     if probe:
@@ -161,11 +290,16 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True) -> Mod
     return graph
 
 
-def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None) -> ModelGraph:
-    """Trace `model` again with the tracer a plan records, structure only (no shapes, no probe)."""
+def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_names: Sequence[str] | None = None) -> ModelGraph:
+    """Trace `model` again with the tracer a plan records, structure only (no shapes, no probe).
+
+    `input_names` (the plan's inputs) tells fx which forward() parameters the plan
+    takes; without it, the first len(example_inputs) (or all without defaults).
+    """
     if tracer == "fx":
+        given = input_names if input_names is not None else len(example_inputs or ())
         try:
-            gm = torch.fx.symbolic_trace(model)
+            gm = _fx_trace(model, given)
         except Exception as e:
             raise TraceError(f"torch.fx cannot trace this member ({type(e).__name__}: {_first_line(e)}), but the plan was made with fx; re-plan this model") from None
         return graph_of(gm, "fx", "")
@@ -214,6 +348,8 @@ def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | No
         fingerprint=fingerprint(gm),
         example_values=values,
         out_spec=getattr(gm, "_out_spec", None) if tracer == "export" else None,
+        input_specs=traced_specs(gm, tracer, values),
+        input_guard=getattr(gm, "_guards_fn", None) if tracer == "export" else None,
     )
 
 
@@ -239,6 +375,84 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
         for other in sorted(touched - {node}, key=pos.__getitem__):
             edges.append((other.name, node.name) if pos[other] < pos[node] else (node.name, other.name))
     return edges
+
+
+PLAIN_TYPES = (bool, int, float, str, type(None))
+
+
+def plain_attributes(model: nn.Module) -> dict[str, Any]:
+    """Python-number/string attributes of every submodule ("act.negative_slope": 0.1), private ones and `training` left out.
+
+    These are what tracing bakes into the graph as constants. Tuples and lists of
+    plain values count as plain.
+    """
+    out: dict[str, Any] = {}
+    for path, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, PLAIN_TYPES) or (isinstance(v, (tuple, list)) and all(isinstance(x, PLAIN_TYPES) for x in v)):
+                out[f"{path}.{k}" if path else k] = v
+    return out
+
+
+@dataclass
+class StateChange:
+    """What tracing changed on the real module."""
+
+    tensors: list[str]
+    attributes: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors or self.attributes)
+
+    def describe(self) -> str:
+        parts = [f"state {', '.join(repr(t) for t in self.tensors[:3])}" if self.tensors else "",
+                 f"attribute(s) {', '.join(repr(a) for a in self.attributes[:3])}" if self.attributes else ""]
+        return " and ".join(p for p in parts if p)
+
+
+@dataclass
+class StateSnapshot:
+    """A copy of a module's parameters, buffers and plain attributes, to see (and undo) what tracing changed."""
+
+    tensors: dict[str, torch.Tensor]
+    versions: dict[str, int]  # autograd version counters: an in-place op that leaves the values alone still counts
+    attributes: dict[str, Any]
+
+    @staticmethod
+    def take(model: nn.Module) -> "StateSnapshot":
+        live = dict([*model.named_parameters(), *model.named_buffers()])
+        with torch.no_grad():
+            tensors = {k: t.detach().clone() for k, t in live.items()}
+        return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)))
+
+    def restore_if_changed(self, model: nn.Module) -> StateChange:
+        """Compare with `model` now; put changed tensors back. Returns what had changed."""
+        now = dict([*model.named_parameters(), *model.named_buffers()])
+        changed = [k for k, t in self.tensors.items()
+                   if k in now and (now[k]._version != self.versions[k] or not _same_tensor(now[k], t))]
+        with torch.no_grad():
+            for k in changed:
+                now[k].copy_(self.tensors[k])
+                self.versions[k] = now[k]._version  # the copy back is not a change of the next step
+        attrs = plain_attributes(model)
+        moved = [k for k in self.attributes.keys() | attrs.keys() if self.attributes.get(k) != attrs.get(k)]
+        return StateChange(changed, sorted(moved))
+
+
+def copy_plain(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, list) else v for k, v in attrs.items()}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN equal to NaN: an untouched NaN buffer is not a change)."""
+    a = a.detach()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    return bool(torch.equal(a, b))
 
 
 class _Recorder(torch.fx.Interpreter):

@@ -113,14 +113,87 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class DynamicDim:
+    """One dim of a traced input that the plan accepts at other sizes.
+
+    Export plans: a dim torch.export left symbolic (Dim.AUTO); fx plans: every dim
+    (an fx graph is shape-generic). Sizes 0 and 1 are accepted like torch.export's
+    own input guards accept them.
+    """
+
+    dim: int  # index into one member's tensor (no member axis)
+    min: int = 0  # smallest accepted size (0: no lower bound)
+    max: int | None = None  # largest accepted size (None: no upper bound)
+    symbol: str = ""  # dims with the same symbol ("d0", ...), in any input, must have equal sizes; "" = free
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"dim": self.dim}
+        if self.min:
+            d["min"] = self.min
+        if self.max is not None:
+            d["max"] = self.max
+        if self.symbol:
+            d["symbol"] = self.symbol
+        return d
+
+    @staticmethod
+    def from_json(d: Any, *, where: str) -> "DynamicDim":
+        if isinstance(d, Mapping):
+            dim, lo, hi, sym = d.get("dim"), d.get("min", 0), d.get("max"), d.get("symbol", "")
+            if _is_size(dim) and _is_size(lo) and (hi is None or _is_size(hi)) and isinstance(sym, str):
+                return DynamicDim(dim, lo, hi, sym)
+        raise PlanFileError(f"{where}: each dynamic_dims entry must be an object like {{\"dim\": 0}} "
+                            f"(optional integer min/max, string symbol), got {d!r}; fix it or re-create the plan with `stagewise plan`")
+
+
+def _is_size(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+@dataclass(frozen=True)
 class InputSpec:
-    """One model input (an fx placeholder) and how members receive it."""
+    """One model input (an fx placeholder), how members receive it, and what the trace assumed of it.
+
+    shape/dtype/dynamic_dims describe one member's input as traced; they are
+    None/None/() in plan files written before they were recorded.
+    """
 
     name: str
     mode: InputMode = InputMode.SHARED
+    shape: tuple[int, ...] | None = None  # one member's traced shape; None for a non-tensor input or when unknown
+    dtype: str | None = None  # "float32", "int64"...; a Python type name ("int") for a non-tensor; None when unknown
+    dynamic_dims: tuple[DynamicDim, ...] = ()  # dims accepted at other sizes; every other dim is fixed at `shape`
 
     def to_json(self) -> dict:
-        return {"name": self.name, "mode": self.mode.value}
+        d: dict[str, Any] = {"name": self.name, "mode": self.mode.value}
+        if self.dtype is not None:
+            d.update(shape=list(self.shape) if self.shape is not None else None, dtype=self.dtype,
+                     dynamic_dims=[dd.to_json() for dd in self.dynamic_dims])
+        return d
+
+    @staticmethod
+    def from_json(d: Any) -> "InputSpec":
+        if not isinstance(d, Mapping):
+            raise PlanFileError(f"each input must be a JSON object with a name, got {d!r}; re-create the plan with `stagewise plan`")
+        name = str(d["name"])
+        shape, dtype, dyn = d.get("shape"), d.get("dtype"), d.get("dynamic_dims", [])
+        where = f"input {name!r}"
+        if shape is not None and (not isinstance(shape, list) or not all(_is_size(s) for s in shape)):
+            raise PlanFileError(f"{where}: shape must be a list of non-negative integers or null, got {shape!r}; fix it or re-create the plan")
+        if dtype is not None and not isinstance(dtype, str):
+            raise PlanFileError(f"{where}: dtype must be a string such as \"float32\", got {dtype!r}; fix it or re-create the plan")
+        if not isinstance(dyn, list):
+            raise PlanFileError(f"{where}: dynamic_dims must be a list, got {dyn!r}; fix it or re-create the plan")
+        dims = tuple(DynamicDim.from_json(x, where=where) for x in dyn)
+        rank = len(shape) if shape is not None else 0
+        bad = [x.dim for x in dims if x.dim >= rank]
+        if bad:
+            raise PlanFileError(f"{where}: dynamic dim {bad[0]} is outside its traced shape {shape}; fix it or re-create the plan")
+        return InputSpec(name, InputMode(d.get("mode", "shared")), tuple(shape) if shape is not None else None, dtype, dims)
+
+    def dynamic_dim(self, dim: int) -> DynamicDim | None:
+        """The DynamicDim for `dim`, or None when the trace fixed that dim."""
+        return next((x for x in self.dynamic_dims if x.dim == dim), None)
 
 
 @dataclass(frozen=True)
@@ -177,7 +250,7 @@ class Plan:
         specs = []
         for spec in self.inputs:
             mode = modes.get(spec.name, spec.mode)
-            specs.append(InputSpec(spec.name, InputMode(mode)))
+            specs.append(replace(spec, mode=InputMode(mode)))
         unknown = set(modes) - {s.name for s in self.inputs}
         if unknown:
             raise PlanMismatchError(f"unknown inputs {sorted(unknown)}; inputs are {[i.name for i in self.inputs]}")
@@ -217,7 +290,7 @@ class Plan:
         if not isinstance(d["inputs"], list) or not isinstance(d["stages"], list):
             raise PlanFileError(f"{source}: 'inputs' and 'stages' must be JSON lists; re-create the plan with `stagewise plan`")
         try:
-            inputs = tuple(InputSpec(str(i["name"]), InputMode(i.get("mode", "shared"))) for i in d["inputs"])
+            inputs = tuple(InputSpec.from_json(i) for i in d["inputs"])
             stages = tuple(Stage.from_json(s) for s in d["stages"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # Stage.from_json's PlanFileError passes through
             raise PlanFileError(f"{source}: malformed inputs or stages ({e!r}); re-create the plan with `stagewise plan`") from None

@@ -10,6 +10,7 @@ their consumers when those are all in one stage.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 from planner.errors import PlanMismatchError
@@ -78,7 +79,8 @@ def _input_specs(graph: ModelGraph, input_mode) -> tuple[InputSpec, ...]:
     specs = []
     for name in graph.input_names:
         try:
-            specs.append(InputSpec(name, InputMode(modes[name])))
+            traced = graph.input_specs.get(name, InputSpec(name))  # shape, dtype and dynamic dims as traced
+            specs.append(replace(traced, mode=InputMode(modes[name])))
         except ValueError:
             raise PlanMismatchError(f"input mode {modes[name]!r} for {name!r} is not one of 'shared', 'per_member'") from None
     return tuple(specs)

@@ -262,12 +262,15 @@ def test_plan_for_same_names_other_shapes(sample):
         executor.build(plan, wide)
 
 
-def test_export_plans_need_example_inputs(sample):
+def test_export_plans_build_from_the_recorded_input_shapes(sample):
     src, _, plan = plan_for(sample, "shape_loop", 2)
     assert plan.tracer == "export"
-    with pytest.raises(planner.TraceError, match="example_inputs="):
-        executor.build(plan, src.members(2))
-    module = executor.build(plan, src.members(2), example_inputs=src.example_inputs)
+    module = executor.build(plan, src.members(2))  # no example_inputs: the plan records shapes and dtypes
+    assert module(*src.example_inputs).shape == (2, 8, 32)
+    old_file = dataclasses.replace(plan, inputs=tuple(planner.InputSpec(i.name, i.mode) for i in plan.inputs))
+    with pytest.raises(planner.TraceError, match="example_inputs="):  # a plan file from before shapes were recorded
+        executor.build(old_file, src.members(2))
+    module = executor.build(old_file, src.members(2), example_inputs=src.example_inputs)
     assert module(*src.example_inputs).shape == (2, 8, 32)
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import planner
+from planner.plan import DynamicDim
 from planner import InputMode, InputSpec, Plan, PlanFileError, PlanMismatchError, Stage, StageMode, StageOptions, Strategy
 from conftest import SAMPLE_NAMES
 
@@ -198,6 +199,58 @@ def test_bad_stages(case):
 def test_bad_inputs(inputs):
     with pytest.raises(PlanFileError):
         Plan.from_json(plan_dict(inputs=inputs))
+
+
+# --- input specs: what the trace assumed of each input --------------------------------------
+
+def traced_inputs() -> tuple[InputSpec, ...]:
+    return (
+        InputSpec("ids", InputMode.PER_MEMBER, (2, 12), "int64", (DynamicDim(0, symbol="d0"), DynamicDim(1, min=3, max=64, symbol="d1"))),
+        InputSpec("mask", InputMode.SHARED, (2, 12), "bool", (DynamicDim(0, symbol="d0"),)),
+        InputSpec("n", InputMode.SHARED, None, "int"),
+    )
+
+
+def test_input_specs_round_trip():
+    plan = small_plan(inputs=traced_inputs())
+    again = Plan.loads(plan.dumps())
+    assert again == plan
+    entry = json.loads(plan.dumps())["inputs"][0]
+    assert entry == {"name": "ids", "mode": "per_member", "shape": [2, 12], "dtype": "int64",
+                     "dynamic_dims": [{"dim": 0, "symbol": "d0"}, {"dim": 1, "min": 3, "max": 64, "symbol": "d1"}]}
+
+
+def test_plan_file_without_input_specs_loads():
+    """A plan file written before input shapes were recorded (inputs hold only name and mode)."""
+    text = json.dumps({"schema_version": 1, "fingerprint": "0123456789abcdef", "tracer": "export", "n_members": 2,
+                       "inputs": [{"name": "x", "mode": "shared"}], "stages": [{"id": "s0", "nodes": ["fc"]}]})
+    plan = Plan.loads(text)
+    assert plan.inputs == (InputSpec("x"),)
+    assert (plan.inputs[0].shape, plan.inputs[0].dtype, plan.inputs[0].dynamic_dims) == (None, None, ())
+    assert json.loads(plan.dumps())["inputs"] == [{"name": "x", "mode": "shared"}]  # saved again as it was
+
+
+def test_with_input_modes_keeps_the_traced_spec():
+    plan = small_plan(inputs=traced_inputs()).with_input_modes({"mask": "per_member"})
+    assert plan.inputs[1].mode is InputMode.PER_MEMBER and plan.inputs[1].shape == (2, 12) and plan.inputs[1].dtype == "bool"
+
+
+BAD_SPECS = {
+    "shape not a list": ({"shape": "2x12", "dtype": "int64"}, "shape must be a list"),
+    "negative size": ({"shape": [2, -1], "dtype": "int64"}, "shape must be a list"),
+    "dtype not a string": ({"shape": [2], "dtype": 64}, "dtype must be a string"),
+    "dims not a list": ({"shape": [2], "dtype": "int64", "dynamic_dims": 0}, "dynamic_dims must be a list"),
+    "dim not an object": ({"shape": [2], "dtype": "int64", "dynamic_dims": [0]}, "each dynamic_dims entry"),
+    "dim outside shape": ({"shape": [2], "dtype": "int64", "dynamic_dims": [{"dim": 1}]}, "dynamic dim 1 is outside"),
+    "bad max": ({"shape": [2], "dtype": "int64", "dynamic_dims": [{"dim": 0, "max": "big"}]}, "each dynamic_dims entry"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_bad_input_specs(case):
+    fields, message = BAD_SPECS[case]
+    with pytest.raises(PlanFileError, match=f"input 'x': {message}"):
+        Plan.from_json(plan_dict(inputs=[{"name": "x", "mode": "shared", **fields}]))
 
 
 @pytest.mark.parametrize("n", [0, -2, 1.5, "8", None, True])

@@ -240,3 +240,209 @@ def test_inplace_on_an_activation_orders_its_other_readers():
     assert graph.dag.edges["mul_", "sub"].get("order") is True  # read after it
     plan = planner.exclude(planner.propose(graph, 2), graph, "mul_")
     assert [s.nodes for s in plan.stages] == [("fc", "add"), ("mul_",), ("sub",)]
+
+
+# --- what the trace assumed of the inputs (shape guards of an export trace) -------------------
+
+import copy  # noqa: E402
+
+import executor  # noqa: E402
+from planner import InputError, InputMode  # noqa: E402
+from planner.plan import DynamicDim  # noqa: E402
+
+
+class ShapeBranch(nn.Module):
+    """fx cannot trace `if x.shape[1] > 10`; export keeps dim 1 dynamic with the guard x.shape[1] >= 11."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if x.shape[1] > 10:
+            h = h.cumsum(1)
+        else:
+            h = h * 2
+        return h.mean(1)
+
+
+class PairLoop(nn.Module):
+    """Two inputs whose batch dims export ties together (x + y), and a loop over x.shape[1] (fixed dim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = self.fc(y)
+        for t in range(x.shape[1]):
+            h = torch.tanh(h + self.fc(x[:, t]))
+        return h
+
+
+def _members(cls, n, seed=0):
+    torch.manual_seed(seed)
+    return [cls().eval() for _ in range(n)]
+
+
+def _loop(members, *inputs, per_member=False):
+    with torch.no_grad():
+        return torch.stack([m(*(x[i] for x in inputs) if per_member else inputs) for i, m in enumerate(members)])
+
+
+def _built(cls, example, n=3, mode="shared"):
+    members = _members(cls, n)
+    graph = planner.trace(copy.deepcopy(members[0]), example)
+    plan = planner.propose(graph, n, mode)
+    plan = planner.Plan.loads(plan.dumps())  # what a saved plan file gives back
+    return plan, members, executor.build(plan, members)  # no example_inputs: the plan's traced shapes are used
+
+
+def test_export_plan_records_traced_shapes_and_dynamic_dims(sample):
+    src, graph = sample("shape_loop")
+    plan = planner.propose(graph, 2)
+    (x,) = plan.inputs
+    assert (x.shape, x.dtype) == ((8, 12, 32), "float32")
+    assert x.dynamic_dim(0) == DynamicDim(0, symbol="d0")  # batch: any size
+    assert x.dynamic_dim(1) is None and x.dynamic_dim(2) is None  # unrolled loop and Linear's in-features: fixed
+
+
+def test_fx_plan_records_every_dim_as_dynamic(sample):
+    _, graph = sample("mlp")
+    (x,) = planner.propose(graph, 2).inputs
+    assert (x.shape, x.dtype) == ((32, 64), "float32")
+    assert [d.dim for d in x.dynamic_dims] == [0, 1]
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_export_plan_called_at_another_sequence_length_refuses_before_running(mode):
+    plan, members, ens = _built(ShapeLoopTiny, (torch.randn(2, 6, 4),), mode=mode)
+    assert plan.tracer == "export"
+    x = torch.randn(2, 9, 4)
+    if mode == "per_member":
+        x = x.expand(3, -1, -1, -1).contiguous()
+    calls = []
+    for p in ens.programs:  # nothing may run
+        p.module.register_forward_pre_hook(lambda *a: calls.append(1))
+    where = r" \(of each member's input, after the member axis\)" if mode == "per_member" else ""
+    with pytest.raises(InputError, match=rf"input 'x' has size 9 at dim 1{where}, but the plan was traced with torch.export "
+                                         r"at size 6 and the trace fixed that dim; pass size 6 there or re-plan"):
+        ens(x)
+    assert not calls
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_export_plan_takes_other_batch_sizes_and_matches_the_loop(mode):
+    plan, members, ens = _built(ShapeLoopTiny, (torch.randn(2, 6, 4),), mode=mode)
+    per_member = mode == "per_member"
+    g = torch.Generator().manual_seed(3)
+    for batch in (2, 5, 5, 1):  # two calls at one shape, other shapes, size 1 (export's guards accept it too)
+        x = torch.randn(*((3,) if per_member else ()), batch, 6, 4, generator=g)
+        with torch.no_grad():
+            got = ens(x)
+        torch.testing.assert_close(got, _loop(members, x, per_member=per_member), rtol=1e-5, atol=1e-6)
+    assert (got[0] - got[1]).abs().max() > 1e-3  # members really differ
+
+
+def test_export_plan_with_a_guarded_range():
+    plan, members, ens = _built(ShapeBranch, (torch.randn(4, 12, 8),))
+    (x,) = plan.inputs
+    assert x.dynamic_dim(1).min == 11 and x.dynamic_dim(1).max is None  # the branch taken holds for >= 11
+    for shape in [(4, 12, 8), (6, 20, 8), (6, 20, 8)]:
+        inp = torch.randn(*shape)
+        torch.testing.assert_close(ens(inp), _loop(members, inp), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match=r"input 'x' has size 8 at dim 1; the plan's torch.export trace accepts 11\.\.any"):
+        ens(torch.randn(4, 8, 8))  # the other branch: the loop would compute h * 2, the plan cumsum
+
+
+def test_export_plan_checks_dtype_rank_and_tied_dims():
+    plan, members, ens = _built(PairLoop, (torch.randn(3, 5, 4), torch.randn(3, 4)))
+    x, y = plan.inputs
+    assert x.dynamic_dim(0).symbol == y.dynamic_dim(0).symbol != ""  # export ties the two batch dims
+    a, b = torch.randn(7, 5, 4), torch.randn(7, 4)
+    torch.testing.assert_close(ens(a, b), _loop(members, a, b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match=r"input 'y' has size 6 at dim 0, but input 'x' has size 7 at dim 0.*equal"):
+        ens(a, torch.randn(6, 4))
+    with pytest.raises(InputError, match=r"input 'x' is float64.*assumed float32; pass .to\(torch.float32\)"):
+        ens(a.double(), b)
+    with pytest.raises(InputError, match=r"input 'y' has 3 dims \[1, 7, 4\].*traced with 2 dims \[3, 4\]"):
+        ens(a, b[None])
+
+
+def test_fx_plan_is_not_checked_against_traced_shapes(sample):
+    src, graph = sample("mlp")  # fx graphs are shape- and dtype-generic: other shapes must not be refused
+    plan = planner.propose(graph, 2)
+    members = src.members(2)
+    ens = executor.build(plan, members)
+    for x in (torch.randn(7, 64), torch.randn(3, 5, 64)):
+        torch.testing.assert_close(ens(x), _loop(members, x), rtol=1e-5, atol=1e-6)
+
+
+class ShapeLoopTiny(nn.Module):
+    """shape_loop in small: a Python loop over x.shape[1] that fx cannot trace and export unrolls."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], 4)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.cell(x[:, t]) + h)
+        return h
+
+
+def test_old_plan_file_without_shapes_is_still_guarded():
+    plan, members, _ = _built(ShapeLoopTiny, (torch.randn(2, 6, 4),))
+    d = plan.to_json()
+    d["inputs"] = [{"name": i["name"], "mode": i["mode"]} for i in d["inputs"]]  # as written before shapes were recorded
+    old = planner.Plan.from_json(d)
+    assert old.inputs[0].shape is None
+    with pytest.raises(TraceError, match="example_inputs="):
+        executor.build(old, members)
+    ens = executor.build(old, members, example_inputs=(torch.randn(2, 6, 4),))
+    x = torch.randn(4, 6, 4)
+    torch.testing.assert_close(ens(x), _loop(members, x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match=r"condition of the plan's torch.export trace \(Guard failed: x.size\(\)\[1\] == 6\)"):
+        ens(torch.randn(4, 9, 4))  # export's own guard, kept as a backstop
+
+
+# --- forward() parameters with defaults --------------------------------------------------------
+
+class WithDefaults(nn.Module):
+    """Like timm's ViT blocks: forward(x, attn_mask=None, is_causal=False)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, flag=False, scale=2.0):
+        h = self.fc(x)
+        if mask is not None:
+            h = h * mask
+        if flag:
+            h = h + 1
+        return h * scale
+
+
+def test_fx_parameters_with_defaults_take_their_defaults():
+    members = _members(WithDefaults, 3)
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(2, 4),))
+    assert graph.tracer == "fx" and graph.input_names == ["x"]
+    plan = planner.propose(graph, 3)
+    ens = executor.build(plan, members)
+    for x in (torch.randn(2, 4), torch.randn(5, 4)):
+        torch.testing.assert_close(ens(x), _loop(members, x), rtol=1e-5, atol=1e-6)
+
+
+def test_fx_parameters_given_by_the_example_stay_inputs():
+    members = _members(WithDefaults, 2)
+    example = (torch.randn(2, 4), torch.rand(2, 4))
+    graph = planner.trace(copy.deepcopy(members[0]), example)
+    assert graph.input_names == ["x", "mask"]  # flag and scale keep their defaults
+    ens = executor.build(planner.propose(graph, 2), members)
+    x, mask = torch.randn(3, 4), torch.rand(3, 4)
+    torch.testing.assert_close(ens(x, mask), _loop(members, x, mask), rtol=1e-5, atol=1e-6)
+    again = planner.retrace(copy.deepcopy(members[0]), "fx", None, ["x", "mask"])
+    assert again.fingerprint == graph.fingerprint
