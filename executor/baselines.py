@@ -43,7 +43,7 @@ def _vmapped_model(plan: Plan, members: Sequence[nn.Module], device: torch.devic
     """(vmap of member 0's functional_call over stacked state and the plan's input modes, that stacked state)."""
     base = members[0]
     dims = tuple(0 if spec.mode is InputMode.PER_MEMBER else None for spec in plan.inputs)
-    fn = vmap(lambda state, *xs: functional_call(base, state, xs), in_dims=(0, *dims), randomness="error")
+    fn = vmap(lambda state, *xs: functional_call(base, state, xs, tie_weights=False), in_dims=(0, *dims), randomness="error")
     return fn, stack_member_state(members, device)
 
 

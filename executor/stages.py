@@ -114,7 +114,9 @@ class VmapRunner(Runner):
         module = self.program.module
 
         def one_member(state, inputs):
-            out = functional_call(module, state, tuple(inputs))
+            # tie_weights=False: every name of a tied tensor is in `state` (executor.build.member_state), each
+            # a separate per-member slice of one stacked tensor, which functional_call's tying would refuse
+            out = functional_call(module, state, tuple(inputs), tie_weights=False)
             leaves, spec = tree_flatten(out)
             tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             # non-tensor leaves (sizes, shapes) cannot leave vmap; they are the same for all members
@@ -161,7 +163,7 @@ class LoopRunner(Runner):
         results = []
         for i in range(self.n_members):
             member_args = tuple(member_value(a, i) for a in args)
-            results.append(functional_call(module, self.member_states[i], member_args))
+            results.append(functional_call(module, self.member_states[i], member_args, tie_weights=False))
         n_out = len(self.program.output_names)
         return [PerMember([r[k] for r in results]) for k in range(n_out)]
 

@@ -87,10 +87,27 @@ def as_batched(v, n: int):
     if isinstance(v, Shared):
         return Batched(tree_map(lambda x: x.unsqueeze(0).expand(n, *x.shape).clone() if _is_tensor(x) else x, v.value))
     if isinstance(v, PerMember):
+        base = rows_of_one_tensor(v.values)
+        if base is not None:  # member rows of one stacked tensor (state a loop stage read): keep writing into it
+            return Batched(base)
         return Batched(stack_member_values(v.values)[0])
     # vmap returns a value that did not depend on the members as an expanded view (stride 0 on
     # the member axis): all members would share one memory row, so give them their own
     return Batched(tree_map(lambda x: x.clone() if _is_tensor(x) and x.dim() and x.shape[0] > 1 and x.stride(0) == 0 else x, v.tree))
+
+
+def rows_of_one_tensor(values: list) -> torch.Tensor | None:
+    """The [N, ...] tensor whose rows `values` are (values[i] is a view of base[i]), or None."""
+    if not values or not all(_is_tensor(x) for x in values):
+        return None
+    base = values[0]._base
+    if base is None or base.dim() == 0 or base.shape[0] != len(values):
+        return None
+    for i, x in enumerate(values):
+        row = base[i]
+        if x._base is not base or x.data_ptr() != row.data_ptr() or x.shape != row.shape or x.stride() != row.stride():
+            return None
+    return base
 
 
 def n_first(v, n: int) -> Any:

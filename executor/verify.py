@@ -37,8 +37,9 @@ class VerifyReport:
 
     n_members: int
     rtol: float
-    outputs: list[ErrorRow] = field(default_factory=list)
-    boundaries: list[ErrorRow] = field(default_factory=list)
+    outputs: list[ErrorRow] = field(default_factory=list)  # every call's outputs; rows of calls after the first say "(call k)"
+    boundaries: list[ErrorRow] = field(default_factory=list)  # values crossing stages on the first call
+    calls: int = 1  # consecutive calls compared (state updated in forward carries over between them)
 
     @property
     def ok(self) -> bool:
@@ -49,7 +50,7 @@ class VerifyReport:
         return max([r.max_rel for r in self.outputs] or [0.0])
 
     def to_json(self) -> dict:
-        return {"n_members": self.n_members, "rtol": self.rtol, "ok": self.ok,
+        return {"n_members": self.n_members, "rtol": self.rtol, "ok": self.ok, "calls": self.calls,
                 "outputs": [asdict(r) for r in self.outputs], "boundaries": [asdict(r) for r in self.boundaries]}
 
     def to_text(self) -> str:
@@ -58,7 +59,7 @@ class VerifyReport:
             for r in rows:
                 lines.append(f"{kind + ' ' + r.name:<28} {r.max_abs:>11.3e} {r.max_rel:>11.3e}  {'yes' if r.ok else 'NO'}")
         verdict = "MATCH" if self.ok else "MISMATCH"
-        lines.append(f"{verdict}: batched vs loop over {self.n_members} members, rtol {self.rtol:g}")
+        lines.append(f"{verdict}: batched vs loop over {self.n_members} members, {self.calls} consecutive calls, rtol {self.rtol:g}")
         return "\n".join(lines)
 
 
@@ -110,6 +111,15 @@ def _loop_reference(column: list, got: Any) -> Any:
     return column[0] if all(c == column[0] for c in column) else column  # equal ones stay one plain value
 
 
+def _compare_outputs(report: VerifyReport, got: Any, want: list[Any], suffix: str) -> None:
+    """Add one row per output leaf: the batched output against the members' outputs stacked N-first."""
+    want_stacked = [tree_flatten(w)[0] for w in want]
+    got_leaves = tree_flatten(got)[0]
+    for k, g in enumerate(got_leaves):
+        ref = _loop_reference([w[k] for w in want_stacked], g)
+        report.outputs.extend(compare((f"out[{k}]" if len(got_leaves) > 1 else "out") + suffix, g, ref, report.rtol))
+
+
 def _buffers(members: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
     return [{k: b.detach().clone() for k, b in m.named_buffers()} for m in members]
 
@@ -133,35 +143,35 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float = DEFAULT_RTOL, device=None) -> VerifyReport:
+def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float = DEFAULT_RTOL, device=None,
+           calls: int = 2) -> VerifyReport:
     """Build the plan, run it and the member loop on `inputs`, and compare.
 
     Args:
         inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
         device: where the batched module runs (inputs are copied there); the loop
             runs each member where it already is, on `inputs` as given.
+        calls: consecutive calls compared (at least 2: state a forward() updates
+            drifts from call to call, and one call would not show a plan that drops the update).
     Returns:
         VerifyReport with max abs/rel error per output leaf and per stage-boundary value.
         The members are left as they were: buffer updates made in forward() are undone.
     """
+    if not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"calls must be an int >= 1, got {calls!r}")
     members = list(members)
     inputs = tuple(inputs)
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=device)
-    with torch.no_grad():
-        # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
-        on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
-        got, env = module.run_stages(*on_device, keep=True)
+    report = VerifyReport(n_members=plan.n_members, rtol=rtol, calls=calls)
     saved = _buffers(members)  # forward may update buffers in place; each run starts from the same state
-    want = loop_outputs(plan, members, inputs)
-    report = VerifyReport(n_members=plan.n_members, rtol=rtol)
-    want_stacked = [tree_flatten(w)[0] for w in want]
-    got_leaves = tree_flatten(got)[0]
-    for k, g in enumerate(got_leaves):
-        ref = _loop_reference([w[k] for w in want_stacked], g)
-        report.outputs.extend(compare(f"out[{k}]" if len(got_leaves) > 1 else "out", g, ref, rtol))
+    # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
+    on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
+    with torch.no_grad():
+        got, env = module.run_stages(*on_device, keep=True)
+    _compare_outputs(report, got, loop_outputs(plan, members, inputs), "")
     _restore_buffers(members, saved)
-    # boundaries: each member's own graph run, compared with what crossed the stage boundary
+    # boundaries of the first call: each member's own graph run, compared with what crossed the stage boundary
     boundary = [n for p in module.programs for n in p.output_names]
     per_member = []
     for i, m in enumerate(members):
@@ -182,6 +192,14 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             worst = max(seen, key=lambda r: r.max_rel, default=ErrorRow(name, 0.0, 0.0, True))
             report.boundaries.append(ErrorRow(name, worst.max_abs, worst.max_rel, worst.ok))
     _restore_buffers(members, saved)  # after comparing: recorded values may alias the buffers
+    del env, per_member
+    # later calls: state updated by forward() carries over in both, so a plan that drops an update drifts here
+    loop_outputs(plan, members, inputs)  # the loop's first call again, so its state matches the batched module's
+    for call in range(2, calls + 1):
+        with torch.no_grad():
+            got = module.run_stages(*on_device)[0]
+        _compare_outputs(report, got, loop_outputs(plan, members, inputs), f" (call {call})")
+    _restore_buffers(members, saved)
     return report
 
 

@@ -39,25 +39,33 @@ def chain(*checks: Check) -> Check:
     return combined
 
 
+def _base_name(node: torch.fx.Node) -> str:
+    """The op's name without namespace or overload: 'add_', 'view', '__getitem__' ('' for non-calls)."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.name.split("::")[-1]
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+
+
 def _is_inplace_target(node: torch.fx.Node) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    if isinstance(node.target, torch._ops.OpOverload):
-        name = node.target._schema.name.split("::")[-1]
+    name = _base_name(node)
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
-_VIEW_NAMES = ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze")
+_VIEW_NAMES = ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze",
+               "slice", "expand", "as_strided", "alias", "t", "transpose", "permute", "unflatten", "view_as")
 
 
 def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """`node` and the values it is a view of, following view-like calls back (at most 16 steps)."""
+    """`node` and the values it is a view of, following view-like calls and in-place ops (which return their
+    first argument) back, at most 16 steps."""
     chain = [node]
     while len(chain) <= 16:
         if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], torch.fx.Node):
-            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-            if name in _VIEW_NAMES:
+            if _base_name(node) in _VIEW_NAMES or _is_inplace_target(node):
                 node = node.args[0]
                 chain.append(node)
                 continue

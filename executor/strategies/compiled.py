@@ -46,7 +46,7 @@ class CompileRunner(VmapRunner):
 
         def tensors_only(state, inputs):
             # dynamo-friendly twin of VmapRunner's one_member: no side effects, tensors out
-            out = functional_call(module, state, tuple(inputs))
+            out = functional_call(module, state, tuple(inputs), tie_weights=False)
             return tuple(x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
 
         self._tensors_only = tensors_only

@@ -263,7 +263,7 @@ class WideRunner(Runner):
                 return mod(*args, **kwargs)
             out = rule(mod, state, args, kwargs, n) if rule is not None else None
             if out is None:
-                out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw), state, args, kwargs)
+                out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw, tie_weights=False), state, args, kwargs)
             return out
         fn, name = entry
         if not _any_nf((args, kwargs)):

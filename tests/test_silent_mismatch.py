@@ -1,0 +1,169 @@
+"""Models that used to give a wrong batched answer without a word (issue: no wrong answer, ever).
+
+Each model shows one class of hole. Every test either compares the batched
+module with the plain loop over members on several calls and at least two input
+shapes, or asserts that a named StagewiseError is raised before anything runs.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import executor
+import planner
+
+CALLS = 3
+
+
+def loop_reference(members, *inputs):
+    with torch.no_grad():
+        outs = [m(*inputs) for m in members]
+    return torch.stack(outs)
+
+
+def assert_matches_loop(make, inputs_by_call, n=3, build_kwargs=None):
+    """Plan member 0, build the plan, and compare with the loop on every call (state carried across calls)."""
+    torch.manual_seed(0)
+    members = [make(i) for i in range(n)]
+    reference = copy.deepcopy(members)
+    graph = planner.trace(members[0], inputs_by_call[0])
+    plan = planner.propose(graph, n_members=n)
+    ens = executor.build(plan, members, **(build_kwargs or {}))
+    for call, inputs in enumerate(inputs_by_call):
+        with torch.no_grad():
+            got = ens(*inputs)
+        want = loop_reference(reference, *inputs)
+        assert got.shape == want.shape, f"call {call}"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"call {call}: {m}")
+    return plan, ens
+
+
+def calls_with_two_shapes(make_input):
+    """CALLS inputs at batch 5, then CALLS at batch 7 (state keeps drifting across all of them)."""
+    g = torch.Generator().manual_seed(1)
+    return [(make_input(5, g),) for _ in range(CALLS)] + [(make_input(7, g),) for _ in range(CALLS)]
+
+
+# --- 1. state mutated in forward ---------------------------------------------------------------
+
+class RunningMean(nn.Module):
+    """A hand-written running mean: `mul_` runs on the real buffer while fx traces (it never enters the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mu", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.mu.mul_(0.9).add_(0.1 * h.mean(0))
+        return h - self.mu
+
+
+class CountCalls(nn.Module):
+    """A tensor counter bumped with no tensor argument: fx executes it at trace time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.ones(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.fc(x) * self.calls
+
+
+class PythonCounter(nn.Module):
+    """A Python-number counter: no trace can repeat it per member."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.fc(x) * self.steps
+
+
+def randn4(b, g):
+    return torch.randn(b, 4, generator=g)
+
+
+@pytest.mark.parametrize("cls", [RunningMean, CountCalls])
+def test_state_updated_in_forward_matches_loop_over_calls_and_shapes(cls):
+    plan, ens = assert_matches_loop(lambda i: cls(), calls_with_two_shapes(randn4))
+    assert plan.tracer == "export"  # fx would have run the update at trace time
+
+
+@pytest.mark.parametrize("cls", [RunningMean, CountCalls])
+def test_tracing_does_not_change_the_model(cls):
+    model = cls()
+    before = {k: (t.clone(), t._version) for k, t in model.state_dict().items()}
+    planner.trace(model, (torch.randn(5, 4),))
+    for k, t in model.state_dict().items():
+        assert torch.equal(t, before[k][0]), k
+
+
+def test_python_attribute_changed_in_forward_is_refused():
+    model = PythonCounter()
+    with pytest.raises(planner.TraceError, match="steps"):
+        planner.trace(model, (torch.randn(5, 4),))
+    assert model.steps == 0 or model.steps == 1  # fx ran forward once; the refusal says so before any plan exists
+
+
+def test_verify_runs_several_calls_so_drift_shows():
+    torch.manual_seed(0)
+    members = [RunningMean() for _ in range(3)]
+    x = torch.randn(5, 4)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, n_members=3)
+    report = executor.verify(plan, members, (x,))
+    assert report.ok and report.calls >= 2
+    assert all(torch.equal(m.mu, torch.zeros(4)) for m in members)  # verify leaves the members as they were
+
+
+# --- 3. tied parameters --------------------------------------------------------------------------
+
+class TiedHead(nn.Module):
+    """Embedding tied to the output head, with a stage boundary (an `.item()`) between their readers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, t):
+        h = torch.relu(self.mid(self.emb(t)))
+        h = h / (h.abs().max().item() + 1.0)
+        return self.head(h)
+
+
+def tokens(b, g):
+    return torch.randint(0, 10, (b,), generator=g)
+
+
+def test_tied_parameters_reach_every_stage():
+    plan, ens = assert_matches_loop(lambda i: TiedHead(), calls_with_two_shapes(tokens))
+    assert len(plan.stages) > 1
+    state = ens.stacked_state
+    assert state["head.weight"] is state["emb.weight"]  # one tensor: an update reaches both readers
+
+
+def test_tied_parameters_stay_tied_after_in_place_update_and_to():
+    torch.manual_seed(0)
+    members = [TiedHead() for _ in range(2)]
+    graph = planner.trace(members[0], (torch.arange(5),))
+    ens = executor.build(planner.propose(graph, n_members=2), members).to(torch.float64)
+    with torch.no_grad():
+        ens.stacked_state["emb.weight"].mul_(2)
+        for m in members:
+            m.emb.weight.mul_(2)
+    x = torch.arange(6)
+    assert ens.stacked_state["head.weight"] is ens.stacked_state["emb.weight"]
+    torch.testing.assert_close(ens(x), loop_reference([m.double() for m in members], x))
