@@ -33,12 +33,33 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def member_state(member: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers of one member by dotted name."""
-    return {**dict(member.named_parameters()), **dict(member.named_buffers())}
+    """Parameters and buffers of one member by dotted name, every name of a tied tensor included.
+
+    A tensor reachable under several names (an embedding tied to the output head)
+    appears once per name, as the same object: a stage reading `head.weight` must
+    receive this member's tensor even when `emb.weight` is read by another stage.
+    """
+    named = list(member.named_parameters(remove_duplicate=False)) + list(member.named_buffers(remove_duplicate=False))
+    return dict(named)
+
+
+def tied_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Alias name -> first name, for tensors of `state` reachable under several names."""
+    first: dict[int, str] = {}
+    alias = {}
+    for k, t in state.items():
+        owner = first.setdefault(id(t), k)
+        if owner != k:
+            alias[k] = owner
+    return alias
 
 
 def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
-    """Stack member state into [N, ...] tensors; MemberError names the first mismatching member and key."""
+    """Stack member state into [N, ...] tensors; MemberError names the first mismatching member and key.
+
+    Names tied to one tensor in every member share one stacked tensor (the aliasing
+    is kept, so an in-place update reaches every stage that reads it).
+    """
     states = [member_state(m) for m in members]
     ref = states[0]
     for i, st in enumerate(states[1:], start=1):
@@ -52,8 +73,16 @@ def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> di
                     f"member {i} has {k} of shape {list(t.shape)} {t.dtype}, member 0 has {list(ref[k].shape)} {ref[k].dtype}; "
                     "all members must share one architecture"
                 )
+    ties = [tied_names(st) for st in states]
+    shared_ties = {k: v for k, v in ties[0].items() if all(t.get(k) == v for t in ties[1:])}
+    stacked: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        return {k: torch.stack([st[k].detach() for st in states]).to(device) for k in ref}
+        for k in ref:
+            if k in shared_ties:
+                stacked[k] = stacked[shared_ties[k]]
+            else:
+                stacked[k] = torch.stack([st[k].detach() for st in states]).to(device)
+    return stacked
 
 
 def _first_difference(plan: Plan, graph: ModelGraph) -> str:
@@ -110,6 +139,11 @@ class BatchedModule(nn.Module):
         self.programs = [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)]
         self.stage_modules = nn.ModuleList([p.module for p in self.programs]).to(device)  # constants follow .to()
         self._stacked = stacked
+        # a state tensor read by a stage and handed on is that tensor itself, not a copy: an in-place
+        # update downstream (a running mean written by a loop stage) must land in the stacked state
+        gm_nodes = {n.name: n for n in graph.gm.graph.nodes}
+        self._state_outputs = [[(k, str(gm_nodes[name].target)) for k, name in enumerate(p.output_names)
+                                if gm_nodes[name].op == "get_attr" and str(gm_nodes[name].target) in keys] for p in self.programs]
         self._build_runners()
 
     def _build_runners(self) -> None:
@@ -122,7 +156,8 @@ class BatchedModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self._stacked = {k: fn(v) for k, v in self._stacked.items()}
+        moved: dict[int, torch.Tensor] = {}  # tied names share one tensor before and after
+        self._stacked = {k: moved[id(v)] if id(v) in moved else moved.setdefault(id(v), fn(v)) for k, v in self._stacked.items()}
         self._build_runners()
         return self
 
@@ -166,7 +201,7 @@ class BatchedModule(nn.Module):
     def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
         """Run all stages; returns (N-first outputs, boundary values by node name if `keep`)."""
         env = self.bind_inputs(inputs)
-        for program, runner in zip(self.programs, self.runners):
+        for program, runner, state_out in zip(self.programs, self.runners, self._state_outputs):
             args = [env[n] for n in program.input_names]
             if program.writes_in_place:
                 # an in-place write must land in one [N, ...] tensor that later stages read too
@@ -184,6 +219,8 @@ class BatchedModule(nn.Module):
                                  "(per_member ones with a leading [N] axis)") from e
             for name, value in zip(program.output_names, outs):
                 env[name] = value
+            for k, key in state_out:
+                env[program.output_names[k]] = Batched(self._stacked[key])
         result = tree_map(lambda a: n_first(env[a.name], self.n_members) if isinstance(a, torch.fx.Node) else a, self._output_args)
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)

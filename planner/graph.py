@@ -263,7 +263,26 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True) -> Mod
         traced graph does not run on the example inputs.
     """
     example_inputs = tuple(example_inputs)
+    before = StateSnapshot.take(model)
     gm, tracer, note = fx_or_export(model, example_inputs)
+    changed = before.restore_if_changed(model)
+    if changed and tracer == "fx" and not changed.attributes:
+        # fx ran forward() on the real module: an in-place update of real state happened
+        # at trace time and is missing from the graph. export records such updates as nodes.
+        try:
+            gm = _export(model, example_inputs)
+        except Exception as e:
+            raise TraceError(
+                f"forward() updates {changed.describe()} in place, which torch.fx cannot record, and torch.export "
+                f"failed ({type(e).__name__}: {_first_line(e)}); move the update out of forward() or make it exportable"
+            ) from None
+        tracer, note = "export", f"forward() updates {changed.describe()} in place, which torch.fx cannot record; traced with torch.export"
+        changed = before.restore_if_changed(model)
+    if changed:
+        raise TraceError(
+            f"forward() changes {changed.describe()} while it is traced, and the traced graph cannot repeat that per member; "
+            "keep counters and caches out of forward(), or hold them in a tensor buffer updated in place"
+        )
     values, flops = _run_and_record(gm, example_inputs)
     graph = graph_of(gm, tracer, note, values, flops)
     if probe:
@@ -356,6 +375,84 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
         for other in sorted(touched - {node}, key=pos.__getitem__):
             edges.append((other.name, node.name) if pos[other] < pos[node] else (node.name, other.name))
     return edges
+
+
+PLAIN_TYPES = (bool, int, float, str, type(None))
+
+
+def plain_attributes(model: nn.Module) -> dict[str, Any]:
+    """Python-number/string attributes of every submodule ("act.negative_slope": 0.1), private ones and `training` left out.
+
+    These are what tracing bakes into the graph as constants. Tuples and lists of
+    plain values count as plain.
+    """
+    out: dict[str, Any] = {}
+    for path, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, PLAIN_TYPES) or (isinstance(v, (tuple, list)) and all(isinstance(x, PLAIN_TYPES) for x in v)):
+                out[f"{path}.{k}" if path else k] = v
+    return out
+
+
+@dataclass
+class StateChange:
+    """What tracing changed on the real module."""
+
+    tensors: list[str]
+    attributes: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors or self.attributes)
+
+    def describe(self) -> str:
+        parts = [f"state {', '.join(repr(t) for t in self.tensors[:3])}" if self.tensors else "",
+                 f"attribute(s) {', '.join(repr(a) for a in self.attributes[:3])}" if self.attributes else ""]
+        return " and ".join(p for p in parts if p)
+
+
+@dataclass
+class StateSnapshot:
+    """A copy of a module's parameters, buffers and plain attributes, to see (and undo) what tracing changed."""
+
+    tensors: dict[str, torch.Tensor]
+    versions: dict[str, int]  # autograd version counters: an in-place op that leaves the values alone still counts
+    attributes: dict[str, Any]
+
+    @staticmethod
+    def take(model: nn.Module) -> "StateSnapshot":
+        live = dict([*model.named_parameters(), *model.named_buffers()])
+        with torch.no_grad():
+            tensors = {k: t.detach().clone() for k, t in live.items()}
+        return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)))
+
+    def restore_if_changed(self, model: nn.Module) -> StateChange:
+        """Compare with `model` now; put changed tensors back. Returns what had changed."""
+        now = dict([*model.named_parameters(), *model.named_buffers()])
+        changed = [k for k, t in self.tensors.items()
+                   if k in now and (now[k]._version != self.versions[k] or not _same_tensor(now[k], t))]
+        with torch.no_grad():
+            for k in changed:
+                now[k].copy_(self.tensors[k])
+                self.versions[k] = now[k]._version  # the copy back is not a change of the next step
+        attrs = plain_attributes(model)
+        moved = [k for k in self.attributes.keys() | attrs.keys() if self.attributes.get(k) != attrs.get(k)]
+        return StateChange(changed, sorted(moved))
+
+
+def copy_plain(attrs: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, list) else v for k, v in attrs.items()}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN equal to NaN: an untouched NaN buffer is not a change)."""
+    a = a.detach()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    return bool(torch.equal(a, b))
 
 
 class _Recorder(torch.fx.Interpreter):
