@@ -3,13 +3,15 @@
 The property tests apply random merge/split/exclude/include sequences to the
 sample graphs and to random DAG models (Linear / elementwise / two-branch adds,
 with a few `.item()` nodes so some nodes cannot be batched). After every
-accepted edit the plan invariants hold and, every few edits, the built module
-still matches the member loop. A refused edit raises EditError and leaves the
-plan as it was.
+accepted edit the plan invariants hold and the plan is built and matches the
+member loop on two calls (every few edits also executor.verify, which checks the
+stage boundaries). A refused edit raises EditError and leaves the plan as it was.
 """
 from __future__ import annotations
 
+import copy
 import functools
+import json
 import random
 
 import pytest
@@ -21,7 +23,9 @@ from torch import nn
 
 import executor
 import planner
-from planner import EditError, Plan, StageMode, Strategy
+from executor.baselines import stack_outputs
+from executor.profile import max_rel_error
+from planner import EditError, Plan, PlanMismatchError, StageMode, Strategy
 from planner.validate import stage_graph
 from conftest import SAMPLE_NAMES, check_plan_invariants, examples
 
@@ -269,6 +273,75 @@ def test_edited_plan_still_matches_the_loop(dd, sample):
     assert report.ok, report.to_text()
 
 
+# --- validate: hand-edited plan files ------------------------------------------------------------
+
+def hand_edited(plan: Plan, edit) -> Plan:
+    """The plan after `edit(json_dict)`, as a user editing the JSON file would leave it (loads does not validate)."""
+    d = json.loads(plan.dumps())
+    edit(d)
+    return Plan.loads(json.dumps(d))
+
+
+def _stage(d: dict, sid: str) -> dict:
+    return next(s for s in d["stages"] if s["id"] == sid)
+
+
+def _batch(*sids):
+    def edit(d):
+        for sid in sids:
+            s = _stage(d, sid)
+            s["mode"], s["reason"], s["options"]["strategy"] = "batched", "", "vmap"
+    return edit
+
+
+def _merge_s0_s1_batched(d):
+    d["stages"][0]["nodes"] += d["stages"][1]["nodes"]
+    del d["stages"][1]
+
+
+@pytest.mark.parametrize("edit, node", [(_batch("s1"), "item"), (_batch("s3"), "sign_branch"), (_batch("s3", "s1"), "item"),
+                                        (_merge_s0_s1_batched, "item")], ids=["s1", "s3", "both", "last-in-stage"])
+def test_validate_refuses_a_batched_stage_holding_an_unbatchable_node(dd, edit, node):
+    plan, graph = dd
+    edited = hand_edited(plan, edit)
+    message = rf"batched stage s\d holds '{node}', which cannot be batched: data-dependent value .*exclude\('{node}'\)"
+    with pytest.raises(PlanMismatchError, match=message):
+        planner.validate(edited, graph)
+
+
+def _set(key, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set("fingerprint", "0000000000000000"), "plan fingerprint 0000000000000000 does not match the model's"),
+    (lambda d: d["inputs"][0].__setitem__("name", "y"), r"plan inputs \['y'\] differ from the model's \['x'\]"),
+    (lambda d: d["stages"][4]["nodes"].append("nope"), "stage s4 names node 'nope', which the graph does not have"),
+    (lambda d: d["stages"][4]["nodes"].append("x"), "stage s4 names node 'x', which the graph does not have"),
+    (lambda d: d["stages"][2]["nodes"].insert(0, "item"), r"node 'item' is in two stages \(s1 and s2\)"),
+    (lambda d: d["stages"].pop(4), r"nodes \['fc3'\] are in no stage"),
+    (lambda d: (d["stages"][0]["nodes"].append("add"), d["stages"][2]["nodes"].remove("add")),
+     "stage s0 is not convex: path max_1 -> item -> add leaves it and comes back"),
+], ids=["fingerprint", "inputs", "unknown", "placeholder", "twice", "missing", "convexity"])
+def test_validate_refuses_hand_edited_plans(dd, edit, message):
+    plan, graph = dd
+    with pytest.raises(PlanMismatchError, match=message):
+        planner.validate(hand_edited(plan, edit), graph)
+    assert planner.validate(plan, graph) is plan
+
+
+def test_validate_refuses_stages_that_feed_each_other(two_way):
+    """{l1, add} and {l3, l2} are each convex, but l1 -> l2 and l3 -> add make the stage graph a cycle."""
+    plan, graph = two_way
+
+    def edit(d):
+        stage = d["stages"][0]
+        d["stages"] = [dict(copy.deepcopy(stage), id="s0", nodes=["l1", "add"]), dict(copy.deepcopy(stage), id="s1", nodes=["l3", "l2"])]
+
+    with pytest.raises(PlanMismatchError, match="stage graph has a cycle s0 -> s1 -> s0"):
+        planner.validate(hand_edited(plan, edit), graph)
+
+
 # --- random DAG models --------------------------------------------------------------------
 
 class RandomDAG(nn.Module):
@@ -276,7 +349,9 @@ class RandomDAG(nn.Module):
     nodes), elementwise, reshapes through sizes, two-branch adds, in-place adds and `.item()` rescalings.
 
     The architecture comes from `arch_seed` (Python RNG); weights from torch's RNG.
-    Input layout [B, D]; output one [B, D] tensor, or a tuple of two.
+    Input layout [B, D]; output one [B, D] tensor, or a tuple of two. The input is first
+    shifted by a per-member parameter, so every value, and so every output, depends on the
+    member's weights: a member mix-up anywhere shows in the comparison with the loop.
     """
 
     KINDS = ("linear", "linear", "flinear", "relu", "tanh", "scale", "add", "add", "inplace", "item", "reshape")
@@ -285,6 +360,7 @@ class RandomDAG(nn.Module):
         super().__init__()
         rng = random.Random(arch_seed)
         self.layers = nn.ModuleDict()
+        self.shift = nn.Parameter(torch.randn(d))
         self.spec: list[tuple] = []
         n_items = 0
         for i in range(n_ops):
@@ -306,7 +382,7 @@ class RandomDAG(nn.Module):
         self.second_output = rng.randrange(n_ops + 1) if rng.random() < 0.4 else None
 
     def forward(self, x):
-        values = [x]
+        values = [x + self.shift]
         for kind, a, b in self.spec:
             v = values[a]
             if kind == "linear":
@@ -360,6 +436,18 @@ def subject(name: str):
     return graph, src.members, src.example_inputs
 
 
+@pytest.mark.parametrize("seed", DAG_SEEDS)
+def test_every_output_of_a_random_dag_depends_on_the_member(seed):
+    """Two members on the same input give different values in every output."""
+    _, members, (x,) = subject(f"dag{seed}")
+    a, b = members(2)
+    with torch.no_grad():
+        outs_a, outs_b = a(x), b(x)
+    outs_a, outs_b = (o if isinstance(o, tuple) else (o,) for o in (outs_a, outs_b))
+    for oa, ob in zip(outs_a, outs_b):
+        assert (oa - ob).abs().max() > 1e-3 * ob.abs().max()
+
+
 def test_random_dags_have_unbatchable_nodes():
     kinds = [planner.unbatchable(subject(f"dag{s}")[0]) for s in DAG_SEEDS]
     assert any(kinds) and all(all(n.startswith("item") for n in k) for k in kinds)
@@ -399,11 +487,30 @@ def draw_edit(data, plan: Plan, graph):
     return "merge(s0, s999)", lambda: planner.merge(plan, graph, "s0", "s999")
 
 
+def second_call_inputs(inputs: tuple) -> tuple:
+    """Other values of the same shapes (float inputs rescaled and shifted; others as they are)."""
+    return tuple(x * 0.5 + 0.25 if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+
+def built_matches_the_loop(plan: Plan, members: list, inputs: tuple, label: str) -> None:
+    """executor.build(plan) against the member loop on two calls with different inputs."""
+    module = executor.build(plan, members, example_inputs=executor.member_inputs(plan, inputs, 0))
+    for call, x in enumerate((inputs, second_call_inputs(inputs))):
+        with torch.no_grad():
+            got = module(*x)
+        want = stack_outputs(executor.loop_outputs(plan, members, x))
+        err = max_rel_error(got, want)
+        assert err <= RTOL, f"after {label}, call {call + 1}: max rel err {err:.2e} vs the member loop\n{plan.dumps()}"
+
+
 def run_edit_sequence(data, name: str, steps: int, verify_every: int | None, n: int = 2) -> int:
+    """Random edits from the proposal; every plan reached is checked, built and compared with the loop."""
     graph, members, example = subject(name)
     mode = data.draw(st.sampled_from(["shared", "per_member"]), label="input mode")
     plan = planner.propose(graph, n, input_mode=mode)
     inputs = executor.batched_inputs(plan, example)
+    the_members = members(n)
+    built_matches_the_loop(plan, the_members, inputs, "propose")
     accepted = 0
     for _ in range(steps):
         label, edit = draw_edit(data, plan, graph)
@@ -421,6 +528,7 @@ def run_edit_sequence(data, name: str, steps: int, verify_every: int | None, n: 
         assert plan.dumps() == before, f"{label} changed its input plan"
         plan = new
         accepted += 1
+        built_matches_the_loop(plan, the_members, inputs, label)
         if verify_every and accepted % verify_every == 0:
             report = executor.verify(plan, members(n), inputs)
             assert report.ok, f"after {label}:\n{report.to_text()}"
