@@ -99,12 +99,21 @@ def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.Grap
     try:
         gm = _export(model, example_inputs)
     except Exception as e:
+        cache = _CACHE_OUTPUT.search(str(e))
+        if cache:  # e.g. GPT-2's DynamicCache: a generation cache, not a result to batch
+            raise TraceError(
+                f"{type(model).__name__} returns a {cache.group(1).rpartition('.')[2]} (a key/value cache for generation) "
+                "that neither tracer can carry; build the model with use_cache=False (config.use_cache = False)"
+            ) from None
         raise TraceError(
             f"{type(model).__name__} cannot be traced. torch.fx failed: {fx_error}. "
             f"torch.export failed: {type(e).__name__}: {_first_line(e)}. "
             "Remove data-dependent Python control flow from forward() or wrap it with torch.fx.wrap / torch.cond"
         ) from None
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
+
+
+_CACHE_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
 
 
 def _fx_trace(model: nn.Module, given: int | Sequence[str]) -> torch.fx.GraphModule:

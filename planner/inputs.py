@@ -81,10 +81,10 @@ def example_inputs_from(specs: Sequence[InputSpec]) -> tuple | None:
     Tracing only looks at shapes and dtypes (export runs on fake tensors), so the
     values do not matter; zeros keep integer inputs in range.
     """
-    if not specs or any(s.shape is None or s.dtype is None for s in specs):
-        return None
+    if not specs or any(s.dtype is None or (s.shape is None and s.dtype != "NoneType") for s in specs):
+        return None  # unknown, or a Python number export specialised on (its value is not recorded)
     try:
-        return tuple(torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs)
+        return tuple(None if s.shape is None else torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs)
     except (AttributeError, TypeError):  # a dtype name this torch does not know
         return None
 
