@@ -33,11 +33,16 @@ class Job:
 
 
 def start(task: str, model_path: str, weights: tuple[str, ...], plan_json: dict, device: str, ns: list[int],
-          **options: Any) -> Job:
-    """Spawn `python -m app.worker` for this request (options: autotune, compile_baseline); returns at once."""
+          *, trust_archive: bool = False, **options: Any) -> Job:
+    """Spawn `python -m app.worker` for this request (options: autotune, compile_baseline); returns at once.
+
+    trust_archive: the user's "Trust this archive" choice for a `.pt2` model (ModelRef.trust_archive);
+    the worker passes it to planner.load_source, so an untrusted archive that needs unpickling is refused.
+    """
     d = Path(tempfile.mkdtemp(prefix=f"stagewise_{task}_"))
     (d / "request.json").write_text(json.dumps({"task": task, "model_path": model_path, "weights": list(weights),
-                                                "plan": plan_json, "device": device, "ns": ns, **options}))
+                                                "plan": plan_json, "device": device, "ns": ns,
+                                                "trust_archive": bool(trust_archive), **options}))
     log = open(d / "log.txt", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "app.worker", str(d)], cwd=str(REPO_ROOT), env=environment(),
                             stdout=log, stderr=subprocess.STDOUT)
@@ -52,14 +57,25 @@ def progress(job: Job) -> tuple[float, str]:
     p = job.path / "progress.jsonl"
     if not p.is_file():
         return 0.0, "starting the worker process"
-    lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    if not lines:
+    entries = _complete_entries(p.read_text())
+    if not entries:
         return 0.0, "starting"
-    last = json.loads(lines[-1])
-    frac = last.get("fraction")
-    if frac is None:
-        frac = next((json.loads(ln).get("fraction") for ln in reversed(lines) if json.loads(ln).get("fraction") is not None), 0.0)
+    last = entries[-1]
+    frac = next((e["fraction"] for e in reversed(entries) if e.get("fraction") is not None), 0.0)
     return float(frac or 0.0), str(last.get("message", ""))
+
+
+def _complete_entries(text: str) -> list[dict]:
+    """The progress lines the worker has finished writing (a line without its newline may still be growing)."""
+    out = []
+    for ln in text.split("\n")[:-1]:  # what follows the last newline is unfinished (or empty)
+        try:
+            entry = json.loads(ln)
+        except ValueError:  # not ours to crash on: the worker writes whole lines, so skip anything else
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
 
 
 def result(job: Job) -> dict[str, Any] | None:

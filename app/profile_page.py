@@ -47,7 +47,7 @@ def _start(task: str) -> None:
         state.flash("warning", f"weights for {len(ref.weights)} members are loaded: the sweep runs N={len(ref.weights)} only")
         ns = [len(ref.weights)]
     job = jobs.start(task, ref.path, ref.weights, plan.with_profile(None).to_json(), st.session_state.get("device", "cpu"), ns,
-                     autotune=bool(st.session_state.get("autotune")),
+                     trust_archive=ref.trust_archive, autotune=bool(st.session_state.get("autotune")),
                      compile_baseline=bool(st.session_state.get("compile_baseline")))
     st.session_state.job = job
     st.session_state.job_plan = plan.with_profile(None).dumps()

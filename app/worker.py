@@ -7,7 +7,8 @@ the app only reads these files. No streamlit here.
 
 request.json: {"task": "profile"|"verify", "model_path": str, "weights": [str],
                "plan": Plan.to_json(), "device": "cpu"|"cuda", "ns": [int, ...],
-               "autotune": bool, "compile_baseline": bool}
+               "autotune": bool, "compile_baseline": bool,
+               "trust_archive": bool (optional, default false: a .pt2 that needs unpickling is refused)}
 result.json:  {"ok": bool, "error": str|None, "reports": [{"n": int, "report": dict, "text": str}]}
 """
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import Any
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)
+    """Write `obj` so a reader sees all of it or nothing (a uniquely named temp file, then os.replace)."""
+    from planner.files import write_atomic
+
+    write_atomic(path, json.dumps(obj, indent=2, default=str))
 
 
 class Progress:
@@ -43,7 +45,9 @@ def run(job_dir: Path) -> dict:
     req = json.loads((job_dir / "request.json").read_text())
     progress = Progress(job_dir / "progress.jsonl")
     progress("loading the model", 0.0)
-    src = planner.load_source(req["model_path"], req.get("weights") or None)
+    # the app passes the user's "Trust this archive" choice; a request without it trusts nothing
+    src = planner.load_source(req["model_path"], req.get("weights") or None,
+                              trust_archive=req.get("trust_archive") is True)
     plan = planner.Plan.from_json(req["plan"], source="the app's plan")
     ns = [int(n) for n in (req.get("ns") or [plan.n_members])]
     reports = []

@@ -123,3 +123,136 @@ def test_launch_main_serves_the_app(tmp_path, monkeypatch):
             break
     else:
         raise AssertionError(f"streamlit still serves on port {port} after `stagewise ui` was stopped")
+
+
+# -- .pt2 archives in the worker: the user's trust choice travels with the request ----------------
+
+
+def _archives(tmp_path: Path) -> tuple[Path, dict[str, tuple[Path, Path]], dict]:
+    """A plain export archive of the sample MLP, two crafted copies, and a plan for them.
+
+    Each crafted copy swaps its example inputs for a pickle that creates its own marker file and
+    then returns the real inputs: torch.export.load needs a full unpickle (so untrusted it is
+    refused), and trusted it loads and runs like the plain one.
+    """
+    import io
+    import zipfile
+
+    import torch
+
+    import planner
+
+    src = planner.load_source(ROOT / "sample_models" / "mlp.py")
+    buf = io.BytesIO()
+    torch.export.save(torch.export.export(src.model, src.example_inputs), buf)
+    plain = tmp_path / "plain.pt2"
+    plain.write_bytes(buf.getvalue())
+    crafted = {}
+    for name in ("untrusted", "trusted"):
+        marker = tmp_path / f"code_ran_{name}"
+
+        class CreatesMarker:
+            def __reduce__(self, _m: str = str(marker)):
+                return eval, (f"(open({_m!r}, 'w').close(), ((__import__('torch').zeros(32, 64),), {{}}))[1]",)
+
+        payload = io.BytesIO()
+        torch.save(CreatesMarker(), payload)
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w") as zout:
+            for info in zin.infolist():
+                zout.writestr(info, payload.getvalue() if "/data/sample_inputs/" in info.filename else zin.read(info))
+        path = tmp_path / f"{name}.pt2"
+        path.write_bytes(out.getvalue())
+        crafted[name] = (path, marker)
+    loaded = planner.load_source(plain)
+    plan = planner.propose(planner.trace(loaded.model, loaded.example_inputs), 2)
+    return plain, crafted, plan.to_json()
+
+
+def test_worker_loads_a_pt2_archive_only_as_trusted_as_the_user_said(tmp_path):
+    plain, crafted, plan_json = _archives(tmp_path)
+    (untrusted, marker_off), (trusted, marker_on) = crafted["untrusted"], crafted["trusted"]
+    started = {  # all three at once: each worker imports torch, which is most of the time
+        "off": jobs.start("verify", str(untrusted), (), plan_json, "cpu", [2]),  # trust defaults to off
+        "on": jobs.start("verify", str(trusted), (), plan_json, "cpu", [2], trust_archive=True),
+        "plain": jobs.start("verify", str(plain), (), plan_json, "cpu", [2], trust_archive=False),
+    }
+    res = {k: _wait(job) for k, job in started.items()}
+
+    assert not res["off"]["ok"] and "refusing to load the archive" in res["off"]["error"]
+    assert "sample_inputs" in res["off"]["error"] and not marker_off.exists()  # refused before any unpickling
+    assert jobs.progress(started["off"])[1] == "loading the model"
+
+    assert marker_on.exists()  # trusted: the loader was told so, and the archive's pickle ran
+    assert res["on"]["ok"], res["on"]["error"]  # and the job went on past loading to a real check
+    assert [r["n"] for r in res["on"]["reports"]] == [2] and jobs.progress(started["on"]) == (1.0, "done")
+
+    assert res["plain"]["ok"], res["plain"]["error"]  # an archive of plain tensors needs no trust
+    assert [r["n"] for r in res["plain"]["reports"]] == [2]
+
+
+def test_request_without_a_trust_flag_trusts_nothing(tmp_path, monkeypatch):
+    """An old or hand-written request.json (no "trust_archive") is loaded untrusted."""
+    import json
+
+    from app import worker
+
+    seen = []
+
+    def load_source(path, weights=None, **kw):
+        seen.append(kw)
+        raise RuntimeError("stop")  # only the call matters here
+
+    monkeypatch.setattr("planner.load_source", load_source)
+    for extra in ({}, {"trust_archive": "yes"}, {"trust_archive": True}):
+        (tmp_path / "request.json").write_text(json.dumps({"task": "verify", "model_path": "m.pt2", "plan": {}, **extra}))
+        with pytest.raises(RuntimeError, match="stop"):
+            worker.run(tmp_path)
+    assert [kw["trust_archive"] for kw in seen] == [False, False, True]
+
+
+# -- result files: written whole, under a name no other writer shares ---------------------------
+
+
+def test_worker_result_writes_never_collide_or_show_half_a_file(tmp_path):
+    import json
+    import threading
+
+    from app import worker
+
+    path = tmp_path / "result.json"
+    (tmp_path / "result.json.tmp").mkdir()  # the old fixed temp name, taken: writing must not depend on it
+    errors: list[BaseException] = []
+
+    def write(k: int) -> None:
+        try:
+            for i in range(40):
+                worker._write_json(path, {"ok": True, "writer": k, "i": i, "reports": [{"text": "x" * 5000}]})
+        except BaseException as e:  # collected and asserted below
+            errors.append(e)
+
+    def read() -> None:
+        for _ in range(200):
+            if path.is_file():
+                try:
+                    assert json.loads(path.read_text())["ok"] is True
+                except BaseException as e:
+                    errors.append(e)
+                    return
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(3)] + [threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert json.loads(path.read_text())["i"] == 39
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "result.json.tmp"]  # no temp file left over
+
+
+def test_progress_ignores_a_line_still_being_written(tmp_path):
+    job = jobs.Job(id="j", dir=str(tmp_path), task="verify", started=0.0)
+    (tmp_path / "progress.jsonl").write_text('{"fraction": 0.0, "message": "loading the model"}\n'
+                                             '{"fraction": null, "message": "N=2: stage s1"}\n'
+                                             '{"fraction": 0.5, "mess')
+    assert jobs.progress(job) == (0.0, "N=2: stage s1")
