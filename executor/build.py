@@ -20,6 +20,7 @@ from planner.graph import ModelGraph, fingerprint_lines, retrace
 from planner.inputs import check_call_inputs, example_inputs_from
 from planner.plan import InputMode, Plan, Stage
 from planner.validate import stage_graph, validate
+from executor.constants import lift_member_constants
 from executor.stages import Runner, StageProgram, runner_for
 from executor.values import Batched, Shared, as_batched, n_first
 
@@ -276,4 +277,7 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     validate(plan, graph)
     register_output_dataclasses(graph.gm)
     stacked = stack_member_state(members, dev)
+    # a sweep's members differ in numbers the trace baked in: give each member its own (or refuse)
+    per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked))
+    stacked.update({k: v.to(dev) for k, v in per_member.items()})
     return BatchedModule(plan, graph, stacked, dev)

@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from planner.capability import is_inplace
 from planner.errors import ExecutionError
 from planner.plan import Stage, Strategy
-from executor.values import Batched, PerMember, Shared, batched_arg, member_value
+from executor.constants import LIFTED_PREFIX
+from executor.values import Batched, PerMember, Shared, batched_arg, device_of, member_value, stage_device
 
 
 @dataclass
@@ -42,12 +43,17 @@ class StageProgram:
         g = torch.fx.Graph()
         env: dict[str, torch.fx.Node] = {}
         inputs: list[str] = []
+        state: list[str] = []
         for name in stage.nodes:
             for dep in nodes[name].all_input_nodes:
-                if dep.name not in inside and dep.name not in env:
-                    env[dep.name] = g.placeholder(f"in_{dep.name}")
-                    inputs.append(dep.name)
-        state: list[str] = []
+                if dep.name in inside or dep.name in env:
+                    continue
+                if dep.op == "get_attr" and str(dep.target).startswith(LIFTED_PREFIX):
+                    env[dep.name] = g.node_copy(dep)  # a per-member constant build added: read here, like state
+                    state.append(str(dep.target))
+                    continue
+                env[dep.name] = g.placeholder(f"in_{dep.name}")
+                inputs.append(dep.name)
         for name in stage.nodes:
             node = nodes[name]
             env[name] = g.node_copy(node, lambda x: env[x.name])
@@ -81,9 +87,15 @@ class Runner:
     def run(self, args: list) -> list:
         raise NotImplementedError
 
+    def device_for(self, args: list) -> torch.device | None:
+        """Where values this stage makes from Python numbers belong: its state's device, else its tensor inputs'."""
+        state = next(iter(self.stacked.values()), None)
+        return state.device if state is not None else device_of(args)
+
     def __call__(self, args: list) -> list:
         try:
-            return self.run(args)
+            with stage_device(self.device_for(args)):  # numbers made into tensors anywhere in the run land here
+                return self.run(args)
         except ExecutionError:
             raise
         except Exception as e:  # a stage failure becomes one message naming the stage
@@ -128,18 +140,21 @@ class VmapRunner(Runner):
 
     def _vmap_args(self, args: list) -> tuple[list, list, bool]:
         """(inputs, their in_dims, whether anything member-specific goes in)."""
-        pairs = [batched_arg(a) for a in args]
+        device = self.device_for(args)
+        pairs = [batched_arg(a, device) for a in args]
         inputs = [p[0] for p in pairs]
         dims = [p[1] for p in pairs]
         per_member = bool(self.stacked) or any(d is not None and any(x == 0 for x in tree_flatten(d)[0]) for d in dims)
         return inputs, dims, per_member
 
-    def _rebuild(self, tensors: Any) -> list:
-        """The stage's outputs: vmap's tensors put back into the structure one_member recorded."""
-        leaves = list(self._meta["leaves"])
-        for slot, t in zip(self._meta["tensor_at"], tensors):
+    def _rebuild(self, tensors: Any, meta: dict[str, Any] | None = None) -> list:
+        """The stage's outputs: vmap's tensors put back into the structure one_member recorded
+        (`meta`, default the latest call's; its non-tensor leaves hold only for inputs of that signature)."""
+        meta = self._meta if meta is None else meta
+        leaves = list(meta["leaves"])
+        for slot, t in zip(meta["tensor_at"], tensors):
             leaves[slot] = t
-        return [Batched(v) for v in tree_unflatten(leaves, self._meta["spec"])]
+        return [Batched(v) for v in tree_unflatten(leaves, meta["spec"])]
 
     def run(self, args: list) -> list:
         inputs, dims, per_member = self._vmap_args(args)

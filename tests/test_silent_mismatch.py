@@ -167,3 +167,115 @@ def test_tied_parameters_stay_tied_after_in_place_update_and_to():
     x = torch.arange(6)
     assert ens.stacked_state["head.weight"] is ens.stacked_state["emb.weight"]
     torch.testing.assert_close(ens(x), loop_reference([m.double() for m in members], x))
+
+
+# --- 2. members that differ in non-tensor attributes (a sweep) -----------------------------------
+
+class Sweep(nn.Module):
+    """A slope and a temperature per member: both are baked into an fx or export graph as numbers."""
+
+    def __init__(self, slope: float, temperature: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.LeakyReLU(slope)
+        self.temperature = temperature
+
+    def forward(self, x):
+        return self.act(self.fc(x)) / self.temperature
+
+
+class FunctionalSweep(Sweep):
+    def forward(self, x):
+        return torch.nn.functional.leaky_relu(self.fc(x), self.act.negative_slope) * (2.0 / self.temperature) + self.temperature
+
+
+class ShapeSweep(nn.Module):
+    """Members differ in a number used as a size: no tensor can stand in for it."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.groups = groups
+
+    def forward(self, x):
+        return self.fc(x).reshape(x.shape[0], self.groups, -1).sum(1)
+
+
+class ScaleAttribute(nn.Module):
+    """A plain tensor attribute (not a buffer): a get_attr constant that members hold differently."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = torch.full((4,), scale)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.parametrize("cls", [Sweep, FunctionalSweep])
+def test_sweep_constants_are_lifted_per_member(cls):
+    assert_matches_loop(lambda i: cls(0.05 * (i + 1), 1.0 + i), calls_with_two_shapes(randn4), n=4)
+
+
+def test_sweep_constants_are_lifted_in_export_graphs():
+    class ExportSweep(Sweep):
+        def forward(self, x):
+            h = self.act(self.fc(x)) / self.temperature
+            for _ in range(x.shape[1] // 4):  # fx cannot trace range() of a size: export is used
+                h = h * 0.5
+            return h
+
+    plan, _ = assert_matches_loop(lambda i: ExportSweep(0.05 * (i + 1), 1.0 + i), [(torch.randn(5, 4),)] * CALLS, n=3)
+    assert plan.tracer == "export"
+
+
+def test_sweep_constants_survive_every_strategy():
+    from planner.plan import Strategy
+
+    torch.manual_seed(0)
+    members = [Sweep(0.1 * (i + 1), 1.0 + i) for i in range(3)]
+    x = torch.randn(5, 4)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, n_members=3)
+    for strategy in (Strategy.VMAP, Strategy.LOOP, Strategy.WIDE):
+        edited = plan
+        for s in plan.stages:
+            edited = planner.set_options(edited, graph, s.id, strategy=strategy)
+        ens = executor.build(edited, members)
+        with torch.no_grad():
+            torch.testing.assert_close(ens(x), loop_reference(members, x), msg=lambda m: f"{strategy}: {m}")
+
+
+def test_sweep_in_a_number_used_as_a_size_is_refused_naming_it():
+    torch.manual_seed(0)
+    members = [ShapeSweep(2), ShapeSweep(2), ShapeSweep(4)]
+    graph = planner.trace(members[0], (torch.randn(5, 4),))
+    plan = planner.propose(graph, n_members=3)
+    with pytest.raises(planner.MemberError, match=r"groups.*member 2: 4|member 2: 4.*groups"):
+        executor.build(plan, members)
+
+
+def test_plain_tensor_attributes_are_per_member():
+    assert_matches_loop(lambda i: ScaleAttribute(1.0 + i), calls_with_two_shapes(randn4))
+
+
+def test_members_in_different_modes_are_refused():
+    torch.manual_seed(0)
+    members = [Sweep(0.1, 1.0), Sweep(0.1, 1.0).train()]
+    graph = planner.trace(members[0].eval(), (torch.randn(5, 4),))
+    plan = planner.propose(graph, n_members=2)
+    with pytest.raises(planner.MemberError, match="training"):
+        executor.build(plan, members)
+
+
+def test_dropout_rate_differences_do_not_matter_in_eval():
+    class Drop(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.fc, self.drop = nn.Linear(4, 4), nn.Dropout(p)
+
+        def forward(self, x):
+            return self.drop(self.fc(x))
+
+    assert_matches_loop(lambda i: Drop(0.1 * i).eval(), calls_with_two_shapes(randn4))

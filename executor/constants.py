@@ -1,0 +1,267 @@
+"""Per-member constants: what tracing baked into the graph that members hold differently.
+
+A trace of member 0 turns its Python numbers into graph constants: `x / self.temp`
+becomes `truediv(x, 1.0)`, `nn.LeakyReLU(0.1)` keeps its slope in the module that
+a `call_module` node runs, and a plain tensor attribute (not a buffer) becomes a
+`get_attr` constant. Members of a hyper-parameter sweep differ exactly there, and
+running all of them with member 0's values would be a quiet wrong answer.
+
+`lift_member_constants` compares every member with member 0 and, where they
+differ, lifts the value into per-member state (a stacked `[N]` tensor read
+through a new `get_attr` node) when the op takes a tensor there; otherwise it
+refuses with a MemberError naming the node, the attribute and the members.
+Members whose module attributes all equal member 0's are not traced again.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from planner.errors import MemberError
+from planner.graph import ModelGraph, plain_attributes, retrace
+
+LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
+
+# ops that accept a 0-d tensor wherever they accept a Python number (the number is one operand of arithmetic)
+_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow,
+               torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.clamp,
+               torch.minimum, torch.maximum}
+_ARITHMETIC_METHODS = {"add", "sub", "mul", "div", "pow", "clamp", "__add__", "__sub__", "__mul__", "__truediv__",
+                       "__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__pow__", "__rpow__"}
+_ATEN_SCALAR_TO_TENSOR = {  # export graphs: the overload that takes a tensor operand
+    "add": torch.ops.aten.add.Tensor, "sub": torch.ops.aten.sub.Tensor, "mul": torch.ops.aten.mul.Tensor,
+    "div": torch.ops.aten.div.Tensor, "rsub": torch.ops.aten.rsub.Tensor, "pow": torch.ops.aten.pow.Tensor_Tensor,
+}
+_LEAKY = {F.leaky_relu, torch.ops.aten.leaky_relu.default}
+_IGNORED_IN_EVAL = (nn.modules.dropout._DropoutNd,)  # their config has no effect outside training
+
+
+def leaky_relu_per_member(x: torch.Tensor, negative_slope: torch.Tensor) -> torch.Tensor:
+    """leaky_relu with a tensor slope (F.leaky_relu takes only a Python number): x where x >= 0, else slope * x."""
+    return torch.where(x >= 0, x, x * negative_slope)
+
+
+
+@dataclass
+class _Difference:
+    node: str
+    where: Any  # position in the flattened (args, kwargs), or "module.attr"
+    values: list  # one per member
+
+
+def config_signature(member: nn.Module) -> tuple:
+    """What a trace can bake in, per member: plain attributes, module classes, training flags, attribute callables."""
+    callables = {}
+    for path, mod in member.named_modules():
+        for k, v in vars(mod).items():
+            if not k.startswith("_") and callable(v) and not isinstance(v, nn.Module):
+                callables[f"{path}.{k}"] = getattr(v, "__qualname__", repr(v))
+    modules = tuple((p, type(m).__qualname__, m.training) for p, m in member.named_modules())
+    return tuple(sorted(plain_attributes(member).items(), key=str)), modules, tuple(sorted(callables.items()))
+
+
+def _leaves(node: torch.fx.Node) -> list:
+    return torch.utils._pytree.tree_flatten((node.args, node.kwargs))[0]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
+        return isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.name == b.name
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _module_config(mod: nn.Module) -> dict:
+    return {k: v for k, v in plain_attributes(mod).items() if "." not in k}
+
+
+def _differences(graph: ModelGraph, others: dict[int, ModelGraph], n: int) -> list[_Difference]:
+    """Constants of member 0's graph that some other member's graph holds differently."""
+    diffs = []
+    for node in graph.gm.graph.nodes:
+        found: dict[Any, dict[int, Any]] = {}
+        base = _leaves(node)
+        for i, g in others.items():
+            other = g.fx_node(node.name)
+            for pos, (a, b) in enumerate(zip(base, _leaves(other))):
+                if not _same(a, b):
+                    found.setdefault(pos, {})[i] = b
+            if node.op == "call_module":
+                mine, theirs = _module_config(graph.gm.get_submodule(node.target)), _module_config(g.gm.get_submodule(other.target))
+                for k in mine.keys() | theirs.keys():
+                    if mine.get(k) != theirs.get(k):
+                        found.setdefault(f"{node.target}.{k}", {})[i] = theirs.get(k)
+        for where, by_member in found.items():
+            first = base[where] if isinstance(where, int) else _module_config(graph.gm.get_submodule(node.target)).get(where.rpartition(".")[2])
+            diffs.append(_Difference(node.name, where, [by_member.get(i, first) for i in range(n)]))
+    return diffs
+
+
+def _refuse(diff: _Difference, attrs: dict[str, list], why: str) -> MemberError:
+    differing = [i for i, v in enumerate(diff.values) if not _same(v, diff.values[0])]
+    shown = ", ".join(f"member {i}: {diff.values[i]!r}" for i in [0, *differing[:2]])
+    named = [k for k, vals in attrs.items()] or ["?"]
+    what = diff.where if isinstance(diff.where, str) else f"argument {diff.where}"
+    return MemberError(
+        f"members differ in a constant the traced graph bakes in: node {diff.node!r} {what} ({shown}); "
+        f"differing attribute(s): {', '.join(named[:4])}. {why} All members would run with member 0's value, "
+        "so build refuses: make the value a tensor buffer of the module (per-member state is batched), "
+        "or plan members that differ here separately"
+    )
+
+
+def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], tracer: str, example_inputs: tuple | None,
+                          input_names: Sequence[str] | None, state_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Make constants that members hold differently per-member state of `graph.gm` (changed in place).
+
+    Args:
+        graph: member 0's retraced graph (its GraphModule is edited: new buffers and get_attr nodes).
+        members: all members, member 0 first.
+        state_keys: the stacked state's names (parameters and buffers).
+    Returns:
+        {name: [N, ...] tensor} to add to the stacked state: lifted numbers ([N]) and plain tensor
+        attributes the graph reads as constants ([N, *shape]) when members hold different ones.
+    Raises:
+        MemberError naming the node, the attribute and the members, when a differing constant
+        sits where the op needs a Python value (a size, a dim, a flag), when members differ in
+        structure or training mode, or in a module's config the op cannot take as a tensor.
+    """
+    n = len(members)
+    lifted: dict[str, torch.Tensor] = {}
+    lifted.update(_tensor_constants(graph, members, state_keys))
+    signatures = [config_signature(m) for m in members]
+    suspects = [i for i in range(1, n) if signatures[i] != signatures[0]]
+    if not suspects:
+        return lifted
+    _check_training(members, suspects)
+    attrs0 = plain_attributes(members[0])
+    attr_diffs: dict[str, list] = {}
+    for i in suspects:
+        for k, v in plain_attributes(members[i]).items():
+            if attrs0.get(k) != v:
+                attr_diffs.setdefault(k, []).append(i)
+    others = {}
+    for i in suspects:
+        g = retrace(copy.deepcopy(members[i]), tracer, example_inputs, input_names)
+        if g.fingerprint != graph.fingerprint:
+            raise MemberError(f"member {i} traces to another graph than member 0 (fingerprint {g.fingerprint} vs {graph.fingerprint}); "
+                              "all members must share one architecture: build them from one class and config")
+        others[i] = g
+    for diff in _differences(graph, others, n):
+        _lift(graph, diff, attr_diffs, lifted)
+    graph.gm.recompile()
+    return lifted
+
+
+def _check_training(members: Sequence[nn.Module], suspects: list[int]) -> None:
+    for i in suspects:
+        for (path, m0), (_, mi) in zip(members[0].named_modules(), members[i].named_modules()):
+            if m0.training != mi.training:
+                where = path or type(members[0]).__name__
+                raise MemberError(f"member {i}'s {where} is in {'training' if mi.training else 'eval'} mode and member 0's is not; "
+                                  "call .eval() (or .train()) on every member before building")
+
+
+def _tensor_constants(graph: ModelGraph, members: Sequence[nn.Module], state_keys: set[str]) -> dict[str, torch.Tensor]:
+    """Plain tensor attributes read by get_attr nodes (not parameters or buffers), stacked when members differ."""
+    out = {}
+    for node in graph.gm.graph.nodes:
+        if node.op != "get_attr" or str(node.target) in state_keys:
+            continue
+        values = [_attr(m, str(node.target)) for m in members]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            continue  # a constant the tracer made (not a member attribute): same for every member by construction
+        if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
+            raise MemberError(f"tensor attribute {node.target!r} has different shapes or dtypes across members; "
+                              "all members must share one architecture")
+        if all(torch.equal(v, values[0]) for v in values[1:]):
+            continue
+        with torch.no_grad():
+            out[str(node.target)] = torch.stack([v.detach() for v in values])
+    return out
+
+
+def _attr(obj: Any, target: str) -> Any:
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lifted: dict[str, torch.Tensor]) -> None:
+    """Rewrite one node so that its differing constant is read from per-member state, or refuse."""
+    gm = graph.gm
+    node = graph.fx_node(diff.node)
+    if isinstance(diff.where, str):  # a call_module's config
+        mod = gm.get_submodule(node.target)
+        attr = diff.where.rpartition(".")[2]
+        if isinstance(mod, _IGNORED_IN_EVAL) and not mod.training:
+            return
+        if isinstance(mod, nn.LeakyReLU) and attr == "negative_slope" and _numbers(diff.values):
+            slope = _constant_node(gm, node, diff, lifted)
+            node.op, node.target = "call_function", leaky_relu_per_member
+            node.args, node.kwargs = (node.args[0], slope), {}
+            return
+        raise _refuse(diff, attr_diffs, f"{type(mod).__name__}.{attr} cannot be given per member.")
+    if not _numbers(diff.values):
+        raise _refuse(diff, attr_diffs, "It is not a number.")
+    if not _liftable(node, diff.where):
+        raise _refuse(diff, attr_diffs, f"{_op_name(node)} needs a Python value there (a size, a dim or a flag).")
+    value = _constant_node(gm, node, diff, lifted)
+    args_kwargs = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    leaves, spec = args_kwargs
+    leaves[diff.where] = value
+    node.args, node.kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+    if node.target in _LEAKY:
+        x = node.args[0]
+        node.target, node.args, node.kwargs = leaky_relu_per_member, (x, value), {}
+    elif isinstance(node.target, torch._ops.OpOverload):
+        base = node.target._schema.name.split("::")[-1]
+        node.target = _ATEN_SCALAR_TO_TENSOR[base]
+
+
+def _numbers(values: list) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def _liftable(node: torch.fx.Node, position: int) -> bool:
+    """Whether the number at flattened position `position` may be a 0-d tensor: one operand of arithmetic
+    whose other operand is a graph value, or the slope of leaky_relu."""
+    leaves = _leaves(node)
+    has_value = any(isinstance(x, torch.fx.Node) for x in leaves)
+    if node.target in _LEAKY:
+        return position == 1 or (len(node.args) < 2 and position == len(node.args))  # the slope, positional or keyword
+    if node.op == "call_function" and node.target in _ARITHMETIC:
+        return has_value
+    if node.op == "call_method" and node.target in _ARITHMETIC_METHODS:
+        return has_value and position > 0
+    if isinstance(node.target, torch._ops.OpOverload):
+        base = node.target._schema.name.split("::")[-1]
+        return base in _ATEN_SCALAR_TO_TENSOR and has_value and position > 0
+    return False
+
+
+def _constant_node(gm: torch.fx.GraphModule, node: torch.fx.Node, diff: _Difference, lifted: dict[str, torch.Tensor]) -> torch.fx.Node:
+    """A get_attr node, placed before `node`, reading a new buffer that holds member 0's value; [N] values into `lifted`."""
+    name = f"{LIFTED_PREFIX}{diff.node}_{str(diff.where).replace('.', '_')}"
+    floating = any(isinstance(v, float) for v in diff.values)
+    # a float becomes the default dtype, as a Python float meets an integer tensor; float32 tensors see the same value
+    dtype = torch.get_default_dtype() if floating else torch.int64
+    values = torch.tensor(diff.values, dtype=dtype)
+    gm.register_buffer(name, values[0].clone())
+    lifted[name] = values
+    with gm.graph.inserting_before(node):
+        return gm.graph.get_attr(name)
