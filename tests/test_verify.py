@@ -56,7 +56,8 @@ def test_untouched_plan_matches_with_small_errors(two_stages):
     src, plan = two_stages
     report = executor.verify(plan, src.members(N), src.example_inputs)
     assert report.ok and report.to_text().splitlines()[-1].startswith("MATCH:")
-    assert list(rows(report, "boundaries")) == ["fc1", "fc2"] and list(rows(report, "outputs")) == ["out"]
+    assert list(rows(report, "boundaries")) == ["fc1", "fc2"] and list(rows(report, "outputs")) == ["out", "out (call 2)"]
+    assert report.calls == 2 and "2 consecutive calls" in report.to_text()
     assert all(r.max_rel <= 1e-6 and r.ok for r in report.outputs + report.boundaries)
 
 
@@ -67,10 +68,11 @@ def test_a_tampered_output_stage_is_a_mismatch_in_the_output_and_its_boundary(tw
     tampered_build(monkeypatch, "fc2.bias", 1, delta)
     report = executor.verify(plan, members, src.example_inputs)
     assert not report.ok and report.to_text().splitlines()[-1].startswith("MISMATCH:")
-    out = rows(report, "outputs")["out"]
-    assert not out.ok
-    assert out.max_abs == pytest.approx(delta, rel=1e-5)
-    assert out.max_rel == pytest.approx(delta / loop_scale(src, members), rel=1e-5)
+    for name in ("out", "out (call 2)"):  # every call compared shows it
+        out = rows(report, "outputs")[name]
+        assert not out.ok
+        assert out.max_abs == pytest.approx(delta, rel=1e-5)
+        assert out.max_rel == pytest.approx(delta / loop_scale(src, members), rel=1e-5)
     bounds = rows(report, "boundaries")
     assert bounds["fc1"].ok and bounds["fc1"].max_abs <= 1e-6  # upstream of the tampered weight: unaffected
     assert not bounds["fc2 (member 1)"].ok and bounds["fc2 (member 1)"].max_abs == pytest.approx(delta, rel=1e-5)
@@ -176,5 +178,5 @@ def test_report_json_carries_the_verdict(two_stages, monkeypatch):
     src, plan = two_stages
     tampered_build(monkeypatch, "fc2.bias", 1, 0.5)
     d = executor.verify(plan, src.members(N), src.example_inputs).to_json()
-    assert d["ok"] is False and d["n_members"] == N and d["rtol"] == verify_module.DEFAULT_RTOL
-    assert [r["ok"] for r in d["outputs"]] == [False]
+    assert d["ok"] is False and d["n_members"] == N and d["rtol"] == verify_module.DEFAULT_RTOL and d["calls"] == 2
+    assert [r["ok"] for r in d["outputs"]] == [False, False]
