@@ -6,6 +6,7 @@ atomically after every edit. No streamlit here.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -31,21 +32,29 @@ class AutosaveRecord:
     model_path: str  # the model file the plan was made for
     weights: tuple[str, ...]  # member weight files, or () for build_members / seeds
     saved_at: float  # unix time
+    trust_archive: bool = False  # the user trusted the .pt2 model file (let it unpickle, i.e. run code)
+    archive_sha256: str = ""  # sha256 of that file's bytes when it was trusted; trust holds only for those bytes
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.saved_at))
         return f"{Path(self.model_path).name}, {len(self.plan.stages)} stages, N={self.plan.n_members}, saved {when}"
 
 
-def save(plan: Plan, model_path: str, weights: tuple[str, ...] = (), path: Path | None = None) -> Path:
+def save(plan: Plan, model_path: str, weights: tuple[str, ...] = (), path: Path | None = None, *,
+         trust_archive: bool = False, archive_sha256: str = "") -> Path:
     """Write the record atomically (two app sessions saving at once never collide); returns the file written.
+
+    trust_archive is recorded only with the archive_sha256 (see `archive_sha256()`) of the bytes the
+    user trusted: without a digest there is nothing to check a restore against, so it is not recorded.
 
     Raises:
         OSError when the file cannot be written (app.state turns it into a warning); no temp file is left behind.
     """
     path = Path(path or autosave_path())
+    trusted = bool(trust_archive and archive_sha256)
     record = {"format": FORMAT, "saved_at": time.time(), "model_path": str(model_path),
-              "weights": [str(w) for w in weights], "plan": plan.to_json()}
+              "weights": [str(w) for w in weights], "plan": plan.to_json(),
+              "trust_archive": trusted, "archive_sha256": archive_sha256 if trusted else ""}
     return write_atomic(path, json.dumps(record, sort_keys=True, indent=2) + "\n")
 
 
@@ -58,9 +67,26 @@ def load(path: Path | None = None) -> AutosaveRecord | None:
         d = json.loads(path.read_text())
         plan = Plan.loads(json.dumps(d["plan"]), source=str(path))  # loads names the file in every PlanFileError
         return AutosaveRecord(plan, str(d["model_path"]), tuple(str(w) for w in d.get("weights", [])),
-                              float(d.get("saved_at", 0.0)))
+                              float(d.get("saved_at", 0.0)), d.get("trust_archive") is True,
+                              str(d.get("archive_sha256") or ""))
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # Plan.from_json's PlanFileError passes through
         raise PlanFileError(f"autosave file {path} is damaged ({e!r}); delete it or discard it in the app") from None
+
+
+def archive_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read now.
+
+    Not ModelRef.digest(): that one mixes in the weight files and remembers each file's hash
+    per (path, mtime, size), so a file rewritten with its size and mtime kept would pass.
+
+    Raises:
+        OSError when the file cannot be read.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def discard(path: Path | None = None) -> None:

@@ -14,7 +14,7 @@ import os
 import re
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
@@ -47,6 +47,7 @@ class ModelRef:
     weights: tuple[str, ...] = ()  # one weight file per member, in member order
     label: str = ""  # what the user called it (upload name or sample name)
     trust_archive: bool = False  # the user allowed this .pt2 archive to unpickle (run code)
+    trusted_sha256: str = ""  # sha256 of the archive's bytes when trusted (open_model sets it); an autosave trusts only these
 
     @property
     def name(self) -> str:
@@ -311,6 +312,7 @@ def open_model(ref: ModelRef, n_members: int, input_mode: Any = "shared", *, sav
 
     save=False (the model the app opens on) leaves an existing autosave alone until the user edits.
     """
+    ref = _pin_trust(ref)
 
     def go() -> tuple[Loaded, Plan]:
         require_access()
@@ -328,6 +330,16 @@ def open_model(ref: ModelRef, n_members: int, input_mode: Any = "shared", *, sav
     if save:
         save_autosave()
     return True
+
+
+def _pin_trust(ref: ModelRef) -> ModelRef:
+    """`ref` with the sha256 of the archive it trusts, read now, at the moment the user trusted it."""
+    if not ref.trust_archive or ref.trusted_sha256:
+        return ref
+    try:
+        return replace(ref, trusted_sha256=autosave.archive_sha256(ref.path))
+    except OSError:  # unreadable: loading it reports that; an autosave without a digest restores untrusted
+        return ref
 
 
 def _install(ref: ModelRef, history: History, data: gv.GraphData) -> None:
@@ -350,7 +362,7 @@ def save_autosave() -> None:
     if p is None or ref is None:
         return
     try:
-        autosave.save(p, ref.path, ref.weights)
+        autosave.save(p, ref.path, ref.weights, trust_archive=ref.trust_archive, archive_sha256=ref.trusted_sha256)
     except OSError as e:
         flash("warning", f"could not autosave the plan to {autosave.autosave_path()} ({e.strerror}); export it by hand")
 
@@ -403,6 +415,13 @@ def restore_autosave() -> None:
                        f"{', '.join(gone)} {'are' if len(gone) > 1 else 'is'} gone (deleted since the plan was saved); "
                        "open or upload the model again on the Model page")
         return
+    if rec.trust_archive:
+        if _still_trusted(rec):
+            ref = replace(ref, trust_archive=True, trusted_sha256=rec.archive_sha256)
+        else:
+            flash("warning", f"restoring the autosaved plan: {ref.name} was trusted when it was saved, but the file "
+                             "has changed since, so it is opened untrusted (its code does not run); if you trust "
+                             "the new file, upload it again and tick 'Trust this archive'")
 
     def go() -> tuple[Plan, Plan]:
         require_access()
@@ -420,6 +439,17 @@ def restore_autosave() -> None:
     _install(ref, history, loaded(ref).data)
     save_autosave()
     flash("success", f"restored the autosaved plan ({len(restored.stages)} stages) for {ref.name}")
+
+
+def _still_trusted(rec: autosave.AutosaveRecord) -> bool:
+    """Whether the archive at the autosaved path still has the bytes the user trusted (hashed afresh)."""
+    if not rec.archive_sha256:
+        return False
+    try:
+        now = autosave.archive_sha256(rec.model_path)
+    except OSError:
+        return False
+    return hmac.compare_digest(now, rec.archive_sha256)
 
 
 def dismiss_autosave() -> None:

@@ -73,3 +73,33 @@ def test_autosave_roundtrip_and_damage(tmp_path, monkeypatch):
         autosave.load()
     autosave.discard()
     assert autosave.load() is None
+
+
+def test_autosave_keeps_archive_trust_only_with_the_trusted_digest(tmp_path, monkeypatch):
+    import hashlib
+    import json
+
+    monkeypatch.setenv(autosave.ENV_VAR, str(tmp_path / "auto.json"))
+    archive = tmp_path / "m.pt2"
+    archive.write_bytes(b"the archive's bytes" * 1000)
+    digest = autosave.archive_sha256(archive)
+    assert digest == hashlib.sha256(archive.read_bytes()).hexdigest()  # the full hash of the bytes, read now
+
+    plan = residual_plan()
+    autosave.save(plan, str(archive), trust_archive=True, archive_sha256=digest)
+    rec = autosave.load()
+    assert rec.trust_archive is True and rec.archive_sha256 == digest and rec.model_path == str(archive)
+
+    autosave.save(plan, str(archive), trust_archive=True)  # no digest: nothing to check a restore against
+    assert autosave.load().trust_archive is False
+    autosave.save(plan, str(archive), archive_sha256=digest)  # a digest alone trusts nothing
+    assert (autosave.load().trust_archive, autosave.load().archive_sha256) == (False, "")
+
+    older = json.loads((tmp_path / "auto.json").read_text())  # autosaves written before trust was stored
+    for key in ("trust_archive", "archive_sha256"):
+        older.pop(key)
+    (tmp_path / "auto.json").write_text(json.dumps(older))
+    assert (autosave.load().trust_archive, autosave.load().archive_sha256) == (False, "")
+    older["trust_archive"] = "true"  # only a JSON true counts
+    (tmp_path / "auto.json").write_text(json.dumps(older))
+    assert autosave.load().trust_archive is False

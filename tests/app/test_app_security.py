@@ -293,3 +293,84 @@ def test_a_pt2_upload_runs_no_code_unless_trusted(tmp_path, monkeypatch):
     button(at, "Load uploaded model").click().run()
     assert marker.exists()  # ticked: the loader was told to trust it (and the pickle ran)
     assert "refusing to load" not in texts(at.error)
+
+
+TRUST_LABEL = "Trust this archive (it runs code from the file)"
+
+
+def _loadable_crafted_archive(marker: Path) -> bytes:
+    """Like _crafted_archive, but the pickle also gives back real example inputs: trusted, the archive loads and runs."""
+    import torch
+
+    class CreatesMarkerThenInputs:
+        def __reduce__(self):
+            return eval, (f"(open({str(marker)!r}, 'w').close(), ((__import__('torch').zeros(32, 64),), {{}}))[1]",)
+
+    buf, payload = io.BytesIO(), io.BytesIO()
+    torch.export.save(torch.export.export(*_mlp()), buf)
+    torch.save(CreatesMarkerThenInputs(), payload)
+    src, out = zipfile.ZipFile(io.BytesIO(buf.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info, payload.getvalue() if "/data/sample_inputs/" in info.filename else src.read(info.filename))
+    return out.getvalue()
+
+
+def _load_trusted(at, content: bytes) -> None:
+    upload(at, "crafted.pt2", content)
+    [c for c in at.checkbox if c.label == TRUST_LABEL][0].check().run()
+    button(at, "Load uploaded model").click().run()
+    assert not at.error, texts(at.error)
+
+
+def test_profile_page_verifies_a_trusted_archive_in_the_worker(tmp_path, monkeypatch):
+    marker = tmp_path / "code_ran"
+    at = app_test(monkeypatch, tmp_path, SAMPLES / "transformer_block.py").run()
+    _load_trusted(at, _loadable_crafted_archive(marker))
+    marker.unlink()
+    at.switch_page("views/profile.py").run()
+    button(at, "Verify vs loop").click().run()
+    deadline = time.time() + 180
+    while at.session_state["job"] is not None and time.time() < deadline:
+        time.sleep(1)
+        at.run()
+        if "job" not in at.session_state:
+            break
+    assert "refusing to load" not in texts(at.error) and "verify_result" in at.session_state, texts(at.error)
+    assert "MATCH" in texts(at.success)
+    assert marker.exists()  # the worker process loaded it trusted, as the user chose
+
+
+def test_an_autosaved_trusted_archive_is_trusted_again_only_while_its_bytes_are_unchanged(tmp_path, monkeypatch):
+    import hashlib
+
+    marker = tmp_path / "code_ran_a"
+    at = app_test(monkeypatch, tmp_path, SAMPLES / "transformer_block.py").run()
+    _load_trusted(at, _loadable_crafted_archive(marker))
+    ref = at.session_state["model_ref"]
+    digest = hashlib.sha256(Path(ref.path).read_bytes()).hexdigest()
+    assert ref.trust_archive and ref.trusted_sha256 == digest
+    rec = autosave.load()
+    assert (rec.model_path, rec.trust_archive, rec.archive_sha256) == (ref.path, True, digest)
+
+    again = app_test(monkeypatch, tmp_path, SAMPLES / "transformer_block.py").run()  # a reload: a new session
+    again.button(key="restore_autosave").click().run()
+    assert not again.error and not again.warning, texts(again.error) + texts(again.warning)
+    restored = again.session_state["model_ref"]
+    assert (restored.path, restored.trust_archive, restored.trusted_sha256) == (ref.path, True, digest)
+    assert autosave.load().archive_sha256 == digest  # saved again after the restore, still pinned to those bytes
+
+    # The file is swapped for one running other code, with the same size and modification time, so
+    # only hashing its bytes afresh (not a digest remembered per size and mtime) sees the change.
+    other = tmp_path / "code_ran_b"
+    info = os.stat(ref.path)
+    swapped = _loadable_crafted_archive(other)
+    assert len(swapped) == info.st_size and hashlib.sha256(swapped).hexdigest() != digest
+    Path(ref.path).write_bytes(swapped)
+    os.utime(ref.path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    changed = app_test(monkeypatch, tmp_path, SAMPLES / "transformer_block.py").run()
+    changed.button(key="restore_autosave").click().run()
+    assert "was trusted when it was saved, but the file has changed since" in texts(changed.warning)
+    assert "refusing to load the archive" in texts(changed.error)  # opened untrusted: refused, nothing ran
+    assert not other.exists()
+    assert changed.session_state["model_ref"].label == "transformer_block.py"  # the open model is kept
