@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.graph import retrace
 from planner.plan import InputMode, Plan
+from planner.errors import InputError, StagewiseError
 from executor.build import build, resolve_device
 from executor.values import member_value
 
@@ -39,7 +40,9 @@ class VerifyReport:
     rtol: float
     outputs: list[ErrorRow] = field(default_factory=list)  # every call's outputs; rows of calls after the first say "(call k)"
     boundaries: list[ErrorRow] = field(default_factory=list)  # values crossing stages on the first call
-    calls: int = 1  # consecutive calls compared (state updated in forward carries over between them)
+    calls: int = 1  # consecutive calls compared per input shape (state updated in forward carries over between them)
+    shapes: list[str] = field(default_factory=list)  # the input shapes compared, first one first
+    notes: list[str] = field(default_factory=list)  # input shapes not compared, and why
 
     @property
     def ok(self) -> bool:
@@ -51,6 +54,7 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         return {"n_members": self.n_members, "rtol": self.rtol, "ok": self.ok, "calls": self.calls,
+                "shapes": self.shapes, "notes": self.notes,
                 "outputs": [asdict(r) for r in self.outputs], "boundaries": [asdict(r) for r in self.boundaries]}
 
     def to_text(self) -> str:
@@ -58,8 +62,10 @@ class VerifyReport:
         for kind, rows in (("output", self.outputs), ("boundary", self.boundaries)):
             for r in rows:
                 lines.append(f"{kind + ' ' + r.name:<28} {r.max_abs:>11.3e} {r.max_rel:>11.3e}  {'yes' if r.ok else 'NO'}")
+        lines += [f"note: {n}" for n in self.notes]
         verdict = "MATCH" if self.ok else "MISMATCH"
-        lines.append(f"{verdict}: batched vs loop over {self.n_members} members, {self.calls} consecutive calls, rtol {self.rtol:g}")
+        shapes = f" at {len(self.shapes)} input shape(s) {'; '.join(self.shapes)}" if self.shapes else ""
+        lines.append(f"{verdict}: batched vs loop over {self.n_members} members, {self.calls} consecutive calls{shapes}, rtol {self.rtol:g}")
         return "\n".join(lines)
 
 
@@ -144,7 +150,7 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float = DEFAULT_RTOL, device=None,
-           calls: int = 2) -> VerifyReport:
+           calls: int = 2, more_inputs: Sequence[Sequence[Any]] = ()) -> VerifyReport:
     """Build the plan, run it and the member loop on `inputs`, and compare.
 
     Args:
@@ -153,6 +159,11 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             runs each member where it already is, on `inputs` as given.
         calls: consecutive calls compared (at least 2: state a forward() updates
             drifts from call to call, and one call would not show a plan that drops the update).
+        more_inputs: further input sets, usually other shapes (`resized_inputs`: shapes can be
+            baked into a trace), each compared on `calls` more calls after `inputs`. A set the
+            member loop itself cannot take is skipped, and one the plan refuses up front with
+            InputError (a torch.export trace specialised to the traced shape) is noted; both in
+            `notes`. Any other failure of the batched module there is a mismatch.
     Returns:
         VerifyReport with max abs/rel error per output leaf and per stage-boundary value.
         The members are left as they were: buffer updates made in forward() are undone.
@@ -163,7 +174,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     inputs = tuple(inputs)
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=device)
-    report = VerifyReport(n_members=plan.n_members, rtol=rtol, calls=calls)
+    report = VerifyReport(n_members=plan.n_members, rtol=rtol, calls=calls, shapes=[describe_inputs(inputs)])
     saved = _buffers(members)  # forward may update buffers in place; each run starts from the same state
     # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
     on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
@@ -199,8 +210,78 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
         with torch.no_grad():
             got = module.run_stages(*on_device)[0]
         _compare_outputs(report, got, loop_outputs(plan, members, inputs), f" (call {call})")
+    for other in more_inputs:
+        _verify_more(report, plan, module, members, tuple(other), device)
     _restore_buffers(members, saved)
     return report
+
+
+def _verify_more(report: VerifyReport, plan: Plan, module, members: list[nn.Module], inputs: tuple, device) -> None:
+    """Compare `report.calls` more calls on another input set, state carried over from the calls before."""
+    shape = describe_inputs(inputs)
+    before = _buffers(members)
+    try:
+        loop_outputs(plan, members[:1], inputs)  # can the model itself take these inputs?
+    except Exception as e:  # any failure of the user's own model here means: not a shape it takes
+        report.notes.append(f"input shape {shape} not compared: the member loop itself fails on it ({type(e).__name__}: {_first_line(e)})")
+        return
+    finally:
+        _restore_buffers(members[:1], before[:1])
+    on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
+    for call in range(1, report.calls + 1):
+        name = f"out @ {shape} (call {call})"
+        try:
+            with torch.no_grad():
+                got = module(*on_device)
+        except InputError as e:
+            if call == 1:
+                report.notes.append(f"input shape {shape} refused up front by the plan: {_first_line(e)}")
+                return
+            raise
+        except StagewiseError as e:
+            report.outputs.append(ErrorRow(f"{name} failed: {_first_line(e)[:120]}", float("inf"), float("inf"), False))
+            return
+        _compare_outputs(report, got, loop_outputs(plan, members, inputs), f" @ {shape}" + (f" (call {call})" if call > 1 else ""))
+    report.shapes.append(shape)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def describe_inputs(inputs: Sequence[Any]) -> str:
+    """'[8, 32] int64, [8, 12]' — the tensor inputs' shapes (dtype when not float32)."""
+    parts = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            parts.append(str(list(x.shape)) + ("" if x.dtype == torch.float32 else f" {str(x.dtype).replace('torch.', '')}"))
+        else:
+            parts.append(type(x).__name__)
+    return ", ".join(parts)
+
+
+def resized_inputs(plan: Plan, inputs: Sequence[Any]) -> tuple | None:
+    """`inputs` with another batch size: the leading (batch) dim of every tensor input that shares the
+    first tensor input's batch size grows by half (at least 1), by repeating rows (so integer ids and
+    masks stay valid). Per-member inputs keep their [N] axis and resize the dim after it. None when no
+    input has a batch dim."""
+    def batch_dim(spec, x) -> int:
+        return 1 if spec.mode is InputMode.PER_MEMBER else 0
+
+    sized = [(spec, x) for spec, x in zip(plan.inputs, inputs) if isinstance(x, torch.Tensor) and x.dim() > batch_dim(spec, x)]
+    if not sized:
+        return None
+    b = sized[0][1].shape[batch_dim(*sized[0])]
+    new = b + max(1, b // 2)
+    out = []
+    for spec, x in zip(plan.inputs, inputs):
+        d = batch_dim(spec, x) if isinstance(x, torch.Tensor) else -1
+        if isinstance(x, torch.Tensor) and x.dim() > d and x.shape[d] == b:
+            rows = torch.arange(new, device=x.device) % b
+            x = x.index_select(d, rows)
+        out.append(x)
+    return tuple(out)
 
 
 def batched_inputs(plan: Plan, example_inputs: Sequence[Any], seed: int = 0) -> tuple:

@@ -279,3 +279,57 @@ def test_dropout_rate_differences_do_not_matter_in_eval():
             return self.drop(self.fc(x))
 
     assert_matches_loop(lambda i: Drop(0.1 * i).eval(), calls_with_two_shapes(randn4))
+
+
+# --- verify: several calls, a second input shape ---------------------------------------------------
+
+class BakedBatch(nn.Module):
+    """Bakes the batch size into the graph (fx records the literal 5): the model itself takes no other batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).reshape(5, 2, 2)
+
+
+def plan_for(cls, x, n=3):
+    torch.manual_seed(0)
+    members = [cls() for _ in range(n)]
+    graph = planner.trace(members[0], (x,))
+    return planner.propose(graph, n_members=n), members
+
+
+def test_verify_compares_a_second_batch_size():
+    x = torch.randn(5, 4)
+    plan, members = plan_for(RunningMean, x)
+    other = executor.resized_inputs(plan, (x,))
+    assert other[0].shape == (7, 4) and torch.equal(other[0][:5], x)
+    report = executor.verify(plan, members, (x,), more_inputs=[other])
+    assert report.ok, report.to_text()
+    assert report.shapes == ["[5, 4]", "[7, 4]"]
+    assert sum("@ [7, 4]" in r.name for r in report.outputs) == report.calls == 2
+
+
+def test_verify_notes_a_shape_the_model_itself_cannot_take():
+    x = torch.randn(5, 4)
+    plan, members = plan_for(BakedBatch, x)
+    report = executor.verify(plan, members, (x,), more_inputs=[executor.resized_inputs(plan, (x,))])
+    assert report.ok and report.shapes == ["[5, 4]"]
+    assert "member loop itself fails" in report.notes[0]
+
+
+def test_verify_catches_a_batched_module_that_is_wrong_only_at_another_shape(monkeypatch):
+    x = torch.randn(5, 4)
+    plan, members = plan_for(RunningMean, x)
+    real_forward = executor.BatchedModule.forward
+
+    def wrong_at_batch_7(self, *inputs):
+        out = real_forward(self, *inputs)
+        return out + 1 if inputs[0].shape[0] == 7 else out
+
+    monkeypatch.setattr(executor.BatchedModule, "forward", wrong_at_batch_7)
+    report = executor.verify(plan, members, (x,), more_inputs=[executor.resized_inputs(plan, (x,))])
+    assert not report.ok
+    assert [r.name for r in report.outputs if not r.ok] == ["out @ [7, 4]", "out @ [7, 4] (call 2)"]
