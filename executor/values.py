@@ -9,13 +9,30 @@ Three forms (member axis N first wherever there is one):
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import ExecutionError
+
+
+# the device of the stage whose runner is running (executor.stages.Runner.__call__ sets it), so that
+# numbers turned into tensors anywhere inside a stage land on its device, whichever strategy runs it
+_stage_device: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("stage_device", default=None)
+
+
+@contextlib.contextmanager
+def stage_device(device: torch.device | None) -> Iterator[None]:
+    """Within this block, stack_member_values puts numbers on `device` unless told otherwise."""
+    token = _stage_device.set(device)
+    try:
+        yield
+    finally:
+        _stage_device.reset(token)
 
 
 @dataclass(frozen=True)
@@ -37,17 +54,50 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def batched_arg(v) -> tuple[Any, Any]:
-    """(argument, in_dims) for passing a boundary value into vmap."""
+def batched_arg(v, device: torch.device | None = None) -> tuple[Any, Any]:
+    """(argument, in_dims) for passing a boundary value into vmap; per-member numbers become tensors on `device`."""
     if isinstance(v, Shared):
         return v.value, None
     if isinstance(v, Batched):
         return v.tree, tree_map(lambda x: 0 if _is_tensor(x) else None, v.tree)
-    return stack_member_values(v.values)
+    return stack_member_values(v.values, device)
 
 
-def stack_member_values(values: list) -> tuple[Any, Any]:
-    """Turn N per-member values into one tree with N-first tensors (and its in_dims)."""
+def _tree_of(v: Any) -> Any:
+    if isinstance(v, Shared):
+        return v.value
+    if isinstance(v, Batched):
+        return v.tree
+    return v.values if isinstance(v, PerMember) else v
+
+
+def device_of(values: list) -> torch.device | None:
+    """The device of the first tensor among `values` (boundary values or plain pytrees), or None."""
+    for v in values:
+        for x in tree_flatten(_tree_of(v))[0]:
+            if _is_tensor(x):
+                return x.device
+    return None
+
+
+def signature(tree: Any) -> tuple:
+    """What a specialised (compiled, captured) call depends on besides tensor data: the tree's
+    structure, each tensor leaf's shape, dtype and device, and every non-tensor leaf's value."""
+    leaves, spec = tree_flatten(tree)
+    return repr(spec), tuple((tuple(x.shape), x.dtype, x.device) if _is_tensor(x) else (type(x).__name__, repr(x))
+                             for x in leaves)
+
+
+def stack_member_values(values: list, device: torch.device | str | None = None) -> tuple[Any, Any]:
+    """Turn N per-member values into one tree with N-first tensors (and its in_dims).
+
+    Per-member Python numbers become one [N] tensor on `device` (the device of the
+    stage that reads them: a CPU tensor there fails under vmap on CUDA); when None,
+    on the device of the stage running now (stage_device), else of the values' own
+    tensors, else the CPU.
+    """
+    if device is None:
+        device = _stage_device.get() or device_of(list(values))
     flat = [tree_flatten(v) for v in values]
     spec = flat[0][1]
     if any(s != spec for _, s in flat[1:]):
@@ -62,7 +112,7 @@ def stack_member_values(values: list) -> tuple[Any, Any]:
             leaves.append(first)
             dims.append(None)
         elif isinstance(first, (bool, int, float)):
-            leaves.append(torch.tensor(column))  # per-member numbers become a [N] tensor, a 0-d scalar per member
+            leaves.append(torch.tensor(column, device=device))  # per-member numbers: a [N] tensor, a 0-d scalar per member
             dims.append(0)
         else:
             raise ExecutionError(f"members produced different {type(first).__name__} values at a stage boundary; keep their consumers in a loop stage")
@@ -78,11 +128,12 @@ def member_value(v, i: int) -> Any:
     return v.values[i]
 
 
-def as_batched(v, n: int):
+def as_batched(v, n: int, device: torch.device | None = None):
     """`v` as a Batched value whose member rows can be written in place.
 
-    Shared tensors become [N, ...] copies, PerMember ones are stacked, and
-    Batched tensors that are expanded views (stride 0 on the member axis) are copied.
+    Shared tensors become [N, ...] copies, PerMember ones are stacked (numbers onto
+    `device`, see stack_member_values), and Batched tensors that are expanded views
+    (stride 0 on the member axis) are copied.
     """
     if isinstance(v, Shared):
         return Batched(tree_map(lambda x: x.unsqueeze(0).expand(n, *x.shape).clone() if _is_tensor(x) else x, v.value))
@@ -90,7 +141,7 @@ def as_batched(v, n: int):
         base = rows_of_one_tensor(v.values)
         if base is not None:  # member rows of one stacked tensor (state a loop stage read): keep writing into it
             return Batched(base)
-        return Batched(stack_member_values(v.values)[0])
+        return Batched(stack_member_values(v.values, device)[0])
     # vmap returns a value that did not depend on the members as an expanded view (stride 0 on
     # the member axis): all members would share one memory row, so give them their own
     return Batched(tree_map(lambda x: x.clone() if _is_tensor(x) and x.dim() and x.shape[0] > 1 and x.stride(0) == 0 else x, v.tree))
@@ -110,11 +161,12 @@ def rows_of_one_tensor(values: list) -> torch.Tensor | None:
     return base
 
 
-def n_first(v, n: int) -> Any:
-    """A boundary value as the module's output: tensors N-first, a pytree of them for containers."""
+def n_first(v, n: int, device: torch.device | None = None) -> Any:
+    """A boundary value as the module's output: tensors N-first, a pytree of them for containers
+    (per-member numbers as a [N] tensor on `device`, see stack_member_values)."""
     if isinstance(v, Batched):
         return v.tree
     if isinstance(v, Shared):
         return as_batched(v, n).tree
-    tree, _ = stack_member_values(v.values)  # per-member numbers come back as a [N] tensor, equal ones stay plain
+    tree, _ = stack_member_values(v.values, device)  # per-member numbers come back as a [N] tensor, equal ones stay plain
     return tree

@@ -1,6 +1,14 @@
 """The `compile` strategy: `torch.compile` of the stage's vmapped callable.
 
-The first call per input layout compiles; its wall time minus one steady-state
+Compiled once per input signature (values.signature: in_dims, every tensor
+input's shape, dtype and device, every non-tensor input's value). The compiled
+callable returns tensors only; the stage's non-tensor outputs (a size such as
+`x.shape[0]` handed to the next stage) come from an eager call with inputs of
+the same signature, recorded beside it: they depend on nothing else, so they
+are right for every call of that signature and re-recorded for a new one.
+Beyond MAX_SIGNATURES signatures the stage runs as plain vmap (same results).
+
+The first call per signature compiles; its wall time minus one steady-state
 call is kept in `compile_seconds` so that profiles show it separately instead
 of hiding it in a median. Input/output format as VmapRunner (N-first).
 """
@@ -16,8 +24,10 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten
 
 from executor.stages import VmapRunner
+from executor.values import signature
 
 BACKEND = "inductor"  # torch.compile backend; tests switch to "aot_eager" to check the plumbing quickly
+MAX_SIGNATURES = 8  # compiled specialisations kept per stage (dynamo's own recompile limit is 8 too)
 _serial = itertools.count()
 
 
@@ -50,17 +60,20 @@ class CompileRunner(VmapRunner):
             return tuple(x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
 
         self._tensors_only = tensors_only
-        self._compiled: dict[str, Callable] = {}
+        self._compiled: dict[tuple, tuple[Callable, dict]] = {}  # signature -> (compiled fn, recorded output structure)
         self.compile_seconds = 0.0
 
     def run(self, args: list) -> list:
         inputs, dims, per_member = self._vmap_args(args)
         if not per_member:
             return super().run(args)  # nothing per member: computed once, nothing to compile
-        key = repr(dims)
-        fn = self._compiled.get(key)
-        if fn is None:
-            super().run(args)  # eager once: fills the output structure (self._meta) and warms caches
+        key = (repr(dims), signature(inputs))
+        entry = self._compiled.get(key)
+        if entry is None:
+            if len(self._compiled) >= MAX_SIGNATURES:
+                return super().run(args)  # one more specialisation would only add compile time
+            super().run(args)  # eager once: records the output structure (non-tensor leaves too) for this signature
+            meta = dict(self._meta)
             start = time.perf_counter()
             fn = compile_fresh(vmap(self._tensors_only, in_dims=(0, dims), randomness="error",
                                     chunk_size=self.program.stage.options.chunk_size), f"stage_{self.program.stage.id}")
@@ -69,7 +82,8 @@ class CompileRunner(VmapRunner):
             start = time.perf_counter()
             tensors = fn(self.stacked, inputs)
             self.compile_seconds += max(0.0, first - (time.perf_counter() - start))
-            self._compiled[key] = fn
+            self._compiled[key] = (fn, meta)
         else:
+            fn, meta = entry
             tensors = fn(self.stacked, inputs)
-        return self._rebuild(tensors)
+        return self._rebuild(tensors, meta)

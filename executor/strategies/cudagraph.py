@@ -8,6 +8,13 @@ refuses at construction with `CPU_REFUSAL`.
 Input/output format: as VmapRunner (N-first). Inputs are copied into the
 captured static buffers before each replay; outputs are cloned out of the
 graph's memory pool (the next replay overwrites it).
+
+A graph bakes in everything that is not tensor data: shapes, and every
+non-tensor value (a size crossing from another stage, equal per-member numbers).
+So it is captured per input signature (values.signature) and re-captured for a
+new one; per-member numbers that differ become a [N] tensor on the GPU *before*
+capture, a static input like any other (made inside the capture, their host
+copy would be baked in too).
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.errors import ExecutionError
 from executor.stages import Runner, VmapRunner
-from executor.values import Batched, PerMember, Shared
+from executor.values import Batched, PerMember, Shared, signature, stack_member_values
 
 CPU_REFUSAL = "cuda_graph needs a CUDA device (a CUDA graph captures GPU kernels); on CPU use vmap, wide or compile"
 
@@ -36,9 +43,13 @@ def _untree(kind_tree: Any) -> Any:
     return Shared(tree) if kind == "s" else Batched(tree) if kind == "b" else PerMember(tree)
 
 
-def _signature(args: list) -> str:
-    leaves, spec = tree_flatten([_tree(a) for a in args])
-    return repr(spec) + repr([(tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves])
+def _signature(args: list) -> tuple:
+    return signature([_tree(a) for a in args])
+
+
+def tensors_first(args: list, device: torch.device | None) -> list:
+    """Per-member values as one Batched tree with N-first tensors on `device` (numbers included)."""
+    return [Batched(stack_member_values(a.values, device)[0]) if isinstance(a, PerMember) else a for a in args]
 
 
 class CudaGraphRunner(Runner):
@@ -50,14 +61,15 @@ class CudaGraphRunner(Runner):
         if not torch.cuda.is_available() or (devices and devices != {"cuda"}):
             raise ExecutionError(f"stage {self.program.stage.id}: {CPU_REFUSAL}")
         self._inner = VmapRunner(self.program, self.n_members, self.stacked, self.member_states)
-        self._signature: str | None = None
+        self._signature: tuple | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def run(self, args: list) -> list:
-        signature = _signature(args)
-        if signature != self._signature:
+        args = tensors_first(args, self.device_for(args))
+        key = _signature(args)
+        if key != self._signature:
             self._capture(args)
-            self._signature = signature
+            self._signature = key
         new = [x for x in tree_flatten([_tree(a) for a in args])[0] if isinstance(x, torch.Tensor)]
         for static, x in zip(self._static_in, new):
             static.copy_(x, non_blocking=True)
