@@ -9,6 +9,7 @@ Tiers: everything runs on CPU; `@pytest.mark.gpu` tests skip without CUDA.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import textwrap
 import warnings
@@ -37,6 +38,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile("stagewise")
+
+
+# The app tier needs streamlit and plotly. A GPU machine runs the suite with the python it has
+# (`make test-gpu`), often without them: the app tests are then not collected, and
+# tests/test_app_dependencies.py says so in the summary instead of the run failing on imports.
+APP_PACKAGES = ("streamlit", "plotly")
+MISSING_APP_PACKAGES = [m for m in APP_PACKAGES if importlib.util.find_spec(m) is None]
+if MISSING_APP_PACKAGES:
+    collect_ignore_glob = ["app/test_*.py"]
 
 
 def examples(n: int) -> int:
