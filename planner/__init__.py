@@ -3,8 +3,8 @@
 Imports nothing above it (executor, app); see shared/DESIGN.md for the vocabulary.
 """
 from planner.errors import (  # noqa: F401
-    DeviceError, EditError, ExecutionError, InputError, MemberError, ModelLoadError,
-    OutputFileError, PlanFileError, PlanMismatchError, StagewiseError, TraceError, UntrustedArchiveError,
+    DeviceError, EditError, ExecutionError, InputError, MemberError, MemoryBudgetError, ModelLoadError,
+    OptimizerError, OutputFileError, PlanFileError, PlanMismatchError, StagewiseError, TraceError, UntrustedArchiveError,
 )
 from planner.plan import InputMode, InputSpec, Plan, Stage, StageMode, StageOptions, Strategy, SCHEMA_VERSION  # noqa: F401
 from planner.source import ModelSource, load_export, load_model_file, load_source, read_state_dict  # noqa: F401

@@ -52,3 +52,11 @@ class UntrustedArchiveError(ModelLoadError):
 
 class OutputFileError(StagewiseError):
     """A file stagewise was asked to write (a chrome trace, a report) cannot be written."""
+
+
+class OptimizerError(StagewiseError):
+    """A stacked optimizer, scheduler or clipping call got a bad hyper-parameter or parameter."""
+
+
+class MemoryBudgetError(StagewiseError):
+    """N members would not fit in memory (planner.budget's estimate vs what the device has available)."""

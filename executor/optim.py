@@ -1,0 +1,583 @@
+"""Stacked optimizers: train N members whose parameters are stacked ``[N, ...]``, with per-member hyper-parameters.
+
+Layout. Every parameter handed to these optimizers is one *stacked* tensor whose dim 0 is the
+member axis: shape ``[N, *member_shape]``, slice ``p[i]`` is member ``i``'s tensor (what
+``torch.func.stack_module_state`` or a batched module's ``nn.Parameter`` holds). Its gradient has
+the same layout. A per-member hyper-parameter is a length-N vector, broadcast over a parameter as a
+view of shape ``[N, 1, 1, ...]``.
+
+What it computes. ``StackedSGD``, ``StackedAdam`` and ``StackedAdamW`` update member ``i`` exactly
+as ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` would update a separate model holding the slices ``p[i]``
+with member ``i``'s hyper-parameters (same formulas, same order of operations, float32 params;
+tests/test_optim.py checks it against N real torch optimizers). Each hyper-parameter (``lr``,
+``momentum``, ``dampening``, ``weight_decay``, each of ``betas``, ``eps``) may be a Python scalar or a
+length-N sequence / tensor. There is *no* parameter group per member: a step is a fixed handful of
+``torch._foreach_*`` calls over the list of stacked parameters, whatever N is (the per-member
+values enter as ``[N, 1, ...]`` tensor operands), so the number of kernels does not grow with N.
+
+Where the hyper-parameters live (``opt.param_groups[g]``):
+
+- ``"member_lr"``: float64 tensor ``[N]``; ``"lr"``: a Python float, a *shared scale*. The
+  effective learning rate of member ``i`` is ``group["lr"] * group["member_lr"][i]``. A scalar
+  ``lr=0.1`` is stored as ``lr=0.1, member_lr=ones(N)``; a per-member ``lr=[...]`` as ``lr=1.0,
+  member_lr=[...]``. The split lets every ``torch.optim.lr_scheduler`` scheduler work unchanged: it
+  writes the scalar ``group["lr"]``, so a schedule that is proportional to the base lr (StepLR,
+  MultiStepLR, ExponentialLR, LambdaLR, LinearLR, CosineAnnealingLR with ``eta_min=0``, ...)
+  gives every member exactly ``base_lr_i * f(t)``, as if each member had its own torch scheduler.
+- ``"momentum"``, ``"dampening"``, ``"weight_decay"``, ``"eps"``: float64 tensors ``[N]``;
+  ``"betas"``: a tuple of two float64 tensors ``[N]``. Flags (``nesterov``, ``maximize``,
+  ``amsgrad``) are shared by all members.
+
+The [N] vectors are float64 (float32 on MPS) so that ``1 - beta2 ** step`` and ``1 - lr * wd`` are
+computed in double precision like torch's Python floats; each step casts the few derived [N]
+coefficients to the parameter dtype once, so the big tensors are updated in float32.
+
+Read and write them with ``opt.get_hyperparameter(name)`` / ``opt.set_hyperparameter(name, value)``
+(validated; an ``lr`` written here is the effective lr). A bad value raises
+``planner.OptimizerError`` naming the hyper-parameter, the problem and the fix.
+
+Step count. Adam keeps ``state[p]["step"]`` as a float32 tensor ``[N]`` per parameter (torch keeps a
+scalar tensor per parameter): all members share the same count unless ``opt.reset_member(i)``
+restarts member ``i`` (its moments and step go back to zero, so its bias correction restarts too,
+exactly like a fresh ``torch.optim.Adam``).
+
+Also here:
+
+- ``clip_grad_norm_per_member_(params, max_norm, n_members, norm_type=2.0)``: each member's grads
+  clipped by its own total norm (over all its slices of all params), like
+  ``torch.nn.utils.clip_grad_norm_`` run on each member separately; returns the ``[N]`` norms.
+- ``StackedStepLR`` / ``StackedCosineLR``: per-member schedules (every schedule parameter may be a
+  scalar or length N). They compute torch's ``StepLR`` / ``CosineAnnealingLR`` in closed form per
+  member and write ``group["member_lr"]`` in place; torch schedulers write the shared scale
+  ``group["lr"]``, so one of each composes by multiplication (``eta_min`` is then scaled too).
+
+Imports nothing of ours except planner.errors.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from planner.errors import OptimizerError
+
+__all__ = [
+    "StackedSGD", "StackedAdam", "StackedAdamW", "clip_grad_norm_per_member_",
+    "StackedLRScheduler", "StackedStepLR", "StackedCosineLR",
+]
+
+
+# --- per-member values -------------------------------------------------------------------------
+
+def _hp_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the [N] hyper-parameter vectors, except where the device has none (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _member_vector(owner: str, name: str, value: Any, n: int, device: torch.device,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``value`` (scalar or length-n sequence/tensor) as a finite [n] tensor; OptimizerError otherwise."""
+    dtype = dtype or _hp_dtype(device)
+    try:
+        t = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError):
+        raise OptimizerError(f"{owner}: {name}={value!r} is not a number or a sequence of numbers; "
+                             f"pass a scalar or one number per member") from None
+    if t.dim() == 0:
+        t = t.expand(n)
+    elif t.dim() != 1 or t.shape[0] != n:
+        raise OptimizerError(f"{owner}: {name} has {t.numel()} values (shape {tuple(t.shape)}) but n_members={n}; "
+                             f"pass a scalar or exactly {n} values, one per member")
+    if not bool(torch.isfinite(t).all()):
+        raise OptimizerError(f"{owner}: {name}={t.tolist()} is not finite; pass finite values")
+    return t.to(device).clone()
+
+
+def _check_range(owner: str, name: str, t: torch.Tensor, low: float, high: float | None = None,
+                 high_open: bool = True) -> torch.Tensor:
+    """Refuse a member whose value is outside [low, high) (or [low, high]); names the member."""
+    bad = t < low
+    if high is not None:
+        bad = bad | ((t >= high) if high_open else (t > high))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        span = f"[{low}, {high})" if high is not None and high_open else (
+            f"[{low}, {high}]" if high is not None else f">= {low}")
+        raise OptimizerError(f"{owner}: {name} of member {i} is {t[i].item():g}, outside {span}; "
+                             f"pass values in {span}")
+    return t
+
+
+def _views(coef: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """[N] coefficient as one [N, 1, ...] view per parameter (views share the storage, no kernel)."""
+    by_dim: dict[int, torch.Tensor] = {}
+    for p in params:
+        if p.dim() not in by_dim:
+            by_dim[p.dim()] = coef.view((coef.shape[0],) + (1,) * (p.dim() - 1))
+    return [by_dim[p.dim()] for p in params]
+
+
+def _rows(coef: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """[P, N] per-parameter coefficients as row ``i`` viewed [N, 1, ...] for parameter ``i``."""
+    return [row.view((row.shape[0],) + (1,) * (p.dim() - 1)) for row, p in zip(coef.unbind(0), params)]
+
+
+# --- the shared optimizer machinery ------------------------------------------------------------
+
+class _StackedOptimizer(torch.optim.Optimizer):
+    """Base: per-member hyper-parameters as [N] tensors in each param group; subclasses implement _step_group."""
+
+    # hyper-parameter name -> (low, high or None, high_open); "lr" and "betas" handled specially
+    _RANGES: dict[str, tuple[float, float | None, bool]] = {}
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], n_members: int, defaults: dict):
+        if not isinstance(n_members, int) or isinstance(n_members, bool) or n_members < 1:
+            raise OptimizerError(f"{type(self).__name__}: n_members={n_members!r}; pass a positive int, "
+                                 f"the size of dim 0 of every stacked parameter")
+        self.n_members = n_members
+        self._nonzero_cache: dict[int, tuple[torch.Tensor, int, bool]] = {}
+        super().__init__(params, defaults)
+
+    # group normalisation: user values -> [N] tensors ------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group as torch does, then check its params' member axis and turn its hyper-parameters into [N] tensors."""
+        super().add_param_group(param_group)
+        self._normalise(self.param_groups[-1])
+
+    def _normalise(self, group: dict) -> None:
+        """Validate the stacked params and hyper-parameters of ``group`` in place."""
+        owner, n = type(self).__name__, self.n_members
+        for p in group["params"]:
+            if p.dim() == 0 or p.shape[0] != n:
+                raise OptimizerError(f"{owner}: a parameter of shape {tuple(p.shape)} has no member axis of size "
+                                     f"n_members={n} in dim 0; stack member tensors as [N, ...] "
+                                     f"(torch.func.stack_module_state) or fix n_members")
+            if p.is_sparse:
+                raise OptimizerError(f"{owner}: sparse parameters are not supported; pass dense stacked tensors")
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        if "member_lr" not in group:  # fresh from the user: split lr into shared scale x member vector
+            lr = _member_vector(owner, "lr", group["lr"], n, device)
+            per_member = not (isinstance(group["lr"], (int, float)) or
+                              (isinstance(group["lr"], torch.Tensor) and group["lr"].dim() == 0))
+            group["member_lr"] = lr if per_member else torch.ones_like(lr)
+            group["lr"] = 1.0 if per_member else float(lr[0])
+        _check_range(owner, "lr", _member_vector(owner, "lr", group["lr"], n, device), 0.0)
+        group["member_lr"] = _check_range(owner, "lr", _member_vector(owner, "lr", group["member_lr"], n, device), 0.0)
+        for name, (low, high, high_open) in self._RANGES.items():
+            group[name] = _check_range(owner, name, _member_vector(owner, name, group[name], n, device),
+                                       low, high, high_open)
+        if "betas" in group:
+            betas = group["betas"]
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise OptimizerError(f"{owner}: betas={betas!r} is not a pair; pass (beta1, beta2), "
+                                     f"each a scalar or one value per member")
+            group["betas"] = tuple(_check_range(owner, f"betas[{k}]", _member_vector(owner, f"betas[{k}]", b, n, device),
+                                                0.0, 1.0) for k, b in enumerate(betas))
+        self._check_group(group)
+
+    def _check_group(self, group: dict) -> None:
+        """Cross-field checks of a subclass (e.g. nesterov needs momentum)."""
+
+    # hyper-parameters after construction -------------------------------------------------------
+    def get_hyperparameter(self, name: str, group: int = 0) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Per-member values of ``name`` in param group ``group``: an [N] tensor (a pair for "betas"), a copy.
+
+        ``"lr"`` is the effective learning rate ``group["lr"] * group["member_lr"]``.
+        """
+        g = self._group(name, group)
+        if name == "lr":
+            return g["lr"] * g["member_lr"]
+        value = g[name]
+        return tuple(b.clone() for b in value) if isinstance(value, tuple) else value.clone()
+
+    def set_hyperparameter(self, name: str, value: Any, group: int | None = None) -> None:
+        """Set ``name`` to ``value`` (scalar or length N; for "betas" a pair of those) in one or all groups.
+
+        Validated like the constructor; raises OptimizerError naming the hyper-parameter. For ``"lr"``
+        the effective lr becomes ``value``: ``member_lr = value / group["lr"]`` (the shared scale a torch
+        scheduler may own is kept; a zero scale is reset to 1.0).
+        """
+        groups = [self._group(name, group)] if group is not None else [self._group(name, i) for i in range(len(self.param_groups))]
+        for g in groups:
+            trial = dict(g)
+            if name == "lr":
+                lr = _check_range(type(self).__name__, "lr", _member_vector(type(self).__name__, "lr", value, self.n_members,
+                                                                          g["member_lr"].device), 0.0)
+                if g["lr"] == 0:
+                    trial["lr"] = 1.0
+                trial["member_lr"] = lr / trial["lr"]
+            else:
+                trial[name] = value
+            self._normalise(trial)  # validates everything before anything changes
+            g.update({k: v for k, v in trial.items() if k != "params"})
+
+    def _group(self, name: str, group: int) -> dict:
+        """Param group ``group`` after checking that ``name`` is one of its hyper-parameters."""
+        if not 0 <= group < len(self.param_groups):
+            raise OptimizerError(f"{type(self).__name__}: no param group {group}; there are {len(self.param_groups)}")
+        names = ["lr", *self._RANGES, *(["betas"] if "betas" in self.defaults else [])]
+        if name not in names:
+            raise OptimizerError(f"{type(self).__name__}: {name!r} is not a per-member hyper-parameter; "
+                                 f"use one of {names}")
+        return self.param_groups[group]
+
+    # state dict: hyper-parameter tensors are copied so later in-place schedule writes don't alias ---
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["param_groups"] = [{k: _clone_value(v) for k, v in g.items()} for g in sd["param_groups"]]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            self._normalise(g)  # back onto the params' device, re-validated (n_members must match)
+        for p, s in self.state.items():
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != self.n_members):
+                    raise OptimizerError(f"{type(self).__name__}: saved state {k!r} has shape {tuple(v.shape)}, "
+                                         f"not [{self.n_members}, ...]; load a state dict saved with the same n_members")
+
+    # step ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every member; ``closure`` re-evaluates the loss as in torch.optim."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for params, grads in self._buckets(group):
+                self._step_group(group, params, grads)
+        return loss
+
+    def _buckets(self, group: dict):
+        """(params, grads) lists of the params with a grad, one pair per (device, dtype)."""
+        out: dict[tuple, tuple[list, list]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise OptimizerError(f"{type(self).__name__}: sparse gradients are not supported; use dense ones")
+            ps, gs = out.setdefault((p.device, p.dtype), ([], []))
+            ps.append(p)
+            gs.append(p.grad)
+        return out.values()
+
+    def _step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _nonzero(self, t: torch.Tensor) -> bool:
+        """Whether any member's value is non-zero; cached per tensor version (no device sync per step)."""
+        hit = self._nonzero_cache.get(id(t))
+        if hit is not None and hit[0] is t and hit[1] == t._version:
+            return hit[2]
+        result = bool(t.any())
+        self._nonzero_cache[id(t)] = (t, t._version, result)
+        return result
+
+    @staticmethod
+    def _coef(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """An [N] hyper-parameter expression cast once to the parameters' device and dtype."""
+        return t.to(device=like.device, dtype=like.dtype)
+
+
+def _clone_value(v: Any) -> Any:
+    """A copy of a param-group value that is a tensor or a tuple of tensors; other values as they are."""
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, tuple):
+        return tuple(_clone_value(x) for x in v)
+    return v
+
+
+# --- SGD ---------------------------------------------------------------------------------------
+
+class StackedSGD(_StackedOptimizer):
+    """``torch.optim.SGD`` for N stacked members; lr, momentum, dampening, weight_decay scalar or length N.
+
+    Args: params (stacked ``[N, ...]`` tensors or param-group dicts), n_members, lr, momentum,
+    dampening, weight_decay, nesterov, maximize (flags shared by all members).
+    Raises: OptimizerError for a bad value, or nesterov with a member whose momentum is 0 or
+    dampening is not 0 (torch refuses that too).
+    A member whose momentum is 0 gets plain SGD (its dampening is ignored, as in torch).
+    """
+
+    _RANGES = {"momentum": (0.0, None, True), "dampening": (-math.inf, None, True), "weight_decay": (0.0, None, True)}
+
+    def __init__(self, params, n_members: int, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov: bool = False, maximize: bool = False):
+        super().__init__(params, n_members, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                                 weight_decay=weight_decay, nesterov=nesterov, maximize=maximize))
+
+    def _check_group(self, group: dict) -> None:
+        if group["nesterov"] and (bool((group["momentum"] <= 0).any()) or bool((group["dampening"] != 0).any())):
+            raise OptimizerError("StackedSGD: nesterov=True needs momentum > 0 and dampening = 0 for every member; "
+                                 "set those or nesterov=False")
+
+    def reset_member(self, i: int) -> None:
+        """Restart member ``i``'s momentum as a fresh torch.optim.SGD would (needs dampening 0 for it)."""
+        for group in self.param_groups:
+            if float(group["dampening"][i]) != 0 and float(group["momentum"][i]) != 0:
+                raise OptimizerError(f"StackedSGD.reset_member({i}): member {i} has dampening "
+                                     f"{float(group['dampening'][i]):g}; a fresh SGD's first momentum step skips "
+                                     f"dampening, which a zeroed buffer cannot reproduce; set its dampening to 0 first")
+            for p in group["params"]:
+                buf = self.state.get(p, {}).get("momentum_buffer")
+                if buf is not None:
+                    buf[i].zero_()
+
+    def _step_group(self, group, params, grads):
+        lr = self._coef(-group["lr"] * group["member_lr"], params[0])
+        if group["maximize"]:
+            grads = torch._foreach_neg(grads)
+        wd = group["weight_decay"]
+        if self._nonzero(wd):
+            grads = torch._foreach_addcmul(grads, params, _views(self._coef(wd, params[0]), params))
+        momentum = group["momentum"]
+        if self._nonzero(momentum):
+            grads = self._momentum(group, params, grads, momentum)
+        torch._foreach_addcmul_(params, grads, _views(lr, params))
+
+    def _momentum(self, group, params, grads, momentum):
+        """Update the momentum buffers; returns the direction to step along (buffers, or nesterov's grad + m*buf)."""
+        like = params[0]
+        m = self._coef(momentum, like)
+        # a member with momentum 0 ignores dampening (torch has no buffer for it): buf = 0*buf + grad
+        one_minus_d = self._coef(1 - torch.where(momentum == 0, torch.zeros_like(momentum), group["dampening"]), like)
+        bufs, old_bufs, old_grads = [], [], []
+        for p, g in zip(params, grads):
+            state = self.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.clone(g).detach()  # first step: buf = grad, as torch
+            else:
+                old_bufs.append(state["momentum_buffer"])
+                old_grads.append(g)
+            bufs.append(state["momentum_buffer"])
+        if old_bufs:
+            torch._foreach_mul_(old_bufs, _views(m, old_bufs))
+            torch._foreach_addcmul_(old_bufs, old_grads, _views(one_minus_d, old_bufs))
+        if group["nesterov"]:
+            return torch._foreach_addcmul(grads, bufs, _views(m, bufs))
+        return bufs
+
+
+# --- Adam / AdamW ------------------------------------------------------------------------------
+
+class StackedAdam(_StackedOptimizer):
+    """``torch.optim.Adam`` for N stacked members; lr, each of betas, eps, weight_decay scalar or length N.
+
+    Args: params (stacked ``[N, ...]`` tensors or param-group dicts), n_members, lr, betas (pair),
+    eps, weight_decay (L2, added to the gradient), amsgrad, maximize (flags shared by all members).
+    State per parameter: ``step`` float32 [N], ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``)
+    shaped like the parameter.
+    Raises: OptimizerError for a bad value (betas outside [0, 1), negative lr/eps/weight_decay, wrong length).
+    """
+
+    _RANGES = {"eps": (0.0, None, True), "weight_decay": (0.0, None, True)}
+    _decoupled = False
+
+    def __init__(self, params, n_members: int, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad: bool = False, maximize: bool = False):
+        super().__init__(params, n_members, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                                 amsgrad=amsgrad, maximize=maximize))
+
+    def reset_member(self, i: int) -> None:
+        """Restart member ``i`` as a fresh torch.optim.Adam would: zero moments and step count."""
+        if not 0 <= i < self.n_members:
+            raise OptimizerError(f"{type(self).__name__}.reset_member({i}): no such member; pass 0..{self.n_members - 1}")
+        for state in self.state.values():
+            for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in state:
+                    state[key][i].zero_()
+
+    def _state(self, p: torch.Tensor, amsgrad: bool) -> dict:
+        """The Adam state of ``p``, created on first use (step [N] float32, moments like p)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros(self.n_members, dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _step_group(self, group, params, grads):
+        like = params[0]
+        states = [self._state(p, group["amsgrad"]) for p in params]
+        steps = [s["step"] for s in states]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        beta1, beta2 = (b.to(like.device) for b in group["betas"])
+        lr = (group["lr"] * group["member_lr"]).to(like.device)
+        wd = group["weight_decay"]
+
+        if group["maximize"]:
+            grads = torch._foreach_neg(grads)
+        torch._foreach_add_(steps, 1.0)
+        if self._nonzero(wd):
+            if self._decoupled:  # AdamW: p *= 1 - lr * wd, the product taken in float64 like torch's floats
+                torch._foreach_mul_(params, _views(self._coef(1 - lr * wd.to(like.device), like), params))
+            else:                # Adam: L2 folded into the gradient
+                grads = torch._foreach_addcmul(grads, params, _views(self._coef(wd, like), params))
+
+        torch._foreach_lerp_(exp_avgs, grads, _views(self._coef(1 - beta1, like), params))
+        torch._foreach_mul_(exp_avg_sqs, _views(self._coef(beta2, like), params))
+        # addcmul's `value` must be one Python number, so scale one factor by the per-member (1 - beta2) first
+        torch._foreach_addcmul_(exp_avg_sqs, torch._foreach_mul(grads, _views(self._coef(1 - beta2, like), params)), grads)
+
+        # bias corrections for every (param, member) at once: [P, N] in float64, then cast once
+        step = torch.stack(steps).to(lr.dtype)
+        neg_step_size = self._coef(-lr / (1 - beta1 ** step), like)
+        bias_correction2_sqrt = self._coef((1 - beta2 ** step).sqrt(), like)
+
+        if group["amsgrad"]:
+            max_sqs = [s["max_exp_avg_sq"] for s in states]
+            torch._foreach_maximum_(max_sqs, exp_avg_sqs)
+            denom = torch._foreach_sqrt(max_sqs)
+        else:
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, _rows(bias_correction2_sqrt, params))
+        torch._foreach_add_(denom, _views(self._coef(group["eps"], like), params))
+        update = torch._foreach_div(exp_avgs, denom)
+        torch._foreach_mul_(update, _rows(neg_step_size, params))
+        torch._foreach_add_(params, update)
+
+
+class StackedAdamW(StackedAdam):
+    """``torch.optim.AdamW`` for N stacked members: decoupled weight decay ``p *= 1 - lr * weight_decay``.
+
+    Same arguments as StackedAdam; weight_decay defaults to 1e-2 as in torch.
+    """
+
+    _decoupled = True
+
+    def __init__(self, params, n_members: int, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad: bool = False, maximize: bool = False):
+        super().__init__(params, n_members, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, maximize=maximize)
+
+
+# --- per-member gradient clipping --------------------------------------------------------------
+
+@torch.no_grad()
+def clip_grad_norm_per_member_(params: Iterable[torch.Tensor] | torch.Tensor, max_norm, n_members: int,
+                               norm_type: float = 2.0) -> torch.Tensor:
+    """Clip each member's gradients by that member's total norm, in place.
+
+    Args: params: stacked ``[N, ...]`` tensors (those without a grad are skipped); max_norm: scalar
+    or length N; n_members: N; norm_type: p of the p-norm (``inf`` for max-abs).
+    Returns: float32 tensor [N], each member's total gradient norm before clipping (over all its
+    slices of all params), as ``torch.nn.utils.clip_grad_norm_`` returns for one model.
+    Member ``i``'s grads are multiplied by ``min(1, max_norm[i] / (norm[i] + 1e-6))``, exactly torch's rule.
+    Raises: OptimizerError for a bad max_norm or a grad without the member axis.
+    """
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    dtype = grads[0].dtype if grads else torch.float32
+    limit = _check_range("clip_grad_norm_per_member_", "max_norm",
+                         _member_vector("clip_grad_norm_per_member_", "max_norm", max_norm, n_members, device, dtype), 0.0)
+    if not grads:
+        return torch.zeros(n_members, dtype=dtype, device=device)
+    for g in grads:
+        if g.dim() == 0 or g.shape[0] != n_members:
+            raise OptimizerError(f"clip_grad_norm_per_member_: a grad of shape {tuple(g.shape)} has no member axis of "
+                                 f"size n_members={n_members} in dim 0; pass stacked [N, ...] params")
+    norm_type = float(norm_type)
+    per_param = [torch.linalg.vector_norm(g.reshape(n_members, -1), norm_type, dim=1) for g in grads]  # P x [N]
+    norms = torch.linalg.vector_norm(torch.stack(per_param), norm_type, dim=0)                          # [N]
+    coef = torch.clamp(limit / (norms + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, _views(coef.to(dtype), grads))
+    return norms
+
+
+# --- per-member LR schedules -------------------------------------------------------------------
+
+class StackedLRScheduler:
+    """Base of the per-member schedules: writes ``group["member_lr"]`` from each member's base lr.
+
+    Like a torch scheduler it applies epoch 0 at construction and ``step()`` advances one epoch;
+    ``base_lrs`` (one [N] tensor per group) are the member lrs at construction. Subclasses give
+    ``_member_lr(base, epoch)`` in closed form. It leaves the shared scale ``group["lr"]`` to torch's schedulers.
+    """
+
+    def __init__(self, optimizer: _StackedOptimizer):
+        if not isinstance(optimizer, _StackedOptimizer):
+            raise OptimizerError(f"{type(self).__name__}: {type(optimizer).__name__} is not a stacked optimizer; "
+                                 f"pass a StackedSGD/StackedAdam/StackedAdamW (use torch.optim.lr_scheduler for others)")
+        self.optimizer = optimizer
+        self.n_members = optimizer.n_members
+        self.base_lrs = [g["member_lr"].clone() for g in optimizer.param_groups]
+        self.last_epoch = -1
+        self.step()
+
+    def _vector(self, name: str, value, low: float, high: float | None = None, high_open: bool = True) -> torch.Tensor:
+        """A schedule parameter as a validated [N] tensor on the optimizer's hyper-parameter device."""
+        device = self.optimizer.param_groups[0]["member_lr"].device
+        return _check_range(type(self).__name__, name,
+                            _member_vector(type(self).__name__, name, value, self.n_members, device), low, high, high_open)
+
+    def _member_lr(self, base: torch.Tensor, epoch: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Advance one epoch and write every member's lr in place."""
+        self.last_epoch += 1
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["member_lr"].copy_(self._member_lr(base, self.last_epoch))
+
+    def get_last_lr(self) -> list[torch.Tensor]:
+        """Effective per-member lr of each group (shared scale x member lr), [N] each."""
+        return [g["lr"] * g["member_lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: _clone_value(v) if not isinstance(v, list) else [_clone_value(x) for x in v]
+                for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.__dict__.update({k: v for k, v in state_dict.items() if k != "optimizer"})
+
+
+class StackedStepLR(StackedLRScheduler):
+    """Per-member ``torch.optim.lr_scheduler.StepLR``: ``lr_i = base_i * gamma_i ** (epoch // step_size_i)``.
+
+    step_size (positive) and gamma (>= 0) may each be a scalar or length N. Torch multiplies by gamma
+    every step_size epochs; this is its closed form (``StepLR._get_closed_form_lr``), equal up to float64 rounding.
+    """
+
+    def __init__(self, optimizer, step_size, gamma=0.1):
+        self.step_size = _check_range("StackedStepLR", "step_size",
+                                      _member_vector("StackedStepLR", "step_size", step_size, optimizer.n_members,
+                                                     optimizer.param_groups[0]["member_lr"].device), 1.0)
+        if bool((self.step_size != self.step_size.round()).any()):
+            raise OptimizerError(f"StackedStepLR: step_size={self.step_size.tolist()} has a non-integer; pass whole epochs")
+        self.gamma = _member_vector("StackedStepLR", "gamma", gamma, optimizer.n_members,
+                                    optimizer.param_groups[0]["member_lr"].device)
+        _check_range("StackedStepLR", "gamma", self.gamma, 0.0)
+        super().__init__(optimizer)
+
+    def _member_lr(self, base, epoch):
+        return base * self.gamma ** torch.floor(epoch / self.step_size)
+
+
+class StackedCosineLR(StackedLRScheduler):
+    """Per-member ``torch.optim.lr_scheduler.CosineAnnealingLR`` (no restarts):
+    ``lr_i = eta_min_i + (base_i - eta_min_i) * (1 + cos(pi * epoch / T_max_i)) / 2``.
+
+    T_max (positive) and eta_min (>= 0) may each be a scalar or length N. Torch computes it
+    recursively; this is the closed form it documents, equal up to float64 rounding (also past
+    T_max, where both rise again).
+    """
+
+    def __init__(self, optimizer, T_max, eta_min=0.0):
+        device = optimizer.param_groups[0]["member_lr"].device
+        self.T_max = _check_range("StackedCosineLR", "T_max",
+                                  _member_vector("StackedCosineLR", "T_max", T_max, optimizer.n_members, device), 1.0)
+        self.eta_min = _check_range("StackedCosineLR", "eta_min",
+                                    _member_vector("StackedCosineLR", "eta_min", eta_min, optimizer.n_members, device), 0.0)
+        super().__init__(optimizer)
+
+    def _member_lr(self, base, epoch):
+        return self.eta_min + (base - self.eta_min) * (1 + torch.cos(math.pi * epoch / self.T_max)) / 2
