@@ -234,6 +234,8 @@ class _StackedOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             self._normalise(g)  # back onto the params' device, re-validated (n_members must match)
         for p, s in self.state.items():
+            if isinstance(s.get("step"), torch.Tensor):  # torch leaves "step" where it was saved
+                s["step"] = s["step"].to(device=p.device, dtype=torch.float32)
             for k, v in s.items():
                 if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != self.n_members):
                     raise OptimizerError(f"{type(self).__name__}: saved state {k!r} has shape {tuple(v.shape)}, "
@@ -504,20 +506,24 @@ class StackedLRScheduler:
     """
 
     def __init__(self, optimizer: _StackedOptimizer):
-        if not isinstance(optimizer, _StackedOptimizer):
-            raise OptimizerError(f"{type(self).__name__}: {type(optimizer).__name__} is not a stacked optimizer; "
-                                 f"pass a StackedSGD/StackedAdam/StackedAdamW (use torch.optim.lr_scheduler for others)")
+        self._device_of(optimizer)
         self.optimizer = optimizer
         self.n_members = optimizer.n_members
         self.base_lrs = [g["member_lr"].clone() for g in optimizer.param_groups]
         self.last_epoch = -1
         self.step()
 
-    def _vector(self, name: str, value, low: float, high: float | None = None, high_open: bool = True) -> torch.Tensor:
-        """A schedule parameter as a validated [N] tensor on the optimizer's hyper-parameter device."""
-        device = self.optimizer.param_groups[0]["member_lr"].device
-        return _check_range(type(self).__name__, name,
-                            _member_vector(type(self).__name__, name, value, self.n_members, device), low, high, high_open)
+    def _device_of(self, optimizer) -> torch.device:
+        """The device of ``optimizer``'s [N] hyper-parameters, after checking it is a stacked optimizer."""
+        if not isinstance(optimizer, _StackedOptimizer):
+            raise OptimizerError(f"{type(self).__name__}: {type(optimizer).__name__} is not a stacked optimizer; "
+                                 f"pass a StackedSGD/StackedAdam/StackedAdamW (use torch.optim.lr_scheduler for others)")
+        return optimizer.param_groups[0]["member_lr"].device
+
+    def _vector(self, optimizer, name: str, value, low: float) -> torch.Tensor:
+        """A schedule parameter (scalar or length N) as a validated [N] tensor, each value >= low."""
+        owner, device = type(self).__name__, self._device_of(optimizer)
+        return _check_range(owner, name, _member_vector(owner, name, value, optimizer.n_members, device), low)
 
     def _member_lr(self, base: torch.Tensor, epoch: int) -> torch.Tensor:
         raise NotImplementedError
@@ -548,14 +554,10 @@ class StackedStepLR(StackedLRScheduler):
     """
 
     def __init__(self, optimizer, step_size, gamma=0.1):
-        self.step_size = _check_range("StackedStepLR", "step_size",
-                                      _member_vector("StackedStepLR", "step_size", step_size, optimizer.n_members,
-                                                     optimizer.param_groups[0]["member_lr"].device), 1.0)
+        self.step_size = self._vector(optimizer, "step_size", step_size, 1.0)
         if bool((self.step_size != self.step_size.round()).any()):
             raise OptimizerError(f"StackedStepLR: step_size={self.step_size.tolist()} has a non-integer; pass whole epochs")
-        self.gamma = _member_vector("StackedStepLR", "gamma", gamma, optimizer.n_members,
-                                    optimizer.param_groups[0]["member_lr"].device)
-        _check_range("StackedStepLR", "gamma", self.gamma, 0.0)
+        self.gamma = self._vector(optimizer, "gamma", gamma, 0.0)
         super().__init__(optimizer)
 
     def _member_lr(self, base, epoch):
@@ -572,11 +574,8 @@ class StackedCosineLR(StackedLRScheduler):
     """
 
     def __init__(self, optimizer, T_max, eta_min=0.0):
-        device = optimizer.param_groups[0]["member_lr"].device
-        self.T_max = _check_range("StackedCosineLR", "T_max",
-                                  _member_vector("StackedCosineLR", "T_max", T_max, optimizer.n_members, device), 1.0)
-        self.eta_min = _check_range("StackedCosineLR", "eta_min",
-                                    _member_vector("StackedCosineLR", "eta_min", eta_min, optimizer.n_members, device), 0.0)
+        self.T_max = self._vector(optimizer, "T_max", T_max, 1.0)
+        self.eta_min = self._vector(optimizer, "eta_min", eta_min, 0.0)
         super().__init__(optimizer)
 
     def _member_lr(self, base, epoch):
