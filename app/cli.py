@@ -12,7 +12,7 @@ import traceback
 
 import planner
 import executor
-from planner import StagewiseError
+from planner import StagewiseError, budget
 from planner.files import temp_beside, writable_problem
 from executor.verify import DEFAULT_RTOL, resized_inputs
 
@@ -72,6 +72,8 @@ def _parse_modes(values: list[str] | None, names: list[str]):
 
 def _members_and_inputs(plan, args):
     src = planner.load_source(args.model, weights=args.weights or None, trust_archive=args.trust_archive)
+    # the whole run's members and stacked state, before building any (on the CPU both are held at once)
+    budget.check_run(plan.n_members, budget.state_bytes(src.model), getattr(args, "device", None), src.name)
     members = src.members(plan.n_members)
     inputs = executor.batched_inputs(plan, src.example_inputs)
     return src, members, inputs

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from planner import budget
 from planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
 
 MEMBER_SEED_BASE = 1234  # member i is built after torch.manual_seed(MEMBER_SEED_BASE + i)
@@ -39,10 +40,17 @@ class ModelSource:
     example_inputs: tuple
     _build_members: Callable[[int], list[nn.Module]] = field(repr=False, default=None)
 
-    def members(self, n: int) -> list[nn.Module]:
-        """`n` members of this architecture (eval mode, own weights)."""
-        if not isinstance(n, int) or n < 1:
+    def members(self, n: int, *, check_memory: bool = True) -> list[nn.Module]:
+        """`n` members of this architecture (eval mode, own weights).
+
+        Raises MemoryBudgetError, before building any, when n x one member's state
+        (measured on `self.model`, the same architecture) would not fit in the
+        available CPU memory; `check_memory=False` or STAGEWISE_SKIP_MEMORY_CHECK=1 skips that.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise MemberError(f"the number of members must be an integer >= 1, got {n!r}; ask for 1 or more members")
+        budget.check_fits(n, budget.state_bytes(self.model), "cpu", f"building {n} members of {self.name}",
+                          "or run the members in smaller groups (plan.with_n_members)", check_memory)
         members = self._build_members(n)
         if len(members) != n:
             raise MemberError(f"{self.name}: build_members({n}) returned {len(members)} modules; it must return exactly {n}")
