@@ -2,7 +2,7 @@
 
 Imports planner, never app.
 """
-from executor.build import BatchedModule, build, resolve_device, stack_member_state  # noqa: F401
+from executor.build import BatchedModule, build, resolve_device, save_member_weights, stack_member_state  # noqa: F401
 from executor.verify import VerifyReport, batched_inputs, loop_outputs, member_inputs, resized_inputs, verify  # noqa: F401
 import executor.strategies  # noqa: F401,E402  (registers the wide, compile and cuda_graph runners)
 from executor.report import ProfileReport, StageProfile, StrategyResult, SweepReport  # noqa: F401,E402

@@ -7,6 +7,7 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 import dataclasses
 from typing import Any, Sequence
 
@@ -15,12 +16,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_map, tree_unflatten
 
+from planner import budget
+from planner.files import temp_beside
 from planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
 from planner.graph import ModelGraph, fingerprint_lines, retrace
 from planner.inputs import check_call_inputs, example_inputs_from
 from planner.plan import InputMode, Plan, Stage
 from planner.validate import stage_graph, validate
-from executor.constants import lift_member_constants
+from executor.constants import LIFTED_PREFIX, lift_member_constants
 from executor.stages import Runner, StageProgram, runner_for
 from executor.values import Batched, Shared, as_batched, n_first
 
@@ -117,10 +120,45 @@ def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
     return [plan.stage(sid) for sid in nx.lexicographical_topological_sort(stage_graph(plan, graph), key=index.__getitem__)]
 
 
+def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persistent: set[str]) -> nn.Module:
+    """Stacked member state as a module tree mirroring one member's: `tree.fc1.weight` is [N, *fc1.weight.shape].
+
+    Names in `params` become nn.Parameters (requires_grad as given; a tied tensor is one Parameter
+    under each of its names); the rest are buffers, in the state_dict when in `persistent`.
+    """
+    root = nn.Module()
+    as_param: dict[int, nn.Parameter] = {}
+    for name, t in stacked.items():
+        owner = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        if name in params:
+            p = as_param.get(id(t))
+            if p is None:
+                p = as_param[id(t)] = nn.Parameter(t, requires_grad=params[name])
+            owner.register_parameter(leaf, p)
+        else:
+            owner.register_buffer(leaf, t, persistent=name in persistent)
+    return root
+
+
+def tree_tensor(tree: nn.Module, name: str) -> torch.Tensor:
+    """The tensor `state_tree` registered under dotted `name`."""
+    path, _, leaf = name.rpartition(".")
+    owner = tree.get_submodule(path) if path else tree
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+
+
 class BatchedModule(nn.Module):
     """N members run as one module, stage by stage. forward(*inputs) -> N-first outputs."""
 
-    def __init__(self, plan: Plan, graph: ModelGraph, stacked: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, plan: Plan, graph: ModelGraph, stacked: dict[str, torch.Tensor], device: torch.device,
+                 params: dict[str, bool] | None = None, member_keys: Sequence[str] | None = None):
+        """`params`: stacked names that are parameters -> requires_grad (the rest are buffers and
+        per-member constants); `member_keys`: one member's state_dict keys, in order."""
         super().__init__()
         self.plan = plan
         self.n_members = plan.n_members
@@ -138,8 +176,13 @@ class BatchedModule(nn.Module):
                     read_outside[dep.name] = True
         keys = set(stacked)
         self.programs = [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)]
-        self.stage_modules = nn.ModuleList([p.module for p in self.programs]).to(device)  # constants follow .to()
-        self._stacked = stacked
+        # not submodules: the module's parameters and state_dict are the stacked member state alone.
+        # _apply and train() reach them by hand (their constants follow .to(), their mode follows .train())
+        self.__dict__["stage_modules"] = [p.module.to(device) for p in self.programs]
+        params = params if params is not None else {}
+        self._member_keys = list(member_keys) if member_keys is not None else [k for k in stacked if not k.startswith(LIFTED_PREFIX)]
+        self.stacked = state_tree(stacked, params, persistent=set(self._member_keys))
+        self._stacked = {k: tree_tensor(self.stacked, k) for k in stacked}
         # a state tensor read by a stage and handed on is that tensor itself, not a copy: an in-place
         # update downstream (a running mean written by a loop stage) must land in the stacked state
         gm_nodes = {n.name: n for n in graph.gm.graph.nodes}
@@ -156,15 +199,51 @@ class BatchedModule(nn.Module):
             self.runners.append(runner_for(p, self.n_members, stacked, member_states))
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        moved: dict[int, torch.Tensor] = {}  # tied names share one tensor before and after
-        self._stacked = {k: moved[id(v)] if id(v) in moved else moved.setdefault(id(v), fn(v)) for k, v in self._stacked.items()}
+        super()._apply(fn, recurse)  # the stacked state tree: tied names stay one Parameter
+        for m in self.stage_modules:
+            m._apply(fn)
+        self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
         self._build_runners()
         return self
 
+    def train(self, mode: bool = True) -> "BatchedModule":
+        """Training mode for every stage: dropout draws a mask per member, BatchNorm updates each member's statistics."""
+        super().train(mode)
+        for m in self.stage_modules:
+            m.train(mode)
+        return self
+
+    def _check_trainable(self) -> None:
+        """ExecutionError naming the first stage whose strategy cannot carry gradients."""
+        for program, runner in zip(self.programs, self.runners):
+            if not runner.trainable:
+                strategy = program.stage.options.strategy.value
+                raise ExecutionError(
+                    f"stage {program.describe} runs strategy {strategy!r}, which is inference-only (no gradients); "
+                    f"for training set another strategy on it (planner.set_options(plan, graph, {program.stage.id!r}, strategy='vmap')), "
+                    "or call the module under torch.no_grad() / in eval() mode for inference"
+                )
+
+    def named_stacked_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(member parameter name, its [N, ...] Parameter), each tied Parameter once, in member order."""
+        seen, out = set(), []
+        for k in self._member_keys:
+            t = self._stacked.get(k)
+            if isinstance(t, nn.Parameter) and id(t) not in seen:
+                seen.add(id(t))
+                out.append((k, t))
+        return out
+
+    def member_state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        """N ordinary state dicts (detached copies, same keys as one member's state_dict) that load
+        into the original architecture with load_state_dict."""
+        with torch.no_grad():
+            return [{k: self._stacked[k][i].detach().clone() for k in self._member_keys} for i in range(self.n_members)]
+
     @property
     def stacked_state(self) -> dict[str, torch.Tensor]:
-        """Member state stacked [N, ...] by dotted name (shared with the runners; in-place updates persist)."""
+        """Member state stacked [N, ...] by dotted name: the module's Parameters and buffers themselves
+        (shared with the runners; in-place updates persist; update parameters under torch.no_grad())."""
         return self._stacked
 
     def bind_inputs(self, inputs: tuple) -> dict[str, Any]:
@@ -201,13 +280,15 @@ class BatchedModule(nn.Module):
 
     def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
         """Run all stages; returns (N-first outputs, boundary values by node name if `keep`)."""
+        if self.training and torch.is_grad_enabled():
+            self._check_trainable()
         env = self.bind_inputs(inputs)
         for program, runner, state_out in zip(self.programs, self.runners, self._state_outputs):
             args = [env[n] for n in program.input_names]
             if program.writes_in_place:
                 # an in-place write must land in one [N, ...] tensor that later stages read too
                 # (vmap cannot write a batched value into a shared one; a loop would write N times into it)
-                args = [as_batched(a, self.n_members) for a in args]
+                args = [as_batched(a, self.n_members, runner.device_for(args)) for a in args]
                 env.update(zip(program.input_names, args))
             try:
                 outs = runner(args)
@@ -237,7 +318,8 @@ class BatchedModule(nn.Module):
         return self.run_stages(*inputs)[0]
 
 
-def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None = None, device: str | torch.device | None = None) -> BatchedModule:
+def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None = None, device: str | torch.device | None = None,
+          *, check_memory: bool = True) -> BatchedModule:
     """Turn `plan` and its members into one batched module.
 
     Args:
@@ -247,6 +329,7 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
             do not record the traced input shapes (older stagewise); otherwise the traced
             shapes and dtypes in plan.inputs are used and this is ignored.
         device: where to run ("cpu", "cuda", torch.device); default cpu.
+        check_memory: False skips the memory estimate (planner.budget; also STAGEWISE_SKIP_MEMORY_CHECK=1).
     Returns:
         BatchedModule: forward(*inputs) takes shared inputs as-is and per_member
         inputs as [N, ...]; returns the model's outputs with tensors N-first.
@@ -254,7 +337,8 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         MemberError (count or state mismatch), PlanMismatchError (plan for another
         model: both fingerprints and the first difference; or a plan that breaks the
         invariants), TraceError (members[0] cannot be traced again with the plan's
-        tracer, or an old export plan file without input shapes and no example_inputs), DeviceError.
+        tracer, or an old export plan file without input shapes and no example_inputs), DeviceError,
+        MemoryBudgetError (the stacked state, N x one member's, would not fit on `device`; before stacking).
     """
     dev = resolve_device(device)
     members = list(members)
@@ -263,6 +347,8 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
             f"the plan is for {plan.n_members} members but {len(members)} were given; "
             f"pass {plan.n_members} members or use plan.with_n_members({len(members)})"
         )
+    budget.check_fits(len(members), budget.state_bytes(members[0]), dev, f"stacking the state of {len(members)} members",
+                      "set chunk_size on large stages for their activations, or use another device", check_memory)
     # a private copy: the stage modules keep the traced submodules, and .to()/.double() on the
     # batched module must not move or convert the caller's member 0
     # the traced shapes, not the caller's: an export graph is specialised to them, so another shape
@@ -280,4 +366,21 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     # a sweep's members differ in numbers the trace baked in: give each member its own (or refuse)
     per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked))
     stacked.update({k: v.to(dev) for k, v in per_member.items()})
-    return BatchedModule(plan, graph, stacked, dev)
+    params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
+    return BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+
+
+def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]:
+    """Write each member's state as `folder/member_000.safetensors`, ... (one ordinary state dict per
+    member, loadable with `planner.load_source(model, weights=paths)` or load_state_dict). Returns the paths."""
+    from safetensors.torch import save_file  # a required dependency (pyproject); imported where used
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, state in enumerate(module.member_state_dicts()):
+        path = folder / f"member_{i:03d}.safetensors"
+        with temp_beside(path) as tmp:  # written whole or not at all
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        paths.append(path)
+    return paths

@@ -20,7 +20,7 @@ from planner.capability import is_inplace
 from planner.errors import ExecutionError
 from planner.plan import Stage, Strategy
 from executor.constants import LIFTED_PREFIX
-from executor.values import Batched, PerMember, Shared, batched_arg, device_of, member_value, stage_device
+from executor.values import Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value, stage_device
 
 
 @dataclass
@@ -83,6 +83,7 @@ class Runner:
     n_members: int
     stacked: dict[str, torch.Tensor] = field(repr=False)  # this stage's state, [N, ...] each
     member_states: list[dict[str, torch.Tensor]] = field(repr=False)  # views stacked[k][i]
+    trainable = True  # (not a field) False for strategies whose results carry no gradients (cuda_graph)
 
     def run(self, args: list) -> list:
         raise NotImplementedError
@@ -115,6 +116,12 @@ def _describe_value(v) -> str:
         x = v.value
         return f"shared {list(x.shape)}" if isinstance(x, torch.Tensor) else f"shared {type(x).__name__}"
     return f"per-member list of {len(v.values)}"
+
+
+def randomness(module: torch.nn.Module) -> str:
+    """vmap's randomness for a stage: in training each member draws its own (dropout masks, as the loop
+    would); in eval a random op is an error (inference is expected to be deterministic)."""
+    return "different" if module.training else "error"
 
 
 class VmapRunner(Runner):
@@ -158,14 +165,19 @@ class VmapRunner(Runner):
 
     def run(self, args: list) -> list:
         inputs, dims, per_member = self._vmap_args(args)
+        training = self.program.module.training
+        if not per_member and training:
+            # training: random ops (dropout) must draw per member, so nothing is computed once and shared
+            inputs, dims, per_member = self._vmap_args([as_batched(a, self.n_members, self.device_for(args)) for a in args])
         if not per_member:
             # nothing member-specific goes in: compute once, share the result
             out = functional_call(self.program.module, {}, tuple(inputs))
             return [Shared(v) for v in out]
-        key = repr(dims)
+        key = (repr(dims), training)
         fn = self._vmapped.get(key)
         if fn is None:
-            fn = vmap(self._one_member, in_dims=(0, dims), randomness="error", chunk_size=self.program.stage.options.chunk_size)
+            fn = vmap(self._one_member, in_dims=(0, dims), randomness=randomness(self.program.module),
+                      chunk_size=self.program.stage.options.chunk_size)
             self._vmapped[key] = fn
         return self._rebuild(fn(self.stacked, inputs))
 

@@ -65,8 +65,11 @@ class CompileRunner(VmapRunner):
 
     def run(self, args: list) -> list:
         inputs, dims, per_member = self._vmap_args(args)
-        if not per_member:
-            return super().run(args)  # nothing per member: computed once, nothing to compile
+        if not per_member or self.program.module.training or self.program.writes_in_place:
+            # nothing per member: computed once, nothing to compile. Training (per-member randomness,
+            # BatchNorm statistics) and in-place state updates run eager: compiling runs the stage
+            # more than once on its first call, which would apply an update two or three times
+            return super().run(args)
         key = (repr(dims), signature(inputs))
         entry = self._compiled.get(key)
         if entry is None:

@@ -53,7 +53,9 @@ def tensors_first(args: list, device: torch.device | None) -> list:
 
 
 class CudaGraphRunner(Runner):
-    """Captures VmapRunner's call once per input signature and replays it."""
+    """Captures VmapRunner's call once per input signature and replays it. Inference only (no gradients)."""
+
+    trainable = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
