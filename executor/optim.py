@@ -8,8 +8,8 @@ view of shape ``[N, 1, 1, ...]``.
 
 What it computes. ``StackedSGD``, ``StackedAdam`` and ``StackedAdamW`` update member ``i`` exactly
 as ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` would update a separate model holding the slices ``p[i]``
-with member ``i``'s hyper-parameters (same formulas, same order of operations, float32 params;
-tests/test_optim.py checks it against N real torch optimizers). Each hyper-parameter (``lr``,
+with member ``i``'s hyper-parameters (same formulas; float32 results agree to a few ulps, as
+tests/test_optim.py checks against N real torch optimizers). Each hyper-parameter (``lr``,
 ``momentum``, ``dampening``, ``weight_decay``, each of ``betas``, ``eps``) may be a Python scalar or a
 length-N sequence / tensor. There is *no* parameter group per member: a step is a fixed handful of
 ``torch._foreach_*`` calls over the list of stacked parameters, whatever N is (the per-member
@@ -50,6 +50,14 @@ Also here:
   scalar or length N). They compute torch's ``StepLR`` / ``CosineAnnealingLR`` in closed form per
   member and write ``group["member_lr"]`` in place; torch schedulers write the shared scale
   ``group["lr"]``, so one of each composes by multiplication (``eta_min`` is then scaled too).
+
+Cost. A step is a fixed sequence of calls whatever N is (measured by tests/test_optim.py with a
+TorchDispatchMode, 4 parameters: SGD with nesterov 16 non-view aten calls, Adam 33, AdamW 35, for
+N=4 and N=64 alike; N torch optimizers make N times theirs). On CUDA a ``_foreach_*`` call whose
+operands differ in shape (a [N, 1, ...] coefficient against an [N, ...] parameter) takes torch's
+per-tensor path: one kernel per parameter and call, still independent of N. On CPU each call streams
+the whole stacked tensor, so for members of a few KB a Python loop of torch optimizers can keep
+more in cache; the win there is in the Python and dispatch overhead of N optimizers.
 
 Imports nothing of ours except planner.errors.
 """
@@ -442,9 +450,9 @@ class StackedAdam(_StackedOptimizer):
             denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, _rows(bias_correction2_sqrt, params))
         torch._foreach_add_(denom, _views(self._coef(group["eps"], like), params))
-        update = torch._foreach_div(exp_avgs, denom)
-        torch._foreach_mul_(update, _rows(neg_step_size, params))
-        torch._foreach_add_(params, update)
+        # p += exp_avg / (denom / -step_size): torch's capturable path; no extra param-sized temporary
+        torch._foreach_div_(denom, _rows(neg_step_size, params))
+        torch._foreach_addcdiv_(params, exp_avgs, denom)
 
 
 class StackedAdamW(StackedAdam):
@@ -503,6 +511,7 @@ class StackedLRScheduler:
     Like a torch scheduler it applies epoch 0 at construction and ``step()`` advances one epoch;
     ``base_lrs`` (one [N] tensor per group) are the member lrs at construction. Subclasses give
     ``_member_lr(base, epoch)`` in closed form. It leaves the shared scale ``group["lr"]`` to torch's schedulers.
+    Its next ``step()`` overwrites an lr set with ``set_hyperparameter``; change ``base_lrs`` instead.
     """
 
     def __init__(self, optimizer: _StackedOptimizer):

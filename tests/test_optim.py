@@ -104,10 +104,6 @@ def max_rel_error(stacked, models, names) -> float:
     return worst
 
 
-def per_member(values):
-    return lambda i: values[i]
-
-
 # per-member hyper-parameters, different for every member
 def lrs(n, base=0.05):
     return [base * (1 + 0.5 * i) for i in range(n)]
@@ -115,7 +111,9 @@ def lrs(n, base=0.05):
 
 def sgd_setup(n, variant):
     lr, wd, mom = lrs(n), [0.01 * i for i in range(n)], [0.9 - 0.1 * (i % 4) for i in range(n)]
-    damp = [0.0] * n if variant != "dampening" else [0.1 * (i % 3) for i in range(n)]
+    damp = [0.0] * n if variant != "dampening" else [0.1 + 0.1 * (i % 3) for i in range(n)]
+    if variant == "dampening":  # a member without momentum ignores its dampening, as in torch
+        mom = [0.0 if i % 3 == 1 else m for i, m in enumerate(mom)]
     nesterov, maximize = variant == "nesterov", variant == "maximize"
     torch_kw = lambda i: dict(lr=lr[i], momentum=mom[i], dampening=damp[i], weight_decay=wd[i],  # noqa: E731
                               nesterov=nesterov, maximize=maximize)
