@@ -258,3 +258,49 @@ def test_inference_only_strategy_is_refused_in_training_with_the_fix():
         ens(*inputs)
     with torch.no_grad():
         ens(*inputs)  # inference still runs
+
+
+# --- property: plan edits never change the gradients -----------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from conftest import examples  # noqa: E402
+from test_edits import draw_edit  # noqa: E402
+
+
+def loop_gradients(members, member_in):
+    grads = []
+    for i, m in enumerate(copy.deepcopy(members)):
+        m.train()
+        loss_of(m(*member_in(i))).backward()
+        grads.append({k: p.grad for k, p in m.named_parameters()})
+    return grads
+
+
+def assert_gradients_match(plan, members, inputs, want, label):
+    ens = executor.build(plan, members).train()
+    batched_loss(ens(*inputs), len(members)).backward()
+    refs = {k: torch.stack([w[k] for w in want]) for k, _ in ens.named_stacked_parameters()}
+    # a gradient that is 0 up to rounding (attention's key bias) is compared at the scale of all of them
+    floor = 1e-4 * max(r.abs().max().item() for r in refs.values())
+    for k, p in ens.named_stacked_parameters():
+        err = (p.grad - refs[k]).abs().max().item() / max(refs[k].abs().max().item(), floor, 1e-12)
+        assert err <= RTOL, f"after {label}: gradient of {k} off by {err:.2e}\n{plan.dumps()}"
+
+
+@settings(max_examples=examples(16))
+@given(data=st.data(), name=st.sampled_from(["mlp", "deep_mlp", "data_dependent", "moe", "transformer_block"]))
+def test_random_plan_edits_never_change_the_gradients(data, name):
+    n = 3
+    _, graph = load_sample(name)
+    plan, members, inputs, member_in = sample_setup(name, n)
+    want = loop_gradients(members, member_in)
+    assert_gradients_match(plan, members, inputs, want, "propose")
+    for _ in range(4):
+        label, edit = draw_edit(data, plan, graph)
+        try:
+            plan = edit()
+        except planner.EditError:
+            continue
+        assert_gradients_match(plan, members, inputs, want, label)
