@@ -52,7 +52,7 @@ Also here:
   ``group["lr"]``, so one of each composes by multiplication (``eta_min`` is then scaled too).
 
 Cost. A step is a fixed sequence of calls whatever N is (measured by tests/test_optim.py with a
-TorchDispatchMode, 4 parameters: SGD with nesterov 16 non-view aten calls, Adam 33, AdamW 35, for
+TorchDispatchMode, 4 parameters: SGD with nesterov 16 non-view aten calls, Adam 32, AdamW 34, for
 N=4 and N=64 alike; N torch optimizers make N times theirs). On CUDA a ``_foreach_*`` call whose
 operands differ in shape (a [N, 1, ...] coefficient against an [N, ...] parameter) takes torch's
 per-tensor path: one kernel per parameter and call, still independent of N. On CPU each call streams
