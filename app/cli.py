@@ -80,6 +80,8 @@ def _members_and_inputs(plan, args):
 
 
 def cmd_run(args) -> int:
+    if args.distributed:
+        return _run_distributed(args)
     plan = planner.Plan.load(args.plan)
     _, members, inputs = _members_and_inputs(plan, args)
     other = resized_inputs(plan, inputs)  # a second batch size: a shape baked into the trace shows there
@@ -88,6 +90,29 @@ def cmd_run(args) -> int:
     print()
     print(report.to_text())
     return 0 if report.ok else EXIT_MISMATCH
+
+
+def _run_distributed(args) -> int:
+    """One rank of `torchrun ... stagewise run --distributed`: verify this rank's slice of the members; rank 0 prints the table."""
+    from executor import distributed  # torch.distributed's process group is only wanted here
+
+    started = distributed.init_from_env(device=args.device)
+    try:
+        with distributed.agreed("loading the plan and the model"):  # a missing file on one host stops every rank
+            plan = planner.Plan.load(args.plan)
+            src = planner.load_source(args.model, weights=args.weights or None, trust_archive=args.trust_archive)
+            inputs = executor.batched_inputs(plan, src.example_inputs)
+        # members by global index: build_members(n) and weight files number members of all N, so take the slice of N
+        report = distributed.verify_sharded(plan, lambda idx: src.members(plan.n_members)[idx.start:idx.stop], inputs,
+                                            rtol=args.rtol, device="cpu" if args.device in (None, "cpu") else None)
+        if distributed.dist.get_rank() == 0:
+            print(planner.format_stage_table(plan))
+            print()
+            print(report.to_text())
+        return 0 if report.ok else EXIT_MISMATCH
+    finally:
+        if started:
+            distributed.dist.destroy_process_group()
 
 
 def cmd_show(args) -> int:
@@ -136,7 +161,7 @@ def _profile(plan, members, inputs, args, progress):
     """
     run = lambda trace_path: executor.profile(  # noqa: E731
         plan, members, inputs, device=args.device, repeats=args.repeats, compile_baseline=args.compile_baseline,
-        trace_path=trace_path, progress=progress, autotune=args.autotune,
+        trace_path=trace_path, progress=progress, autotune=args.autotune, train=args.train,
     )
     if not args.trace:
         return run(None), None
@@ -192,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="max normwise relative error (default 1e-4)")
     sr.add_argument("--trust-archive", action="store_true",
                     help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
+    sr.add_argument("--distributed", action="store_true",
+                    help="under torchrun: each rank verifies its slice of the members; rank 0 prints the table")
     sr.set_defaults(func=cmd_run)
 
     ss = sub.add_parser("show", help="print a plan's stage table")
@@ -210,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     sf.add_argument("--trace", help="write a chrome trace (torch.profiler) here")
     sf.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
     sf.add_argument("--compile-baseline", action="store_true", help="also time torch.compile of whole-model vmap (slow to compile)")
+    sf.add_argument("--train", action="store_true",
+                    help="profile a training step (forward + backward + Adam step) against N torch.optim loops and the torch.func recipe")
     sf.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     sf.add_argument("-o", "--output", help="write the (tuned) plan with the report inside here")
     sf.add_argument("--trust-archive", action="store_true",

@@ -11,3 +11,4 @@ from executor.profile import profile  # noqa: F401,E402
 from executor.autotune import autotune  # noqa: F401,E402
 from executor.sweep import n_sweep  # noqa: F401,E402
 from executor.optim import StackedAdam, StackedAdamW, StackedCosineLR, StackedSGD, StackedStepLR, clip_grad_norm_per_member_  # noqa: F401,E402
+from executor.distributed import ShardedModule, build_sharded, member_slice  # noqa: F401,E402

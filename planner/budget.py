@@ -124,3 +124,30 @@ def check_run(n: int, one_member: int, device: torch.device | str | None, name: 
     check_fits(n, one_member, "cpu", f"building {n} members of {name}", "or run the members in smaller groups (plan.with_n_members)",
                check_memory)
     check_fits(n, one_member, dev, f"stacking the state of {n} members of {name}", fixes, check_memory)
+
+
+def ranks_for(n: int, per_member: int, device_bytes: int, *, fixed: int = 0) -> int:
+    """How many ranks (devices) N members need when each device has `device_bytes`: the fewest W whose
+    largest slice (ceil(N / W) members, as executor.distributed.member_slice deals them) fits.
+
+    Args:
+        n: members N.
+        per_member: bytes one member takes on its device: its state (state_bytes) times the copies held,
+            or an N sweep's measured peak-memory slope.
+        device_bytes: memory of one device (the usable fraction, USABLE_FRACTION, is applied here).
+        fixed: bytes per device that do not grow with N (an N sweep's intercept: activations, workspace).
+    Raises:
+        MemoryBudgetError when not even one member fits on a device.
+    """
+    if n < 1 or per_member < 0 or device_bytes <= 0:
+        raise ValueError(f"ranks_for needs n >= 1, per_member >= 0, device_bytes > 0; got {n}, {per_member}, {device_bytes}")
+    usable = int(device_bytes * USABLE_FRACTION) - fixed
+    if per_member == 0:
+        return 1
+    most = usable // per_member  # members per device
+    if most < 1:
+        raise MemoryBudgetError(
+            f"one member needs about {format_bytes(per_member + fixed)} but a device has {format_bytes(device_bytes)} "
+            f"({USABLE_FRACTION:.0%} usable); use devices with more memory or set chunk_size on large stages"
+        )
+    return -(-n // most)  # ceil: the first ranks take one more member when N does not divide evenly

@@ -1,0 +1,450 @@
+"""executor.distributed: the member axis sharded over the ranks of a torch.distributed process group.
+
+Each rank builds the plan (`plan.with_n_members(k)`) for its contiguous slice of
+the N members (`member_slice`: N=7 over 3 ranks -> 3, 2, 2) on its own device
+(cpu under gloo, cuda:LOCAL_RANK under nccl) and runs it; only results cross
+ranks (`gather`, `mean`), and with a DeviceMesh `"dp"` dimension gradients are
+averaged over `"dp"` by an explicit `sync_gradients()` call before `opt.step()`
+(no hook: the caller decides when, e.g. once after several accumulation steps).
+There is no gradient traffic between member shards: members are independent.
+
+Layout: `forward` takes the whole model's inputs (shared as one member takes them,
+per_member [N, ...], of which each rank runs its rows) and returns this rank's
+outputs, [k, ...] for its k members; `gather` turns them into [N, ...] on every rank.
+
+No hangs: every step that is followed by a collective runs inside `agreed(what)`,
+which all-reduces a failure flag per rank; when any rank failed, every rank raises
+one DistributedError naming the failing rank(s) and their message. A rank that dies
+without reaching the flag shows up as the process group's timeout, also as a
+DistributedError. Set the timeout in `init_process_group(timeout=...)` (`init_from_env`
+sets DEFAULT_TIMEOUT_S).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from planner.errors import MemberError, ModelLoadError, StagewiseError
+from planner.files import temp_beside
+from planner.plan import InputMode, Plan
+from executor.build import BatchedModule, build
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("STAGEWISE_DIST_TIMEOUT_S", "300"))  # a collective waits this long for a slow or dead rank
+MemberFactory = Callable[[range], Sequence[nn.Module]]  # this rank's global member indices -> its members, in order
+
+
+class DistributedError(StagewiseError):
+    """A rank failed, timed out, or the process group / mesh does not fit the plan."""
+
+
+def member_slice(n: int, rank: int, world: int) -> range:
+    """Global indices of the members `rank` holds: contiguous, the first n % world ranks one more (7 over 3 -> 0-2, 3-4, 5-6)."""
+    if world < 1 or not 0 <= rank < world:
+        raise DistributedError(f"rank {rank} of a world of {world}: a rank must be in 0..world-1")
+    if n < world:
+        raise DistributedError(f"{n} members over {world} ranks leaves ranks without members; use at most {n} ranks "
+                               f"(or plan.with_n_members({world}) or more)")
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+# ---- groups, devices and the failure agreement -------------------------------------------------
+
+def _resolve_groups(group) -> tuple[Any, Any]:
+    """(member group, dp group or None) from None (the world), a ProcessGroup, or a DeviceMesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedError("torch.distributed is not initialised; call dist.init_process_group(...) first "
+                               "(or executor.distributed.init_from_env() under torchrun)")
+    if group is None:
+        return dist.group.WORLD, None
+    if isinstance(group, DeviceMesh):
+        names = tuple(group.mesh_dim_names or ())
+        if "member" not in names or set(names) - {"member", "dp"}:
+            raise DistributedError(f"the device mesh has dimensions {names}; name them ('member',) or ('member', 'dp') "
+                                   "with init_device_mesh(..., mesh_dim_names=...)")
+        return group.get_group("member"), (group.get_group("dp") if "dp" in names else None)
+    return group, None
+
+
+def _collective_device(group) -> torch.device:
+    """Where the flag and padding tensors of a collective live: cuda under nccl, else cpu."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_device(group=None, device: str | torch.device | None = None) -> torch.device:
+    """`device` if given; else cuda:LOCAL_RANK under nccl, cpu otherwise."""
+    if device is not None:
+        return torch.device(device)
+    member_group, _ = _resolve_groups(group)
+    if dist.get_backend(member_group) == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """Turn a collective's timeout or broken connection into one DistributedError."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError and gloo's timeouts are RuntimeErrors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DistributedError(f"{what}: rank {dist.get_rank()} got no answer from the other ranks ({first}); "
+                               "another rank probably crashed or is stuck: check its output (the process group's "
+                               "timeout bounds this wait)") from e
+
+
+def _check_all(groups: Sequence[Any], what: str, error: BaseException | None) -> None:
+    """Collective over `groups`: raise the same DistributedError on every rank when any rank passed an error."""
+    me = dist.get_rank()
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_collective_device(groups[0]))
+    flags[me] = int(error is not None)
+    with _collective(f"checking that every rank finished {what}"):
+        for g in groups:  # member group, then dp: disjoint rows, so MAX spreads every rank's flag to all
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if not failed:
+        return
+    messages: dict[int, str] = {me: f"{type(error).__name__}: {error}"} if error is not None else {}
+    with _collective(f"collecting the errors of {what}"):
+        for g in groups:
+            gathered: list[Any] = [None] * dist.get_world_size(g)
+            dist.all_gather_object(gathered, messages, group=g)
+            messages = {k: v for d in gathered for k, v in d.items()}
+    first = failed[0]
+    detail = (messages.get(first, "no message").splitlines() or [""])[0][:300]
+    ranks = ("rank " if len(failed) == 1 else "ranks ") + ", ".join(str(r) for r in failed)
+    raise DistributedError(f"{what} failed on {ranks} (rank {first}: {detail}); fix that rank's problem and run again "
+                           "(every rank stopped here)") from error
+
+
+@contextlib.contextmanager
+def agreed(what: str, group=None) -> Iterator[None]:
+    """Run a block on every rank; afterwards every rank raises DistributedError if the block raised on any rank.
+
+    A collective step: every rank of `group` (None: the world; a ProcessGroup; a DeviceMesh)
+    must enter it. Example: `with agreed("loading the data"): x = load(rank)`.
+    """
+    member_group, dp_group = _resolve_groups(group)
+    groups = [member_group] + ([dp_group] if dp_group is not None else [])
+    error = None
+    try:
+        yield
+    except Exception as e:  # this rank's failure: reported to all ranks below instead of leaving them waiting
+        error = e
+    _check_all(groups, what, error)
+
+
+def init_from_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    Backend nccl for a cuda `device` (each rank on cuda:LOCAL_RANK), gloo otherwise; collectives time
+    out after `timeout_s`. Returns False when a group was already initialised (then nothing changes).
+    """
+    if dist.is_initialized():
+        return False
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise DistributedError(f"--distributed needs the torchrun environment ({', '.join(missing)} not set); "
+                               "start it as: torchrun --nproc-per-node K --no-python stagewise run plan.json MODEL --distributed")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+# ---- the sharded module ------------------------------------------------------------------------
+
+def _local_members(members: Union[Sequence[nn.Module], MemberFactory], indices: range, n: int) -> list[nn.Module]:
+    """This rank's members: from a factory called with `indices`, or sliced out of all N."""
+    if callable(members) and not isinstance(members, nn.Module):
+        local = list(members(indices))
+        if len(local) != len(indices):
+            raise MemberError(f"the member factory returned {len(local)} modules for members {indices.start}-{indices.stop - 1}; "
+                              f"it must return one per index ({len(indices)})")
+        return local
+    if isinstance(members, nn.Module):
+        raise MemberError("pass a list of N members or a factory (indices) -> members, not one module")
+    members = list(members)
+    if len(members) != n:
+        raise MemberError(f"the plan is for {n} members but {len(members)} were given; pass all {n} "
+                          "(each rank takes its slice) or a factory (indices) -> members")
+    return [members[i] for i in indices]
+
+
+class ShardedModule(nn.Module):
+    """This rank's slice of the members as one BatchedModule (`.module`), plus the collectives over the slices.
+
+    parameters() are this rank's stacked member state ([k, ...] each), ready for a stacked
+    optimizer with `local_values(per-member hyper-parameters)`.
+    """
+
+    def __init__(self, plan: Plan, module: BatchedModule, indices: range, group, device: torch.device):
+        super().__init__()
+        self.plan = plan  # the whole plan, for N members
+        self.module = module  # this rank's BatchedModule, for len(indices) members
+        self.member_indices = indices
+        self.device = device
+        self._group = group
+        self._member_group, self._dp_group = _resolve_groups(group)
+        self._world = dist.get_world_size(self._member_group)
+        self._slices = [member_slice(plan.n_members, r, self._world) for r in range(self._world)]
+
+    @property
+    def n_members(self) -> int:
+        return self.plan.n_members
+
+    def local_values(self, values: Sequence[Any] | Any) -> Any:
+        """This rank's entries of a length-N sequence (per-member lr, ...); anything else as it is."""
+        if isinstance(values, (list, tuple)) and len(values) == self.n_members:
+            return type(values)(values[i] for i in self.member_indices)
+        if isinstance(values, torch.Tensor) and values.dim() >= 1 and values.shape[0] == self.n_members:
+            return values[self.member_indices.start:self.member_indices.stop]
+        return values
+
+    def local_inputs(self, inputs: Sequence[Any]) -> tuple:
+        """The inputs this rank runs, on its device: per_member ones' rows of its members, shared ones as given."""
+        out = []
+        for spec, x in zip(self.plan.inputs, inputs):
+            if spec.mode is InputMode.PER_MEMBER and isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.n_members:
+                x = x[self.member_indices.start:self.member_indices.stop]
+            out.append(x)
+        out += list(inputs[len(out):])  # too many inputs: the module's own InputError says so
+        return tuple(tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, out))
+
+    def forward(self, *inputs):
+        """Whole-model inputs (per_member [N, ...]) -> this rank's outputs, k-first. Every rank must call it
+        (a failure on one rank raises DistributedError on all). For inputs already sliced, call `.module`."""
+        with agreed("the forward of each rank's members", self._group):
+            out = self.module(*self.local_inputs(inputs))
+        return out
+
+    def gather(self, out):
+        """All ranks' k-first outputs -> N-first outputs (member order), on every rank; not differentiable."""
+        leaves, spec = tree_flatten(out)
+        with agreed("gathering outputs", self._group):
+            for x in leaves:
+                if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != len(self.member_indices)):
+                    raise DistributedError(f"gather: an output of shape {list(x.shape)} has no member axis of {len(self.member_indices)}; "
+                                           "pass the outputs of forward()")
+        return tree_unflatten([self._gather_tensor(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+    def _gather_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        most = max(len(s) for s in self._slices)  # gloo's all_gather needs one size: pad, then cut
+        x = x.detach()
+        padded = torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]) if x.shape[0] < most else x
+        parts = [torch.empty_like(padded) for _ in self._slices]
+        with _collective("gathering outputs"):
+            dist.all_gather(parts, padded.contiguous(), group=self._member_group)
+        return torch.cat([p[:len(s)] for p, s in zip(parts, self._slices)])
+
+    def mean(self, out):
+        """The ensemble mean over all N members of each floating output, on every rank (an all-reduce, not a gather)."""
+        leaves, spec = tree_flatten(out)
+        with agreed("averaging outputs", self._group):
+            bad = [list(x.shape) for x in leaves if isinstance(x, torch.Tensor) and not x.is_floating_point()]
+            if bad:
+                raise DistributedError(f"mean: output(s) of shape {bad} are not floating point; use gather() for them")
+        result = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                x = x.detach().sum(0)
+                with _collective("averaging outputs"):
+                    dist.all_reduce(x, group=self._member_group)
+                x = x / self.n_members
+            result.append(x)
+        return tree_unflatten(result, spec)
+
+    def sync_gradients(self) -> None:
+        """Average gradients over the mesh's "dp" dimension (replicas of the same members on other data). Call
+        it after backward and before opt.step(); without "dp" it does nothing (member shards never exchange gradients).
+        A backward that may fail on one rank goes inside `with agreed("backward", group):`, so the others do not wait here."""
+        if self._dp_group is None:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)  # one all-reduce for all of them
+        with _collective("averaging gradients over dp"):
+            dist.all_reduce(flat, group=self._dp_group)
+        flat /= dist.get_world_size(self._dp_group)
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+    def member_state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's members as ordinary state dicts, in member_indices order."""
+        return self.module.member_state_dicts()
+
+    def save_checkpoint(self, folder: str | Path) -> list[Path]:
+        """Each rank writes its members as `folder/member_{global index:03d}.safetensors` (dp replicas: dp rank 0 only).
+        Collective; returns the paths this rank wrote. The folder loads with any number of ranks (load_checkpoint)."""
+        from safetensors.torch import save_file
+
+        folder, paths = Path(folder), []
+        writes = self._dp_group is None or dist.get_rank(self._dp_group) == 0
+        with agreed(f"saving the checkpoint to {folder}", self._group):
+            if writes:
+                folder.mkdir(parents=True, exist_ok=True)
+                for g, state in zip(self.member_indices, self.member_state_dicts()):
+                    path = folder / f"member_{g:03d}.safetensors"
+                    with temp_beside(path) as tmp:  # written whole or not at all
+                        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+                    paths.append(path)
+        return paths
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Load this rank's members from a folder written by save_checkpoint with any number of ranks. Collective."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        with agreed(f"loading the checkpoint from {folder}", self._group):
+            count = len(list(folder.glob("member_*.safetensors")))
+            if count != self.n_members:
+                raise ModelLoadError(f"checkpoint {folder} holds {count} member files but the plan has {self.n_members} members; "
+                                     f"load it into plan.with_n_members({count}) or pick the right folder")
+            stacked, keys = self.module.stacked_state, self.module._member_keys
+            loaded = []
+            for g in self.member_indices:
+                state = load_file(str(folder / f"member_{g:03d}.safetensors"), device=str(self.device))
+                if set(state) != set(keys):
+                    raise ModelLoadError(f"{folder}/member_{g:03d}.safetensors has keys that differ from the model's "
+                                         f"(missing {sorted(set(keys) - set(state))[:3]}, extra {sorted(set(state) - set(keys))[:3]}); "
+                                         "it was saved from another architecture")
+                loaded.append(state)
+            with torch.no_grad():  # copy only once every file read: a failed load leaves the module as it was
+                for j, state in enumerate(loaded):
+                    for k in keys:
+                        stacked[k][j].copy_(state[k])
+
+
+def build_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory], group=None,
+                  device: str | torch.device | None = None, *, check_memory: bool = True) -> ShardedModule:
+    """Build this rank's slice of `plan`'s N members. Collective: every rank of `group` calls it.
+
+    Args:
+        plan: the plan for all N members.
+        members: all N members (each rank keeps its slice) or a factory `(indices: range) -> members`
+            that builds only this rank's (global indices, e.g. range(3, 5)).
+        group: None (the default process group), a ProcessGroup, or a DeviceMesh with a "member"
+            dimension and optionally "dp" (ranks along "dp" hold the same members).
+        device: default cpu under gloo, cuda:LOCAL_RANK under nccl.
+    Returns:
+        ShardedModule over members `member_slice(N, member rank, member ranks)`.
+    Raises:
+        DistributedError on every rank when building failed on any rank (naming it), or when
+        there are more member ranks than members.
+    """
+    member_group, _ = _resolve_groups(group)
+    indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
+    dev = rank_device(group, device)
+    module = None
+    with agreed("building each rank's members", group):
+        local = _local_members(members, indices, plan.n_members)
+        module = build(plan.with_n_members(len(indices)), local, device=dev, check_memory=check_memory)
+    return ShardedModule(plan, module, indices, group, dev)
+
+
+# ---- verification across ranks (stagewise run --distributed) -----------------------------------
+
+@dataclass
+class RankVerdict:
+    """One rank's check of its slice against the loop over its members."""
+
+    rank: int
+    start: int
+    stop: int
+    ok: bool
+    max_rel: float
+    verify_s: float  # executor.verify on the slice (build, both runs, compare)
+    forward_ms: float  # median of the slice's forward alone (no collectives)
+    device: str
+
+
+@dataclass
+class ShardedVerifyReport:
+    """Every rank's verdict, and what gathering the outputs cost; the same on every rank."""
+
+    n_members: int
+    backend: str
+    rtol: float
+    ranks: list[RankVerdict] = field(default_factory=list)
+    gather_ms: float = 0.0  # median all-gather of one forward's outputs along the member axis (failure check included)
+    gather_bytes: int = 0  # bytes of the gathered outputs
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks)
+
+    def to_text(self) -> str:
+        lines = [f"{'rank':>4}  {'members':<14} {'device':<8} {'verdict':<9} {'max rel':>9} {'verify s':>9} {'forward ms':>11}"]
+        for r in self.ranks:
+            span = f"{r.start}-{r.stop - 1} ({r.stop - r.start})"
+            lines.append(f"{r.rank:>4}  {span:<14} {r.device:<8} {'MATCH' if r.ok else 'MISMATCH':<9} {r.max_rel:>9.2e} "
+                         f"{r.verify_s:>9.2f} {r.forward_ms:>11.3f}")
+        lines.append(f"all-gather of the outputs along the member axis: {self.gather_ms:.3f} ms "
+                     f"({self.gather_bytes / 1024:.1f} KiB, {self.backend})")
+        verdict = "MATCH" if self.ok else "MISMATCH"
+        lines.append(f"{verdict}: {self.n_members} members over {len(self.ranks)} ranks, each slice against the loop over "
+                     f"its members, rtol {self.rtol:g}")
+        return "\n".join(lines)
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def verify_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory], inputs: Sequence[Any], *,
+                   rtol: float, group=None, device: str | torch.device | None = None, repeats: int = 5) -> ShardedVerifyReport:
+    """Each rank verifies its slice (executor.verify against the loop over its members, at a second batch
+    size where the plan allows), times its forward and the all-gather; returns every rank's verdict on every rank.
+    Collective over a ProcessGroup (None: the world)."""
+    from executor.verify import resized_inputs, verify
+
+    member_group, _ = _resolve_groups(group)
+    indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
+    with agreed("building each rank's members", group):
+        local = _local_members(members, indices, plan.n_members)
+    sharded = build_sharded(plan, lambda _: local, group, device)
+    local_inputs = sharded.local_inputs(inputs)
+    with agreed("verifying each rank's members against their loop", group):
+        t0 = time.perf_counter()
+        sliced = plan.with_n_members(len(indices))
+        other = resized_inputs(sliced, local_inputs)
+        report = verify(sliced, local, local_inputs, rtol=rtol, device=sharded.device, more_inputs=[other] if other else ())
+        verify_s = time.perf_counter() - t0
+        with torch.no_grad():
+            sharded.module(*local_inputs)  # warm-up
+            forward_ms = _median_ms(lambda: sharded.module(*local_inputs), repeats)
+            out = sharded.module(*local_inputs)
+    with torch.no_grad():
+        gather_ms = _median_ms(lambda: sharded.gather(out), repeats)
+        gathered = sharded.gather(out)
+    mine = RankVerdict(dist.get_rank(member_group), indices.start, indices.stop, report.ok, report.max_rel,
+                       verify_s, forward_ms, str(sharded.device))
+    verdicts: list[Any] = [None] * dist.get_world_size(member_group)
+    with _collective("collecting the verdicts"):
+        dist.all_gather_object(verdicts, mine, group=member_group)
+    size = sum(x.numel() * x.element_size() for x in tree_flatten(gathered)[0] if isinstance(x, torch.Tensor))
+    return ShardedVerifyReport(plan.n_members, dist.get_backend(member_group), rtol, verdicts, gather_ms, size)
