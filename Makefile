@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 MODEL  ?= sample_models/transformer_block.py
 
-.PHONY: run test bench browser-deps clean plan
+.PHONY: run test bench browser-deps clean plan mutation
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,33 @@ test: $(VENV)/.installed-test browser-deps
 
 bench: $(VENV)/.installed
 	$(BIN)/python -m benchmarks.run
+
+# Mutation testing of the checking core, not part of `make test`: mutmut ([tool.mutmut] in pyproject.toml)
+# changes one thing at a time in executor/verify.py, planner/validate.py, planner/edits.py,
+# executor/autotune.py and executor/stages.py, and runs only the selected fast tests that reach the
+# changed function. It works in a copy under MUTATION_DIR (its mutants/ folder stays out of the checkout;
+# a later run re-tests only what changed). MUTANTS narrows the run to name globs, e.g.
+# MUTANTS='planner.validate.*'; `cd $(MUTATION_DIR) && mutmut show NAME` shows one mutant's diff.
+MUTATION_DIR  ?= $(or $(TMPDIR),/tmp)/stagewise-mutation
+MUTATION_JOBS ?= 1
+MUTANTS       ?=
+MUTMUT        := $(abspath $(BIN))/mutmut
+
+$(VENV)/.installed-mutation: $(VENV)/.installed-test
+	$(PIP) install -q -c constraints.txt -e '.[test,mutation]'
+	touch $@
+
+mutation: $(VENV)/.installed-mutation
+	mkdir -p $(MUTATION_DIR)
+	cd $(MUTATION_DIR) && rm -rf planner executor app sample_models tests pyproject.toml
+	cp -r planner executor app sample_models tests pyproject.toml $(MUTATION_DIR)/
+	cd $(MUTATION_DIR) && STAGEWISE_HYPOTHESIS_SCALE=0.1 nice -n 10 $(MUTMUT) run --max-children $(MUTATION_JOBS) $(MUTANTS) \
+		> run.log 2>&1 || (tr '\r' '\n' < run.log | tail -n 30; exit 1)
+	@tr '\r' '\n' < $(MUTATION_DIR)/run.log | grep -E 'mutations/second|done in' | tail -n 2
+	@cd $(MUTATION_DIR) && $(MUTMUT) results --all true | sed -E 's/^ *([a-z_.]+)\.x(_|ǁ).*: /\1 /' \
+		| awk '$$2 != "not" {n[$$1]++; if ($$2 == "killed" || $$2 == "timeout") k[$$1]++} \
+		       END {for (f in n) printf "%-20s killed %4d / %4d mutants\n", f, k[f], n[f]}' | sort
+	@echo "survivors: cd $(MUTATION_DIR) && $(MUTMUT) results; one diff: $(MUTMUT) show NAME"
 
 clean:
 	rm -rf $(VENV) .pytest_cache tests/artifacts
