@@ -14,7 +14,7 @@ from app.profile_view import baselines, failures, headline, stage_rows, stage_ti
 from planner.errors import StagewiseError
 
 POLL_S = 1.0
-BASELINE_COLORS = {"stagewise": "#2ca02c", "loop": "#7f7f7f", "vmap": "#1f77b4", "vmap+compile": "#9467bd", "floor": "#bcbd22"}
+BASELINE_COLORS = {"stagewise": "#2ca02c", "loop": "#7f7f7f", "vmap": "#1f77b4", "vmap+compile": "#9467bd", "floor": "#bcbd22", "torch.func": "#ff7f0e"}
 
 
 def _devices() -> list[str]:
@@ -48,7 +48,7 @@ def _start(task: str) -> None:
         ns = [len(ref.weights)]
     job = jobs.start(task, ref.path, ref.weights, plan.with_profile(None).to_json(), st.session_state.get("device", "cpu"), ns,
                      trust_archive=ref.trust_archive, autotune=bool(st.session_state.get("autotune")),
-                     compile_baseline=bool(st.session_state.get("compile_baseline")))
+                     compile_baseline=bool(st.session_state.get("compile_baseline")), train=bool(st.session_state.get("train")))
     st.session_state.job = job
     st.session_state.job_plan = plan.with_profile(None).dumps()
 
@@ -125,6 +125,8 @@ def controls_ui() -> None:
     o = st.columns(3)
     o[0].checkbox("Autotune each stage's strategy first", key="autotune")
     o[1].checkbox("Also time torch.compile of the whole vmap", key="compile_baseline")
+    o[2].checkbox("Training step", key="train",
+                  help="time forward + backward + Adam step: the plan with one stacked optimizer, N torch.optim loops, the torch.func recipe")
 
 
 def _bar(title: str, labels: list[str], series: dict[str, list], colors: dict[str, str] | None = None) -> go.Figure:
@@ -162,7 +164,8 @@ def results_ui(plan, loaded, ref) -> None:
         st.info("No profile yet: press Profile. It runs in a separate process, so a crash or out-of-memory there "
                 "leaves the app and the plan intact.")
         return
-    st.subheader(f"N = {report.get('n_members')} on {report.get('device')} ({report.get('device_name')})")
+    what = "Training step: forward + backward + optimizer, " if report.get("train") else ""
+    st.subheader(f"{what}N = {report.get('n_members')} on {report.get('device')} ({report.get('device_name')})")
     h = headline(report)
     if h:
         for col, (k, v) in zip(st.columns(len(h)), h.items()):

@@ -2,7 +2,8 @@
 
 Layout (executor/report.py): "stages": [{"id", "mode", "strategy", "flops",
 "result": StrategyResult, "loop": StrategyResult|None}], "end_to_end": StrategyResult,
-"baselines": [StrategyResult with strategy "loop", "vmap", ...]; a StrategyResult
+"baselines": [StrategyResult with strategy "loop", "vmap", ...], "train": bool (a training
+profile: times are forward + backward + optimizer step, baselines "loop" and "torch.func"); a StrategyResult
 has "ok", "error", "time": {"median_ms", "p10_ms", "p90_ms", ...}|None,
 "max_rel_err", "peak_mem_bytes". Times are milliseconds, memory bytes.
 """
@@ -64,7 +65,7 @@ def headline(report: Report | None) -> dict[str, str]:
     out: dict[str, str] = {}
     if plan_ms is not None:
         out["stagewise ms"] = f"{plan_ms:.3g}"
-    for name in ("loop", "vmap"):
+    for name in ("loop", "vmap", "torch.func"):
         ms = base.get(name)
         if ms is not None:
             out[f"{name} ms"] = f"{ms:.3g}"

@@ -73,8 +73,10 @@ class _Labelled:
             return self.runner(args)
 
 
-def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: torch.device) -> str:
-    """Run the plan twice under torch.profiler, one record_function label per stage; write a chrome trace."""
+def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: torch.device,
+                       step: Optional[Callable[[], Any]] = None) -> str:
+    """Run the plan twice under torch.profiler, one record_function label per stage; write a chrome trace.
+    `step`: what to run instead of module(*inputs) (a training step that calls the module)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -84,8 +86,8 @@ def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: 
     try:
         with native_stderr_silenced(), torch.profiler.profile(activities=activities) as prof:
             for _ in range(2):
-                with torch.profiler.record_function("stagewise forward"):
-                    module(*inputs)
+                with torch.profiler.record_function("stagewise forward" if step is None else "stagewise training step"):
+                    module(*inputs) if step is None else step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -98,7 +100,8 @@ def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: 
 def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
             repeats: Optional[int] = None, warmup: Optional[int] = None, baselines: bool = True,
             compile_baseline: bool = False, trace_path: Optional[str] = None, progress: Progress = None,
-            autotune: bool = False, floor: bool = False) -> ProfileReport:
+            autotune: bool = False, floor: bool = False, train: bool = False, optimizer: str = "adam",
+            lr: float = 1e-3) -> ProfileReport:
     """Profile `plan` on `inputs`: per stage, end to end, and against the whole-model baselines.
 
     Args:
@@ -114,17 +117,27 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         autotune: first pick each stage's fastest correct strategy (executor.autotune); the
             report's `plan` is then the tuned plan and each stage lists its candidates.
         floor: also time one member on N x the batch (benchmarks; assumes dim 0 is the batch axis).
+        train: profile a training step instead of a forward (executor.profile_train): forward +
+            backward + optimizer step end to end for the plan (stacked optimizer), the member loop
+            (N torch.optim optimizers) and the torch.func recipe (vmap(grad) + one foreach step);
+            per stage forward + backward. compile_baseline and floor are forward-only and ignored.
+        optimizer, lr: with train, "adam" (default) or "sgd" (momentum 0.9), and the learning rate.
     Returns:
         ProfileReport (JSON round trip with to_json/from_json, text table with to_text).
     Raises:
         DeviceError, MemberError, PlanMismatchError, InputError as executor.build does.
     """
+    warmup = 2 if warmup is None else warmup
+    if train:
+        from executor.profile_train import profile_training  # imports this module
+
+        return profile_training(plan, members, inputs, device=device, repeats=repeats, warmup=warmup, baselines=baselines,
+                                progress=progress, autotune=autotune, optimizer=optimizer, lr=lr, trace_path=trace_path)
     started = time.perf_counter()
     dev = resolve_device(device)
-    warmup = 2 if warmup is None else warmup
     inputs = on_device(tuple(inputs), dev)
     members = members_on(list(members), dev)
-    ticks = _Ticks(progress, len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0)
+    ticks = Ticks(progress, len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0)
                    + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}
     if autotune:
@@ -158,7 +171,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     )
 
 
-class _Ticks:
+class Ticks:
     """Progress reporting: `ticks(label)` before each measurement; nested() for autotune's own steps."""
 
     def __init__(self, progress: Progress, steps: int):
@@ -187,7 +200,7 @@ class _Ticks:
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.device, repeats: Optional[int], warmup: int,
-                   ticks: _Ticks, flops: int, candidates: list[StrategyResult]) -> StageProfile:
+                   ticks: Ticks, flops: int, candidates: list[StrategyResult]) -> StageProfile:
     """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`."""
     stage, n = program.stage, runner.n_members
     strategy = stage.options.strategy
@@ -215,7 +228,7 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
 
 
 def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tuple, dev: torch.device,
-                   stages: list[StageProfile], repeats: Optional[int], warmup: int, ticks: _Ticks, *,
+                   stages: list[StageProfile], repeats: Optional[int], warmup: int, ticks: Ticks, *,
                    baselines: bool, compile_baseline: bool, floor: bool) -> dict[str, StrategyResult]:
     """The plan end to end ("stagewise") and the whole-model baselines, checked, then timed round-robin."""
     ticks("end to end and baselines")

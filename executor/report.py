@@ -105,6 +105,11 @@ class ProfileReport:
     compile_s: float = 0.0  # total compile time inside it
     notes: list[str] = field(default_factory=list)
     version: int = REPORT_VERSION
+    # a training profile (executor.profile(..., train=True)): times are forward + backward + optimizer step end
+    # to end (baselines "loop": N torch.optim optimizers, "torch.func": vmap(grad) + one foreach step) and
+    # forward + backward per stage; max_rel_err compares gradients with the member loop's
+    train: bool = False
+    optimizer: str = ""  # with train: "adam" / "sgd"
 
     # -- lookups -------------------------------------------------------------------
     def baseline(self, name: str) -> Optional[StrategyResult]:
@@ -137,7 +142,8 @@ class ProfileReport:
 
     # -- text ---------------------------------------------------------------------------
     def to_text(self) -> str:
-        head = (f"profile of {self.model or 'plan ' + self.fingerprint}: N={self.n_members} on {self.device} "
+        kind = f"training profile ({self.optimizer} step)" if self.train else "profile"
+        head = (f"{kind} of {self.model or 'plan ' + self.fingerprint}: N={self.n_members} on {self.device} "
                 f"({self.device_name}, {self.threads} threads), torch {self.torch_version}"
                 + (", autotuned" if self.autotuned else ""))
         lines = [head, "", _STAGE_HEADER]
@@ -146,9 +152,10 @@ class ProfileReport:
             for c in s.candidates:
                 chosen = c.strategy in (s.strategy, f"merged/{s.strategy}") and c.chunk_size == s.result.chunk_size
                 lines.append(_candidate_row(c, chosen=chosen))
-        lines += ["", f"{'whole model':<24} {'median ms':>10} {'p10-p90 ms':>15} {'compile s':>9} {'max rel err':>11}  vs stagewise"]
+        whole = "training step" if self.train else "whole model"
+        lines += ["", f"{whole:<24} {'median ms':>10} {'p10-p90 ms':>15} {'compile s':>9} {'max rel err':>11}  vs stagewise"]
         for r in [self.end_to_end] + self.baselines:
-            lines.append(_baseline_row(r, self.end_to_end))
+            lines.append(_baseline_row(r, self.end_to_end, self.train))
         if self.trace_path:
             lines.append(f"\nchrome trace: {self.trace_path} (open in chrome://tracing or ui.perfetto.dev)")
         lines.append(f"\nprofiled in {self.profile_s:.1f} s (compile {self.compile_s:.1f} s); times are medians after {self.warmup} warm-up calls")
@@ -190,8 +197,11 @@ def _candidate_row(c: StrategyResult, chosen: bool) -> str:
     return f"{label:<31} {c.ms:>10.3f} {_spread(c.time):>15}  err {_fmt(c.max_rel_err, '.1e')}{extra}"
 
 
-def _baseline_row(r: StrategyResult, plan: StrategyResult) -> str:
-    name = {"stagewise": "stagewise plan", "loop": "loop (eager)", "vmap": "whole vmap", "vmap+compile": "whole vmap + compile",
+_TRAINING_NAMES = {"stagewise": "stagewise + stacked opt", "loop": "loop: N torch.optim", "torch.func": "torch.func + foreach opt"}
+
+
+def _baseline_row(r: StrategyResult, plan: StrategyResult, train: bool = False) -> str:
+    name = _TRAINING_NAMES.get(r.strategy, r.strategy) if train else {"stagewise": "stagewise plan", "loop": "loop (eager)", "vmap": "whole vmap", "vmap+compile": "whole vmap + compile",
             "floor": "floor: 1 member, Nx batch"}.get(r.strategy, r.strategy)
     if not r.ok:
         return f"{name:<24} failed: {r.error}"

@@ -49,3 +49,10 @@ def test_profile_on_cuda_without_cuda_is_one_line_exit_2(mlp_plan, capsys):
     assert main(["profile", str(mlp_plan), MLP, "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA device" in err[0]
+
+
+def test_profile_train_prints_a_training_profile(mlp_plan, capsys):
+    assert main(["profile", str(mlp_plan), MLP, "--train", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("training profile (adam step)")
+    assert "loop: N torch.optim" in out and "torch.func + foreach opt" in out and "stagewise + stacked opt" in out

@@ -258,3 +258,65 @@ def test_a_stage_that_writes_in_place_is_timed_on_fresh_inputs(write_model):
     assert report.end_to_end.ok and report.end_to_end.max_rel_err <= 1e-4
     tuned = executor.autotune(plan, members, src.example_inputs, strategies=["vmap", "wide", "loop"], repeats=3)
     assert executor.verify(tuned, members, src.example_inputs).ok
+
+
+# --- training profile (train=True) ------------------------------------------------------------------
+
+def test_training_profile_times_the_step_of_the_plan_the_loop_and_the_torch_func_recipe(mlp_plan):
+    src, plan = mlp_plan
+    report = executor.profile(plan, src.members(N), src.example_inputs, train=True, **FAST)
+    assert report.train and report.optimizer == "adam"
+    assert report.end_to_end.ok and report.end_to_end.max_rel_err <= 1e-4  # gradients vs the loop's
+    assert [b.strategy for b in report.baselines] == ["loop", "torch.func"]
+    assert all(b.ok and b.time.repeats == 3 for b in report.baselines)
+    assert report.baseline("torch.func").max_rel_err <= 1e-4
+    (stage,) = report.stages  # forward + backward through the stage, against its member loop
+    assert stage.result.ok and stage.result.max_rel_err <= 1e-4 and stage.loop.ok and stage.result.time is not None
+    d = report.to_json()
+    assert plain_json(d) and d["train"] is True
+    back = ProfileReport.from_json(json.loads(json.dumps(d)))
+    assert back.train and back.to_text().startswith("training profile (adam step)")
+    assert not executor.profile(plan, src.members(N), src.example_inputs, **FAST).train  # inference stays the default
+
+
+def test_training_profile_leaves_the_callers_members_untouched(mlp_plan):
+    src, plan = mlp_plan
+    members = src.members(N)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in members]
+    executor.profile(plan, members, src.example_inputs, train=True, optimizer="sgd", **FAST)
+    for m, b in zip(members, before):
+        assert all(torch.equal(v, b[k]) for k, v in m.state_dict().items())
+
+
+def test_training_profile_of_excluded_stages_and_a_failing_baseline(sample):
+    src, graph = sample("transformer_block")  # attention is an excluded (loop) stage on CPU
+    plan = planner.propose(graph, N)
+    with simulate_oom(stage="whole", strategy="torch.func"):
+        report = executor.profile(plan, src.members(N), executor.batched_inputs(plan, src.example_inputs), train=True, **FAST)
+    assert any(s.mode == "excluded" for s in report.stages)
+    assert all(s.result.ok and s.result.max_rel_err <= 1e-4 for s in report.stages)
+    assert report.end_to_end.ok and report.baseline("loop").ok
+    assert report.baseline("torch.func").error.startswith("out of memory")
+
+
+def test_training_profile_reports_a_strategy_with_wrong_gradients(mlp_plan, monkeypatch):
+    src, plan = mlp_plan
+    monkeypatch.setitem(RUNNERS, Strategy.WIDE, WrongGradRunner)
+    wide = plan.with_stages([replace(s, options=StageOptions(strategy=Strategy.WIDE)) for s in plan.stages])
+    report = executor.profile(wide, src.members(N), src.example_inputs, train=True, **FAST)
+    (stage,) = report.stages
+    assert not stage.result.ok and stage.result.error.startswith("wrong result")
+    assert not report.end_to_end.ok and report.baseline("loop").ok
+
+
+class WrongGradRunner(VmapRunner):
+    """Right forward, wrong backward: the output's gradient is doubled on its way back."""
+
+    def run(self, args):
+        return [Batched(v.tree + v.tree - v.tree.detach()) for v in super().run(args)]
+
+
+def test_an_unknown_training_optimizer_is_refused(mlp_plan):
+    src, plan = mlp_plan
+    with pytest.raises(planner.StagewiseError, match="unknown optimizer"):
+        executor.profile(plan, src.members(N), src.example_inputs, train=True, optimizer="lbfgs")

@@ -1,0 +1,361 @@
+"""executor.profile(..., train=True): time a training step of the plan against the two ways users train N models.
+
+End to end, one step = forward of all members + backward + optimizer step, timed round-robin in
+the same run for:
+
+- "stagewise": the plan's batched module in train() mode, loss = sum over members of each
+  member's loss, one stacked optimizer (executor.StackedSGD / StackedAdam) over its [N, ...] parameters;
+- "loop": N separate models, each with its own torch.optim optimizer (torch's defaults), one after another;
+- "torch.func": the functorch recipe: `vmap(grad(loss of functional_call(member 0, params_i, inputs_i)))`
+  over the stacked parameters, then one torch.optim optimizer with foreach=True over the stacked
+  parameters (scalar hyper-parameters: the recipe has no per-member lr).
+
+The loss is a surrogate that every model has: the mean square of each floating-point output
+leaf, summed over leaves (over members for the batched ways). Before timing, each way's per-member
+gradients of one step are compared with the loop's (normwise, worst member): that checks forward
+and backward; the optimizers themselves are checked in tests/test_optim.py. A model with dropout
+is compared in eval() mode (masks differ between ways) and timed in train() mode.
+
+Per stage, forward + backward through the stage alone: its runner on its real inputs (the outputs
+of the stages before it, float ones made leaves that require grad), surrogate loss = the sum of its
+float outputs, `torch.autograd.grad` for its parameters and those inputs; the plan's strategy and
+the stage's member loop, their gradients compared. No optimizer step per stage. A stage that writes
+into its inputs in place has only its parameters differentiated.
+"""
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from planner.errors import ExecutionError, StagewiseError
+from planner.plan import Plan, Strategy
+from executor.autotune import tune
+from executor.build import BatchedModule, build, resolve_device
+from executor.candidates import (advance, loop_reference, max_rel_error, members_on, on_device, stage_inputs, strategy_label,
+                                 time_candidates, try_strategy)
+from executor.optim import StackedAdam, StackedSGD
+from executor.profile import Ticks, device_name, stage_flops, write_chrome_trace
+from executor.report import ProfileReport, StageProfile, StrategyResult
+from executor.stages import LoopRunner, Runner, StageProgram
+from executor.values import Batched, PerMember, Shared, n_first
+from executor.verify import member_inputs
+
+OPTIMIZERS = ("adam", "sgd")
+GRAD_RTOL = 1e-4  # float32 gradients summed in different orders
+
+
+# --- losses ----------------------------------------------------------------------------------------
+
+def _float_leaves(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def member_loss(out: Any) -> torch.Tensor:
+    """One member's surrogate loss: mean square of each float output leaf, summed over leaves."""
+    leaves = _float_leaves(out)
+    if not leaves:
+        raise ExecutionError("the model returns no floating-point tensor to take a training loss of; profile it without train=True")
+    return sum((x.float() ** 2).mean() for x in leaves)
+
+
+def batched_loss(out: Any, n: int) -> torch.Tensor:
+    """Sum over members of member_loss of member i's output (every leaf N-first)."""
+    leaves = _float_leaves(out)
+    if not leaves:
+        raise ExecutionError("the model returns no floating-point tensor to take a training loss of; profile it without train=True")
+    return sum((x.float() ** 2).reshape(n, -1).mean(1).sum() for x in leaves)
+
+
+# --- the three training steps ------------------------------------------------------------------------
+
+def stacked_optimizer(name: str, params: list, n: int, lr: float) -> torch.optim.Optimizer:
+    return StackedAdam(params, n, lr=lr) if name == "adam" else StackedSGD(params, n, lr=lr, momentum=0.9)
+
+
+def torch_optimizer(name: str, params, lr: float, **kw) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=lr, **kw) if name == "adam" else torch.optim.SGD(params, lr=lr, momentum=0.9, **kw)
+
+
+class TrainingStep:
+    """One way of training N members: `grads()` runs forward + backward and returns the per-member
+    gradients {name: [N, ...]}; `step()` is grads() plus the optimizer step (what is timed)."""
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        self.grads()
+        self.opt.step()
+
+    def train(self, mode: bool) -> None:
+        raise NotImplementedError
+
+
+class StagewiseStep(TrainingStep):
+    def __init__(self, module: BatchedModule, inputs: tuple, optimizer: str, lr: float):
+        self.module, self.inputs, self.n = module, inputs, module.n_members
+        self.params = module.named_stacked_parameters()
+        self.opt = stacked_optimizer(optimizer, [p for _, p in self.params], self.n, lr)
+
+    def grads(self):
+        self.opt.zero_grad(set_to_none=True)
+        batched_loss(self.module(*self.inputs), self.n).backward()
+        return {k: p.grad for k, p in self.params}
+
+    def train(self, mode):
+        self.module.train(mode)
+
+
+class LoopStep(TrainingStep):
+    def __init__(self, plan: Plan, members: Sequence[nn.Module], inputs: tuple, optimizer: str, lr: float):
+        self.models = [copy.deepcopy(m) for m in members]
+        self.per_member = [member_inputs(plan, inputs, i) for i in range(len(members))]
+        self.opts = [torch_optimizer(optimizer, m.parameters(), lr) for m in self.models]
+
+    def grads(self):
+        for m, x, opt in zip(self.models, self.per_member, self.opts):
+            opt.zero_grad(set_to_none=True)
+            member_loss(m(*x)).backward()
+        names = [k for k, p in self.models[0].named_parameters() if p.requires_grad]
+        return {k: torch.stack([dict(m.named_parameters())[k].grad for m in self.models]) for k in names}
+
+    def step(self):
+        for m, x, opt in zip(self.models, self.per_member, self.opts):
+            opt.zero_grad(set_to_none=True)
+            member_loss(m(*x)).backward()
+            opt.step()
+
+    def train(self, mode):
+        for m in self.models:
+            m.train(mode)
+
+
+class TorchFuncStep(TrainingStep):
+    """vmap(grad(...)) over stacked parameters, then one foreach torch.optim step over them."""
+
+    def __init__(self, plan: Plan, members: Sequence[nn.Module], inputs: tuple, optimizer: str, lr: float):
+        from torch.func import functional_call, grad, vmap
+
+        self.base = copy.deepcopy(members[0])
+        named = [(k, p) for k, p in members[0].named_parameters() if p.requires_grad]
+        with torch.no_grad():
+            self.params = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in members]) for k, _ in named}
+            self.buffers = {k: torch.stack([dict(m.named_buffers())[k] for m in members]) for k, _ in members[0].named_buffers()}
+        for p in self.params.values():
+            p.grad = None
+        base, self.inputs = self.base, inputs
+
+        def loss(params, buffers, *xs):
+            return member_loss(functional_call(base, (params, buffers), xs))
+
+        dims = tuple(0 if spec.mode.value == "per_member" else None for spec in plan.inputs)
+        self._grad = lambda: vmap(grad(loss), in_dims=(0, 0, *dims), randomness="different")(self.params, self.buffers, *inputs)
+        self.opt = torch_optimizer(optimizer, list(self.params.values()), lr, foreach=True)
+
+    def grads(self):
+        g = self._grad()
+        for k, p in self.params.items():
+            p.grad = g[k]
+        return g
+
+    def train(self, mode):
+        self.base.train(mode)
+
+
+def has_dropout(module: nn.Module) -> bool:
+    """True when some dropout layer would draw a random mask in train() mode (the ways would then differ)."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
+
+
+# --- the profile -------------------------------------------------------------------------------------
+
+def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device, repeats: Optional[int],
+                     warmup: int, baselines: bool, progress, autotune: bool, optimizer: str, lr: float,
+                     trace_path: Optional[str]) -> ProfileReport:
+    """executor.profile(..., train=True); see the module docstring. Args as executor.profile's."""
+    if optimizer not in OPTIMIZERS:
+        raise StagewiseError(f"profile(train=True, optimizer={optimizer!r}): unknown optimizer; use one of {', '.join(OPTIMIZERS)}")
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    inputs = on_device(tuple(inputs), dev)
+    members = members_on(list(members), dev)
+    ticks = Ticks(progress, len(plan.stages) + 2 + (1 if trace_path else 0))
+    candidates: dict[str, list[StrategyResult]] = {}
+    notes = []
+    if autotune:
+        plan, candidates = tune(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats, warmup=warmup)
+        notes.append("autotune chose each stage's strategy by its forward time; the training step was then timed with those strategies")
+    example = member_inputs(plan, inputs, 0)
+    module = build(plan, [copy.deepcopy(m) for m in members], example_inputs=example, device=dev)
+    module.train()
+    flops = {k: 3 * v for k, v in stage_flops(plan, members[0], example).items()}  # backward ~ 2x the forward
+    stages = _profile_stages(module, inputs, dev, repeats, warmup, ticks, flops, candidates)
+    end_to_end, base = _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, baselines, optimizer, lr, notes)
+    trace_file = None
+    if trace_path:
+        ticks("chrome trace")
+        step = StagewiseStep(module, inputs, optimizer, lr)
+        trace_file = write_chrome_trace(module, inputs, trace_path, dev, step=step.step)
+    ticks.finish()
+    notes += [f"training step: forward + backward + {'Adam' if optimizer == 'adam' else 'SGD (momentum 0.9)'} step, lr {lr:g}; "
+              "loss = mean square of the outputs, summed over members",
+              "per stage: forward + backward through the stage alone (loss = sum of its outputs), no optimizer step; "
+              "FLOPs = 3x the forward's"]
+    if dev.type == "cpu":
+        notes.append("peak MB on CPU: peak live bytes of torch's CPU allocator during one call, above the level before it")
+    return ProfileReport(
+        model=plan.model, fingerprint=plan.fingerprint, n_members=plan.n_members, device=str(dev), device_name=device_name(dev),
+        torch_version=torch.__version__, threads=torch.get_num_threads(), stages=stages, end_to_end=end_to_end,
+        baselines=base, warmup=warmup, autotuned=autotune, plan=plan.to_json(), trace_path=trace_file,
+        profile_s=time.perf_counter() - started, compile_s=sum(s.result.compile_s for s in stages), notes=notes,
+        train=True, optimizer=optimizer,
+    )
+
+
+def _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, baselines, optimizer, lr, notes):
+    """(stagewise end to end, [loop, torch.func]): each checked by its gradients against the loop's, then timed round-robin."""
+    ticks("training step end to end and baselines")
+    builders: dict[str, Callable[[], TrainingStep]] = {"stagewise": lambda: StagewiseStep(module, inputs, optimizer, lr)}
+    builders["loop"] = lambda: LoopStep(plan, members, inputs, optimizer, lr)
+    if baselines:
+        builders["torch.func"] = lambda: TorchFuncStep(plan, members, inputs, optimizer, lr)
+    dropout = has_dropout(members[0])
+    if dropout:
+        notes.append("the model has dropout: gradients were compared in eval() mode (masks differ between ways), steps timed in train() mode")
+    made: dict[str, TrainingStep] = {}
+    results: dict[str, StrategyResult] = {}
+    ref: dict[str, torch.Tensor] = {}
+    working = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in ["loop"] + [k for k in builders if k != "loop"]:  # the loop first: it is the reference
+            def make(name=name):
+                made[name] = step = builders[name]()
+                step.train(not dropout)
+                g = step.grads()
+                step.train(True)
+                return lambda: g
+
+            check = None if name == "loop" else (lambda g: max_rel_error(_concat(g, ref), _concat(ref, ref)))
+            res, call, out = try_strategy(name, "whole", make, check, dev, rtol=GRAD_RTOL)
+            if name == "loop" and res.ok:
+                ref.update(out)
+                res.max_rel_err = 0.0
+            results[name] = res
+            if call is not None:
+                working[name] = (res, made[name].step)
+        time_candidates(working, dev, repeats, warmup, set())
+    end_to_end = results.pop("stagewise")
+    end_to_end.compile_s = 0.0
+    for r in results.values():
+        r.compile_s = 0.0
+    return end_to_end, [results[k] for k in ("loop", "torch.func") if k in results]
+
+
+def _concat(grads: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every gradient of each member as one row [N, total]: the error is normwise over a member's whole
+    gradient (a parameter whose true gradient is 0, like attention's key bias, holds only rounding noise)."""
+    n = next(iter(like.values())).shape[0]
+    return torch.cat([grads[k].reshape(n, -1).float() for k in like], dim=1)
+
+
+# --- per stage ---------------------------------------------------------------------------------------
+
+def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, ticks, flops: dict,
+                    candidates: dict) -> list[StageProfile]:
+    env = module.bind_inputs(inputs)
+    out = []
+    for program, runner in zip(module.programs, module.runners):
+        out.append(_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
+                                  candidates.get(program.stage.id, [])))
+    return out
+
+
+def _leaf(x: Any) -> Any:
+    return x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _with_grad_leaves(args: list) -> tuple[list, list[torch.Tensor]]:
+    """The stage's arguments with every float tensor of a batched or per-member value a fresh leaf that requires grad."""
+    out, leaves = [], []
+    for a in args:
+        if isinstance(a, Batched):
+            a = Batched(tree_map(_leaf, a.tree))
+        elif isinstance(a, PerMember):
+            a = PerMember([tree_map(_leaf, v) for v in a.values])
+        out.append(a)
+        if not isinstance(a, Shared):
+            leaves += [x for x in tree_flatten(a.tree if isinstance(a, Batched) else a.values)[0]
+                       if isinstance(x, torch.Tensor) and x.requires_grad]
+    return out, leaves
+
+
+def _fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int) -> Callable[[], list]:
+    """A call running the stage forward and backward (surrogate loss = sum of its float outputs); returns the gradients."""
+    params = [t for t in runner.stacked.values() if t.requires_grad]
+    fixed = None if program.writes_in_place else _with_grad_leaves(fresh())
+
+    def call() -> list:
+        args, leaves = fixed if fixed is not None else (fresh(), [])
+        outs = runner(args)
+        loss = sum((x.float().sum() for v in outs for x in _float_leaves(n_first(v, n))), torch.zeros((), device=_device(params, leaves)))
+        targets = params + leaves
+        if not targets or not loss.requires_grad:
+            return []
+        grads = torch.autograd.grad(loss, targets, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
+
+    return call
+
+
+def _device(params: list, leaves: list) -> torch.device | None:
+    t = next(iter(params + leaves), None)
+    return t.device if t is not None else None
+
+
+def _grads_check(ref: list, n: int) -> Callable[[list], float]:
+    """Error of a stage's gradients against the member loop's, normwise over each member's [N, ...] gradients
+    (a per-member input's pieces are compared as one row each)."""
+    return lambda got: max(max_rel_error(*pair) for pair in zip(_rows(got, n), _rows(ref, n))) if ref else 0.0
+
+
+def _rows(grads: list, n: int) -> list:
+    """(the [N, ...] gradients as one [N, total] tensor, the rest as rows of their own)."""
+    stacked = [g.reshape(n, -1).float() for g in grads if g.dim() and g.shape[0] == n]
+    rest = [g.reshape(1, -1) for g in grads if not (g.dim() and g.shape[0] == n)]
+    return [torch.cat(stacked, dim=1) if stacked else torch.zeros(n, 0)] + rest
+
+
+def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeats, warmup, ticks, flops: int,
+                   candidates: list[StrategyResult]) -> StageProfile:
+    """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`."""
+    stage, n = program.stage, runner.n_members
+    strategy = stage.options.strategy
+    label = strategy_label(strategy, stage.options.chunk_size)
+    ticks(f"stage {stage.id} forward + backward ({label})")
+    fresh = stage_inputs(program, env, n)
+    reference = LoopRunner(program, n, runner.stacked, runner.member_states)
+    loop_call = _fwd_bwd(program, reference, fresh, n)
+    ref_grads = loop_call()
+    check = _grads_check(ref_grads, n)
+    res, call, _ = try_strategy(label, stage.id, lambda: _fwd_bwd(program, runner, fresh, n), check, dev, rtol=GRAD_RTOL)
+    res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
+    cands = {label: (res, call)} if call is not None else {}
+    if label == "loop":
+        loop_res = res
+    else:
+        loop_res = StrategyResult("loop", ok=True, max_rel_err=0.0)
+        cands["loop"] = (loop_res, loop_call)
+    time_candidates(cands, dev, repeats, warmup, {label} if strategy is Strategy.COMPILE else set())
+    with torch.no_grad():  # the next stages' inputs: this stage's forward outputs (the loop's if it failed)
+        _, ref_out, _ = loop_reference(program, runner, fresh)
+        out = runner(fresh()) if res.ok else ref_out
+        advance(program, env, fresh, out, runner if res.ok else reference)
+    return StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes), flops=flops,
+                        result=res, loop=loop_res, candidates=candidates, note=stage.options.note)
