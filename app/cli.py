@@ -94,7 +94,15 @@ def cmd_run(args) -> int:
 
 def _run_distributed(args) -> int:
     """One rank of `torchrun ... stagewise run --distributed`: verify this rank's slice of the members; rank 0 prints the table."""
-    from executor import distributed  # torch.distributed's process group is only wanted here
+    report = _on_every_rank(args, lambda check, plan, members, inputs, device: check.verify_sharded(
+        plan, members, inputs, rtol=args.rtol, device=device))
+    return 0 if report.ok else EXIT_MISMATCH
+
+
+def _on_every_rank(args, run):
+    """Under torchrun: load the plan and model on every rank, `run(distributed_check, plan, members, inputs, device)`,
+    print the stage table and the report on rank 0; returns the report (the same on every rank)."""
+    from executor import distributed, distributed_check  # torch.distributed's process group is only wanted here
 
     started = distributed.init_from_env(device=args.device)
     try:
@@ -103,13 +111,13 @@ def _run_distributed(args) -> int:
             src = planner.load_source(args.model, weights=args.weights or None, trust_archive=args.trust_archive)
             inputs = executor.batched_inputs(plan, src.example_inputs)
         # members by global index: build_members(n) and weight files number members of all N, so take the slice of N
-        report = distributed.verify_sharded(plan, lambda idx: src.members(plan.n_members)[idx.start:idx.stop], inputs,
-                                            rtol=args.rtol, device="cpu" if args.device in (None, "cpu") else None)
+        members = lambda idx: src.members(plan.n_members)[idx.start:idx.stop]  # noqa: E731
+        report = run(distributed_check, plan, members, inputs, "cpu" if args.device in (None, "cpu") else None)
         if distributed.dist.get_rank() == 0:
             print(planner.format_stage_table(plan))
             print()
             print(report.to_text())
-        return 0 if report.ok else EXIT_MISMATCH
+        return report
     finally:
         if started:
             distributed.dist.destroy_process_group()
@@ -130,6 +138,16 @@ def cmd_show(args) -> int:
 
 
 def cmd_profile(args) -> int:
+    if args.distributed:
+        unsupported = [flag for flag, on in (("-o", args.output), ("--trace", args.trace), ("--compile-baseline", args.compile_baseline)) if on]
+        if unsupported:
+            from executor.distributed import DistributedError
+
+            raise DistributedError(f"profile --distributed does not take {', '.join(unsupported)}; "
+                                         "drop them, or profile one slice without --distributed")
+        _on_every_rank(args, lambda check, plan, members, inputs, device: check.profile_sharded(
+            plan, members, inputs, device=device, repeats=args.repeats, train=args.train, autotune=args.autotune))
+        return 0
     _check_plan_output(args.output)  # both checked before the (long) profile, not after it
     _check_trace_output(args.trace)
     plan = planner.Plan.load(args.plan)
@@ -243,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     sf.add_argument("-o", "--output", help="write the (tuned) plan with the report inside here")
     sf.add_argument("--trust-archive", action="store_true",
                     help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
+    sf.add_argument("--distributed", action="store_true",
+                    help="under torchrun: each rank profiles its slice of the members; rank 0 prints the table")
     sf.set_defaults(func=cmd_profile)
 
     su = sub.add_parser("ui", help="open the planner in the browser (localhost only)")

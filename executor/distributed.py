@@ -17,15 +17,12 @@ which all-reduces a failure flag per rank; when any rank failed, every rank rais
 one DistributedError naming the failing rank(s) and their message. A rank that dies
 without reaching the flag shows up as the process group's timeout, also as a
 DistributedError. Set the timeout in `init_process_group(timeout=...)` (`init_from_env`
-sets DEFAULT_TIMEOUT_S).
+sets DEFAULT_TIMEOUT_S). executor.distributed_check verifies and profiles a sharded plan rank by rank.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import statistics
-import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, Union
@@ -62,7 +59,7 @@ def member_slice(n: int, rank: int, world: int) -> range:
 
 # ---- groups, devices and the failure agreement -------------------------------------------------
 
-def _resolve_groups(group) -> tuple[Any, Any]:
+def resolve_groups(group) -> tuple[Any, Any]:
     """(member group, dp group or None) from None (the world), a ProcessGroup, or a DeviceMesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -91,7 +88,7 @@ def rank_device(group=None, device: str | torch.device | None = None) -> torch.d
     """`device` if given; else cuda:LOCAL_RANK under nccl, cpu otherwise."""
     if device is not None:
         return torch.device(device)
-    member_group, _ = _resolve_groups(group)
+    member_group, _ = resolve_groups(group)
     if dist.get_backend(member_group) == "nccl":
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
         return torch.device("cuda", local)
@@ -99,7 +96,7 @@ def rank_device(group=None, device: str | torch.device | None = None) -> torch.d
 
 
 @contextlib.contextmanager
-def _collective(what: str) -> Iterator[None]:
+def collective_guard(what: str) -> Iterator[None]:
     """Turn a collective's timeout or broken connection into one DistributedError."""
     try:
         yield
@@ -115,14 +112,14 @@ def _check_all(groups: Sequence[Any], what: str, error: BaseException | None) ->
     me = dist.get_rank()
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_collective_device(groups[0]))
     flags[me] = int(error is not None)
-    with _collective(f"checking that every rank finished {what}"):
+    with collective_guard(f"checking that every rank finished {what}"):
         for g in groups:  # member group, then dp: disjoint rows, so MAX spreads every rank's flag to all
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=g)
     failed = [r for r, f in enumerate(flags.tolist()) if f]
     if not failed:
         return
     messages: dict[int, str] = {me: f"{type(error).__name__}: {error}"} if error is not None else {}
-    with _collective(f"collecting the errors of {what}"):
+    with collective_guard(f"collecting the errors of {what}"):
         for g in groups:
             gathered: list[Any] = [None] * dist.get_world_size(g)
             dist.all_gather_object(gathered, messages, group=g)
@@ -141,7 +138,7 @@ def agreed(what: str, group=None) -> Iterator[None]:
     A collective step: every rank of `group` (None: the world; a ProcessGroup; a DeviceMesh)
     must enter it. Example: `with agreed("loading the data"): x = load(rank)`.
     """
-    member_group, dp_group = _resolve_groups(group)
+    member_group, dp_group = resolve_groups(group)
     groups = [member_group] + ([dp_group] if dp_group is not None else [])
     error = None
     try:
@@ -172,7 +169,7 @@ def init_from_env(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_
 
 # ---- the sharded module ------------------------------------------------------------------------
 
-def _local_members(members: Union[Sequence[nn.Module], MemberFactory], indices: range, n: int) -> list[nn.Module]:
+def local_members(members: Union[Sequence[nn.Module], MemberFactory], indices: range, n: int) -> list[nn.Module]:
     """This rank's members: from a factory called with `indices`, or sliced out of all N."""
     if callable(members) and not isinstance(members, nn.Module):
         local = list(members(indices))
@@ -203,7 +200,7 @@ class ShardedModule(nn.Module):
         self.member_indices = indices
         self.device = device
         self._group = group
-        self._member_group, self._dp_group = _resolve_groups(group)
+        self._member_group, self._dp_group = resolve_groups(group)
         self._world = dist.get_world_size(self._member_group)
         self._slices = [member_slice(plan.n_members, r, self._world) for r in range(self._world)]
 
@@ -251,7 +248,7 @@ class ShardedModule(nn.Module):
         x = x.detach()
         padded = torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))]) if x.shape[0] < most else x
         parts = [torch.empty_like(padded) for _ in self._slices]
-        with _collective("gathering outputs"):
+        with collective_guard("gathering outputs"):
             dist.all_gather(parts, padded.contiguous(), group=self._member_group)
         return torch.cat([p[:len(s)] for p, s in zip(parts, self._slices)])
 
@@ -266,7 +263,7 @@ class ShardedModule(nn.Module):
         for x in leaves:
             if isinstance(x, torch.Tensor):
                 x = x.detach().sum(0)
-                with _collective("averaging outputs"):
+                with collective_guard("averaging outputs"):
                     dist.all_reduce(x, group=self._member_group)
                 x = x / self.n_members
             result.append(x)
@@ -282,7 +279,7 @@ class ShardedModule(nn.Module):
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)  # one all-reduce for all of them
-        with _collective("averaging gradients over dp"):
+        with collective_guard("averaging gradients over dp"):
             dist.all_reduce(flat, group=self._dp_group)
         flat /= dist.get_world_size(self._dp_group)
         for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -351,100 +348,11 @@ def build_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory]
         DistributedError on every rank when building failed on any rank (naming it), or when
         there are more member ranks than members.
     """
-    member_group, _ = _resolve_groups(group)
+    member_group, _ = resolve_groups(group)
     indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
     dev = rank_device(group, device)
     module = None
     with agreed("building each rank's members", group):
-        local = _local_members(members, indices, plan.n_members)
+        local = local_members(members, indices, plan.n_members)
         module = build(plan.with_n_members(len(indices)), local, device=dev, check_memory=check_memory)
     return ShardedModule(plan, module, indices, group, dev)
-
-
-# ---- verification across ranks (stagewise run --distributed) -----------------------------------
-
-@dataclass
-class RankVerdict:
-    """One rank's check of its slice against the loop over its members."""
-
-    rank: int
-    start: int
-    stop: int
-    ok: bool
-    max_rel: float
-    verify_s: float  # executor.verify on the slice (build, both runs, compare)
-    forward_ms: float  # median of the slice's forward alone (no collectives)
-    device: str
-
-
-@dataclass
-class ShardedVerifyReport:
-    """Every rank's verdict, and what gathering the outputs cost; the same on every rank."""
-
-    n_members: int
-    backend: str
-    rtol: float
-    ranks: list[RankVerdict] = field(default_factory=list)
-    gather_ms: float = 0.0  # median all-gather of one forward's outputs along the member axis (failure check included)
-    gather_bytes: int = 0  # bytes of the gathered outputs
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.ranks)
-
-    def to_text(self) -> str:
-        lines = [f"{'rank':>4}  {'members':<14} {'device':<8} {'verdict':<9} {'max rel':>9} {'verify s':>9} {'forward ms':>11}"]
-        for r in self.ranks:
-            span = f"{r.start}-{r.stop - 1} ({r.stop - r.start})"
-            lines.append(f"{r.rank:>4}  {span:<14} {r.device:<8} {'MATCH' if r.ok else 'MISMATCH':<9} {r.max_rel:>9.2e} "
-                         f"{r.verify_s:>9.2f} {r.forward_ms:>11.3f}")
-        lines.append(f"all-gather of the outputs along the member axis: {self.gather_ms:.3f} ms "
-                     f"({self.gather_bytes / 1024:.1f} KiB, {self.backend})")
-        verdict = "MATCH" if self.ok else "MISMATCH"
-        lines.append(f"{verdict}: {self.n_members} members over {len(self.ranks)} ranks, each slice against the loop over "
-                     f"its members, rtol {self.rtol:g}")
-        return "\n".join(lines)
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def verify_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory], inputs: Sequence[Any], *,
-                   rtol: float, group=None, device: str | torch.device | None = None, repeats: int = 5) -> ShardedVerifyReport:
-    """Each rank verifies its slice (executor.verify against the loop over its members, at a second batch
-    size where the plan allows), times its forward and the all-gather; returns every rank's verdict on every rank.
-    Collective over a ProcessGroup (None: the world)."""
-    from executor.verify import resized_inputs, verify
-
-    member_group, _ = _resolve_groups(group)
-    indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
-    with agreed("building each rank's members", group):
-        local = _local_members(members, indices, plan.n_members)
-    sharded = build_sharded(plan, lambda _: local, group, device)
-    local_inputs = sharded.local_inputs(inputs)
-    with agreed("verifying each rank's members against their loop", group):
-        t0 = time.perf_counter()
-        sliced = plan.with_n_members(len(indices))
-        other = resized_inputs(sliced, local_inputs)
-        report = verify(sliced, local, local_inputs, rtol=rtol, device=sharded.device, more_inputs=[other] if other else ())
-        verify_s = time.perf_counter() - t0
-        with torch.no_grad():
-            sharded.module(*local_inputs)  # warm-up
-            forward_ms = _median_ms(lambda: sharded.module(*local_inputs), repeats)
-            out = sharded.module(*local_inputs)
-    with torch.no_grad():
-        gather_ms = _median_ms(lambda: sharded.gather(out), repeats)
-        gathered = sharded.gather(out)
-    mine = RankVerdict(dist.get_rank(member_group), indices.start, indices.stop, report.ok, report.max_rel,
-                       verify_s, forward_ms, str(sharded.device))
-    verdicts: list[Any] = [None] * dist.get_world_size(member_group)
-    with _collective("collecting the verdicts"):
-        dist.all_gather_object(verdicts, mine, group=member_group)
-    size = sum(x.numel() * x.element_size() for x in tree_flatten(gathered)[0] if isinstance(x, torch.Tensor))
-    return ShardedVerifyReport(plan.n_members, dist.get_backend(member_group), rtol, verdicts, gather_ms, size)

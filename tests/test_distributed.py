@@ -185,6 +185,24 @@ def test_torchrun_cli_verifies_each_slice_and_prints_one_table(tmp_path):
     assert [(row[0], row[1]) for row in rows] == [("0", "0-2"), ("1", "3-4")], done.stdout
 
 
+def test_torchrun_cli_profiles_each_slice_and_prints_one_table(tmp_path):
+    import planner
+    from conftest import load_sample
+
+    src, graph = load_sample("mlp")
+    plan_path = tmp_path / "plan.json"
+    planner.propose(graph, n_members=5, input_mode="per_member", model="mlp").save(plan_path)
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "app.cli", "profile", str(plan_path),
+           str(ROOT / "sample_models" / "mlp.py"), "--distributed", "--repeats", "3"]
+    done = subprocess.run(cmd, env={**rank_env(), "STAGEWISE_DIST_TIMEOUT_S": str(TIMEOUT_S)}, capture_output=True,
+                          text=True, timeout=JOB_LIMIT_S, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.count("one forward of all 5 members over 2 ranks") == 1, done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip()[:1].isdigit() and "cpu" in line]
+    assert [(row[0], row[1]) for row in rows] == [("0", "0-2"), ("1", "3-4")], done.stdout
+
+
 def test_cli_distributed_outside_torchrun_says_how_to_start_it(tmp_path, capsys, monkeypatch):
     from app.cli import main
 
