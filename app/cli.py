@@ -144,7 +144,7 @@ def cmd_profile(args) -> int:
             from executor.distributed import DistributedError
 
             raise DistributedError(f"profile --distributed does not take {', '.join(unsupported)}; "
-                                         "drop them, or profile one slice without --distributed")
+                                   f"drop {'it' if len(unsupported) == 1 else 'them'}, or profile one slice without --distributed")
         _on_every_rank(args, lambda check, plan, members, inputs, device: check.profile_sharded(
             plan, members, inputs, device=device, repeats=args.repeats, train=args.train, autotune=args.autotune))
         return 0

@@ -210,6 +210,8 @@ def test_cli_distributed_outside_torchrun_says_how_to_start_it(tmp_path, capsys,
         monkeypatch.delenv(k, raising=False)
     assert main(["run", str(tmp_path / "plan.json"), str(ROOT / "sample_models" / "mlp.py"), "--distributed"]) == 2
     assert "torchrun --nproc-per-node" in capsys.readouterr().err
+    assert main(["profile", str(tmp_path / "plan.json"), str(ROOT / "sample_models" / "mlp.py"), "--distributed", "--trace", "t.json"]) == 2
+    assert "does not take --trace; drop it" in capsys.readouterr().err
 
 
 # ---- the rank side ------------------------------------------------------------------------------
