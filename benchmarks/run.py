@@ -6,6 +6,12 @@ the member loop, whole-model vmap, whole-model vmap + torch.compile, the autotun
 stagewise plan, and the floor (one member on N x the batch). Ratios come from that
 one run. Results go to benchmarks/results/<device>.json and .md with the machine
 and library versions; the Markdown table is also printed.
+
+Training rows (TRAINING): one `executor.profile(..., train=True)` per workload times a training
+step (forward + backward + Adam step, loss = mean square of the outputs) of the proposed plan with
+one executor.StackedAdam, of the member loop with N torch.optim.Adam, and of the torch.func recipe
+(vmap(grad) over stacked parameters + one foreach Adam), each checked by its gradients against the
+loop's; the table gives samples/s (N members x the batch per step).
 """
 from __future__ import annotations
 
@@ -49,6 +55,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
 WHOLE = ("loop", "vmap", "vmap+compile")
+TRAINING = ("MLP 64-128-64, N=100, b32, shared x", "conv resblock 64ch 16x16, N=20, b8", "transformer block d64 h4 s16, N=16, b8")
+TRAIN_WAYS = ("loop", "torch.func")  # the two ways users train N models, against which the plan is compared
 
 
 def cold_compile_caches() -> str:
@@ -88,6 +96,98 @@ def run_workload(w: Workload, device: str, repeats: int | None) -> executor.Prof
     return report
 
 
+def run_training(w: Workload, device: str, repeats: int | None,
+                 tuned: dict | None) -> tuple[executor.ProfileReport, executor.ProfileReport | None, int]:
+    """Training profiles: (the auto plan with the baselines, the proposed plan alone or None, samples per step).
+
+    The auto plan is `tuned` (the plan this run's inference autotune chose for the workload) when
+    given, else the proposed plan; a tuned plan's step is timed again as proposed, without baselines."""
+    src = planner.load_model_file(w.path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(src.model, src.example_inputs)
+        proposed = planner.propose(graph, w.n, w.input_mode, model=w.model)
+        auto = planner.Plan.from_json(tuned, source="the autotuned plan") if tuned else proposed
+        members = src.members(w.n)
+        inputs = executor.batched_inputs(proposed, src.example_inputs)
+
+        def progress(done: int, total: int, label: str) -> None:
+            print(f"\r  [{done:>2}/{total}] {label:<48}", end="", file=sys.stderr, flush=True)
+
+        report = executor.profile(auto, members, inputs, device=device, repeats=repeats, train=True, optimizer="adam",
+                                  progress=progress)
+        plain = None
+        if tuned and auto.stages != proposed.stages:
+            plain = executor.profile(proposed, members, inputs, device=device, repeats=repeats, train=True, optimizer="adam",
+                                     baselines=False, progress=progress)
+    print(file=sys.stderr)
+    batch = next(x.shape[0] for x in src.example_inputs if isinstance(x, torch.Tensor) and x.dim())
+    return report, plain, w.n * batch
+
+
+def training_row_of(w: Workload, r: executor.ProfileReport, samples: int, stat: str = "median",
+                    proposed: executor.ProfileReport | None = None) -> dict:
+    """One training row: ms per step and samples/s of loop, torch.func and stagewise (the auto plan, timed in the same
+    run as those two); ratio vs the faster of the two. `proposed`: the proposed plan's own profile, when it differs."""
+    times = {b.strategy: _ms(b, stat) for b in r.baselines}
+    stagewise = _ms(r.end_to_end, stat)
+    ways = {k: times[k] for k in TRAIN_WAYS if times.get(k) is not None}
+    best_name = min(ways, key=ways.get) if ways else None
+    per_s = lambda ms: samples / (ms / 1e3) if ms else None  # noqa: E731
+    return {
+        "workload": w.name, "n": w.n, "samples_per_step": samples, "optimizer": r.optimizer,
+        "loop_ms": times.get("loop"), "torch_func_ms": times.get("torch.func"), "stagewise_ms": stagewise,
+        "loop_samples_per_s": per_s(times.get("loop")), "torch_func_samples_per_s": per_s(times.get("torch.func")),
+        "stagewise_samples_per_s": per_s(stagewise), "best_other": best_name,
+        "auto_is": "the inference-autotuned plan" if proposed is not None or r.autotuned else "the proposed plan",
+        "proposed_ms": _ms(proposed.end_to_end, stat) if proposed is not None else stagewise,
+        "proposed_strategies": " ".join(f"{s.id}:{s.strategy}" for s in proposed.stages) if proposed is not None else None,
+        "ratio_vs_best": (ways[best_name] / stagewise) if best_name and stagewise else None,  # >1: stagewise is faster
+        "strategies": " ".join(f"{s.id}:{s.strategy}" for s in r.stages),
+        "errors": {b.strategy: b.error for b in r.baselines + [r.end_to_end] if not b.ok},
+        "median_ms": {b.strategy: _ms(b, "median") for b in r.baselines + [r.end_to_end]},
+        "min_ms": {b.strategy: _ms(b, "min") for b in r.baselines + [r.end_to_end]},
+    }
+
+
+def training_markdown(rows: list[dict], stat: str) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## Training step", "",
+             f"Forward + backward + Adam step of all N members (loss = mean square of the outputs, summed over members), "
+             f"the {stat} of the round-robin samples; samples/s = N x the batch / step time. *loop*: N models with N "
+             "torch.optim.Adam; *torch.func*: vmap(grad) over stacked parameters + one foreach torch.optim.Adam; "
+             "*stagewise auto*: the strategies this run's inference autotune chose for the workload (the proposed plan when "
+             "the run has no inference rows), with one executor.StackedAdam, timed in the same run as loop and torch.func; "
+             "*proposed*: the proposed plan (vmap stages, loops where vmap has no rule), timed in a run of its own. "
+             "Every way's gradients are checked against the loop's. "
+             "*ratio* = the faster of loop / torch.func divided by stagewise auto (>1: stagewise faster).", "",
+             "| workload | loop ms (samples/s) | torch.func ms (samples/s) | stagewise auto ms (samples/s) | ratio vs best | stages | proposed plan ms |",
+             "|---|---:|---:|---:|---:|---|---:|"]
+    cell = lambda ms, per_s: f"{_f(ms)} ({_f(per_s, ',.0f', '-')})" if ms else "fail"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['workload']} | {cell(r['loop_ms'], r['loop_samples_per_s'])} | "
+                     f"{cell(r['torch_func_ms'], r['torch_func_samples_per_s'])} | "
+                     f"**{cell(r['stagewise_ms'], r['stagewise_samples_per_s'])}** | {_f(r['ratio_vs_best'])}x ({r['best_other']}) | "
+                     f"{r['strategies']} | {_f(r['proposed_ms'])}" + (f" ({r['proposed_strategies']})" if r["proposed_strategies"] else "")
+                     + " |")
+    return lines
+
+
+def training_verdicts(rows: list[dict]) -> list[str]:
+    ratios = [r["ratio_vs_best"] for r in rows if r["ratio_vs_best"]]
+    if not rows:
+        return []
+    bad = [r for r in rows if not r["ratio_vs_best"] or r["ratio_vs_best"] < 0.95]
+    out = [("MET" if not bad else "NOT MET") + ": training step >= 0.95x the faster of loop / torch.func on every training row"
+           + (f" (below: {', '.join(r['workload'] + ' ' + _f(r['ratio_vs_best']) + 'x' for r in bad)})" if bad else "")]
+    if ratios:
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        out.append(f"{'MET' if geo >= 1.3 else 'NOT MET'}: training geometric mean speedup over the faster of loop / torch.func "
+                   f"{geo:.2f}x (target >= 1.3x)")
+    return out
+
+
 def _ms(res, stat: str):
     if not res.ok or res.time is None:
         return None
@@ -121,7 +221,7 @@ def _f(x, spec=".2f", dash="fail") -> str:
     return dash if x is None else format(x, spec)
 
 
-def markdown(rows: list[dict], meta: dict, verdicts: list[str]) -> str:
+def markdown(rows: list[dict], meta: dict, verdicts: list[str], train_rows: list[dict] | None = None) -> str:
     lines = [f"# stagewise benchmark: {meta['device_name']} ({meta['device']})", "",
              f"{meta['date']} · torch {meta['torch']} · Python {meta['python']} · torch intra-op threads: {meta['threads']} · "
              f"{meta['cpus']} CPUs · {meta['platform']} · glibc keeps freed memory: {meta['malloc_keeps_freed_memory']} · "
@@ -136,8 +236,9 @@ def markdown(rows: list[dict], meta: dict, verdicts: list[str]) -> str:
         comp = f"{_f(r['vmap_compile_ms'])} ({_f(r['vmap_compile_s'], '.1f', '-')})" if r["vmap_compile_ms"] else "fail"
         lines.append(f"| {r['workload']} | {_f(r['loop_ms'])} | {_f(r['vmap_ms'])} | {comp} | **{_f(r['stagewise_ms'])}** | "
                      f"{_f(r['ratio_vs_best'])}x ({r['best_whole']}) | {_f(r['floor_ms'])} | {_f(r['vs_floor'])}x | {r['strategies']} |")
+    lines += training_markdown(train_rows or [], meta["stat"])
     lines += ["", "## Targets", ""] + [f"- {v}" for v in verdicts]
-    fails = [(r["workload"], k, e) for r in rows for k, e in r["errors"].items()]
+    fails = [(r["workload"], k, e) for r in rows + (train_rows or []) for k, e in r["errors"].items()]
     if fails:
         lines += ["", "## Baselines that failed", ""] + [f"- {w} / {k}: {e[:200]}" for w, k, e in fails]
     lines += ["", f"Suite wall time {meta['wall_s']:.0f} s (autotune, compile and checks included)."]
@@ -184,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                          "compile times shown are what a first run pays)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave glibc's malloc as it is (default: keep freed memory, see keep_freed_memory)")
+    ap.add_argument("--training", choices=["yes", "no", "only"], default="yes",
+                    help="the training rows too (default), not at all, or only them")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -197,12 +300,17 @@ def main(argv: list[str] | None = None) -> int:
         cold_compile_caches()
     started = time.perf_counter()
     workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]
-    rows, reports = [], {}
-    for w in workloads:
+    rows, reports, train_rows, train_reports = [], {}, [], {}
+    for w in workloads if args.training != "only" else []:
         print(f"{w.name}", file=sys.stderr)
         report = run_workload(w, args.device, args.repeats)
         reports[w.name] = report.to_json()
         rows.append(row_of(w, report, args.stat))
+    for w in [w for w in workloads if w.name in TRAINING] if args.training != "no" else []:
+        print(f"training: {w.name}", file=sys.stderr)
+        report, proposed, samples = run_training(w, args.device, args.repeats, (reports.get(w.name) or {}).get("plan"))
+        train_reports[w.name] = report.to_json()
+        train_rows.append(training_row_of(w, report, samples, args.stat, proposed))
     dev = executor.resolve_device(args.device)
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "device": str(dev),
@@ -212,13 +320,15 @@ def main(argv: list[str] | None = None) -> int:
         "malloc_keeps_freed_memory": malloc_tuned, "stat": args.stat, "compile_caches": "warm" if args.warm_compile_cache else "cold",
         "repeats": args.repeats or "adaptive (10-40)", "load_average": os.getloadavg(),
     }
-    verdicts = verdicts_of(rows, str(dev))
-    text = markdown(rows, meta, verdicts)
+    verdicts = (verdicts_of(rows, str(dev)) if rows else []) + training_verdicts(train_rows)
+    text = markdown(rows, meta, verdicts, train_rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = dev.type + (f"-threads{args.threads}" if args.threads else "") + ("-" + args.only.replace(" ", "_") if args.only else "")
+    stem = (dev.type + (f"-threads{args.threads}" if args.threads else "") + ("-" + args.only.replace(" ", "_") if args.only else "")
+            + ("-training" if args.training == "only" else ""))
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "verdicts": verdicts, "reports": reports},
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "verdicts": verdicts, "reports": reports,
+                                                  "training_rows": train_rows, "training_reports": train_reports},
                                                  sort_keys=True, indent=2) + "\n")
     print(text)
     print(f"wrote {out / (stem + '.md')} and {stem}.json", file=sys.stderr)

@@ -222,7 +222,7 @@ def _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, b
     """(stagewise end to end, [loop, torch.func]): each checked by its gradients against the loop's, then timed round-robin."""
     ticks("training step end to end and baselines")
     builders: dict[str, Callable[[], TrainingStep]] = {"stagewise": lambda: StagewiseStep(module, inputs, optimizer, lr)}
-    builders["loop"] = lambda: LoopStep(plan, members, inputs, optimizer, lr)
+    builders["loop"] = lambda: LoopStep(plan, members, inputs, optimizer, lr)  # the reference; timed with the baselines
     if baselines:
         builders["torch.func"] = lambda: TorchFuncStep(plan, members, inputs, optimizer, lr)
     dropout = has_dropout(members[0])
@@ -248,14 +248,14 @@ def _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, b
                 ref.update(out)
                 res.max_rel_err = 0.0
             results[name] = res
-            if call is not None:
+            if call is not None and (baselines or name == "stagewise"):
                 working[name] = (res, made[name].step)
         time_candidates(working, dev, repeats, warmup, set())
     end_to_end = results.pop("stagewise")
     end_to_end.compile_s = 0.0
     for r in results.values():
         r.compile_s = 0.0
-    return end_to_end, [results[k] for k in ("loop", "torch.func") if k in results]
+    return end_to_end, [results[k] for k in ("loop", "torch.func") if k in results and baselines]
 
 
 def _concat(grads: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -320,3 +320,9 @@ def test_an_unknown_training_optimizer_is_refused(mlp_plan):
     src, plan = mlp_plan
     with pytest.raises(planner.StagewiseError, match="unknown optimizer"):
         executor.profile(plan, src.members(N), src.example_inputs, train=True, optimizer="lbfgs")
+
+
+def test_training_profile_without_baselines_times_the_plan_alone(mlp_plan):
+    src, plan = mlp_plan
+    report = executor.profile(plan, src.members(N), src.example_inputs, train=True, baselines=False, **FAST)
+    assert report.baselines == [] and report.end_to_end.ok and report.end_to_end.max_rel_err <= 1e-4
