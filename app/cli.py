@@ -117,6 +117,7 @@ def _on_every_rank(args, run):
             print(planner.format_stage_table(plan))
             print()
             print(report.to_text())
+        distributed.dist.barrier()  # leave together: a rank tearing gloo down under a peer's last read can abort it
         return report
     finally:
         if started:

@@ -75,6 +75,7 @@ def rank_main(rank: int, world: int, port: int, n: int, batch: int, repeats: int
         mean_ms = _median_ms(lambda: sharded.mean(sharded(*inputs)), repeats, before=dist.barrier)
     (out / f"rank{rank}.json").write_text(json.dumps({"members": len(sharded.member_indices), "local_ms": local_ms,
                                                       "end_to_end_ms": end_ms, "mean_ms": mean_ms}))
+    dist.barrier()  # leave together: a rank tearing gloo down under a peer's last read can abort it
     dist.destroy_process_group()
 
 
@@ -88,8 +89,10 @@ def run_ranks(world: int, args, out: Path) -> list[dict]:
                                "--n", str(args.n), "--batch", str(args.batch), "--repeats", str(args.repeats),
                                "--threads", str(args.threads), "--out", str(out)], env=env) for r in range(world)]
     for p in procs:
-        if p.wait(timeout=600) != 0:
-            raise SystemExit(f"a rank of the {world}-process run failed (exit {p.returncode})")
+        p.wait(timeout=600)
+    missing = [r for r in range(world) if not (out / f"rank{r}.json").is_file()]
+    if missing:
+        raise SystemExit(f"rank(s) {missing} of the {world}-process run wrote no result (exit codes {[p.returncode for p in procs]})")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
