@@ -39,7 +39,8 @@ def test_main_with_a_tiny_config_returns_the_report(tmp_path, capsys):
     assert r["mean_member_accuracy"] == pytest.approx(sum(r["member_accuracy"]) / 3)
     for way in ("stagewise", "loop"):
         assert r[way]["seconds"] > 0 and r[way]["samples_per_s"] > 0
-    assert r["max_param_difference"] <= 1e-4  # the two ways trained the same members
+    assert r["check_steps"] == 3 and r["max_param_difference"] <= 1e-4  # the two ways trained the same members
+    assert r["final_param_difference"] <= 1e-4  # after 3 steps: the same members
     assert r["member_accuracy"] == pytest.approx(r["loop_member_accuracy"])
     assert len(r["saved"]) == 3 and all(Path(p).exists() for p in r["saved"])
     assert "ensemble (mean of softmax)" in capsys.readouterr().out
