@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stagewise import executor
-from stagewise import planner
+import executor
+import planner
 
 
 @dataclass
