@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 MODEL  ?= sample_models/transformer_block.py
 
-.PHONY: run test bench browser-deps clean plan mutation
+.PHONY: run test test-gpu bench browser-deps clean plan mutation
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ plan: $(VENV)/.installed
 test: $(VENV)/.installed-test browser-deps
 	$(BIN)/python -m pytest -q
 
+# The GPU tier on a CUDA machine as it is: the python and torch already there (no venv, no installs), every
+# test but the real-browser one; the app tests are left out with the reason when streamlit/plotly are missing.
+# The checkout is imported as `stagewise` through a link: build/gpu-path/stagewise -> this folder.
+test-gpu:
+	mkdir -p build/gpu-path && ln -sfn "$(CURDIR)" build/gpu-path/stagewise
+	PYTHONPATH="$(CURDIR)/build/gpu-path$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m pytest -q -rs -m "not browser" -p no:cacheprovider
+
 bench: $(VENV)/.installed
 	$(BIN)/python -m benchmarks.run
 
@@ -62,9 +69,10 @@ $(VENV)/.installed-mutation: $(VENV)/.installed-test
 
 mutation: $(VENV)/.installed-mutation
 	mkdir -p $(MUTATION_DIR)
-	cd $(MUTATION_DIR) && rm -rf planner executor app sample_models tests pyproject.toml
-	cp -r planner executor app sample_models tests pyproject.toml $(MUTATION_DIR)/
-	cd $(MUTATION_DIR) && STAGEWISE_HYPOTHESIS_SCALE=0.1 nice -n 10 $(MUTMUT) run --max-children $(MUTATION_JOBS) $(MUTANTS) \
+	cd $(MUTATION_DIR) && rm -rf __init__.py planner executor app sample_models tests pyproject.toml
+	cp -r __init__.py planner executor app sample_models tests pyproject.toml $(MUTATION_DIR)/
+	mkdir -p $(MUTATION_DIR)/path && ln -sfn $(MUTATION_DIR)/mutants $(MUTATION_DIR)/path/stagewise  # `stagewise` = the mutated copy
+	cd $(MUTATION_DIR) && PYTHONPATH=$(MUTATION_DIR)/path STAGEWISE_HYPOTHESIS_SCALE=0.1 nice -n 10 $(MUTMUT) run --max-children $(MUTATION_JOBS) $(MUTANTS) \
 		> run.log 2>&1 || (tr '\r' '\n' < run.log | tail -n 30; exit 1)
 	@tr '\r' '\n' < $(MUTATION_DIR)/run.log | grep -E 'mutations/second|done in' | tail -n 2
 	@cd $(MUTATION_DIR) && $(MUTMUT) results --all true | sed -E 's/^ *([a-z_.]+)\.x(_|ǁ).*: /\1 /' \

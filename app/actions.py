@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-import planner
-from planner.errors import EditError
-from planner.plan import Plan, Strategy
+from stagewise import planner
+from stagewise.planner.errors import EditError
+from stagewise.planner.plan import Plan, Strategy
 
 
 def split_selection(plan: Plan, selection: Iterable[str]) -> tuple[list[str], list[str]]:

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import PlanFileError
-from planner.files import write_atomic
-from planner.plan import Plan
+from stagewise.planner.errors import PlanFileError
+from stagewise.planner.files import write_atomic
+from stagewise.planner.plan import Plan
 
 ENV_VAR = "STAGEWISE_AUTOSAVE"
 DEFAULT_NAME = ".stagewise_autosave.json"

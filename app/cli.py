@@ -10,11 +10,11 @@ import os
 import sys
 import traceback
 
-import planner
-import executor
-from planner import StagewiseError, budget
-from planner.files import temp_beside, writable_problem
-from executor.verify import DEFAULT_RTOL, resized_inputs
+from stagewise import planner
+from stagewise import executor
+from stagewise.planner import StagewiseError, budget
+from stagewise.planner.files import temp_beside, writable_problem
+from stagewise.executor.verify import DEFAULT_RTOL, resized_inputs
 
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
@@ -102,7 +102,7 @@ def _run_distributed(args) -> int:
 def _on_every_rank(args, run):
     """Under torchrun: load the plan and model on every rank, `run(distributed_check, plan, members, inputs, device)`,
     print the stage table and the report on rank 0; returns the report (the same on every rank)."""
-    from executor import distributed, distributed_check  # torch.distributed's process group is only wanted here
+    from stagewise.executor import distributed, distributed_check  # torch.distributed's process group is only wanted here
 
     started = distributed.init_from_env(device=args.device)
     try:
@@ -142,7 +142,7 @@ def cmd_profile(args) -> int:
     if args.distributed:
         unsupported = [flag for flag, on in (("-o", args.output), ("--trace", args.trace), ("--compile-baseline", args.compile_baseline)) if on]
         if unsupported:
-            from executor.distributed import DistributedError
+            from stagewise.executor.distributed import DistributedError
 
             raise DistributedError(f"profile --distributed does not take {', '.join(unsupported)}; "
                                    f"drop {'it' if len(unsupported) == 1 else 'them'}, or profile one slice without --distributed")
@@ -209,7 +209,7 @@ def _progress_bar():
 
 
 def cmd_ui(args) -> int:
-    from app.launch import main as launch  # the app needs streamlit; import only here
+    from stagewise.app.launch import main as launch  # the app needs streamlit; import only here
 
     return launch(model_path=args.model, port=args.port) or 0
 

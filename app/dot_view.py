@@ -10,8 +10,8 @@ import shutil
 
 import graphviz
 
-from app.graph_view import EXCLUDED_FILL, MODULE_PREFIX, GraphData, ViewGraph, stage_colors
-from planner.plan import Plan, StageMode
+from stagewise.app.graph_view import EXCLUDED_FILL, MODULE_PREFIX, GraphData, ViewGraph, stage_colors
+from stagewise.planner.plan import Plan, StageMode
 
 
 def tint(color: str, amount: float = 0.6) -> str:

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import streamlit as st
 
-import planner
-from app import state
-from app.dot_view import dot_to_svg, plan_dot
+from stagewise import planner
+from stagewise.app import state
+from stagewise.app.dot_view import dot_to_svg, plan_dot
 
 
 def snippet(model_path: str, plan_file: str, weights: tuple[str, ...] = (), export: bool = False) -> str:

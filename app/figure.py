@@ -11,9 +11,9 @@ from typing import Any, Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from app.graph_view import (EXCLUDED_FILL, IO_COLOR, LABEL_LIMIT, MODULE_PREFIX, GraphData, ViewGraph, module_hover,
+from stagewise.app.graph_view import (EXCLUDED_FILL, IO_COLOR, LABEL_LIMIT, MODULE_PREFIX, GraphData, ViewGraph, module_hover,
                             fit_labels, hover_text, stage_colors)
-from planner.plan import Plan, StageMode
+from stagewise.planner.plan import Plan, StageMode
 
 Pos = Mapping[str, tuple[float, float]]
 NO_STAGE = "?"  # group of placeholders and the output, which no stage holds

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from app.layout import layered_layout
-from planner.plan import Plan
-from planner.table import human
+from stagewise.app.layout import layered_layout
+from stagewise.planner.plan import Plan
+from stagewise.planner.table import human
 
 # Twenty colours that stay apart from each other and from the excluded grey
 # (Tableau 10 + its light half, reordered so neighbours in the list contrast).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.plan import Plan
+from stagewise.planner.plan import Plan
 
 MAX_ENTRIES = 200
 

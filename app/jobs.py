@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.launch import REPO_ROOT, environment
+from stagewise.app.launch import REPO_ROOT, environment
 
 _PROCS: dict[str, subprocess.Popen] = {}
 
@@ -34,7 +34,7 @@ class Job:
 
 def start(task: str, model_path: str, weights: tuple[str, ...], plan_json: dict, device: str, ns: list[int],
           *, trust_archive: bool = False, **options: Any) -> Job:
-    """Spawn `python -m app.worker` for this request (options: autotune, compile_baseline); returns at once.
+    """Spawn `python -m stagewise.app.worker` for this request (options: autotune, compile_baseline); returns at once.
 
     trust_archive: the user's "Trust this archive" choice for a `.pt2` model (ModelRef.trust_archive);
     the worker passes it to planner.load_source, so an untrusted archive that needs unpickling is refused.
@@ -44,7 +44,7 @@ def start(task: str, model_path: str, weights: tuple[str, ...], plan_json: dict,
                                                 "plan": plan_json, "device": device, "ns": ns,
                                                 "trust_archive": bool(trust_archive), **options}))
     log = open(d / "log.txt", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "app.worker", str(d)], cwd=str(REPO_ROOT), env=environment(),
+    proc = subprocess.Popen([sys.executable, "-m", "stagewise.app.worker", str(d)], cwd=str(REPO_ROOT), env=environment(),
                             stdout=log, stderr=subprocess.STDOUT)
     log.close()
     job = Job(id=d.name, dir=str(d), task=task, started=time.time())

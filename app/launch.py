@@ -120,11 +120,10 @@ def environment(model_path: str | os.PathLike | None = None) -> dict[str, str]:
     if model_path is not None:
         p = Path(model_path).expanduser().resolve()
         if not p.is_file():
-            from planner.errors import ModelLoadError
+            from stagewise.planner.errors import ModelLoadError
 
             raise ModelLoadError(f"model file {model_path} does not exist; pass a .py model file or a .pt2 archive")
         env[MODEL_ENV] = str(p)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     return env
 
 

@@ -6,16 +6,11 @@ to restore an autosaved plan, and routes to the Model, Plan, Profile and Export 
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:  # streamlit puts app/ on the path, the packages live one level up
-    sys.path.insert(0, str(_ROOT))
+import streamlit as st
 
-import streamlit as st  # noqa: E402
-
-from app import state  # noqa: E402
+from stagewise.app import state  # the installed package (pip install -e . in a checkout), not app/ beside this file
 
 VIEWS = Path(__file__).resolve().parent / "views"
 

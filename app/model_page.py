@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from app import state
-from planner.plan import InputMode
+from stagewise.app import state
+from stagewise.planner.plan import InputMode
 
 WEIGHT_TYPES = ["safetensors", "pt", "pth", "bin"]
 

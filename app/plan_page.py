@@ -6,13 +6,13 @@ from functools import partial
 import pandas as pd
 import streamlit as st
 
-from app import actions, state
-from app import graph_view as gv
-from app.figure import FigureOptions, build_figure
-from app.dot_view import plan_dot
-from app.history import History
-from app.profile_view import stage_times
-from planner.plan import Plan, StageMode, Strategy
+from stagewise.app import actions, state
+from stagewise.app import graph_view as gv
+from stagewise.app.figure import FigureOptions, build_figure
+from stagewise.app.dot_view import plan_dot
+from stagewise.app.history import History
+from stagewise.app.profile_view import stage_times
+from stagewise.planner.plan import Plan, StageMode, Strategy
 
 EDITS = {
     "merge": lambda p, g, sel, whole: actions.merge_selected(p, g, sel),

@@ -6,12 +6,12 @@ import plotly.graph_objects as go
 import streamlit as st
 import torch
 
-import planner
-from app import jobs, state
-from app import graph_view as gv
-from app.figure import FigureOptions, build_figure
-from app.profile_view import baselines, failures, headline, stage_rows, stage_times, sweep_rows
-from planner.errors import StagewiseError
+from stagewise import planner
+from stagewise.app import jobs, state
+from stagewise.app import graph_view as gv
+from stagewise.app.figure import FigureOptions, build_figure
+from stagewise.app.profile_view import baselines, failures, headline, stage_rows, stage_times, sweep_rows
+from stagewise.planner.errors import StagewiseError
 
 POLL_S = 1.0
 BASELINE_COLORS = {"stagewise": "#2ca02c", "loop": "#7f7f7f", "vmap": "#1f77b4", "vmap+compile": "#9467bd", "floor": "#bcbd22", "torch.func": "#ff7f0e"}

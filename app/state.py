@@ -21,13 +21,13 @@ from urllib.parse import urlsplit
 
 import streamlit as st
 
-import planner
-from app import autosave
-from app import graph_view as gv
-from app.history import History
-from app.launch import LOCAL_HOSTS, MODEL_ENV, NO_TOKEN_ENV, REPO_ROOT, TOKEN_ENV
-from planner.errors import StagewiseError
-from planner.plan import Plan
+from stagewise import planner
+from stagewise.app import autosave
+from stagewise.app import graph_view as gv
+from stagewise.app.history import History
+from stagewise.app.launch import LOCAL_HOSTS, MODEL_ENV, NO_TOKEN_ENV, REPO_ROOT, TOKEN_ENV
+from stagewise.planner.errors import StagewiseError
+from stagewise.planner.plan import Plan
 
 SAMPLES_DIR = REPO_ROOT / "sample_models"
 DEFAULT_SAMPLE = "transformer_block.py"  # several stages and an excluded one: shows what the app is for

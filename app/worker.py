@@ -1,4 +1,4 @@
-"""Runs executor.profile / executor.verify in a separate process: `python -m app.worker JOB_DIR`.
+"""Runs executor.profile / executor.verify in a separate process: `python -m stagewise.app.worker JOB_DIR`.
 
 JOB_DIR/request.json says what to run; the worker appends progress lines to
 JOB_DIR/progress.jsonl and writes JOB_DIR/result.json at the end. A crash, a
@@ -22,7 +22,7 @@ from typing import Any
 
 def _write_json(path: Path, obj: Any) -> None:
     """Write `obj` so a reader sees all of it or nothing (a uniquely named temp file, then os.replace)."""
-    from planner.files import write_atomic
+    from stagewise.planner.files import write_atomic
 
     write_atomic(path, json.dumps(obj, indent=2, default=str))
 
@@ -39,8 +39,8 @@ class Progress:
 
 
 def run(job_dir: Path) -> dict:
-    import executor
-    import planner
+    from stagewise import executor
+    from stagewise import planner
 
     req = json.loads((job_dir / "request.json").read_text())
     progress = Progress(job_dir / "progress.jsonl")
@@ -72,7 +72,7 @@ def run(job_dir: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     job_dir = Path(argv[0])
-    from planner.errors import StagewiseError
+    from stagewise.planner.errors import StagewiseError
 
     try:
         result = run(job_dir)

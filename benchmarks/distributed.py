@@ -32,8 +32,8 @@ MLP = ROOT / "sample_models" / "mlp.py"
 
 
 def _setup(n: int, batch: int):
-    import executor
-    import planner
+    from stagewise import executor
+    from stagewise import planner
     import torch
 
     src = planner.load_model_file(MLP)
@@ -59,7 +59,7 @@ def rank_main(rank: int, world: int, port: int, n: int, batch: int, repeats: int
     import torch
     import torch.distributed as dist
 
-    from executor.distributed import build_sharded
+    from stagewise.executor.distributed import build_sharded
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -113,7 +113,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    import executor
+    from stagewise import executor
 
     torch.set_num_threads(args.threads)
     src, plan, inputs = _setup(args.n, args.batch)

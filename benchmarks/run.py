@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-import executor
-import planner
+from stagewise import executor
+from stagewise import planner
 from benchmarks.workloads import WORKLOADS, Workload
-from executor.profile import device_name
+from stagewise.executor.profile import device_name
 
 RESULTS = Path(__file__).resolve().parent / "results"
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

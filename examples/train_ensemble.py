@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import executor
-import planner
+from stagewise import executor
+from stagewise import planner
 
 
 @dataclass

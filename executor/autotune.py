@@ -30,18 +30,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from planner.errors import ExecutionError
-from planner.graph import retrace
-from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
-from executor.build import build, resolve_device
-from executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
+from stagewise.planner.errors import ExecutionError
+from stagewise.planner.graph import retrace
+from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
+from stagewise.executor.build import build, resolve_device
+from stagewise.executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
                                  stage_inputs, strategy_label, time_candidates, try_strategy)
-from executor.report import StrategyResult
-from executor.stages import Runner, StageProgram
-from executor.strategies import wide_rule_gaps
-from executor.timing import MIN_REPEATS
-from executor.verify import DEFAULT_RTOL, loop_outputs, member_inputs
-from executor.baselines import stack_outputs
+from stagewise.executor.report import StrategyResult
+from stagewise.executor.stages import Runner, StageProgram
+from stagewise.executor.strategies import wide_rule_gaps
+from stagewise.executor.timing import MIN_REPEATS
+from stagewise.executor.verify import DEFAULT_RTOL, loop_outputs, member_inputs
+from stagewise.executor.baselines import stack_outputs
 
 COMPILE_MIN_MS = 0.1  # below this a stage is all launch overhead; compiling it costs seconds for nothing
 CLOSE = 0.05  # two candidates this close (relative) are timed again head to head

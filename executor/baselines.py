@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from planner.plan import InputMode, Plan
-from executor.build import stack_member_state
-from executor.strategies import compiled
-from executor.values import PerMember, n_first
-from executor.verify import member_inputs
+from stagewise.planner.plan import InputMode, Plan
+from stagewise.executor.build import stack_member_state
+from stagewise.executor.strategies import compiled
+from stagewise.executor.values import PerMember, n_first
+from stagewise.executor.verify import member_inputs
 
 
 def stack_outputs(outputs: list) -> Any:

@@ -16,16 +16,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_map, tree_unflatten
 
-from planner import budget
-from planner.files import temp_beside
-from planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
-from planner.graph import ModelGraph, fingerprint_lines, retrace
-from planner.inputs import check_call_inputs, example_inputs_from
-from planner.plan import InputMode, Plan, Stage
-from planner.validate import stage_graph, validate
-from executor.constants import LIFTED_PREFIX, lift_member_constants
-from executor.stages import Runner, StageProgram, runner_for
-from executor.values import Batched, Shared, as_batched, n_first
+from stagewise.planner import budget
+from stagewise.planner.files import temp_beside
+from stagewise.planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
+from stagewise.planner.graph import ModelGraph, fingerprint_lines, retrace
+from stagewise.planner.inputs import check_call_inputs, example_inputs_from
+from stagewise.planner.plan import InputMode, Plan, Stage
+from stagewise.planner.validate import stage_graph, validate
+from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
+from stagewise.executor.stages import Runner, StageProgram, runner_for
+from stagewise.executor.values import Batched, Shared, as_batched, n_first
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from planner.plan import StageOptions, Strategy
-from executor.report import StrategyResult
-from executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
-from executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
-from executor.values import Batched, as_batched, n_first
-from executor.verify import DEFAULT_RTOL
+from stagewise.planner.plan import StageOptions, Strategy
+from stagewise.executor.report import StrategyResult
+from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
+from stagewise.executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
+from stagewise.executor.values import Batched, as_batched, n_first
+from stagewise.executor.verify import DEFAULT_RTOL
 
 Progress = Optional[Callable[[int, int, str], None]]
 

@@ -24,8 +24,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from planner.errors import MemberError
-from planner.graph import ModelGraph, plain_attributes, retrace
+from stagewise.planner.errors import MemberError
+from stagewise.planner.graph import ModelGraph, plain_attributes, retrace
 
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
 

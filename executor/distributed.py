@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from planner.errors import MemberError, ModelLoadError, StagewiseError
-from planner.files import temp_beside
-from planner.plan import InputMode, Plan
-from executor.build import BatchedModule, build
+from stagewise.planner.errors import MemberError, ModelLoadError, StagewiseError
+from stagewise.planner.files import temp_beside
+from stagewise.planner.plan import InputMode, Plan
+from stagewise.executor.build import BatchedModule, build
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("STAGEWISE_DIST_TIMEOUT_S", "300"))  # a collective waits this long for a slow or dead rank
 MemberFactory = Callable[[range], Sequence[nn.Module]]  # this rank's global member indices -> its members, in order

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from planner.plan import Plan
-from executor.distributed import MemberFactory, ShardedModule, collective_guard, local_members, resolve_groups, agreed, build_sharded, member_slice
+from stagewise.planner.plan import Plan
+from stagewise.executor.distributed import MemberFactory, ShardedModule, collective_guard, local_members, resolve_groups, agreed, build_sharded, member_slice
 
 
 @dataclass
@@ -77,7 +77,7 @@ def verify_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory
     """Each rank verifies its slice (executor.verify against the loop over its members, at a second batch
     size where the plan allows), times its forward and the all-gather; returns every rank's verdict on every rank.
     Collective over a ProcessGroup (None: the world)."""
-    from executor.verify import resized_inputs, verify
+    from stagewise.executor.verify import resized_inputs, verify
 
     member_group, _ = resolve_groups(group)
     indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
@@ -168,7 +168,7 @@ def profile_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactor
     """Each rank profiles its slice (executor.profile against the loop over its members; `train`: a training
     step), then the all-gather of a forward's outputs is timed; returns every rank's times on every rank.
     Collective over a ProcessGroup (None: the world)."""
-    from executor.profile import profile
+    from stagewise.executor.profile import profile
 
     member_group, _ = resolve_groups(group)
     indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))

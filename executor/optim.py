@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from planner.errors import OptimizerError
+from stagewise.planner.errors import OptimizerError
 
 __all__ = [
     "StackedSGD", "StackedAdam", "StackedAdamW", "clip_grad_norm_per_member_",

@@ -19,18 +19,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from planner.errors import StagewiseError
-from planner.graph import trace
-from planner.plan import Plan, Strategy
-from executor import baselines as whole
-from executor.autotune import tune
-from executor.build import BatchedModule, build, resolve_device
-from executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
+from stagewise.planner.errors import StagewiseError
+from stagewise.planner.graph import trace
+from stagewise.planner.plan import Plan, Strategy
+from stagewise.executor import baselines as whole
+from stagewise.executor.autotune import tune
+from stagewise.executor.build import BatchedModule, build, resolve_device
+from stagewise.executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
                                  stage_inputs, strategy_label, time_candidates, try_strategy)
-from executor.report import ProfileReport, StageProfile, StrategyResult
-from executor.stages import Runner, StageProgram
-from executor.timing import native_stderr_silenced
-from executor.verify import member_inputs
+from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
+from stagewise.executor.stages import Runner, StageProgram
+from stagewise.executor.timing import native_stderr_silenced
+from stagewise.executor.verify import member_inputs
 
 
 # --- the profile ---------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     """
     warmup = 2 if warmup is None else warmup
     if train:
-        from executor.profile_train import profile_training  # imports this module
+        from stagewise.executor.profile_train import profile_training  # imports this module
 
         return profile_training(plan, members, inputs, device=device, repeats=repeats, warmup=warmup, baselines=baselines,
                                 progress=progress, autotune=autotune, optimizer=optimizer, lr=lr, trace_path=trace_path)

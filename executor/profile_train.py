@@ -33,18 +33,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from planner.errors import ExecutionError, StagewiseError
-from planner.plan import Plan, Strategy
-from executor.autotune import tune
-from executor.build import BatchedModule, build, resolve_device
-from executor.candidates import (advance, loop_reference, max_rel_error, members_on, on_device, stage_inputs, strategy_label,
+from stagewise.planner.errors import ExecutionError, StagewiseError
+from stagewise.planner.plan import Plan, Strategy
+from stagewise.executor.autotune import tune
+from stagewise.executor.build import BatchedModule, build, resolve_device
+from stagewise.executor.candidates import (advance, loop_reference, max_rel_error, members_on, on_device, stage_inputs, strategy_label,
                                  time_candidates, try_strategy)
-from executor.optim import StackedAdam, StackedSGD
-from executor.profile import Ticks, device_name, stage_flops, write_chrome_trace
-from executor.report import ProfileReport, StageProfile, StrategyResult
-from executor.stages import LoopRunner, Runner, StageProgram
-from executor.values import Batched, PerMember, Shared, n_first
-from executor.verify import member_inputs
+from stagewise.executor.optim import StackedAdam, StackedSGD
+from stagewise.executor.profile import Ticks, device_name, stage_flops, write_chrome_trace
+from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
+from stagewise.executor.stages import LoopRunner, Runner, StageProgram
+from stagewise.executor.values import Batched, PerMember, Shared, n_first
+from stagewise.executor.verify import member_inputs
 
 OPTIMIZERS = ("adam", "sgd")
 GRAD_RTOL = 1e-4  # float32 gradients summed in different orders

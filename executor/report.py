@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from executor.timing import Timing
+from stagewise.executor.timing import Timing
 
 REPORT_VERSION = 1
 

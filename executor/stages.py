@@ -16,11 +16,11 @@ import torch.fx
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from planner.capability import is_inplace
-from planner.errors import ExecutionError
-from planner.plan import Stage, Strategy
-from executor.constants import LIFTED_PREFIX
-from executor.values import Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value, stage_device
+from stagewise.planner.capability import is_inplace
+from stagewise.planner.errors import ExecutionError
+from stagewise.planner.plan import Stage, Strategy
+from stagewise.executor.constants import LIFTED_PREFIX
+from stagewise.executor.values import Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value, stage_device
 
 
 @dataclass

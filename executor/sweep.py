@@ -13,10 +13,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from planner.errors import StagewiseError
-from planner.plan import Plan, Strategy
-from executor.profile import Progress, profile
-from executor.report import SweepPoint, SweepReport
+from stagewise.planner.errors import StagewiseError
+from stagewise.planner.plan import Plan, Strategy
+from stagewise.executor.profile import Progress, profile
+from stagewise.executor.report import SweepPoint, SweepReport
 
 
 def n_sweep(plan: Plan, make_members: Callable[[int], Sequence[nn.Module]], inputs_for_n: Callable[[int], Sequence[Any]],

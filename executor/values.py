@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from planner.errors import ExecutionError
+from stagewise.planner.errors import ExecutionError
 
 
 # the device of the stage whose runner is running (executor.stages.Runner.__call__ sets it), so that

@@ -13,11 +13,11 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from planner.graph import retrace
-from planner.plan import InputMode, Plan
-from planner.errors import InputError, StagewiseError
-from executor.build import build, resolve_device
-from executor.values import member_value
+from stagewise.planner.graph import retrace
+from stagewise.planner.plan import InputMode, Plan
+from stagewise.planner.errors import InputError, StagewiseError
+from stagewise.executor.build import build, resolve_device
+from stagewise.executor.values import member_value
 
 DEFAULT_RTOL = 1e-4  # float32: vmap and the loop may sum in different orders
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from planner.errors import MemoryBudgetError
+from stagewise.planner.errors import MemoryBudgetError
 
 SKIP_ENV = "STAGEWISE_SKIP_MEMORY_CHECK"  # "1": skip every check (users who know their memory better)
 USABLE_FRACTION = 0.9  # of the available memory; the rest is left for activations, allocator slack and the OS

@@ -11,10 +11,10 @@ from typing import Iterable
 
 import networkx as nx
 
-from planner.errors import EditError, PlanMismatchError
-from planner.graph import ModelGraph
-from planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
-from planner.validate import convexity_violation, renumber, validate
+from stagewise.planner.errors import EditError, PlanMismatchError
+from stagewise.planner.graph import ModelGraph
+from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
+from stagewise.planner.validate import convexity_violation, renumber, validate
 
 USER_EXCLUDED = "excluded by user"
 

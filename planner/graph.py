@@ -24,10 +24,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from planner.capability import alias_chain, annotate_capability, is_inplace
-from planner.errors import TraceError
-from planner.inputs import traced_specs
-from planner.plan import InputSpec
+from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace
+from stagewise.planner.errors import TraceError
+from stagewise.planner.inputs import traced_specs
+from stagewise.planner.plan import InputSpec
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
 

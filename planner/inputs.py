@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from planner.errors import InputError
-from planner.plan import DynamicDim, InputMode, InputSpec
+from stagewise.planner.errors import InputError
+from stagewise.planner.plan import DynamicDim, InputMode, InputSpec
 
 REPLAN = "or re-plan with example inputs like this call's (`stagewise plan` / planner.trace)"
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from planner.errors import MemberError, PlanFileError, PlanMismatchError
-from planner.files import write_atomic
+from stagewise.planner.errors import MemberError, PlanFileError, PlanMismatchError
+from stagewise.planner.files import write_atomic
 
 SCHEMA_VERSION = 1
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
-from planner.errors import PlanMismatchError
-from planner.graph import ModelGraph
-from planner.plan import InputMode, InputSpec, Plan, Stage, StageMode
-from planner.validate import renumber, validate
+from stagewise.planner.errors import PlanMismatchError
+from stagewise.planner.graph import ModelGraph
+from stagewise.planner.plan import InputMode, InputSpec, Plan, Stage, StageMode
+from stagewise.planner.validate import renumber, validate
 
 
 def propose(

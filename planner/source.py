@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from planner import budget
-from planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
+from stagewise.planner import budget
+from stagewise.planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
 
 MEMBER_SEED_BASE = 1234  # member i is built after torch.manual_seed(MEMBER_SEED_BASE + i)
 

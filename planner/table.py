@@ -1,8 +1,8 @@
 """The stage table as plain rows (for the CLI and the app) and as text."""
 from __future__ import annotations
 
-from planner.graph import ModelGraph
-from planner.plan import Plan
+from stagewise.planner.graph import ModelGraph
+from stagewise.planner.plan import Plan
 
 
 def stage_rows(plan: Plan, graph: ModelGraph | None = None) -> list[dict]:

@@ -9,9 +9,9 @@ from typing import Iterable, Optional
 
 import networkx as nx
 
-from planner.errors import PlanMismatchError
-from planner.graph import ModelGraph
-from planner.plan import Plan, Stage, StageMode
+from stagewise.planner.errors import PlanMismatchError
+from stagewise.planner.graph import ModelGraph
+from stagewise.planner.plan import Plan, Stage, StageMode
 
 
 def convexity_violation(graph: ModelGraph, nodes: Iterable[str]) -> Optional[list[str]]:

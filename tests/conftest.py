@@ -21,8 +21,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from torch import nn
 
-import planner
-from planner import StageMode
+from stagewise import planner
+from stagewise.planner import StageMode
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES_DIR = ROOT / "sample_models"

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-import planner
-from planner import ModelLoadError, UntrustedArchiveError
-from planner.source import unsafe_archive_part
+from stagewise import planner
+from stagewise.planner import ModelLoadError, UntrustedArchiveError
+from stagewise.planner.source import unsafe_archive_part
 
 
 class Small(nn.Module):
@@ -211,7 +211,7 @@ def test_graph_calling_a_non_operator_is_refused(tmp_path):
     ("lambda: 1", False),
 ])
 def test_symbolic_expressions_are_shape_arithmetic_only(text, ok):
-    from planner.source import _is_shape_expression
+    from stagewise.planner.source import _is_shape_expression
 
     assert _is_shape_expression(text) is ok
 

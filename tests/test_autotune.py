@@ -6,16 +6,16 @@ import importlib
 import pytest
 import torch
 
-import executor
-import planner
-from executor.autotune import candidate_strategies, tune
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor.autotune import candidate_strategies, tune
 
-autotune_module = importlib.import_module("executor.autotune")  # `executor.autotune` is the function
-from executor.stages import RUNNERS, VmapRunner
-from executor.strategies import compiled
-from executor.timing import fault_hook, simulate_oom
-from executor.values import Batched
-from planner.plan import StageMode, Strategy
+autotune_module = importlib.import_module("stagewise.executor.autotune")  # `executor.autotune` is the function
+from stagewise.executor.stages import RUNNERS, VmapRunner
+from stagewise.executor.strategies import compiled
+from stagewise.executor.timing import fault_hook, simulate_oom
+from stagewise.executor.values import Batched
+from stagewise.planner.plan import StageMode, Strategy
 
 N = 3
 EAGER = ["vmap", "wide", "loop"]
@@ -58,7 +58,7 @@ def test_excluded_sdpa_stage_gets_wide_as_a_candidate(sample):
 
 
 def test_merged_alternatives_cover_compile_only_where_vmap_can_run(sample):
-    from executor.autotune import merged_alternatives
+    from stagewise.executor.autotune import merged_alternatives
 
     for name, expect in (("transformer_block", {Strategy.COMPILE, Strategy.WIDE, Strategy.LOOP}), ("gru", {Strategy.LOOP}),
                          ("mlp", set()), ("data_dependent", {Strategy.LOOP})):
@@ -180,7 +180,7 @@ class FakeTimer:
         self.times, self.rounds, self.fail = times, {}, fail_when_repeated
 
     def __call__(self, cands, device, repeats, warmup, compiles):
-        from executor.timing import Timing
+        from stagewise.executor.timing import Timing
 
         for label, (res, call) in cands.items():
             call()

@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-import executor
-import planner
-from executor import values
-from executor.strategies import compiled, cudagraph
-from executor.values import Batched, PerMember, Shared
-from planner.plan import StageMode, Strategy
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor import values
+from stagewise.executor.strategies import compiled, cudagraph
+from stagewise.executor.values import Batched, PerMember, Shared
+from stagewise.planner.plan import StageMode, Strategy
 
 N = 3
 BATCH_SIZES = (5, 7, 2, 7)  # a new size, another, a third, then back to an earlier one

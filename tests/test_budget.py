@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-import executor
-import planner
-from app import cli
-from planner import budget
-from planner.errors import MemoryBudgetError
+from stagewise import executor
+from stagewise import planner
+from stagewise.app import cli
+from stagewise.planner import budget
+from stagewise.planner.errors import MemoryBudgetError
 
 from conftest import ROOT
 
@@ -87,7 +87,7 @@ def test_build_refuses_before_stacking(small_machine, sample, monkeypatch):
     members = src.members(n, check_memory=False)
     plan = planner.propose(graph, n)
     small_machine["cpu"] = 20 * one
-    monkeypatch.setattr(sys.modules["executor.build"], "stack_member_state", lambda *a: pytest.fail("stacked despite the refusal"))
+    monkeypatch.setattr(sys.modules["stagewise.executor.build"], "stack_member_state", lambda *a: pytest.fail("stacked despite the refusal"))
     with pytest.raises(MemoryBudgetError, match=r"stacking the state of 40 members .* on cpu .*use at most 18 members.*chunk_size.*another device"):
         executor.build(plan, members)
 

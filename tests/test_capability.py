@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import planner
-from planner.capability import DEFAULT_CHECK, classify_vmap_error
+from stagewise import planner
+from stagewise.planner.capability import DEFAULT_CHECK, classify_vmap_error
 from conftest import SAMPLE_NAMES, RunningTotal
 
 EXPECTED_UNBATCHABLE = {  # sample -> {node: words the reason must contain}

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import executor
-import planner
-from app import cli
+from stagewise import executor
+from stagewise import planner
+from stagewise.app import cli
 from conftest import ROOT, TINY_MODEL
 
 MLP = str(ROOT / "sample_models" / "mlp.py")
@@ -227,7 +227,7 @@ def test_unexpected_errors_are_one_line_too(mlp_plan, capsys, monkeypatch):
 
 def _console_script() -> list[str]:
     exe = Path(sys.executable).with_name("stagewise")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "app.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "stagewise.app.cli"]
 
 
 def test_console_script(tmp_path, write_model):
@@ -351,7 +351,7 @@ def test_trace_is_written_whole_and_named(mlp_plan, tmp_path, capsys):
 
 
 def test_trace_never_names_a_file_it_did_not_write(mlp_plan, tmp_path, capsys, monkeypatch):
-    profile_module = sys.modules["executor.profile"]
+    profile_module = sys.modules["stagewise.executor.profile"]
     monkeypatch.setattr(profile_module, "write_chrome_trace", lambda module, inputs, path, device: path)  # writes nothing
     trace = tmp_path / "trace.json"
     saved = tmp_path / "profiled.json"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import executor
-import planner
-from app.cli import main
+from stagewise import executor
+from stagewise import planner
+from stagewise.app.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "sample_models/mlp.py")

@@ -93,7 +93,7 @@ def scenario(results: list[dict], name: str) -> list[dict]:
 # ---- tests --------------------------------------------------------------------------------------
 
 def test_member_slice_is_contiguous_and_uneven_sizes_lead():
-    from executor.distributed import DistributedError, member_slice
+    from stagewise.executor.distributed import DistributedError, member_slice
 
     assert [len(member_slice(7, r, 3)) for r in range(3)] == [3, 2, 2]
     assert [list(member_slice(5, r, 2)) for r in range(2)] == [[0, 1, 2], [3, 4]]
@@ -103,8 +103,8 @@ def test_member_slice_is_contiguous_and_uneven_sizes_lead():
 
 
 def test_ranks_for_n_members_under_a_device_memory():
-    from planner import MemoryBudgetError
-    from planner.budget import USABLE_FRACTION, ranks_for
+    from stagewise.planner import MemoryBudgetError
+    from stagewise.planner.budget import USABLE_FRACTION, ranks_for
 
     gib = 2 ** 30
     device = int(10 * gib / USABLE_FRACTION)  # 10 GiB usable
@@ -166,7 +166,7 @@ def test_a_rank_that_dies_makes_the_others_raise_not_hang(three_ranks):
 
 
 def test_torchrun_cli_verifies_each_slice_and_prints_one_table(tmp_path):
-    import planner
+    from stagewise import planner
     from conftest import load_sample
 
     src, graph = load_sample("mlp")
@@ -186,14 +186,14 @@ def test_torchrun_cli_verifies_each_slice_and_prints_one_table(tmp_path):
 
 
 def test_torchrun_cli_profiles_each_slice_and_prints_one_table(tmp_path):
-    import planner
+    from stagewise import planner
     from conftest import load_sample
 
     src, graph = load_sample("mlp")
     plan_path = tmp_path / "plan.json"
     planner.propose(graph, n_members=5, input_mode="per_member", model="mlp").save(plan_path)
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "app.cli", "profile", str(plan_path),
+           "--master-port", str(free_port()), "-m", "stagewise.app.cli", "profile", str(plan_path),
            str(ROOT / "sample_models" / "mlp.py"), "--distributed", "--repeats", "3"]
     done = subprocess.run(cmd, env={**rank_env(), "STAGEWISE_DIST_TIMEOUT_S": str(TIMEOUT_S)}, capture_output=True,
                           text=True, timeout=JOB_LIMIT_S, cwd=ROOT)
@@ -204,7 +204,7 @@ def test_torchrun_cli_profiles_each_slice_and_prints_one_table(tmp_path):
 
 
 def test_cli_distributed_outside_torchrun_says_how_to_start_it(tmp_path, capsys, monkeypatch):
-    from app.cli import main
+    from stagewise.app.cli import main
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -221,8 +221,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def setup(name: str, n: int, mode: str):
-    import executor
-    import planner
+    from stagewise import executor
+    from stagewise import planner
     from conftest import load_sample
 
     src, graph = load_sample(name)
@@ -232,8 +232,8 @@ def setup(name: str, n: int, mode: str):
 
 def check_forward(name: str, n: int, mode: str) -> dict:
     """Gathered sharded outputs vs the single-process plan and the loop; the all-reduced mean vs the single one."""
-    import executor
-    from executor.distributed import build_sharded
+    from stagewise import executor
+    from stagewise.executor.distributed import build_sharded
 
     src, plan, inputs = setup(name, n, mode)
     members = src.members(n)
@@ -251,9 +251,9 @@ def check_forward(name: str, n: int, mode: str) -> dict:
 
 def check_training() -> dict:
     """3 SGD steps with per-member lr: sharded vs one process vs each member with its own torch.optim.SGD."""
-    import executor
-    from executor.distributed import build_sharded
-    from executor.optim import StackedSGD
+    from stagewise import executor
+    from stagewise.executor.distributed import build_sharded
+    from stagewise.executor.optim import StackedSGD
 
     n, steps = 5, 3
     src, plan, inputs = setup("mlp", n, "per_member")
@@ -287,9 +287,9 @@ def check_training() -> dict:
 def check_dp_mesh(rank: int) -> dict:
     """A 1 x 2 (member x dp) mesh: both ranks hold all members and see other data; after sync_gradients
     one SGD step equals one step on the average of both ranks' losses."""
-    import executor
-    from executor.distributed import build_sharded
-    from executor.optim import StackedSGD
+    from stagewise import executor
+    from stagewise.executor.distributed import build_sharded
+    from stagewise.executor.optim import StackedSGD
     from torch.distributed.device_mesh import init_device_mesh
 
     n = 3
@@ -323,7 +323,7 @@ def trained_mlp_members(n: int) -> list:
 
 
 def check_save(out: Path) -> dict:
-    from executor.distributed import build_sharded
+    from stagewise.executor.distributed import build_sharded
 
     src, plan, inputs = setup("mlp", 5, "per_member")
     sharded = build_sharded(plan, trained_mlp_members(5))
@@ -337,7 +337,7 @@ def check_save(out: Path) -> dict:
 
 
 def check_load(out: Path) -> dict:
-    from executor.distributed import build_sharded
+    from stagewise.executor.distributed import build_sharded
 
     saved = Path((out / "checkpoint_from").read_text())
     src, plan, inputs = setup("mlp", 5, "per_member")
@@ -360,7 +360,7 @@ def expect_error(fn) -> dict:
 
 
 def failing_factory(rank: int):
-    from executor.distributed import build_sharded
+    from stagewise.executor.distributed import build_sharded
 
     src, plan, _ = setup("mlp", 4, "shared")
 
@@ -374,7 +374,7 @@ def failing_factory(rank: int):
 
 def rank_exits(rank: int, out: Path, results: dict) -> None:
     """Rank 2 leaves without a word before a gather; the others must raise, not wait forever."""
-    from executor.distributed import build_sharded
+    from stagewise.executor.distributed import build_sharded
 
     src, plan, inputs = setup("mlp", 6, "per_member")
     sharded = build_sharded(plan, lambda idx: src.members(idx.stop)[idx.start:])

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
-import executor
-import planner
-from executor.baselines import stack_outputs
-from executor.profile import max_rel_error
-from planner import EditError, Plan, PlanMismatchError, StageMode, Strategy
-from planner.validate import stage_graph
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor.baselines import stack_outputs
+from stagewise.executor.profile import max_rel_error
+from stagewise.planner import EditError, Plan, PlanMismatchError, StageMode, Strategy
+from stagewise.planner.validate import stage_graph
 from conftest import SAMPLE_NAMES, check_plan_invariants, examples
 
 RTOL = 1e-4

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-import executor
-import executor.stages
-import planner
-import planner.graph
-from executor.values import PerMember
-from executor.verify import compare
-from planner import InputError, MemberError, PlanMismatchError, StageMode
+from stagewise import executor
+import stagewise.executor.stages
+from stagewise import planner
+import stagewise.planner.graph
+from stagewise.executor.values import PerMember
+from stagewise.executor.verify import compare
+from stagewise.planner import InputError, MemberError, PlanMismatchError, StageMode
 from conftest import SAMPLE_NAMES, RunningTotal, ScaleInPlace
 
 RTOL = 1e-4

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from app import autosave
-from planner import InputMode, InputSpec, Plan, PlanFileError, Stage
-from planner import files
-from planner.files import temp_beside, writable_problem, write_atomic
+from stagewise.app import autosave
+from stagewise.planner import InputMode, InputSpec, Plan, PlanFileError, Stage
+from stagewise.planner import files
+from stagewise.planner.files import temp_beside, writable_problem, write_atomic
 
 
 def plan_for(writer: int, i: int) -> Plan:

@@ -29,7 +29,10 @@ def python_files(package: str) -> list[Path]:
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
-    """(line, dotted module) for every import in the file; relative imports are resolved against the package."""
+    """(line, dotted module) for every import in the file; relative imports are resolved against the package.
+
+    Our modules are named as the repository lays them out (`planner.graph`): the installed
+    `stagewise.` prefix is dropped, so `from stagewise.executor import build` reads `executor`."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
     found = []
@@ -43,9 +46,15 @@ def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
             else:
                 module = node.module or ""
             found.append((node.lineno, module))
-            if node.module is None or node.level:  # `from . import x`: x may itself be a module
+            if node.module is None or node.level or node.module == "stagewise":  # `from . import x`: x may be a module
                 found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
-    return found
+    return [(line, _ours(m)) for line, m in found]
+
+
+def _ours(module: str) -> str:
+    if module == "stagewise":
+        return ""
+    return module.removeprefix("stagewise.")
 
 
 def test_the_packages_exist():
@@ -83,6 +92,7 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     pkg = tmp_path / "planner"
     pkg.mkdir()
     f = pkg / "x.py"
-    f.write_text("def f():\n    import app.cli\n    from executor import build\n    from . import graph\n    from .plan import Plan\n")
+    f.write_text("def f():\n    import app.cli\n    from executor import build\n    from . import graph\n    from .plan import Plan\n"
+                 "    from stagewise import app\n    from stagewise.executor.build import build\n")
     mods = {m for _, m in imported_modules(f, root=tmp_path)}
     assert {"app.cli", "executor", "planner", "planner.graph", "planner.plan"} <= mods

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
-import executor
-import planner
+from stagewise import executor
+from stagewise import planner
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import planner
-from executor.optim import (
+from stagewise import planner
+from stagewise.executor.optim import (
     StackedAdam, StackedAdamW, StackedCosineLR, StackedSGD, StackedStepLR, clip_grad_norm_per_member_,
 )
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-import planner
-from planner.plan import DynamicDim
-from planner import InputMode, InputSpec, Plan, PlanFileError, PlanMismatchError, Stage, StageMode, StageOptions, Strategy
+from stagewise import planner
+from stagewise.planner.plan import DynamicDim
+from stagewise.planner import InputMode, InputSpec, Plan, PlanFileError, PlanMismatchError, Stage, StageMode, StageOptions, Strategy
 from conftest import SAMPLE_NAMES
 
 

@@ -8,14 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-import executor
-import planner
-from executor.profile import max_rel_error
-from executor.report import ProfileReport, SweepReport
-from executor.stages import RUNNERS, VmapRunner
-from executor.timing import Timing, fault_hook, peak_memory_bytes, simulate_oom
-from executor.values import Batched
-from planner.plan import StageOptions, Strategy
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor.profile import max_rel_error
+from stagewise.executor.report import ProfileReport, SweepReport
+from stagewise.executor.stages import RUNNERS, VmapRunner
+from stagewise.executor.timing import Timing, fault_hook, peak_memory_bytes, simulate_oom
+from stagewise.executor.values import Batched
+from stagewise.planner.plan import StageOptions, Strategy
 
 N = 3
 FAST = dict(repeats=3, warmup=1)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import planner
-from planner import InputMode, PlanMismatchError, StageMode
+from stagewise import planner
+from stagewise.planner import InputMode, PlanMismatchError, StageMode
 from conftest import SAMPLE_NAMES, check_plan_invariants
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -151,6 +151,6 @@ def test_stage_rows_and_table(sample):
 
 @pytest.mark.parametrize("n, text", [(0, "0"), (999, "999"), (1000, "1.0k"), (16576, "16.6k"), (2_500_000, "2.5M"), (3e9, "3.0G")])
 def test_human_numbers(n, text):
-    from planner.table import human
+    from stagewise.planner.table import human
 
     assert human(n) == text

@@ -26,7 +26,7 @@ BLOCKS = python_blocks()
 def cli_plan(tmp_path_factory) -> str:
     """plan.json's text as `stagewise plan sample_models/mlp.py -n 4` writes it (made once)."""
     d = tmp_path_factory.mktemp("cli")
-    subprocess.run([sys.executable, "-m", "app.cli", "plan", str(ROOT / "sample_models/mlp.py"), "-n", "4", "-o", "plan.json"],
+    subprocess.run([sys.executable, "-m", "stagewise.app.cli", "plan", str(ROOT / "sample_models/mlp.py"), "-n", "4", "-o", "plan.json"],
                    check=True, cwd=d, capture_output=True, env=_env())
     return (d / "plan.json").read_text()
 

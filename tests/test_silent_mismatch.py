@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import executor
-import planner
+from stagewise import executor
+from stagewise import planner
 
 CALLS = 3
 
@@ -231,7 +231,7 @@ def test_sweep_constants_are_lifted_in_export_graphs():
 
 
 def test_sweep_constants_survive_every_strategy():
-    from planner.plan import Strategy
+    from stagewise.planner.plan import Strategy
 
     torch.manual_seed(0)
     members = [Sweep(0.1 * (i + 1), 1.0 + i) for i in range(3)]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-import planner
-from planner import MemberError, ModelLoadError
+from stagewise import planner
+from stagewise.planner import MemberError, ModelLoadError
 from conftest import SAMPLE_NAMES, SAMPLES_DIR, TINY_MODEL
 
 

@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import executor
-import planner
-from executor.baselines import stack_outputs
-from executor.profile import max_rel_error
-from executor.stages import LoopRunner, runner_for
-from executor.strategies import CPU_REFUSAL, CompileRunner, WideRunner, compiled, wide_layers, wide_rule_gaps
-from executor.strategies.wide_layers import gru
-from executor.strategies.wide_ops import NFirst, linear
-from planner.plan import StageMode, StageOptions, Strategy
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor.baselines import stack_outputs
+from stagewise.executor.profile import max_rel_error
+from stagewise.executor.stages import LoopRunner, runner_for
+from stagewise.executor.strategies import CPU_REFUSAL, CompileRunner, WideRunner, compiled, wide_layers, wide_rule_gaps
+from stagewise.executor.strategies.wide_layers import gru
+from stagewise.executor.strategies.wide_ops import NFirst, linear
+from stagewise.planner.plan import StageMode, StageOptions, Strategy
 
 from conftest import SAMPLE_NAMES
 
@@ -204,7 +204,7 @@ def test_wide_sdpa_folds_members_into_leading_dims(sample):
     runner = runner_for(program, N, {}, [{}] * N)
     assert isinstance(runner, WideRunner)
     q = torch.randn(N, 2, 4, 5, 8)
-    from executor.values import Batched, PerMember
+    from stagewise.executor.values import Batched, PerMember
 
     (out,) = runner([Batched(q), Batched(q), Batched(q)])
     (ref,) = LoopRunner(program, N, {}, [{}] * N)([Batched(q), Batched(q), Batched(q)])

@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-import executor
-import planner
-from executor.report import StrategyResult
-from executor.timing import Timing
-from planner.plan import Strategy
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor.report import StrategyResult
+from stagewise.executor.timing import Timing
+from stagewise.planner.plan import Strategy
 
-sweep_module = importlib.import_module("executor.sweep")
+sweep_module = importlib.import_module("stagewise.executor.sweep")
 
 
 def timed(ms: float, peak: int | None = None) -> StrategyResult:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-import planner
-from planner import NodeInfo, TraceError
-from planner.graph import COMPUTE_OPS, _normalise_module_path, describe_shape, fingerprint_lines
+from stagewise import planner
+from stagewise.planner import NodeInfo, TraceError
+from stagewise.planner.graph import COMPUTE_OPS, _normalise_module_path, describe_shape, fingerprint_lines
 from conftest import EXPORT_SAMPLES, SAMPLE_NAMES, RunningTotal, ScaleInPlace
 
 
@@ -246,9 +246,9 @@ def test_inplace_on_an_activation_orders_its_other_readers():
 
 import copy  # noqa: E402
 
-import executor  # noqa: E402
-from planner import InputError, InputMode  # noqa: E402
-from planner.plan import DynamicDim  # noqa: E402
+from stagewise import executor  # noqa: E402
+from stagewise.planner import InputError, InputMode  # noqa: E402
+from stagewise.planner.plan import DynamicDim  # noqa: E402
 
 
 class ShapeBranch(nn.Module):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-import executor
-import planner
-from executor.optim import StackedAdam, StackedAdamW, StackedSGD, clip_grad_norm_per_member_
-from planner.plan import Strategy
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor.optim import StackedAdam, StackedAdamW, StackedSGD, clip_grad_norm_per_member_
+from stagewise.planner.plan import Strategy
 
 from conftest import load_sample
 

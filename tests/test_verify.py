@@ -8,15 +8,15 @@ import importlib
 import pytest
 import torch
 
-import executor
-import planner
-from executor.stages import RUNNERS, VmapRunner
-from executor.values import Batched
-from planner.plan import Strategy
+from stagewise import executor
+from stagewise import planner
+from stagewise.executor.stages import RUNNERS, VmapRunner
+from stagewise.executor.values import Batched
+from stagewise.planner.plan import Strategy
 
 from conftest import RunningTotal
 
-verify_module = importlib.import_module("executor.verify")  # `executor.verify` is the function
+verify_module = importlib.import_module("stagewise.executor.verify")  # `executor.verify` is the function
 N = 3
 
 

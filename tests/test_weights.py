@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import executor
-import planner
-from planner import MemberError
+from stagewise import executor
+from stagewise import planner
+from stagewise.planner import MemberError
 from conftest import SAMPLES_DIR
 
 N = 3
@@ -165,7 +165,7 @@ def test_export_archive_with_weights_that_do_not_fit(tmp_path):
 
 
 def test_cli_with_export_archive_and_weights(tmp_path, capsys):
-    from app import cli
+    from stagewise.app import cli
 
     path, _ = export_archive("shape_loop", tmp_path)
     weights = [str(p) for p in save_weights(trained_like_members("shape_loop", 2), tmp_path, ".safetensors")]

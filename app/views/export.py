@@ -1,4 +1,4 @@
 """Page script for st.navigation (see app/main.py)."""
-from app.export_page import export_page
+from stagewise.app.export_page import export_page
 
 export_page()

@@ -1,4 +1,4 @@
 """Page script for st.navigation (see app/main.py)."""
-from app.model_page import model_page
+from stagewise.app.model_page import model_page
 
 model_page()

@@ -1,4 +1,4 @@
 """Page script for st.navigation (see app/main.py)."""
-from app.plan_page import plan_page
+from stagewise.app.plan_page import plan_page
 
 plan_page()

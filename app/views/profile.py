@@ -1,4 +1,4 @@
 """Page script for st.navigation (see app/main.py)."""
-from app.profile_page import profile_page
+from stagewise.app.profile_page import profile_page
 
 profile_page()

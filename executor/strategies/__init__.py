@@ -5,12 +5,12 @@
 - compile: torch.compile of the stage's vmapped callable (compile time kept apart);
 - cuda_graph: CUDA-graph capture of the stage (GPU only; refused on CPU).
 """
-from planner.plan import Strategy
-from executor.stages import RUNNERS
-from executor.strategies.bound_loop import BoundLoopRunner
-from executor.strategies.compiled import CompileRunner
-from executor.strategies.cudagraph import CPU_REFUSAL, CudaGraphRunner
-from executor.strategies.wide import WideRunner, wide_rule_gaps
+from stagewise.planner.plan import Strategy
+from stagewise.executor.stages import RUNNERS
+from stagewise.executor.strategies.bound_loop import BoundLoopRunner
+from stagewise.executor.strategies.compiled import CompileRunner
+from stagewise.executor.strategies.cudagraph import CPU_REFUSAL, CudaGraphRunner
+from stagewise.executor.strategies.wide import WideRunner, wide_rule_gaps
 
 RUNNERS[Strategy.LOOP] = BoundLoopRunner  # same results as LoopRunner, without re-parametrising per call
 RUNNERS[Strategy.WIDE] = WideRunner

@@ -16,8 +16,8 @@ import copy
 import torch
 from torch import nn
 
-from executor.stages import LoopRunner
-from executor.values import PerMember, member_value
+from stagewise.executor.stages import LoopRunner
+from stagewise.executor.values import PerMember, member_value
 
 
 def _shell(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> nn.Module:

@@ -23,8 +23,8 @@ import torch
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten
 
-from executor.stages import VmapRunner
-from executor.values import signature
+from stagewise.executor.stages import VmapRunner
+from stagewise.executor.values import signature
 
 BACKEND = "inductor"  # torch.compile backend; tests switch to "aot_eager" to check the plumbing quickly
 MAX_SIGNATURES = 8  # compiled specialisations kept per stage (dynamo's own recompile limit is 8 too)

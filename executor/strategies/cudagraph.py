@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from planner.errors import ExecutionError
-from executor.stages import Runner, VmapRunner
-from executor.values import Batched, PerMember, Shared, signature, stack_member_values
+from stagewise.planner.errors import ExecutionError
+from stagewise.executor.stages import Runner, VmapRunner
+from stagewise.executor.values import Batched, PerMember, Shared, signature, stack_member_values
 
 CPU_REFUSAL = "cuda_graph needs a CUDA device (a CUDA graph captures GPU kernels); on CPU use vmap, wide or compile"
 

@@ -27,11 +27,11 @@ import torch.fx
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from executor.stages import Runner, StageProgram
-from executor.strategies import wide_ops
-from executor.strategies.wide_layers import ELEMENTWISE_MODULES, inplace_activation, module_rule
-from executor.strategies.wide_ops import NFirst, is_nf, op_name
-from executor.values import Batched, PerMember, Shared, stack_member_values
+from stagewise.executor.stages import Runner, StageProgram
+from stagewise.executor.strategies import wide_ops
+from stagewise.executor.strategies.wide_layers import ELEMENTWISE_MODULES, inplace_activation, module_rule
+from stagewise.executor.strategies.wide_ops import NFirst, is_nf, op_name
+from stagewise.executor.values import Batched, PerMember, Shared, stack_member_values
 
 # functions/methods with a rule of their own (everything else falls back to vmap of the op)
 _RULED = (wide_ops.ELEMENTWISE | set(wide_ops.DIM_ARGS) | wide_ops.META | wide_ops.MATMUL

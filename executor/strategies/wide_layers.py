@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor.strategies.wide_ops import NFirst, affine, as_nfirst, is_nf, linear, relaid
+from stagewise.executor.strategies.wide_ops import NFirst, affine, as_nfirst, is_nf, linear, relaid
 
 ModuleRule = Callable[[nn.Module, dict, tuple, dict, int], Optional[Any]]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from planner.plan import InputSpec, Plan, Stage, StageMode
+from stagewise.planner.plan import InputSpec, Plan, Stage, StageMode
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "app" / "main.py")
@@ -17,7 +17,7 @@ APP_TIMEOUT = 60  # the first run imports torch and traces
 
 def app_env(monkeypatch, tmp_path, model: Path | None = None, token: str | None = TEST_TOKEN) -> None:
     """The environment `stagewise ui` gives the app: its token, a model, and (here) private places in tmp_path."""
-    from app import launch
+    from stagewise.app import launch
 
     monkeypatch.setenv("STAGEWISE_AUTOSAVE", str(tmp_path / "autosave.json"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # uploads land in tmp_path/cache/stagewise/uploads

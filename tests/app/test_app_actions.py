@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import planner
-from app import actions
-from app.history import History
-from planner.errors import EditError, StagewiseError
+from stagewise import planner
+from stagewise.app import actions
+from stagewise.app.history import History
+from stagewise.planner.errors import EditError, StagewiseError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,9 +7,9 @@ import pytest
 from app_fakes import residual_plan
 from hypothesis import given, strategies as st
 
-from app import autosave
-from app.history import MAX_ENTRIES, History
-from planner.errors import PlanFileError
+from stagewise.app import autosave
+from stagewise.app.history import MAX_ENTRIES, History
+from stagewise.planner.errors import PlanFileError
 
 
 def _variant(i: int):

@@ -5,10 +5,10 @@ import time
 
 from app_fakes import random_dag, residual_graph, residual_plan
 
-from app import graph_view as gv
-from app.figure import FigureOptions, build_figure
-from app.dot_view import plan_dot
-from app.layout import layered_layout, layers_of
+from stagewise.app import graph_view as gv
+from stagewise.app.figure import FigureOptions, build_figure
+from stagewise.app.dot_view import plan_dot
+from stagewise.app.layout import layered_layout, layers_of
 
 
 def test_layers_follow_edges_top_to_bottom():
@@ -83,7 +83,7 @@ def test_selection_event_maps_points_to_nodes():
 
 
 def test_thousand_node_graph_lays_out_and_draws_fast():
-    from planner.plan import Plan, Stage, InputSpec
+    from stagewise.planner.plan import Plan, Stage, InputSpec
 
     g = random_dag(1000)
     data = gv.graph_data(g)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-import planner
-from app import autosave
+from stagewise import planner
+from stagewise.app import autosave
 from app_fakes import app_test
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -287,7 +287,7 @@ def test_export_json_equals_the_session_plan(at, monkeypatch):
     downloaded = download_bytes(buttons["Download plan JSON"].proto.url).decode()
     assert downloaded == p.dumps()
     assert planner.Plan.loads(downloaded).to_json() == p.to_json()
-    import executor  # the downloaded plan is one executor.build accepts
+    from stagewise import executor  # the downloaded plan is one executor.build accepts
 
     src = planner.load_source(SAMPLES / "transformer_block.py")
     loaded = planner.Plan.loads(downloaded)
@@ -341,7 +341,7 @@ def test_restore_from_autosave(tmp_path, monkeypatch):
 def test_profile_page_runs_verify_in_a_worker(at):
     at.switch_page("views/profile.py").run()
     assert not at.exception
-    import executor
+    from stagewise import executor
 
     if not hasattr(executor, "profile"):
         assert "not available yet" in texts(at.warning)

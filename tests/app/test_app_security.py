@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-import planner
-from app import autosave, launch, state
+from stagewise import planner
+from stagewise.app import autosave, launch, state
 from app_fakes import ROOT, TEST_TOKEN, app_test
 
 SAMPLES = ROOT / "sample_models"

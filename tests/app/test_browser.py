@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from app import launch
+from stagewise.app import launch
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
