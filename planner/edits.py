@@ -17,6 +17,9 @@ from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strateg
 from stagewise.planner.validate import convexity_violation, renumber, validate
 
 USER_EXCLUDED = "excluded by user"
+# The note of a node carved out of its stage by exclude(node): include() merges such a stage back into
+# its batched neighbours, so exclude-then-include of one node restores the stage it came from.
+CARVED_NOTE = "carved out of its stage by exclude; include merges it back"
 
 
 def _finish(plan: Plan, graph: ModelGraph, stages: Iterable[Stage], what: str) -> Plan:
@@ -146,13 +149,19 @@ def exclude(plan: Plan, graph: ModelGraph, target: str) -> Plan:
     before = tuple(n for n in s.nodes if n != target and n not in downstream)
     after = tuple(n for n in s.nodes if n in downstream)
     reason = graph.dag.nodes[target]["reason"] or USER_EXCLUDED
-    carved = Stage(id="", nodes=(target,), mode=StageMode.EXCLUDED, reason=reason, options=StageOptions(strategy=Strategy.LOOP))
+    carved = Stage(id="", nodes=(target,), mode=StageMode.EXCLUDED, reason=reason,
+                   options=StageOptions(strategy=Strategy.LOOP, note=CARVED_NOTE))
     parts = [replace(s, nodes=p) for p in (before, after) if p] + [carved]
     return _finish(plan, graph, [x for x in plan.stages if x.id != s.id] + parts, what)
 
 
 def include(plan: Plan, graph: ModelGraph, stage: str) -> Plan:
-    """Run an excluded stage batched again; refused if one of its nodes cannot be batched."""
+    """Run an excluded stage batched again; refused if one of its nodes cannot be batched.
+
+    A stage that exclude(node) carved out of a batched stage (note CARVED_NOTE) is merged
+    back into the batched stages next to it wherever the union stays convex, taking their
+    options: exclude then include of one node gives back the stage it came from.
+    """
     what = f"include({stage!r})"
     _check_graph(plan, graph, what)
     s = _stage_or_edit_error(plan, stage, what)
@@ -166,7 +175,32 @@ def include(plan: Plan, graph: ModelGraph, stage: str) -> Plan:
             if len(s.nodes) > 1 else f"{what}: node {bad[0]!r} cannot be batched ({graph.dag.nodes[bad[0]]['reason']})"
         )
     new = replace(s, mode=StageMode.BATCHED, reason="", options=StageOptions())
-    return _finish(plan, graph, [new if x.id == s.id else x for x in plan.stages], what)
+    rest = [x for x in plan.stages if x.id != s.id]
+    if s.options.note == CARVED_NOTE:
+        rest, new = _merge_into_neighbours(rest, graph, new)
+    return _finish(plan, graph, rest + [new], what)
+
+
+def _merge_into_neighbours(others: list[Stage], graph: ModelGraph, stage: Stage) -> tuple[list[Stage], Stage]:
+    """Fold the batched stages adjacent to `stage` into it while the union stays convex; (the rest, the merged stage)."""
+    others = list(others)
+    merged = stage
+    grown = True
+    while grown:
+        grown = False
+        for nb in others:
+            if nb.mode is not StageMode.BATCHED:
+                continue
+            if not (_edge_between(graph, nb.nodes, merged.nodes) or _edge_between(graph, merged.nodes, nb.nodes)):
+                continue
+            union = tuple(sorted(nb.nodes + merged.nodes, key=graph.topo_index))
+            if convexity_violation(graph, union):
+                continue
+            merged = Stage(id="", nodes=union, mode=StageMode.BATCHED, options=nb.options)
+            others.remove(nb)
+            grown = True
+            break
+    return others, merged
 
 
 def set_options(plan: Plan, graph: ModelGraph, stage: str, **options) -> Plan:

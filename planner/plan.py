@@ -19,17 +19,22 @@ SCHEMA_VERSION = 1
 
 
 class StageMode(str, enum.Enum):
-    """How a stage runs across members."""
+    """Whether a stage may run under vmap: the planner's (or the user's) decision.
 
-    BATCHED = "batched"  # one vmap (or other batched strategy) over stacked member state
-    EXCLUDED = "excluded"  # a Python loop over members
+    "excluded" means excluded from vmap, not "runs as a loop": an excluded stage runs
+    with its strategy, the member loop by default, or `wide` / `compile` where
+    autotune found those batch it correctly. `Stage.runs_batched` says how it runs.
+    """
+
+    BATCHED = "batched"  # may run under vmap (or any other strategy)
+    EXCLUDED = "excluded"  # never under vmap/cuda_graph: loop, or wide/compile when autotune proved them
 
 
 class Strategy(str, enum.Enum):
     """How a batched stage computes; chosen by hand or by the autotuner."""
 
     VMAP = "vmap"  # torch.func.vmap over stacked state (default)
-    LOOP = "loop"  # the member loop (what excluded stages always do)
+    LOOP = "loop"  # the member loop (what an excluded stage does unless autotune found wide/compile)
     WIDE = "wide"  # hand-batched kernels (bmm linear, grouped conv, ...)
     COMPILE = "compile"  # torch.compile of the stage's vmapped callable
     CUDA_GRAPH = "cuda_graph"  # CUDA-graph capture of the stage (GPU only)
@@ -82,6 +87,15 @@ class Stage:
         # an excluded stage cannot run under vmap: a vmap strategy carried over from before becomes the loop
         if self.mode is StageMode.EXCLUDED and self.options.strategy in (Strategy.VMAP, Strategy.CUDA_GRAPH):
             object.__setattr__(self, "options", replace(self.options, strategy=Strategy.LOOP, chunk_size=None))
+
+    @property
+    def runs_batched(self) -> bool:
+        """Whether the stage runs as one batched call (any strategy but the member loop), whatever its mode."""
+        return self.options.strategy is not Strategy.LOOP
+
+    def runs_as(self) -> str:
+        """How the stage runs, in words: "batched (vmap)", "batched (wide)", ... or "member loop"."""
+        return f"batched ({self.options.strategy.value})" if self.runs_batched else "member loop"
 
     def to_json(self) -> dict:
         return {

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from stagewise.planner.graph import ModelGraph
-from stagewise.planner.plan import Plan
+from stagewise.planner.plan import Plan, StageMode
 
 
 def stage_rows(plan: Plan, graph: ModelGraph | None = None) -> list[dict]:
@@ -11,8 +11,9 @@ def stage_rows(plan: Plan, graph: ModelGraph | None = None) -> list[dict]:
     for s in plan.stages:
         row = {
             "id": s.id,
-            "mode": s.mode.value,
+            "mode": s.mode.value,  # "excluded" = excluded from vmap; how it runs is runs_as
             "strategy": s.options.strategy.value,  # an excluded stage runs loop, or wide/compile if autotuned so
+            "runs_as": s.runs_as(),  # "batched (vmap)", "batched (wide)", ... or "member loop"
             "n_nodes": len(s.nodes),
             "nodes": list(s.nodes),
             "reason": s.reason,
@@ -29,6 +30,24 @@ def _short_nodes(nodes: list[str], width: int) -> str:
     return text if len(text) <= width else text[: width - 4].rsplit(",", 1)[0] + ", ..."
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """'1 node', '3 nodes' ('1 member loop', '2 member loops')."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def plan_summary(plan: Plan) -> str:
+    """'3 stages (2 batched, 1 member loop; 1 excluded from vmap)': how the stages run, then the planner's decision.
+
+    Batched counts every stage run as one batched call (vmap, wide, compile, cuda_graph), an
+    excluded stage that autotune runs `wide` included; member loops are the stages run per member.
+    """
+    stages = plan.stages
+    batched = sum(s.runs_batched for s in stages)
+    excluded = sum(s.mode is StageMode.EXCLUDED for s in stages)
+    return (f"{plural(len(stages), 'stage')} ({batched} batched, {plural(len(stages) - batched, 'member loop')}; "
+            f"{excluded} excluded from vmap)")
+
+
 def human(n: float) -> str:
     """1234567 -> '1.2M'."""
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -40,17 +59,16 @@ def human(n: float) -> str:
 def format_stage_table(plan: Plan, graph: ModelGraph | None = None, nodes_width: int = 48) -> str:
     """The stage table as aligned text, with a header line about the plan."""
     rows = stage_rows(plan, graph)
-    head = f"{'stage':<6} {'mode':<9} {'strategy':<9} {'#':>3}  {'nodes':<{nodes_width}}"
+    head = f"{'stage':<6} {'vmap':<9} {'runs as':<18} {'#':>3}  {'nodes':<{nodes_width}}"
     if graph is not None:
         head += f" {'params':>7} {'FLOPs':>7}"
     lines = [head + "  reason"]
     for r in rows:
-        line = f"{r['id']:<6} {r['mode']:<9} {r['strategy']:<9} {r['n_nodes']:>3}  {_short_nodes(r['nodes'], nodes_width):<{nodes_width}}"
+        vmap = "excluded" if r["mode"] == StageMode.EXCLUDED.value else "ok"
+        line = f"{r['id']:<6} {vmap:<9} {r['runs_as']:<18} {r['n_nodes']:>3}  {_short_nodes(r['nodes'], nodes_width):<{nodes_width}}"
         if graph is not None:
             line += f" {human(r['params']):>7} {human(r['flops']):>7}"
         lines.append(line + ("  " + r["reason"] if r["reason"] else ""))
-    batched = sum(1 for r in rows if r["mode"] == "batched")
-    summary = (f"{len(rows)} stage{'s' if len(rows) != 1 else ''} ({batched} batched, {len(rows) - batched} excluded), "
-               f"N={plan.n_members}, tracer={plan.tracer}, inputs: "
+    summary = (f"{plan_summary(plan)}, N={plan.n_members}, tracer={plan.tracer}, inputs: "
                + ", ".join(f"{i.name}={i.mode.value}" for i in plan.inputs))
     return "\n".join([summary, *lines])

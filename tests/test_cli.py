@@ -50,8 +50,8 @@ def test_plan_prints_the_table_and_writes_json(tmp_path, capsys, sample):
     path = tmp_path / "dd.json"
     code, out, err = run_cli(capsys, "plan", ROOT / "sample_models" / "data_dependent.py", "-n", "4", "-o", path)
     assert code == 0 and err == ""
-    assert "5 stages (3 batched, 2 excluded), N=4, tracer=fx, inputs: x=shared" in out
-    assert "stage  mode" in out and "reason" in out
+    assert "5 stages (3 batched, 2 member loops; 2 excluded from vmap), N=4, tracer=fx, inputs: x=shared" in out
+    assert "stage  vmap      runs as" in out and "reason" in out
     assert "data-dependent value" in out
     assert f"plan written to {path}" in out
     plan = planner.Plan.load(path)
@@ -64,7 +64,7 @@ def test_plan_prints_the_table_and_writes_json(tmp_path, capsys, sample):
 def test_plan_without_output_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, _ = run_cli(capsys, "plan", MLP, "-n", "2")
-    assert code == 0 and "1 stage (1 batched, 0 excluded)" in out
+    assert code == 0 and "1 stage (1 batched, 0 member loops; 0 excluded from vmap)" in out
     assert list(tmp_path.iterdir()) == []
 
 
@@ -91,7 +91,7 @@ def test_run_exits_0_on_match(mlp_plan, capsys):
     code, out, err = run_cli(capsys, "run", mlp_plan, MLP)
     assert code == 0, err
     assert "MATCH: batched vs loop over 3 members" in out and "MISMATCH" not in out
-    assert "output out" in out and "stage  mode" in out
+    assert "output out" in out and "stage  vmap      runs as" in out
 
 
 def test_run_per_member_plan(tmp_path, capsys):

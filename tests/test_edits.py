@@ -573,3 +573,26 @@ def test_excluding_parameter_fetches_and_single_steps(sample):
     assert [s.mode.value for s in plan.stages] == ["excluded", "batched", "batched", "excluded", "batched"]
     report = executor.verify(plan, src.members(3), executor.batched_inputs(plan, src.example_inputs))
     assert report.ok, report.to_text()
+
+
+def test_exclude_then_include_a_node_restores_its_stage(dd):
+    plan, graph = dd
+    carved = planner.exclude(plan, graph, "relu")
+    assert len(carved.stages) == len(plan.stages) + 2
+    assert planner.include(carved, graph, carved.stage_of("relu").id) == plan
+
+
+def test_exclude_then_include_a_node_with_branches_restores_its_stage(sample):
+    _, graph = sample("moe")
+    plan = planner.propose(graph, 2)
+    for node in plan.stages[0].nodes[1:6]:
+        carved = planner.exclude(plan, graph, node)
+        restored = planner.include(carved, graph, carved.stage_of(node).id)
+        assert restored.stages == plan.stages, node
+
+
+def test_include_of_a_whole_excluded_stage_does_not_merge_it(dd):
+    """Only a carved-out node is merged back: a stage excluded whole comes back as it was."""
+    plan, graph = dd
+    out = planner.include(planner.exclude(plan, graph, "s0"), graph, "s0")
+    assert out == plan

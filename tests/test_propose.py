@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stagewise import planner
-from stagewise.planner import InputMode, PlanMismatchError, StageMode
+from stagewise.planner import InputMode, PlanMismatchError, StageMode, Strategy
 from conftest import SAMPLE_NAMES, check_plan_invariants
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -142,11 +142,24 @@ def test_stage_rows_and_table(sample):
     assert "params" not in planner.stage_rows(plan)[0]  # without a graph: plan data only
     text = planner.format_stage_table(plan, graph)
     lines = text.splitlines()
-    assert lines[0] == "5 stages (3 batched, 2 excluded), N=8, tracer=fx, inputs: x=shared"
+    assert lines[0] == "5 stages (3 batched, 2 member loops; 2 excluded from vmap), N=8, tracer=fx, inputs: x=shared"
     assert len(lines) == 2 + len(rows)
-    assert lines[3].startswith("s1     excluded  loop") and lines[3].endswith(rows[1]["reason"])
+    assert lines[3].startswith("s1     excluded  member loop") and lines[3].endswith(rows[1]["reason"])
     one = planner.format_stage_table(planner.propose(sample("mlp")[1], 1))
-    assert one.startswith("1 stage (1 batched, 0 excluded), N=1")
+    assert one.startswith("1 stage (1 batched, 0 member loops; 0 excluded from vmap), N=1")
+
+
+def test_table_shows_an_excluded_stage_that_autotune_runs_wide_as_batched(sample):
+    """Excluded from vmap is not the same as a member loop: the table says how the stage runs."""
+    _, graph = sample("data_dependent")
+    plan = planner.propose(graph, 8)
+    merged = plan.with_stages([planner.Stage("s0", tuple(n for s in plan.stages for n in s.nodes), StageMode.EXCLUDED,
+                                             reason="data-dependent value", options=planner.StageOptions(strategy=Strategy.WIDE))])
+    row = planner.stage_rows(merged)[0]
+    assert (row["mode"], row["strategy"], row["runs_as"]) == ("excluded", "wide", "batched (wide)")
+    text = planner.format_stage_table(merged)
+    assert text.startswith("1 stage (1 batched, 0 member loops; 1 excluded from vmap)")
+    assert text.splitlines()[2].startswith("s0     excluded  batched (wide)")
 
 
 @pytest.mark.parametrize("n, text", [(0, "0"), (999, "999"), (1000, "1.0k"), (16576, "16.6k"), (2_500_000, "2.5M"), (3e9, "3.0G")])
