@@ -233,14 +233,25 @@ def test_a_candidate_that_fails_while_timed_is_never_chosen(sample, monkeypatch)
 
 
 @pytest.mark.parametrize("second_round, winner", [({"vmap": [1.0, 1.5], "wide": [1.03, 1.0]}, "wide"),
-                                                  ({"vmap": [1.0, 1.0], "wide": [1.03, 1.2]}, "vmap")])
+                                                  ({"vmap": [1.0, 1.0], "wide": [1.03, 1.2]}, "vmap"),
+                                                  ({"vmap": [1.0, 1.0], "wide": [1.05, 0.9]}, "wide")],  # exactly CLOSE apart
+                         ids=["flips", "stays", "at-the-bound"])
 def test_close_candidates_are_timed_again_and_the_second_timing_decides(sample, monkeypatch, second_round, winner):
     src, graph = sample("mlp")
     plan = planner.propose(graph, N)
+    assert autotune_module.CLOSE == 0.05
     timer = fake_times(monkeypatch, {**second_round, "loop": [5.0]})
     tuned, _ = tune(plan, src.members(N), src.example_inputs, strategies=EAGER, repeats=3)
     assert tuned.stage("s0").options.strategy.value == winner
     assert timer.rounds == {"vmap": 2, "wide": 2, "loop": 1}  # within CLOSE: the best two again, head to head
+
+
+def test_two_close_candidates_alone_are_timed_again(sample, monkeypatch):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    timer = fake_times(monkeypatch, {"vmap": [1.0, 1.5], "wide": [1.03, 1.0]})
+    tuned, _ = tune(plan, src.members(N), src.example_inputs, strategies=["vmap", "wide"], repeats=3)
+    assert tuned.stage("s0").options.strategy is Strategy.WIDE and timer.rounds == {"vmap": 2, "wide": 2}
 
 
 def test_candidates_further_apart_than_close_are_not_timed_again(sample, monkeypatch):
