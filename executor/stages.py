@@ -136,14 +136,26 @@ class VmapRunner(Runner):
             # tie_weights=False: every name of a tied tensor is in `state` (executor.build.member_state), each
             # a separate per-member slice of one stacked tensor, which functional_call's tying would refuse
             out = functional_call(module, state, tuple(inputs), tie_weights=False)
+            if type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
+                self._meta = self._flat_meta(len(out))  # the common case: a flat tuple of tensors, no pytree walk
+                return out
             leaves, spec = tree_flatten(out)
             tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
             # non-tensor leaves (sizes, shapes) cannot leave vmap; they are the same for all members
-            self._meta["spec"], self._meta["leaves"], self._meta["tensor_at"] = spec, leaves, tensor_at
+            self._meta = {"spec": spec, "leaves": leaves, "tensor_at": tensor_at, "flat": False}
             return tuple(leaves[i] for i in tensor_at)
 
         self._one_member = one_member
         self._vmapped: dict[Any, Callable] = {}
+        self._flat_metas: dict[int, dict[str, Any]] = {}
+
+    def _flat_meta(self, n: int) -> dict[str, Any]:
+        """The recorded output structure of a stage returning a flat tuple of n tensors (made once per n)."""
+        meta = self._flat_metas.get(n)
+        if meta is None:
+            leaves, spec = tree_flatten(tuple(range(n)))
+            meta = self._flat_metas[n] = {"spec": spec, "leaves": leaves, "tensor_at": list(range(n)), "flat": True}
+        return meta
 
     def _vmap_args(self, args: list) -> tuple[list, list, bool]:
         """(inputs, their in_dims, whether anything member-specific goes in)."""
@@ -158,6 +170,8 @@ class VmapRunner(Runner):
         """The stage's outputs: vmap's tensors put back into the structure one_member recorded
         (`meta`, default the latest call's; its non-tensor leaves hold only for inputs of that signature)."""
         meta = self._meta if meta is None else meta
+        if meta.get("flat"):
+            return [Batched(t) for t in tensors]
         leaves = list(meta["leaves"])
         for slot, t in zip(meta["tensor_at"], tensors):
             leaves[slot] = t
@@ -173,7 +187,7 @@ class VmapRunner(Runner):
             # nothing member-specific goes in: compute once, share the result
             out = functional_call(self.program.module, {}, tuple(inputs))
             return [Shared(v) for v in out]
-        key = (repr(dims), training)
+        key = (tuple(dims) if all(d is None or type(d) is int for d in dims) else repr(dims), training)
         fn = self._vmapped.get(key)
         if fn is None:
             fn = vmap(self._one_member, in_dims=(0, dims), randomness=randomness(self.program.module),

@@ -59,6 +59,8 @@ def batched_arg(v, device: torch.device | None = None) -> tuple[Any, Any]:
     if isinstance(v, Shared):
         return v.value, None
     if isinstance(v, Batched):
+        if _is_tensor(v.tree):  # the common case, without a pytree walk per call
+            return v.tree, 0
         return v.tree, tree_map(lambda x: 0 if _is_tensor(x) else None, v.tree)
     return stack_member_values(v.values, device)
 
