@@ -12,6 +12,9 @@ from typing import Any, Iterable, Sequence
 from stagewise import planner
 from stagewise.planner.errors import EditError
 from stagewise.planner.plan import Plan, Strategy
+from stagewise.planner.table import plural
+
+FRAGMENT_LIMIT = 2  # carving one node out leaves up to 3 stages of 1: more new stages than this is fragmenting
 
 
 def split_selection(plan: Plan, selection: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -94,8 +97,83 @@ def _mode_edit(plan: Plan, graph: Any, selection: Sequence[str], whole_stages: b
 
 
 def exclude_selected(plan: Plan, graph: Any, selection: Sequence[str], whole_stages: bool = True) -> tuple[str, Plan]:
-    """Exclude the touched stages (or, with whole_stages=False, just the selected nodes) from batching."""
-    return _mode_edit(plan, graph, selection, whole_stages, planner.exclude, "exclude")
+    """Exclude the touched stages (or, with whole_stages=False, just the selected nodes) from batching.
+
+    Selected nodes of one stage are carved out together as one excluded stage where that
+    split is legal (a collapsed module's nodes become one stage, not one stage each); a
+    single node, or a group that cannot be split off, is carved out node by node.
+    """
+    if whole_stages:
+        return _mode_edit(plan, graph, selection, True, planner.exclude, "exclude")
+    stages, nodes = split_selection(plan, selection)
+    nodes = [n for n in nodes if stage_of_node(plan, n) is not None]
+    if not stages and not nodes:
+        raise EditError("exclude needs a selection; click nodes in the graph or pick stage ids above")
+    groups: dict[str, list[str]] = {}
+    for n in nodes:
+        groups.setdefault(_anchor(plan, stage_of_node(plan, n)), []).append(n)
+    new = plan
+    for anchor, group in groups.items():
+        sid = new.stage_of(anchor).id
+        if len(group) > 1 and len(group) < len(new.stage(sid).nodes):
+            try:
+                carved = planner.split(new, graph, sid, at=group)
+                new = planner.exclude(carved, graph, carved.stage_of(group[0]).id)
+                continue
+            except EditError:  # not a convex part: carve node by node below
+                pass
+        if len(group) == len(new.stage(sid).nodes):
+            new = planner.exclude(new, graph, sid) if new.stage(sid).mode.value == "batched" else new
+            continue
+        for n in group:
+            new = planner.exclude(new, graph, n) if new.stage_of(n).mode.value == "batched" else new
+    for sid in stages:
+        new = planner.exclude(new, graph, new.stage_of(_anchor(plan, sid)).id)
+    if new == plan:
+        raise EditError(f"exclude: {', '.join(nodes)} {'is' if len(nodes) == 1 else 'are'} excluded already")
+    return f"exclude {', '.join(nodes + stages)}", new
+
+
+def looped_nodes(old: Plan, new: Plan) -> list[str]:
+    """Nodes that run batched in `old` and as a member loop in `new`, in `new`'s stage order."""
+    batched = {n for s in old.stages if s.runs_batched for n in s.nodes}
+    return [n for s in new.stages if not s.runs_batched for n in s.nodes if n in batched]
+
+
+def edit_warnings(kind: str, old: Plan, new: Plan) -> list[str]:
+    """What an edit does that the user may not expect: batched nodes turned into a loop, a stage cut in many.
+
+    Exclude is asked to loop nodes, so only merge and the others warn about that.
+    """
+    out = []
+    looped = looped_nodes(old, new)
+    if looped and kind != "exclude":
+        out.append(f"{kind} turns {plural(len(looped), 'batched node')} into a member loop "
+                   f"({', '.join(looped[:5])}{' …' if len(looped) > 5 else ''}): a stage holding an excluded node "
+                   "runs every node as a loop over members")
+    extra = len(new.stages) - len(old.stages)
+    if extra > FRAGMENT_LIMIT:
+        small = sum(len(s.nodes) == 1 for s in new.stages) - sum(len(s.nodes) == 1 for s in old.stages)
+        out.append(f"{kind} turns {plural(len(old.stages), 'stage')} into {len(new.stages)} "
+                   f"({plural(max(small, 0), 'new one-node stage')}): each stage boundary costs a hand-over between calls")
+    return out
+
+
+def alternative(kind: str, plan: Plan, graph: Any, selection: Sequence[str]) -> tuple[str, tuple[str, Plan]] | None:
+    """A gentler edit to offer beside a warned one: (button label, (history label, plan)), or None."""
+    if kind == "merge":
+        batched = [sid for sid in stages_touched(plan, selection) if plan.stage(sid).runs_batched]
+        if len(batched) >= 2:
+            try:
+                return f"Merge only the batched stages {'+'.join(batched)}", merge_selected(plan, graph, batched)
+            except EditError:
+                return None
+    if kind == "exclude":
+        try:
+            return "Exclude the whole stages instead", exclude_selected(plan, graph, selection, True)
+        except EditError:
+            return None
+    return None
 
 
 def include_selected(plan: Plan, graph: Any, selection: Sequence[str]) -> tuple[str, Plan]:

@@ -59,12 +59,14 @@ def save(plan: Plan, model_path: str, weights: tuple[str, ...] = (), path: Path 
 
 
 def load(path: Path | None = None) -> AutosaveRecord | None:
-    """The saved record, or None when there is none; raises PlanFileError when the file is damaged."""
+    """The saved record, or None when there is none or the user dismissed it; raises PlanFileError when damaged."""
     path = path or autosave_path()
     if not path.is_file():
         return None
     try:
         d = json.loads(path.read_text())
+        if isinstance(d, dict) and d.get("dismissed") is True:
+            return None
         plan = Plan.loads(json.dumps(d["plan"]), source=str(path))  # loads names the file in every PlanFileError
         return AutosaveRecord(plan, str(d["model_path"]), tuple(str(w) for w in d.get("weights", [])),
                               float(d.get("saved_at", 0.0)), d.get("trust_archive") is True,
@@ -87,6 +89,21 @@ def archive_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def dismiss(path: Path | None = None) -> None:
+    """Mark the saved record dismissed (load() then offers nothing) until the next save() replaces it.
+
+    The plan stays in the file: dismissing an offer is not deleting the user's work.
+    """
+    path = Path(path or autosave_path())
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # gone, or damaged (load() reports that): nothing to mark
+    if isinstance(d, dict):
+        d["dismissed"] = True
+        write_atomic(path, json.dumps(d, sort_keys=True, indent=2) + "\n")
 
 
 def discard(path: Path | None = None) -> None:

@@ -10,8 +10,10 @@ import shutil
 
 import graphviz
 
-from stagewise.app.graph_view import EXCLUDED_FILL, MODULE_PREFIX, GraphData, ViewGraph, stage_colors
-from stagewise.planner.plan import Plan, StageMode
+from stagewise.app.graph_view import CANNOT_BATCH, EXCLUDED_FILL, MODULE_PREFIX, GraphData, ViewGraph, stage_colors
+from stagewise.planner.plan import Plan
+
+LOOP_EDGE = "#555555"  # outline of member-loop stages: grey and dashed, never a stage colour
 
 
 def tint(color: str, amount: float = 0.6) -> str:
@@ -26,10 +28,13 @@ def _quote_free(s: str) -> str:
 
 
 def plan_dot(data: GraphData, view: ViewGraph, plan: Plan) -> str:
-    """DOT text, top to bottom, one cluster per stage whose nodes are all in one stage; excluded stages dashed grey."""
+    """DOT text, top to bottom, one cluster per stage whose nodes are all in one stage; member-loop stages dashed grey.
+
+    A stage excluded from vmap that runs batched (autotune's wide/compile) is drawn as batched, its label says both.
+    """
     colors = stage_colors(plan)
     stage_of = {n: s.id for s in plan.stages for n in s.nodes}
-    modes = {s.id: s.mode for s in plan.stages}
+    loops = {s.id for s in plan.stages if not s.runs_batched}
     g = graphviz.Digraph("stagewise", graph_attr={"rankdir": "TB", "fontname": "Helvetica", "fontsize": "11"},
                          node_attr={"fontname": "Helvetica", "fontsize": "10", "shape": "box", "style": "rounded,filled"},
                          edge_attr={"color": "#8a8a8a", "arrowsize": "0.6"})
@@ -41,15 +46,15 @@ def plan_dot(data: GraphData, view: ViewGraph, plan: Plan) -> str:
         vids = by_stage.get(s.id, [])
         if not vids:
             continue
-        excluded = s.mode == StageMode.EXCLUDED
-        label = f"{s.id} ({s.mode.value}{', ' + s.options.strategy.value if not excluded else ''})"
+        loop = s.id in loops
+        label = f"{s.id} ({s.runs_as()}{', excluded from vmap' if s.mode.value == 'excluded' and not loop else ''})"
         with g.subgraph(name=f"cluster_{s.id}") as c:
-            c.attr(label=label, color=colors[s.id], style="dashed" if excluded else "solid", penwidth="2")
+            c.attr(label=label, color=LOOP_EDGE if loop else colors[s.id], style="dashed" if loop else "solid", penwidth="2")
             for vid in vids:
-                c.node(_quote_free(vid), **_node_attrs(vid, data, colors[s.id], excluded))
+                c.node(_quote_free(vid), **_node_attrs(vid, data, colors[s.id], loop))
     for vid in by_stage.get("", []):  # a collapsed module spanning several stages
         first = stage_of.get(view.members[vid][0], "")
-        g.node(_quote_free(vid), **_node_attrs(vid, data, colors.get(first, "#888888"), modes.get(first) == StageMode.EXCLUDED))
+        g.node(_quote_free(vid), **_node_attrs(vid, data, colors.get(first, "#888888"), first in loops))
     for vid in by_stage.get("?", []):
         g.node(_quote_free(vid), label=vid)
     for u, v in view.edges:
@@ -57,7 +62,7 @@ def plan_dot(data: GraphData, view: ViewGraph, plan: Plan) -> str:
     return g.source
 
 
-def _node_attrs(vid: str, data: GraphData, color: str, excluded: bool) -> dict[str, str]:
+def _node_attrs(vid: str, data: GraphData, color: str, loop: bool) -> dict[str, str]:
     if vid.startswith(MODULE_PREFIX):
         label = f"{vid[len(MODULE_PREFIX):]}\\n(collapsed)"
         bad = False
@@ -65,9 +70,9 @@ def _node_attrs(vid: str, data: GraphData, color: str, excluded: bool) -> dict[s
         info = data.node(vid)
         label = f"{vid}\\n{info.shape}"
         bad = not info.batchable
-    attrs = {"label": _quote_free(label), "fillcolor": EXCLUDED_FILL if excluded else tint(color),
-             "color": "#b30000" if bad else color}
-    if excluded:
+    attrs = {"label": _quote_free(label), "fillcolor": EXCLUDED_FILL if loop else tint(color),
+             "color": CANNOT_BATCH if bad else LOOP_EDGE if loop else color}
+    if loop:
         attrs["style"] = "rounded,filled,dashed"
     if bad:
         attrs["penwidth"] = "2"

@@ -13,7 +13,7 @@ from stagewise.app.dot_view import dot_to_svg, plan_dot
 def snippet(model_path: str, plan_file: str, weights: tuple[str, ...] = (), export: bool = False) -> str:
     """Ready-to-paste Python that loads the plan and builds the batched module."""
     w = f", weights={list(weights)!r}" if weights else ""
-    return f'''import planner, executor
+    return f'''from stagewise import planner, executor
 
 src = planner.load_source({model_path!r}{w})
 plan = planner.Plan.load({plan_file!r})
@@ -63,7 +63,10 @@ def export_page() -> None:
     else:
         c[2].caption("SVG needs the Graphviz `dot` program (apt-get install graphviz); the .dot file opens in any Graphviz viewer.")
     st.subheader("Use it in code")
-    st.code(snippet(ref.path, f"{stem}.plan.json", ref.weights, plan.tracer == "export"), language="python")
+    model_path, weights = state.user_paths(ref)
+    st.code(snippet(model_path, f"{stem}.plan.json", weights, plan.tracer == "export"), language="python")
+    if model_path != ref.path:
+        st.caption(f"The snippet names your files as you uploaded them; the app works on a private copy ({ref.path}).")
     with st.expander("Plan JSON"):
         st.code(text, language="json")
     st.subheader("Import a plan")

@@ -11,9 +11,13 @@ from typing import Any, Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from stagewise.app.graph_view import (EXCLUDED_FILL, IO_COLOR, LABEL_LIMIT, MODULE_PREFIX, GraphData, ViewGraph, module_hover,
-                            fit_labels, hover_text, stage_colors)
+from stagewise.app.graph_view import (CANNOT_BATCH, EXCLUDED_FILL, IO_COLOR, LABEL_LIMIT, MODULE_PREFIX, UNMEASURED_FILL, GraphData,
+                                      ViewGraph, module_hover, fit_labels, hover_text, stage_colors)
 from stagewise.planner.plan import Plan, StageMode
+from stagewise.planner.table import plural
+
+LOOP_OUTLINE = "#555555"  # the crossed grey square of a member-loop stage
+TIME_SCALE = "Viridis"  # time overlay; not red-yellow: red means "cannot be batched" in this graph
 
 Pos = Mapping[str, tuple[float, float]]
 NO_STAGE = "?"  # group of placeholders and the output, which no stage holds
@@ -23,7 +27,8 @@ NO_STAGE = "?"  # group of placeholders and the output, which no stage holds
 class FigureOptions:
     selected: frozenset[str] = frozenset()  # fx node names, drawn with a black ring
     highlighted: frozenset[str] = frozenset()  # search hits, drawn with a yellow halo
-    stage_times: Mapping[str, float] | None = None  # stage id -> ms; colours by time instead of by stage
+    stage_times: Mapping[str, float] | None = None  # stage id -> ms of stages measured as they are; colours by time
+    # (stages missing from it are drawn open, "not measured"; see profile_view.measured_stage_times)
     height: int | None = None  # pixels; None picks one from the number of layers
 
 
@@ -55,9 +60,9 @@ def _edge_trace(view: ViewGraph, pos: Pos) -> go.Scatter:
                       showlegend=False, name="edges")
 
 
-def _points(ctx: _Ctx, sid: str, vids: Sequence[str], excluded: bool) -> dict[str, list]:
-    """Per-marker hover text, label, outline and size."""
-    modes = {s.id: s.mode for s in ctx.plan.stages}
+def _points(ctx: _Ctx, sid: str, vids: Sequence[str], loop: bool) -> dict[str, list]:
+    """Per-marker hover text, label, outline and size; `loop`: the stage runs as a member loop."""
+    modes = {s.id: s for s in ctx.plan.stages}
     out: dict[str, list] = {"hover": [], "text": [], "line_w": [], "line_c": [], "size": [], "symbol": []}
     for vid in vids:
         names = ctx.view.members[vid]
@@ -66,35 +71,48 @@ def _points(ctx: _Ctx, sid: str, vids: Sequence[str], excluded: bool) -> dict[st
             sids = sorted({ctx.stage_of.get(n, NO_STAGE) for n in names}, key=ctx.order)
             out["hover"].append(module_hover(vid, names, ctx.data, sids))
         else:
-            label = f"{sid} ({modes[sid].value})" if sid in modes else "none (input/output)"
+            label = f"{sid}, {_how(modes[sid])}" if sid in modes else "none (input/output)"
             out["hover"].append(hover_text(ctx.data.node(vid), label))
         out["text"].append("\u2002" + ctx.labels[vid] if ctx.labels.get(vid) else "")  # en space: clear of the ring
         bad = any(not ctx.data.node(n).batchable for n in names)
-        out["line_w"].append(2.5 if bad or excluded else 1)
-        out["line_c"].append("#b30000" if bad else (ctx.colors.get(sid, "#555") if excluded else "#ffffff"))
+        out["line_w"].append(2.5 if bad else 1.5 if loop else 1)
+        out["line_c"].append(CANNOT_BATCH if bad else LOOP_OUTLINE if loop else "#ffffff")
         out["size"].append((15 if ctx.dense else 22) if is_module else 14)
         out["symbol"].append("diamond" if sid not in modes else
-                             "square-x" if excluded else "square" if is_module else "circle")
+                             "square-x" if loop else "square" if is_module else "circle")
     return out
+
+
+def _how(stage) -> str:
+    """'batched (vmap)', 'batched (wide), excluded from vmap', 'member loop, excluded: <reason>'."""
+    text = stage.runs_as()
+    if stage.mode is StageMode.EXCLUDED:
+        text += f", excluded from vmap ({stage.reason})" if stage.runs_batched else f", excluded ({stage.reason})"
+    return text
 
 
 def _stage_trace(ctx: _Ctx, sid: str, vids: Sequence[str], times: Mapping[str, float] | None,
                  show_scale: bool) -> go.Scatter:
     stage = next((s for s in ctx.plan.stages if s.id == sid), None)
-    excluded = stage is not None and stage.mode == StageMode.EXCLUDED
-    pts = _points(ctx, sid, vids, excluded)
+    loop = stage is not None and not stage.runs_batched
+    pts = _points(ctx, sid, vids, loop)
     if stage is None:
         marker: dict[str, Any] = dict(color=IO_COLOR)
         name = "inputs / outputs"
-    elif times is not None:
-        t = times.get(sid)
-        marker = dict(color=[t if t is not None else 0.0] * len(vids), colorscale="YlOrRd", cmin=0,
+    elif times is not None and times.get(sid) is not None:
+        t = times[sid]
+        marker = dict(color=[t] * len(vids), colorscale=TIME_SCALE, cmin=0,
                       cmax=max(list(times.values()) + [1e-9]), showscale=show_scale,
                       colorbar=dict(title="stage ms", thickness=14, len=0.6, x=1.0, xanchor="left"))
-        name = f"{sid}: {t:.3g} ms" if t is not None else f"{sid}: not measured"
+        name = f"{sid}: {t:.3g} ms"
+    elif times is not None:  # open grey marker: no colour on the time scale, so it cannot read as fast
+        marker = dict(color=UNMEASURED_FILL)
+        pts["line_c"] = [CANNOT_BATCH if c == CANNOT_BATCH else "#888888" for c in pts["line_c"]]
+        pts["line_w"] = [max(w, 1.5) for w in pts["line_w"]]
+        name = f"{sid}: not measured"
     else:
-        marker = dict(color=EXCLUDED_FILL if excluded else ctx.colors[sid])
-        name = f"{sid} · {'excluded' if excluded else 'batched'} · {len(stage.nodes)} nodes"
+        marker = dict(color=EXCLUDED_FILL if loop else ctx.colors[sid])
+        name = f"{sid} · {stage.runs_as()} · {plural(len(stage.nodes), 'node')}"
     marker.update(size=pts["size"], symbol=pts["symbol"], line=dict(width=pts["line_w"], color=pts["line_c"]))
     return go.Scatter(
         x=[ctx.pos[v][0] for v in vids], y=[ctx.pos[v][1] for v in vids],
@@ -143,7 +161,8 @@ def build_figure(data: GraphData, view: ViewGraph, pos: Pos, plan: Plan,
         groups.setdefault(stage_of.get(view.members[vid][0], NO_STAGE), []).append(vid)
     order = sorted(groups, key=ctx.order)
     traces = [_edge_trace(view, pos)]
-    traces += [_stage_trace(ctx, sid, groups[sid], opts.stage_times, show_scale=i == 0) for i, sid in enumerate(order)]
+    first_timed = next((sid for sid in order if (opts.stage_times or {}).get(sid) is not None), None)
+    traces += [_stage_trace(ctx, sid, groups[sid], opts.stage_times, show_scale=sid == first_timed) for sid in order]
     ring = dict(size=21, symbol="circle-open", color="#000000", line=dict(width=2.5))
     halo = dict(size=30, color="rgba(255,215,0,0.35)", line=dict(width=2, color="#e6b800"))
     for overlay in (_overlay(view, pos, opts.selected, "selected", ring),

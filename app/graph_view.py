@@ -6,22 +6,31 @@ cached, pickled and unit-tested with small fakes.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from stagewise.app.layout import layered_layout
 from stagewise.planner.plan import Plan
-from stagewise.planner.table import human
+from stagewise.planner.table import human, plural
 
-# Twenty colours that stay apart from each other and from the excluded grey
-# (Tableau 10 + its light half, reordered so neighbours in the list contrast).
+# Stage colours: Tableau 20 without its reds and greys. Red means "cannot be batched" and grey
+# "member loop" everywhere in the app, so no stage ever gets either.
 PALETTE = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
-    "#17becf", "#393b79", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2",
-    "#dbdb8d", "#9edae5", "#637939", "#aec7e8",
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+    "#393b79", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5",
+    "#637939", "#aec7e8",
 )
-EXCLUDED_FILL = "#d9d9d9"
+EXCLUDED_FILL = "#d9d9d9"  # a stage run as a member loop: grey, crossed square (never a stage colour)
+CANNOT_BATCH = "#b30000"  # outline of a node that cannot be batched (the only red in the graph)
+UNMEASURED_FILL = "#ffffff"  # time overlay: a stage the shown profile did not measure (open marker)
 IO_COLOR = "#4d4d4d"  # placeholders and the output, which no stage holds
+# One colour per way of running, the same in every Profile chart: the loop is always grey, vmap always blue.
+STRATEGY_COLORS = {
+    "stagewise": "#2ca02c", "plan": "#2ca02c", "loop": "#7f7f7f", "member loop": "#7f7f7f", "vmap": "#1f77b4",
+    "wide": "#ff7f0e", "compile": "#9467bd", "vmap+compile": "#9467bd", "cuda_graph": "#17becf",
+    "floor": "#bcbd22", "torch.func": "#8c564b",
+}
 MODULE_PREFIX = "module:"  # view ids of collapsed modules; fx node names never contain ':'
 LABEL_LIMIT = 300  # draw (fitted) node names next to markers up to this many view nodes
 
@@ -183,9 +192,15 @@ def search(data: GraphData, query: str) -> list[str]:
 # -- colours and hover ------------------------------------------------------------------
 
 
+def stage_color(first_node: str) -> str:
+    """The palette colour of a stage whose first node is `first_node` (a stable hash, not its position)."""
+    return PALETTE[zlib.crc32(first_node.encode()) % len(PALETTE)]
+
+
 def stage_colors(plan: Plan) -> dict[str, str]:
-    """One palette colour per stage id, by position in the plan (neighbouring stages differ)."""
-    return {s.id: PALETTE[i % len(PALETTE)] for i, s in enumerate(plan.stages)}
+    """{stage id: colour}, derived from each stage's first node: an edit elsewhere never recolours a stage,
+    a merge keeps the colour of the stage that comes first, a split keeps it on the first part."""
+    return {s.id: stage_color(s.nodes[0]) for s in plan.stages}
 
 
 def hover_text(info: NodeInfo, stage_label: str) -> str:
@@ -207,7 +222,7 @@ def module_hover(vid: str, names: Sequence[str], data: GraphData, stage_ids: Seq
     infos = [data.node(n) for n in names]
     bad = [i.name for i in infos if not i.batchable]
     lines = [
-        f"<b>{vid[len(MODULE_PREFIX):]}</b> (collapsed, {len(names)} nodes)",
+        f"<b>{vid[len(MODULE_PREFIX):]}</b> (collapsed, {plural(len(names), 'node')})",
         f"params: {human(sum(i.params for i in infos))} · FLOPs: {human(sum(i.flops for i in infos))}",
         f"stages: {', '.join(stage_ids)}",
     ]

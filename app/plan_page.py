@@ -11,8 +11,9 @@ from stagewise.app import graph_view as gv
 from stagewise.app.figure import FigureOptions, build_figure
 from stagewise.app.dot_view import plan_dot
 from stagewise.app.history import History
-from stagewise.app.profile_view import stage_times
-from stagewise.planner.plan import Plan, StageMode, Strategy
+from stagewise.app.profile_view import measured_stage_times
+from stagewise.planner.plan import Plan, Strategy
+from stagewise.planner.table import plan_summary, plural
 
 EDITS = {
     "merge": lambda p, g, sel, whole: actions.merge_selected(p, g, sel),
@@ -32,8 +33,25 @@ def _edit(kind: str) -> None:
     sel = list(st.session_state.get("selection", []))
     whole = st.session_state.get("edit_scope", "whole stages") == "whole stages"
     result = state.guarded(kind, lambda: EDITS[kind](h.present, m.graph, sel, whole))
-    if result is not None:
-        state.commit(*result)
+    if result is None:
+        return
+    warnings = actions.edit_warnings(kind, h.present, result[1])
+    if warnings:  # say so before applying; the user picks: apply, the gentler alternative, or cancel
+        st.session_state.pending_edit = {"label": result[0], "plan": result[1], "warnings": warnings, "base": h.present,
+                                         "alternative": actions.alternative(kind, h.present, m.graph, sel)}
+        return
+    state.commit(*result)
+
+
+def _apply_pending(which: str) -> None:
+    pending = st.session_state.pop("pending_edit", None)
+    h = state.history()
+    if pending is None or h is None or which == "cancel":
+        return
+    if h.present != pending["base"]:  # the plan changed under the question (undo in another widget)
+        state.flash("warning", "the plan changed since the warning: edit again")
+        return
+    state.commit(*(pending["alternative"][1] if which == "alternative" else (pending["label"], pending["plan"])))
 
 
 def _set_strategy() -> None:
@@ -95,9 +113,8 @@ def _select_matches(matches: tuple[str, ...]) -> None:
 
 
 def summary_ui(plan: Plan, loaded: state.Loaded, ref: state.ModelRef) -> None:
-    batched = sum(s.mode == StageMode.BATCHED for s in plan.stages)
-    st.markdown(f"**{ref.name}** · **{len(plan.stages)} stages** ({batched} batched, {len(plan.stages) - batched} excluded)"
-                f" · {len(loaded.data.nodes)} nodes · N = {plan.n_members} · traced with {loaded.graph.tracer}")
+    st.markdown(f"**{ref.name}** · **{plan_summary(plan)}**"
+                f" · {plural(len(loaded.data.nodes), 'node')} · N = {plan.n_members} · traced with {loaded.graph.tracer}")
 
 
 def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str]]:
@@ -130,7 +147,7 @@ def selection_ui(plan: Plan, data: gv.GraphData) -> list[str]:
 
     def label(x: str) -> str:
         if x in sizes:
-            return f"{x} (stage, {sizes[x]} nodes)"
+            return f"{x} (stage, {plural(sizes[x], 'node')})"
         return f"{x} ({stage_of.get(x, 'input/output')})"
 
     return st.multiselect("Selection: click or box/lasso-select nodes in the graph, or pick stages and nodes here",
@@ -158,6 +175,23 @@ def actions_ui(plan: Plan, selection: list[str]) -> None:
                    help="vmap is what the executor runs today; other strategies come with the profiler/autotuner")
     o[2].number_input("chunk size (0 = all)", min_value=0, step=1, key="chunk_size")
     o[3].button("Set strategy", on_click=_set_strategy, disabled=not touched, width="stretch")
+    pending_ui()
+
+
+def pending_ui() -> None:
+    """An edit held back by a warning: what it would do, and the choices."""
+    pending = st.session_state.get("pending_edit")
+    if not pending:
+        return
+    with st.container(border=True):
+        st.warning(f"**{pending['label']}** — not applied yet: " + " ".join(pending["warnings"]))
+        c = st.columns(3)
+        c[0].button(f"Apply anyway ({len(pending['plan'].stages)} stages)", on_click=_apply_pending, args=("apply",),
+                    key="pending_apply")
+        if pending["alternative"]:
+            c[1].button(pending["alternative"][0], on_click=_apply_pending, args=("alternative",), type="primary",
+                        key="pending_alternative")
+        c[2].button("Cancel", on_click=_apply_pending, args=("cancel",), key="pending_cancel")
 
 
 def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: list[str], hits: list[str],
@@ -167,26 +201,31 @@ def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: lis
     for s in plan.stages:
         if s.id in expanded_sel:
             expanded_sel |= set(s.nodes)
-    times = stage_times(plan.profile) if st.session_state.get("color_by_time") and plan.profile else None
+    times = measured_stage_times(plan, plan.profile) if st.session_state.get("color_by_time") and plan.profile else None
     fig = build_figure(data, view, pos, plan, FigureOptions(
         selected=frozenset(expanded_sel), highlighted=frozenset(hits), stage_times=times))
     key = f"chart_{st.session_state.get('view_version', 0)}_{abs(hash(tuple(sorted(collapsed)))) % 10**8}"
     st.plotly_chart(fig, key=key, on_select=partial(_chart_selected, key, tuple(sorted(collapsed))),
                     selection_mode=("points", "box", "lasso"), config={"displaylogo": False, "scrollZoom": True})
-    st.caption("Top to bottom = data flow. Colour = stage; grey squares with a cross = excluded (member loop); "
+    legend = ("Colour = measured stage time (open grey = not measured in the attached profile)" if times is not None
+              else "Colour = stage (kept across edits; never red or grey), filled = runs batched")
+    st.caption(f"Top to bottom = data flow. {legend}; grey square with a cross = runs as a member loop; "
                "red outline = cannot be batched (hover for why); black ring = selected. Click nodes to add them to "
                "the selection, box/lasso (chart toolbar) to add many; clear it with ✕ in the selection box.")
 
 
 def stage_rows(plan: Plan, data: gv.GraphData) -> pd.DataFrame:
-    times = stage_times(plan.profile) if plan.profile else {}
+    """The stage table; empty text (never None) where a stage has no time, chunk or reason."""
+    times = measured_stage_times(plan, plan.profile) if plan.profile else {}
     rows = []
     for s in plan.stages:
         infos = [data.node(n) for n in s.nodes if data.has(n)]
+        t = times.get(s.id)
         rows.append({
-            "stage": s.id, "mode": s.mode.value, "strategy": s.options.strategy.value,
+            "stage": s.id, "runs as": s.runs_as(), "vmap": "excluded" if s.mode.value == "excluded" else "ok",
             "nodes": len(s.nodes), "params": sum(i.params for i in infos), "FLOPs": sum(i.flops for i in infos),
-            "last ms": times.get(s.id), "chunk": s.options.chunk_size, "reason": s.reason,
+            "last ms": f"{t:.3g}" if t is not None else ("" if not plan.profile else "not measured"),
+            "chunk": str(s.options.chunk_size) if s.options.chunk_size else "", "reason": s.reason,
         })
     return pd.DataFrame(rows)
 
@@ -197,7 +236,11 @@ def stage_table_ui(plan: Plan, data: gv.GraphData) -> None:
     st.dataframe(stage_rows(plan, data), hide_index=True, key=key, on_select=partial(_table_selected, key, tuple(s.id for s in plan.stages)),
                  selection_mode="multi-row", width="stretch",
                  column_config={"params": st.column_config.NumberColumn(format="compact"),
-                                "FLOPs": st.column_config.NumberColumn(format="compact")})
+                                "FLOPs": st.column_config.NumberColumn(format="compact"),
+                                "reason": st.column_config.TextColumn(width="large", help="why the stage is excluded from vmap")})
+    reasons = [f"{s.id}: {s.reason}" for s in plan.stages if s.reason]
+    if reasons:  # the table cell cuts long reasons; here they are whole
+        st.caption("Excluded because: " + "; ".join(reasons))
     if plan.profile:
         st.toggle("Colour the graph by measured stage time", key="color_by_time")
 

@@ -10,11 +10,22 @@ from stagewise import planner
 from stagewise.app import jobs, state
 from stagewise.app import graph_view as gv
 from stagewise.app.figure import FigureOptions, build_figure
-from stagewise.app.profile_view import baselines, failures, headline, stage_rows, stage_times, sweep_rows
+from stagewise.app.profile_view import (baselines, failures, headline, measured_stage_times, shown_report, stage_rows,
+                                        stage_times, sweep_rows)
 from stagewise.planner.errors import StagewiseError
+from stagewise.planner.table import plural
 
 POLL_S = 1.0
-BASELINE_COLORS = {"stagewise": "#2ca02c", "loop": "#7f7f7f", "vmap": "#1f77b4", "vmap+compile": "#9467bd", "floor": "#bcbd22", "torch.func": "#ff7f0e"}
+STRATEGY_COLORS = gv.STRATEGY_COLORS  # one palette for every chart on this page
+
+
+def table_cells(rows: list[dict]) -> pd.DataFrame:
+    """Rows as a table with empty cells for missing values (never "None") and floats to 3 digits."""
+    def cell(v):
+        if v is None:
+            return ""
+        return f"{v:.3g}" if isinstance(v, float) else v
+    return pd.DataFrame([{k: cell(v) for k, v in r.items()} for r in rows])
 
 
 def _devices() -> list[str]:
@@ -72,6 +83,7 @@ def _finish(job: jobs.Job, result: dict) -> None:
         st.session_state.verify_result = reports[-1] if reports else None
         return
     st.session_state.profile_result = reports
+    st.session_state.pop("shown_n", None)  # show the plan's N first (its report is the one attached)
     if h is None or not reports:
         return
     main = next((r for r in reports if r["n"] == h.present.n_members), None)
@@ -100,10 +112,10 @@ def _poll_ui() -> None:
     st.rerun()
 
 
-def _adopt_tuned() -> None:
+def _adopt_tuned(report: dict) -> None:
+    """Make the autotuned plan of the report on screen the plan: its N, its stages, and the report as its profile."""
     h, m = state.history(), state.current()
-    reports = st.session_state.get("profile_result") or []
-    tuned = next((r["report"].get("plan") for r in reversed(reports) if r["report"].get("autotuned")), None)
+    tuned = report.get("plan") if report.get("autotuned") else None
     if h is None or m is None or not tuned:
         return
     try:
@@ -111,7 +123,8 @@ def _adopt_tuned() -> None:
     except StagewiseError as e:
         state.flash("error", f"adopting the tuned plan: {e}")
         return
-    state.commit("adopt autotuned strategies", plan.with_n_members(h.present.n_members))
+    n = report.get("n_members", plan.n_members)
+    state.commit(f"adopt the autotuned plan for N = {n}", plan.with_n_members(n).with_profile(report))
 
 
 def controls_ui() -> None:
@@ -129,11 +142,11 @@ def controls_ui() -> None:
                   help="time forward + backward + Adam step: the plan with one stacked optimizer, N torch.optim loops, the torch.func recipe")
 
 
-def _bar(title: str, labels: list[str], series: dict[str, list], colors: dict[str, str] | None = None) -> go.Figure:
+def _bar(title: str, labels: list[str], series: dict[str, tuple[list, list[str] | str]]) -> go.Figure:
+    """Grouped bars: series name -> (values, one colour per bar or one for all)."""
     fig = go.Figure()
-    for name, ys in series.items():
-        fig.add_trace(go.Bar(name=name, x=labels, y=ys,
-                             marker_color=[colors.get(x, "#888") for x in labels] if colors and name in ("plan", "end to end") else None))
+    for name, (ys, colors) in series.items():
+        fig.add_trace(go.Bar(name=name, x=labels, y=ys, marker_color=colors))
     fig.update_layout(title=title, height=340, barmode="group", margin=dict(l=10, r=10, t=40, b=10),
                       yaxis_title="ms (median)", legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"))
     return fig
@@ -144,8 +157,9 @@ def sweep_figure(rows: list[dict]) -> go.Figure:
     fig = go.Figure()
     names = [k for k in rows[0] if k != "N"]
     for name in names:
+        label = name.removesuffix(" ms")
         fig.add_trace(go.Scatter(x=[r["N"] for r in rows], y=[r.get(name) for r in rows], mode="lines+markers",
-                                 name=name.removesuffix(" ms")))
+                                 name=label, line=dict(color=STRATEGY_COLORS.get(label, "#888888"))))
     fig.update_layout(title="N sweep: time per forward of all members", height=360, xaxis_title="members N",
                       yaxis_title="ms (median)", margin=dict(l=10, r=10, t=40, b=10))
     fig.update_xaxes(type="log", tickvals=[r["N"] for r in rows])
@@ -159,7 +173,7 @@ def results_ui(plan, loaded, ref) -> None:
         (st.success if ok else st.error)(f"verify N={verify['n']}: {'MATCH' if ok else 'MISMATCH'} against the member loop")
         st.code(verify.get("text") or "", language=None)
     reports = st.session_state.get("profile_result") or []
-    report = plan.profile or (reports[-1]["report"] if reports else None)
+    report = _shown_report_ui(plan, reports)
     if not report:
         st.info("No profile yet: press Profile. It runs in a separate process, so a crash or out-of-memory there "
                 "leaves the app and the plan intact.")
@@ -173,22 +187,32 @@ def results_ui(plan, loaded, ref) -> None:
     for line in failures(report):
         st.warning(line)
     if report.get("autotuned"):
-        st.button("Adopt the autotuned strategies as the plan", on_click=_adopt_tuned, type="primary")
+        st.button(f"Adopt the autotuned plan for N = {report.get('n_members')}", on_click=_adopt_tuned, args=(report,),
+                  type="primary", help="Makes the plan these numbers were measured on the plan (with this N), report included")
     rows = stage_rows(report)
     left, right = st.columns(2)
     if rows:
         ids = [r["stage"] for r in rows]
-        left.plotly_chart(_bar("time per stage", ids, {"plan": [r["ms"] for r in rows], "member loop": [r["loop ms"] for r in rows]},
-                               gv.stage_colors(plan)), key="stage_bars")
+        left.plotly_chart(_bar("time per stage", ids, {
+            "plan": ([r["ms"] for r in rows], [STRATEGY_COLORS.get(r["strategy"] or "", "#888888") for r in rows]),
+            "member loop": ([r["loop ms"] for r in rows], STRATEGY_COLORS["loop"])}), key="stage_bars")
+        left.caption("Plan bars are coloured by the stage's strategy: " + ", ".join(
+            f"{k}" for k in dict.fromkeys(r["strategy"] for r in rows if r["strategy"])) + "; the member loop is grey.")
     base = baselines(report)
-    right.plotly_chart(_bar("whole model", list(base), {"end to end": list(base.values())}, BASELINE_COLORS),
-                       key="baseline_bars")
+    right.plotly_chart(_bar("whole model", list(base), {
+        "end to end": (list(base.values()), [STRATEGY_COLORS.get(k, "#888888") for k in base])}), key="baseline_bars")
     if rows:
-        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-    times = stage_times(report)
-    if times and {s.id for s in plan.stages} >= set(times):
+        st.dataframe(table_cells(rows), hide_index=True, width="stretch")
+    times = measured_stage_times(plan, report)
+    if stage_times(report):
         view, pos = state.view_and_layout(ref, ())
         st.markdown("**Graph coloured by measured stage time**")
+        unmeasured = [s.id for s in plan.stages if s.id not in times]
+        if unmeasured:
+            st.caption(f"Open grey markers: {plural(len(unmeasured), 'stage')} of the current plan "
+                       f"({', '.join(unmeasured[:8])}{' …' if len(unmeasured) > 8 else ''}) "
+                       f"{'was' if len(unmeasured) == 1 else 'were'} not measured as {'it is' if len(unmeasured) == 1 else 'they are'} "
+                       "in this report (another N, an autotuned merge, or an edit since).")
         gfig = build_figure(loaded.data, view, pos, plan, FigureOptions(stage_times=times, height=520))
         st.plotly_chart(gfig, key="time_graph")
     sweep = sweep_rows(reports)
@@ -199,6 +223,22 @@ def results_ui(plan, loaded, ref) -> None:
         if text:
             st.code(text, language=None)
         st.json(report, expanded=False)
+
+
+def _shown_report_ui(plan, reports: list[dict]) -> dict | None:
+    """The report whose numbers the page shows: a pick among the N of the last run, else the plan's own profile.
+
+    With a sweep, the plan's N is shown first (its report is the one attached to the plan).
+    """
+    if not reports:
+        return plan.profile
+    ns = [r["n"] for r in reports]
+    if len(ns) > 1:
+        if st.session_state.get("shown_n") not in ns:
+            st.session_state.shown_n = plan.n_members if plan.n_members in ns else ns[-1]
+        st.radio("Show the report for N =", ns, key="shown_n", horizontal=True)
+    found = shown_report(reports, st.session_state.get("shown_n", plan.n_members))
+    return found["report"] if found else None
 
 
 def profile_page() -> None:

@@ -32,6 +32,35 @@ def stage_times(report: Report | None) -> dict[str, float]:
     return out
 
 
+def measured_stage_times(plan: Any, report: Report | None) -> dict[str, float]:
+    """{stage id of `plan`: median ms} for the stages of `plan` that `report` measured as they are.
+
+    A report's stage ids name the stages of the plan it profiled (report["plan"]), which may
+    differ from `plan` (an autotuned merge, an edit since): a time counts only for a stage with
+    the same nodes and strategy there, so a merged stage's time never lands on a smaller stage.
+    A report without its plan measured nothing this function can match.
+    """
+    profiled = (report or {}).get("plan") or {}
+    times = stage_times(report)
+    by_nodes = {}
+    for s in profiled.get("stages", []) or []:
+        if isinstance(s, Mapping) and s.get("id") in times:
+            strategy = (s.get("options") or {}).get("strategy", "vmap")
+            by_nodes[(tuple(s.get("nodes") or ()), strategy)] = times[s["id"]]
+    out = {}
+    for stage in plan.stages:
+        ms = by_nodes.get((tuple(stage.nodes), stage.options.strategy.value))
+        if ms is not None:
+            out[stage.id] = ms
+    return out
+
+
+def shown_report(reports: Iterable[Mapping[str, Any]], n: Optional[int]) -> Optional[Mapping[str, Any]]:
+    """The worker result {"n", "report", ...} for member count `n`, else the last one; None when there are none."""
+    reports = list(reports)
+    return next((r for r in reports if r.get("n") == n), reports[-1] if reports else None)
+
+
 def stage_rows(report: Report | None) -> list[dict[str, Any]]:
     """One row per stage: id, mode, strategy, ms, loop ms, speedup vs loop, GFLOP/s, max rel err, error."""
     rows = []

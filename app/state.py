@@ -453,4 +453,19 @@ def _still_trusted(rec: autosave.AutosaveRecord) -> bool:
 
 
 def dismiss_autosave() -> None:
+    """Callback: drop the offer for good: a reload or a new session does not offer this autosave again."""
+    rec = ss().get("autosave_offer")
     ss().autosave_offer = None
+    if rec is not None:
+        autosave.dismiss()
+
+
+def user_paths(ref: ModelRef) -> tuple[str, tuple[str, ...]]:
+    """(model path, weight paths) as the user knows them: an upload's own file names, not the app's private copy."""
+    try:
+        uploaded = Path(ref.path).resolve().is_relative_to(upload_root().resolve())
+    except (OSError, AccessError):
+        uploaded = False
+    if not uploaded:
+        return ref.path, ref.weights
+    return ref.name, tuple(Path(w).name for w in ref.weights)

@@ -77,3 +77,32 @@ def test_random_edit_sequences_keep_plans_valid_and_undoable(traced, steps):
     while history.can_undo:
         history.undo()
     assert history.present == plan
+
+
+def test_excluding_several_nodes_of_a_stage_carves_them_out_together(traced):
+    graph, plan = traced
+    label, new = actions.exclude_selected(plan, graph, ["transpose_3", "reshape"], whole_stages=False)
+    assert new.stage_of("reshape").nodes == ("transpose_3", "reshape")
+    assert new.stage_of("reshape").mode.value == "excluded" and len(new.stages) == 4
+    assert actions.edit_warnings("exclude", plan, new) == []
+
+
+def test_merging_a_batched_stage_with_an_excluded_one_warns_with_the_count(traced):
+    graph, plan = traced
+    _, new = actions.merge_selected(plan, graph, ["s0", "s1"])
+    (warning,) = actions.edit_warnings("merge", plan, new)
+    assert f"turns {len(plan.stage('s0').nodes)} batched nodes into a member loop" in warning
+    assert actions.alternative("merge", plan, graph, ["s0", "s1"]) is None  # one batched stage: nothing gentler
+    # s0 + s2 without s1 between them would be a cycle: no gentler merge to offer
+    assert actions.alternative("merge", plan, graph, ["s0", "s1", "s2"]) is None
+
+
+def test_fragmenting_edit_warns_and_offers_whole_stages(traced):
+    graph, plan = traced
+    nodes = [n for n in plan.stage("s0").nodes[1::2]]  # every other node: no convex group, carved one by one
+    _, new = actions.exclude_selected(plan, graph, nodes, whole_stages=False)
+    warnings = actions.edit_warnings("exclude", plan, new)
+    assert len(new.stages) - len(plan.stages) > actions.FRAGMENT_LIMIT
+    assert any(f"turns 3 stages into {len(new.stages)}" in w for w in warnings)
+    label, (_, alt) = actions.alternative("exclude", plan, graph, nodes)
+    assert label == "Exclude the whole stages instead" and len(alt.stages) == 3

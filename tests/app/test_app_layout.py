@@ -9,6 +9,7 @@ from stagewise.app import graph_view as gv
 from stagewise.app.figure import FigureOptions, build_figure
 from stagewise.app.dot_view import plan_dot
 from stagewise.app.layout import layered_layout, layers_of
+from stagewise.planner.plan import Stage, StageMode
 
 
 def test_layers_follow_edges_top_to_bottom():
@@ -57,7 +58,8 @@ def test_figure_has_a_trace_per_stage_with_node_ids_in_customdata():
     view = gv.collapse(data)
     fig = build_figure(data, view, gv.view_layout(view), plan, FigureOptions(selected=frozenset({"add"})))
     names = [t.name for t in fig.data]
-    assert names[1:] == ["s0 · batched · 4 nodes", "s1 · excluded · 1 nodes", "s2 · batched · 1 nodes", "inputs / outputs", "selected"]
+    assert names[1:] == ["s0 · batched (vmap) · 4 nodes", "s1 · member loop · 1 node", "s2 · batched (vmap) · 1 node",
+                         "inputs / outputs", "selected"]
     ids = [c for t in fig.data[1:-1] for c in t.customdata]
     assert sorted(ids) == sorted(view.ids)
     excluded = fig.data[2]
@@ -72,6 +74,53 @@ def test_figure_colours_by_measured_time():
     view = gv.collapse(data)
     fig = build_figure(data, view, gv.view_layout(view), plan, FigureOptions(stage_times={"s0": 2.0, "s1": 5.0}))
     assert fig.data[2].name == "s1: 5 ms" and fig.data[3].name == "s2: not measured"
+    unmeasured = fig.data[3]  # open white marker, off the colour scale: it cannot read as fast
+    assert unmeasured.marker.color == gv.UNMEASURED_FILL and unmeasured.marker.colorscale is None
+    assert fig.data[1].marker.showscale and not fig.data[2].marker.showscale
+
+
+def test_stage_colours_follow_the_stage_not_its_position():
+    from dataclasses import replace
+
+    plan = residual_plan()
+    colors = gv.stage_colors(plan)
+    # a stage in front of s0 (its first node carved off) renumbers everything: the other stages keep their colours
+    split = plan.with_stages([Stage("s0", ("block_fc1",)), replace(plan.stages[0], id="s1", nodes=plan.stages[0].nodes[1:]),
+                              replace(plan.stages[1], id="s2"), replace(plan.stages[2], id="s3")])
+    after = gv.stage_colors(split)
+    assert after["s0"] == colors["s0"]  # the first part keeps the stage's colour
+    assert after["s3"] == colors["s2"]
+    merged = plan.with_stages([Stage("s0", plan.stages[0].nodes + plan.stages[1].nodes + plan.stages[2].nodes)])
+    assert gv.stage_colors(merged)["s0"] == colors["s0"]  # a merge keeps the first stage's colour
+    assert not set(gv.PALETTE) & {"#d62728", "#ff9896", gv.CANNOT_BATCH, gv.EXCLUDED_FILL}  # never red, never loop grey
+
+
+def test_an_excluded_stage_run_wide_is_drawn_batched():
+    from stagewise.planner.plan import StageOptions, Strategy
+
+    data, plan = gv.graph_data(residual_graph()), residual_plan()
+    wide = plan.with_stages([plan.stages[0], Stage("s1", ("item",), StageMode.EXCLUDED, reason="calls .item()",
+                                                   options=StageOptions(strategy=Strategy.WIDE)), plan.stages[2]])
+    view = gv.collapse(data)
+    fig = build_figure(data, view, gv.view_layout(view), wide)
+    s1 = fig.data[2]
+    assert s1.name == "s1 · batched (wide) · 1 node"
+    assert s1.marker.color == gv.stage_colors(wide)["s1"] and s1.marker.symbol[0] == "circle"
+    assert "batched (wide), excluded from vmap" in s1.hovertext[0]
+
+
+def test_measured_times_land_only_on_stages_measured_as_they_are():
+    from stagewise.app.profile_view import measured_stage_times
+
+    plan = residual_plan()
+    ok = {"ok": True, "time": {"median_ms": 3.0}}
+    merged_report = {"stages": [{"id": "s0", "result": ok}],
+                     "plan": plan.with_stages([Stage("s0", ("block_fc1", "block_act", "block_fc2", "add", "item", "out"),
+                                                     StageMode.EXCLUDED, reason="r")]).to_json()}
+    assert measured_stage_times(plan, merged_report) == {}  # the merged stage's time is not s0's
+    same = {"stages": [{"id": "s0", "result": ok}, {"id": "s2", "result": ok}], "plan": plan.to_json()}
+    assert measured_stage_times(plan, same) == {"s0": 3.0, "s2": 3.0}
+    assert measured_stage_times(plan, {"stages": [{"id": "s0", "result": ok}]}) == {}  # no plan: nothing to match
 
 
 def test_selection_event_maps_points_to_nodes():

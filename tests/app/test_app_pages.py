@@ -50,13 +50,14 @@ def test_opens_on_the_sample_with_a_coloured_graph(at):
     assert [s.id for s in p.stages] == ["s0", "s1", "s2"]
     assert "3 stages" in texts(at.markdown)
     chart = at.get("plotly_chart")[0]
-    assert '"customdata"' in chart.proto.spec and "s1 \\u00b7 excluded" in chart.proto.spec
+    assert '"customdata"' in chart.proto.spec and "s1 \\u00b7 member loop" in chart.proto.spec
     assert not at.error
 
 
 def test_select_merge_undo_redo(at):
     select(at, "s1", "s2")
     button(at, "Merge").click().run()
+    at.button(key="pending_apply").click().run()  # s2's batched nodes would loop: confirmed after the warning
     assert len(plan_of(at).stages) == 2
     assert "merge s1+s2 → 2 stages" in texts(at.success)
     assert at.multiselect(key="selection").value == []  # selection cleared after an edit
@@ -73,6 +74,7 @@ def test_select_merge_undo_redo(at):
 def test_selecting_nodes_acts_on_their_stages(at):
     select(at, "ln1", "scaled_dot_product_attention")  # nodes of s0 and s1
     button(at, "Merge").click().run()
+    at.button(key="pending_apply").click().run()
     p = plan_of(at)
     assert len(p.stages) == 2 and p.stage_of("ln1") == p.stage_of("scaled_dot_product_attention")
 
@@ -395,3 +397,87 @@ def test_cancel_a_running_profile(at):
     assert "job" not in at.session_state or at.session_state["job"] is None
     assert "verify cancelled" in texts(at.info)
     assert not job.path.exists() and len(plan_of(at).stages) == 3
+
+
+# -- the app shows and applies the truth (issue 10: adopt, overlay, warnings, colours) ----------------
+
+
+def _tuned_report(at: AppTest, n: int, strategy: str) -> dict:
+    """A report as the worker returns it for an autotuned profile at N=n: the whole model one excluded stage run `strategy`."""
+    p = plan_of(at)
+    nodes = tuple(x for s in p.stages for x in s.nodes)
+    tuned = p.with_n_members(n).with_stages([planner.Stage("s0", nodes, planner.StageMode.EXCLUDED, reason="merged",
+                                                           options=planner.StageOptions(strategy=planner.Strategy(strategy)))])
+    ok = {"ok": True, "time": {"median_ms": float(n)}, "strategy": strategy}
+    report = {"n_members": n, "device": "cpu", "device_name": "cpu", "autotuned": True, "plan": tuned.to_json(),
+              "stages": [{"id": "s0", "mode": "excluded", "strategy": strategy, "result": ok, "loop": ok}],
+              "end_to_end": ok, "baselines": [dict(ok, strategy="loop")]}
+    return {"n": n, "report": report, "text": f"N={n}"}
+
+
+def test_adopt_applies_the_report_on_screen_with_its_profile(at):
+    at.session_state["profile_result"] = [_tuned_report(at, 2, "wide"), _tuned_report(at, 8, "compile"),
+                                           _tuned_report(at, 16, "wide")]
+    at.switch_page("views/profile.py").run()
+    assert at.radio(key="shown_n").value == 8  # the plan's N is shown first
+    assert any("N = 8" in s.value for s in at.subheader)
+    button(at, "Adopt the autotuned plan for N = 8").click().run()
+    p = plan_of(at)
+    assert p.n_members == 8 and p.stages[0].options.strategy.value == "compile"
+    assert p.profile is not None and p.profile["n_members"] == 8  # the report stays with the plan
+    at.switch_page("views/plan.py").run()
+    assert "1 stage (1 batched, 0 member loops; 1 excluded from vmap)" in texts(at.markdown)
+    assert at.dataframe[0].value["runs as"].tolist() == ["batched (compile)"]
+    assert at.dataframe[0].value["last ms"].tolist() == ["8"]
+    at.switch_page("views/export.py").run()
+    assert '"profile": {' in [c.value for c in at.code if c.language == "json"][0]
+    at.switch_page("views/profile.py").run()
+    at.radio(key="shown_n").set_value(16).run()
+    button(at, "Adopt the autotuned plan for N = 16").click().run()
+    assert plan_of(at).n_members == 16 and plan_of(at).profile["n_members"] == 16
+
+
+def test_time_overlay_marks_stages_the_report_did_not_measure(at):
+    at.session_state["profile_result"] = [_tuned_report(at, 8, "wide")]  # measured one merged stage, not these three
+    at.switch_page("views/profile.py").run()
+    assert "not measured as they are" in texts(at.caption)
+    spec = at.get("plotly_chart")[-1].proto.spec
+    assert "s0: not measured" in spec and "s0: 8 ms" not in spec
+
+
+def test_merge_into_a_loop_warns_first_and_cancel_keeps_the_plan(at):
+    before = plan_of(at)
+    select(at, "s0", "s1")
+    button(at, "Merge").click().run()
+    assert plan_of(at) == before  # not applied yet
+    assert f"turns {len(before.stage('s0').nodes)} batched nodes into a member loop" in texts(at.warning)
+    at.button(key="pending_cancel").click().run()
+    assert plan_of(at) == before and "pending_edit" not in at.session_state
+    select(at, "s0", "s1")
+    button(at, "Merge").click().run()
+    at.button(key="pending_apply").click().run()
+    assert len(plan_of(at).stages) == 2
+
+
+def test_exclude_then_include_a_node_restores_the_stage(at):
+    before = plan_of(at)
+    select(at, "proj")
+    at.radio(key="edit_scope").set_value("selected nodes only").run()
+    select(at, "proj")
+    button(at, "Exclude").click().run()
+    assert len(plan_of(at).stages) > len(before.stages)
+    select(at, "proj")
+    button(at, "Include").click().run()
+    assert plan_of(at).stages == before.stages
+
+
+def test_dismissed_autosave_is_not_offered_again(tmp_path, monkeypatch):
+    src = planner.load_source(SAMPLES / "transformer_block.py")
+    g = planner.trace(src.model, src.example_inputs)
+    edited = planner.merge(planner.propose(g, 8, model="transformer_block.py"), g, "s0", "s1")
+    at = app_test(monkeypatch, tmp_path, SAMPLES / "mlp.py")
+    autosave.save(edited, str(SAMPLES / "transformer_block.py"))
+    at.run()
+    at.button(key="dismiss_autosave").click().run()
+    again = app_test(monkeypatch, tmp_path, SAMPLES / "mlp.py").run()  # a reload: a new session
+    assert not any("autosaved plan exists" in t for t in texts(again.info).splitlines())
