@@ -8,6 +8,7 @@ without the token (refused). Screenshots go to tests/artifacts/ (git-ignored); l
 """
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import time
@@ -80,8 +81,8 @@ def server(tmp_path):
 
 
 def _stage_count(page) -> int:
-    text = page.get_by_text("stages (", exact=False).first.inner_text()
-    return int(text.split("·")[1].split("stages")[0].strip())
+    text = page.get_by_text(re.compile(r"\d+ stages? \(")).first.inner_text()
+    return int(re.search(r"(\d+) stages? \(", text).group(1))
 
 
 def _click_node(page, node: str) -> None:
@@ -120,6 +121,11 @@ def test_click_select_and_merge_in_chromium(server):
             merge = page.get_by_role("button", name="Merge")
             sync_api.expect(merge).to_be_enabled(timeout=WAIT_MS)
             merge.click()
+            # s0's batched nodes would become a member loop: the app says so and waits
+            page.get_by_text("into a member loop", exact=False).first.wait_for(timeout=WAIT_MS)
+            assert _stage_count(page) == before
+            page.screenshot(path=str(ARTIFACTS / "plan_merge_warning.png"))
+            page.get_by_role("button", name=re.compile("Apply anyway")).click()
             page.get_by_text("merge s0+s1", exact=False).first.wait_for(timeout=WAIT_MS)
             page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=WAIT_MS)
             page.wait_for_timeout(1000)
