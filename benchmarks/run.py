@@ -157,8 +157,8 @@ def training_markdown(rows: list[dict], stat: str) -> list[str]:
              f"Forward + backward + Adam step of all N members (loss = mean square of the outputs, summed over members), "
              f"the {stat} of the round-robin samples; samples/s = N x the batch / step time. *loop*: N models with N "
              "torch.optim.Adam; *torch.func*: vmap(grad) over stacked parameters + one foreach torch.optim.Adam; "
-             "*stagewise auto*: the strategies this run's inference autotune chose for the workload (the proposed plan when "
-             "the run has no inference rows), with one executor.StackedAdam, timed in the same run as loop and torch.func; "
+             "*stagewise auto*: the strategies the forward autotune chose for the workload (this run's, or --tuned-from's; "
+             "the proposed plan when there is none), with one executor.StackedAdam, timed in the same run as loop and torch.func; "
              "*proposed*: the proposed plan (vmap stages, loops where vmap has no rule), timed in a run of its own. "
              "Every way's gradients are checked against the loop's. "
              "*ratio* = the faster of loop / torch.func divided by stagewise auto (>1: stagewise faster).", "",
@@ -225,13 +225,14 @@ def markdown(rows: list[dict], meta: dict, verdicts: list[str], train_rows: list
     lines = [f"# stagewise benchmark: {meta['device_name']} ({meta['device']})", "",
              f"{meta['date']} · torch {meta['torch']} · Python {meta['python']} · torch intra-op threads: {meta['threads']} · "
              f"{meta['cpus']} CPUs · {meta['platform']} · glibc keeps freed memory: {meta['malloc_keeps_freed_memory']} · "
-             f"torch.compile caches {meta['compile_caches']} · load average at the end {meta['load_average'][0]:.1f}", "",
-             f"ms per forward of all N members (no grad): the {meta['stat']} of {meta['repeats']} round-robin samples after warm-up"
-             + (" (the estimate least disturbed by other processes on a shared machine; medians are in the JSON)" if meta["stat"] == "min" else "")
-             + ". *ratio* = best of loop / whole vmap / whole vmap + compile divided by stagewise (>1: stagewise faster). "
-             "*floor* = one member on N x the batch (same FLOPs, shared weights).", "",
-             "| workload | loop | whole vmap | vmap + compile (compile s) | stagewise auto | ratio vs best | floor | stagewise / floor | stages |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"torch.compile caches {meta['compile_caches']} · load average at the end {meta['load_average'][0]:.1f}"]
+    if rows:
+        lines += ["", f"ms per forward of all N members (no grad): the {meta['stat']} of {meta['repeats']} round-robin samples after warm-up"
+                 + (" (the estimate least disturbed by other processes on a shared machine; medians are in the JSON)" if meta["stat"] == "min" else "")
+                 + ". *ratio* = best of loop / whole vmap / whole vmap + compile divided by stagewise (>1: stagewise faster). "
+                 "*floor* = one member on N x the batch (same FLOPs, shared weights).", "",
+                 "| workload | loop | whole vmap | vmap + compile (compile s) | stagewise auto | ratio vs best | floor | stagewise / floor | stages |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         comp = f"{_f(r['vmap_compile_ms'])} ({_f(r['vmap_compile_s'], '.1f', '-')})" if r["vmap_compile_ms"] else "fail"
         lines.append(f"| {r['workload']} | {_f(r['loop_ms'])} | {_f(r['vmap_ms'])} | {comp} | **{_f(r['stagewise_ms'])}** | "
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave glibc's malloc as it is (default: keep freed memory, see keep_freed_memory)")
     ap.add_argument("--training", choices=["yes", "no", "only"], default="yes",
                     help="the training rows too (default), not at all, or only them")
+    ap.add_argument("--tuned-from", default=None, metavar="RESULTS_JSON",
+                    help="with --training only: train the plans an earlier run's autotune chose (its results JSON, reports.<workload>.plan)")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -301,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]
     rows, reports, train_rows, train_reports = [], {}, [], {}
+    tuned_from = json.loads(Path(args.tuned_from).read_text())["reports"] if args.tuned_from else {}
     for w in workloads if args.training != "only" else []:
         print(f"{w.name}", file=sys.stderr)
         report = run_workload(w, args.device, args.repeats)
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row_of(w, report, args.stat))
     for w in [w for w in workloads if w.name in TRAINING] if args.training != "no" else []:
         print(f"training: {w.name}", file=sys.stderr)
-        report, proposed, samples = run_training(w, args.device, args.repeats, (reports.get(w.name) or {}).get("plan"))
+        report, proposed, samples = run_training(w, args.device, args.repeats, (reports.get(w.name) or tuned_from.get(w.name) or {}).get("plan"))
         train_reports[w.name] = report.to_json()
         train_rows.append(training_row_of(w, report, samples, args.stat, proposed))
     dev = executor.resolve_device(args.device)
