@@ -13,7 +13,7 @@ import networkx as nx
 
 from stagewise.planner.errors import EditError, PlanMismatchError
 from stagewise.planner.graph import ModelGraph
-from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
+from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy, dtype_problem
 from stagewise.planner.validate import convexity_violation, renumber, validate
 
 USER_EXCLUDED = "excluded by user"
@@ -243,3 +243,15 @@ def _edge_between(graph: ModelGraph, src: Iterable[str], dst: Iterable[str]) -> 
             if v in targets:
                 return u, v
     return None
+
+
+def set_dtype(plan: Plan, dtype: str) -> Plan:
+    """The plan at precision `dtype` ("float32", "tf32", "bfloat16" or "float16"; see executor.build).
+
+    Stages do not depend on the precision, so no graph is needed; the plan's profile is dropped
+    (it was measured at the old precision). Raises EditError naming the value and the choices.
+    """
+    problem = dtype_problem(dtype)
+    if problem:
+        raise EditError(f"set_dtype: {problem}")
+    return plan.with_dtype(dtype)

@@ -17,6 +17,18 @@ from stagewise.planner.files import write_atomic
 
 SCHEMA_VERSION = 1
 
+# Plan-level precision of the batched module (executor.build applies it). "tf32" keeps float32 weights and
+# lets CUDA matmuls/convolutions use TF32 tensor cores; on CPU it computes exactly like float32.
+DTYPES = ("float32", "tf32", "bfloat16", "float16")
+DEFAULT_DTYPE = "float32"
+
+
+def dtype_problem(dtype: Any) -> str:
+    """Why `dtype` is not a plan precision, or "" when it is one of DTYPES."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return ""
+    return f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}"
+
 
 class StageMode(str, enum.Enum):
     """Whether a stage may run under vmap: the planner's (or the user's) decision.
@@ -222,10 +234,14 @@ class Plan:
     model: str = ""  # where the model came from, for people reading the file
     profile: Mapping[str, Any] | None = None  # last ProfileReport.to_json(), if any
     schema_version: int = SCHEMA_VERSION
+    dtype: str = DEFAULT_DTYPE  # precision of the batched module, one of DTYPES; written to JSON only when not float32
 
     def __post_init__(self) -> None:
         if isinstance(self.n_members, bool) or not isinstance(self.n_members, int) or self.n_members < 1:
             raise MemberError(f"n_members must be an integer >= 1, got {self.n_members!r}; pass -n 1 or more")
+        problem = dtype_problem(self.dtype)
+        if problem:
+            raise PlanFileError(f"plan {problem}")
 
     # -- lookups -------------------------------------------------------------
     def stage(self, stage_id: str) -> Stage:
@@ -257,6 +273,10 @@ class Plan:
         """The same stages for another member count (stages do not depend on N)."""
         return replace(self, n_members=n, profile=None)
 
+    def with_dtype(self, dtype: str) -> "Plan":
+        """The same stages at another precision (one of DTYPES); the old profile no longer applies."""
+        return replace(self, dtype=dtype, profile=None)
+
     def with_profile(self, report_json: Mapping[str, Any] | None) -> "Plan":
         return replace(self, profile=report_json)
 
@@ -281,6 +301,8 @@ class Plan:
             "inputs": [i.to_json() for i in self.inputs],
             "stages": [s.to_json() for s in self.stages],
             "profile": dict(self.profile) if self.profile is not None else None,
+            # only when not the default: float32 plans read the same as before the field existed
+            **({"dtype": self.dtype} if self.dtype != DEFAULT_DTYPE else {}),
         }
 
     def dumps(self) -> str:
@@ -319,6 +341,10 @@ class Plan:
         if problem:
             raise PlanFileError(f"{source}: the 'profile' block is malformed ({problem}); "
                                 "delete it (set it to null) or re-profile with `stagewise profile -o`")
+        dtype = d.get("dtype", DEFAULT_DTYPE)  # files written before the field existed are float32
+        problem = dtype_problem(dtype)
+        if problem:
+            raise PlanFileError(f"{source}: {problem}; fix it in the plan file or re-plan with `stagewise plan --dtype`")
         return Plan(
             fingerprint=str(d["fingerprint"]),
             tracer=str(d["tracer"]),
@@ -328,6 +354,7 @@ class Plan:
             model=str(d.get("model", "")),
             profile=profile,
             schema_version=version,
+            dtype=dtype,
         )
 
     @staticmethod

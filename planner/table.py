@@ -70,5 +70,6 @@ def format_stage_table(plan: Plan, graph: ModelGraph | None = None, nodes_width:
             line += f" {human(r['params']):>7} {human(r['flops']):>7}"
         lines.append(line + ("  " + r["reason"] if r["reason"] else ""))
     summary = (f"{plan_summary(plan)}, N={plan.n_members}, tracer={plan.tracer}, inputs: "
-               + ", ".join(f"{i.name}={i.mode.value}" for i in plan.inputs))
+               + ", ".join(f"{i.name}={i.mode.value}" for i in plan.inputs)
+               + (f", dtype={plan.dtype}" if plan.dtype != "float32" else ""))  # float32 unless said
     return "\n".join([summary, *lines])
