@@ -57,15 +57,22 @@ def _start(task: str) -> None:
     if ref.weights and ns != [len(ref.weights)]:
         state.flash("warning", f"weights for {len(ref.weights)} members are loaded: the sweep runs N={len(ref.weights)} only")
         ns = [len(ref.weights)]
-    job = jobs.start(task, ref.path, ref.weights, plan.with_profile(None).to_json(), st.session_state.get("device", "cpu"), ns,
-                     trust_archive=ref.trust_archive, autotune=bool(st.session_state.get("autotune")),
-                     compile_baseline=bool(st.session_state.get("compile_baseline")), train=bool(st.session_state.get("train")))
+    try:
+        job = jobs.start(task, ref.path, ref.weights, plan.with_profile(None).to_json(), st.session_state.get("device", "cpu"),
+                         ns, trust_archive=ref.trust_archive, autotune=bool(st.session_state.get("autotune")),
+                         compile_baseline=bool(st.session_state.get("compile_baseline")),
+                         train=bool(st.session_state.get("train")))
+    except StagewiseError as e:  # no private jobs directory
+        state.flash("error", f"{task} not started: {e}")
+        return
     st.session_state.job = job
     st.session_state.job_plan = plan.with_profile(None).dumps()
+    st.query_params[state.JOB_PARAM] = job.id  # a reload during the job finds it again (state.resume_job)
 
 
 def _cancel() -> None:
     job = st.session_state.pop("job", None)
+    state.forget_job_in_address()
     if job is not None:
         jobs.cancel(job)
         state.flash("info", f"{job.task} cancelled")
@@ -73,7 +80,8 @@ def _cancel() -> None:
 
 def _finish(job: jobs.Job, result: dict) -> None:
     st.session_state.pop("job", None)
-    jobs.cleanup(job)
+    state.forget_job_in_address()
+    jobs.cleanup(job)  # the result is read: the worker is reaped (jobs.result) and its folder goes
     if not result.get("ok"):
         state.flash("error", f"{job.task} failed: {result.get('error')}")
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import json
 import os
 import re
 import stat
@@ -22,7 +23,7 @@ from urllib.parse import urlsplit
 import streamlit as st
 
 from stagewise import planner
-from stagewise.app import autosave
+from stagewise.app import autosave, jobs
 from stagewise.app import graph_view as gv
 from stagewise.app.history import History
 from stagewise.app.launch import LOCAL_HOSTS, MODEL_ENV, NO_TOKEN_ENV, REPO_ROOT, TOKEN_ENV
@@ -33,6 +34,7 @@ SAMPLES_DIR = REPO_ROOT / "sample_models"
 DEFAULT_SAMPLE = "transformer_block.py"  # several stages and an excluded one: shows what the app is for
 DEFAULT_N = 8
 ACCESS_KEY = "access_granted"  # session-state flag: this browser session presented the token
+JOB_PARAM = "job"  # the address keeps the running job's id, so a reload finds the job again
 
 
 class AccessError(StagewiseError):
@@ -169,6 +171,39 @@ def keep_token_in_address() -> None:
     token = os.environ.get(TOKEN_ENV)
     if token and ss().get(ACCESS_KEY) and st.query_params.get("token") != token:
         st.query_params["token"] = token
+    job = ss().get("job")  # page links drop the query string too: keep the running job's id for a reload
+    if job is not None and ss().get(ACCESS_KEY) and st.query_params.get(JOB_PARAM) != job.id:
+        st.query_params[JOB_PARAM] = job.id
+
+
+def forget_job_in_address() -> None:
+    """The job is over (finished, failed or cancelled): a reload has nothing to find."""
+    if JOB_PARAM in st.query_params:
+        del st.query_params[JOB_PARAM]
+
+
+def resume_job() -> None:
+    """Find the job whose id the address kept (a reload during a profile) and make it this session's job again.
+
+    The id must name a job folder of the app's private jobs directory (jobs.find); anything else is refused
+    with a message and dropped from the address.
+    """
+    job_id = st.query_params.get(JOB_PARAM)
+    if not job_id or ss().get("job") is not None:
+        return
+    try:
+        job = jobs.find(job_id)
+    except StagewiseError as e:
+        forget_job_in_address()
+        flash("error", f"not resuming a job: {e}")
+        return
+    ss().job = job
+    try:  # the plan it runs on, so a finished profile is attached when that plan is (again) the present one
+        ss().job_plan = Plan.from_json(json.loads((job.path / "request.json").read_text())["plan"],
+                                       source="the job's request").dumps()
+    except (OSError, ValueError, KeyError, StagewiseError):
+        ss().job_plan = None
+    flash("info", f"found the {job.task} job {job.id} that was running before the reload")
 
 
 # -- uploads: a private per-user directory ---------------------------------------------------
@@ -384,6 +419,7 @@ def init() -> None:
         return
     ss().initialised = True
     ss().setdefault("selection", [])
+    jobs.clean_orphans()  # folders of jobs whose result was read, or a day old
     try:
         ss().autosave_offer = autosave.load()
     except StagewiseError as e:
@@ -396,6 +432,7 @@ def init() -> None:
     # an autosave equal to the plan just opened (profile aside) is nothing to restore
     if offer is not None and plan() is not None and _without_profile(offer.plan) == _without_profile(plan()) and not offer.weights:
         ss().autosave_offer = None
+    resume_job()
 
 
 def _without_profile(p: Plan) -> Plan:

@@ -8,9 +8,15 @@ import pytest
 
 from stagewise.app import jobs, launch
 from stagewise.app.export_page import snippet
-from app_fakes import residual_plan
+from app_fakes import app_test, residual_plan
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Job folders land in tmp_path/cache/stagewise/jobs, never in the user's own cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 def _wait(job: jobs.Job, timeout: float = 120) -> dict:
@@ -256,3 +262,137 @@ def test_progress_ignores_a_line_still_being_written(tmp_path):
                                              '{"fraction": null, "message": "N=2: stage s1"}\n'
                                              '{"fraction": 0.5, "mess')
     assert jobs.progress(job) == (0.0, "N=2: stage s1")
+
+
+# -- jobs that survive a reload: found by id, reaped, cleaned ------------------------------------
+
+
+def _state(pid: int) -> str:
+    """The process state letter of `pid` ("Z": a zombie nobody reaped), "" when no such process exists."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+    return next((ln.split()[1] for ln in status.splitlines() if ln.startswith("State:")), "")
+
+
+def _assert_reaped(pid: int, timeout: float = 10) -> None:
+    import os
+
+    deadline = time.time() + timeout
+    while _state(pid) not in ("", "X") and time.time() < deadline:  # the waiter thread reaps it right after exit
+        time.sleep(0.1)
+    assert _state(pid) in ("", "X"), f"worker {pid} left in state {_state(pid)!r}"
+    with pytest.raises(ChildProcessError):  # nothing left to wait for: already reaped
+        os.waitpid(pid, os.WNOHANG)
+
+
+def test_finished_worker_is_reaped_even_when_nobody_polls(tmp_path):
+    job = jobs.start("verify", str(tmp_path / "missing.py"), (), residual_plan().to_json(), "cpu", [4])
+    assert job.path.parent == jobs.jobs_root() and jobs.JOB_ID.match(job.id)
+    deadline = time.time() + 120
+    while not (job.path / "result.json").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    _assert_reaped(job.pid)  # no jobs.result() call yet
+    assert not jobs.result(job)["ok"]
+    jobs.cleanup(job)
+    assert not job.path.exists()
+
+
+def test_cancel_reaps_the_worker_and_removes_its_folder(tmp_path):
+    model = tmp_path / "slow.py"
+    model.write_text("import time\ndef build_model():\n    time.sleep(60)\ndef example_inputs():\n    return ()\n")
+    job = jobs.start("verify", str(model), (), residual_plan().to_json(), "cpu", [4])
+    assert jobs.running(job)
+    jobs.cancel(job)
+    _assert_reaped(job.pid)
+    assert not job.path.exists() and not jobs.running(job)
+
+
+def test_forged_job_ids_are_refused(tmp_path):
+    root = jobs.jobs_root()
+    outside = tmp_path / "profile-abcd1234"  # a job-shaped folder outside the jobs directory
+    outside.mkdir()
+    (outside / "job.json").write_text('{"task": "profile", "started": 0, "pid": 1}')
+    (root / "verify-linked_1").symlink_to(outside)  # planted inside, pointing out
+    for forged in ("../../etc", "/etc", str(outside), "profile-abcd1234/../../x", "profile-ABCD1234", ""):
+        with pytest.raises(jobs.JobError, match="not a job id of this app"):
+            jobs.find(forged)
+    with pytest.raises(jobs.JobError, match="does not name a job folder of this app"):
+        jobs.find("verify-linked_1")
+    with pytest.raises(jobs.JobError, match="no job profile-abcd1234 in the app's jobs directory"):
+        jobs.find("profile-abcd1234")
+
+
+def test_old_and_read_job_folders_are_cleaned_at_app_start(tmp_path, monkeypatch):
+    import json
+
+    root = jobs.jobs_root()
+
+    def folder(name: str, started: float, read: bool = False) -> Path:
+        d = root / name
+        d.mkdir()
+        (d / "job.json").write_text(json.dumps({"task": name.split("-")[0], "started": started, "pid": 0}))
+        (d / "result.json").write_text('{"ok": true, "reports": []}')
+        if read:
+            (d / jobs.READ_MARK).touch()
+        return d
+
+    old = folder("profile-old_0001", time.time() - 2 * jobs.ORPHAN_AGE_S)
+    read = folder("verify-read_001", time.time(), read=True)
+    unread = folder("profile-unread_1", time.time())  # a result nobody has read yet: a reload may still want it
+    other = root / "notes"
+    other.mkdir()
+    at = app_test(monkeypatch, tmp_path, ROOT / "sample_models" / "mlp.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not old.exists() and not read.exists()
+    assert unread.exists() and other.exists()
+
+
+def test_a_reload_finds_the_running_job_and_its_result(tmp_path, monkeypatch):
+    model = ROOT / "sample_models" / "mlp.py"
+    at = app_test(monkeypatch, tmp_path, model)
+    at.run()
+    at.switch_page("views/profile.py").run()
+    next(b for b in at.button if b.label == "Verify vs loop").click().run()
+    job = at.session_state["job"]
+    assert at.query_params.get("job") == job.id  # the address keeps the id
+
+    # the browser reloads: a new session, with only the address (token and job id) to go on
+    again = app_test(monkeypatch, tmp_path, model)
+    again.query_params["job"] = job.id
+    again.run()
+    assert not again.exception, [e.value for e in again.exception]
+    assert again.session_state["job"] == job
+    assert "found the verify job" in "\n".join(i.value for i in again.info)
+    again.switch_page("views/profile.py").run()
+    assert again.query_params.get("job") == job.id  # page links drop the query string; the job id comes back
+    deadline = time.time() + 180
+    while _session_job(again) is not None:
+        assert time.time() < deadline, "the job did not finish"
+        time.sleep(1)
+        again.run()
+    assert not again.error, [e.value for e in again.error]
+    assert again.session_state["verify_result"]["n"] == again.session_state["history"].present.n_members
+    assert "MATCH" in "\n".join(s.value for s in again.success)
+    assert "job" not in again.query_params  # over: a later reload has nothing to find
+    assert not job.path.exists()  # result read, folder removed
+    _assert_reaped(job.pid)
+
+
+def _session_job(at) -> jobs.Job | None:
+    return at.session_state["job"] if "job" in at.session_state else None
+
+
+@pytest.mark.parametrize("forged", ["../../etc", "profile-zzzz9999"])
+def test_a_forged_job_id_in_the_address_is_refused(tmp_path, monkeypatch, forged):
+    at = app_test(monkeypatch, tmp_path, ROOT / "sample_models" / "mlp.py")
+    at.query_params["job"] = forged
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = "\n".join(e.value for e in at.error)
+    assert "not resuming a job" in shown
+    assert ("not a job id of this app" if ".." in forged else "no job profile-zzzz9999") in shown
+    assert _session_job(at) is None
+    assert "job" not in at.query_params
