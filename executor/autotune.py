@@ -279,7 +279,7 @@ def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, d
 
 def autotune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
              progress: Progress = None, repeats: Optional[int] = None,
-             strategies: Optional[Sequence[str | Strategy]] = None) -> Plan:
+             strategies: Optional[Sequence[str | Strategy]] = None, train: bool = False) -> Plan:
     """Choose each stage's fastest strategy that matches the member loop.
 
     Args:
@@ -289,8 +289,15 @@ def autotune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *,
         progress: callable(done, total, label) while measuring.
         repeats: timed samples per candidate (default: enough for ~0.25 s).
         strategies: restrict the candidates (e.g. ["vmap", "wide", "loop"] to skip compile).
+        train: choose by forward + backward time among strategies that carry gradients, each
+            candidate's gradients checked against the loop's (executor.autotune_train).
     Returns:
         A new Plan: each stage's options.strategy/chunk_size set to the winner and
         options.note holding the measured times of every candidate.
     """
+    if train:
+        # imported here: autotune_train builds on this module's helpers (a module-level import would be a cycle)
+        from stagewise.executor.autotune_train import tune_training
+
+        return tune_training(plan, members, inputs, device=device, progress=progress, repeats=repeats, strategies=strategies)[0]
     return tune(plan, members, inputs, device=device, progress=progress, repeats=repeats, strategies=strategies)[0]

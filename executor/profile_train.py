@@ -31,34 +31,28 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import ExecutionError, StagewiseError
 from stagewise.planner.plan import Plan, Strategy
-from stagewise.executor.autotune import tune
+from stagewise.executor.autotune_train import tune_training
 from stagewise.executor.build import BatchedModule, build, resolve_device
 from stagewise.executor.candidates import (advance, loop_reference, max_rel_error, members_on, on_device, stage_inputs, strategy_label,
                                  time_candidates, try_strategy)
 from stagewise.executor.optim import StackedAdam, StackedSGD
 from stagewise.executor.profile import Ticks, device_name, stage_flops, write_chrome_trace
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
+from stagewise.executor.stage_grads import GRAD_RTOL, float_leaves, fwd_bwd, grads_check
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram
-from stagewise.executor.values import Batched, PerMember, Shared, n_first
 from stagewise.executor.verify import member_inputs
 
 OPTIMIZERS = ("adam", "sgd")
-GRAD_RTOL = 1e-4  # float32 gradients summed in different orders
 
 
 # --- losses ----------------------------------------------------------------------------------------
 
-def _float_leaves(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()]
-
-
 def member_loss(out: Any) -> torch.Tensor:
     """One member's surrogate loss: mean square of each float output leaf, summed over leaves."""
-    leaves = _float_leaves(out)
+    leaves = float_leaves(out)
     if not leaves:
         raise ExecutionError("the model returns no floating-point tensor to take a training loss of; profile it without train=True")
     return sum((x.float() ** 2).mean() for x in leaves)
@@ -66,7 +60,7 @@ def member_loss(out: Any) -> torch.Tensor:
 
 def batched_loss(out: Any, n: int) -> torch.Tensor:
     """Sum over members of member_loss of member i's output (every leaf N-first)."""
-    leaves = _float_leaves(out)
+    leaves = float_leaves(out)
     if not leaves:
         raise ExecutionError("the model returns no floating-point tensor to take a training loss of; profile it without train=True")
     return sum((x.float() ** 2).reshape(n, -1).mean(1).sum() for x in leaves)
@@ -189,8 +183,9 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     candidates: dict[str, list[StrategyResult]] = {}
     notes = []
     if autotune:
-        plan, candidates = tune(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats, warmup=warmup)
-        notes.append("autotune chose each stage's strategy by its forward time; the training step was then timed with those strategies")
+        plan, candidates = tune_training(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats,
+                                         warmup=warmup)
+        notes.append("autotune chose each stage's strategy by its forward + backward time (training-capable strategies only)")
     example = member_inputs(plan, inputs, 0)
     module = build(plan, [copy.deepcopy(m) for m in members], example_inputs=example, device=dev)
     module.train()
@@ -277,61 +272,6 @@ def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, 
     return out
 
 
-def _leaf(x: Any) -> Any:
-    return x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-
-def _with_grad_leaves(args: list) -> tuple[list, list[torch.Tensor]]:
-    """The stage's arguments with every float tensor of a batched or per-member value a fresh leaf that requires grad."""
-    out, leaves = [], []
-    for a in args:
-        if isinstance(a, Batched):
-            a = Batched(tree_map(_leaf, a.tree))
-        elif isinstance(a, PerMember):
-            a = PerMember([tree_map(_leaf, v) for v in a.values])
-        out.append(a)
-        if not isinstance(a, Shared):
-            leaves += [x for x in tree_flatten(a.tree if isinstance(a, Batched) else a.values)[0]
-                       if isinstance(x, torch.Tensor) and x.requires_grad]
-    return out, leaves
-
-
-def _fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int) -> Callable[[], list]:
-    """A call running the stage forward and backward (surrogate loss = sum of its float outputs); returns the gradients."""
-    params = [t for t in runner.stacked.values() if t.requires_grad]
-    fixed = None if program.writes_in_place else _with_grad_leaves(fresh())
-
-    def call() -> list:
-        args, leaves = fixed if fixed is not None else (fresh(), [])
-        outs = runner(args)
-        loss = sum((x.float().sum() for v in outs for x in _float_leaves(n_first(v, n))), torch.zeros((), device=_device(params, leaves)))
-        targets = params + leaves
-        if not targets or not loss.requires_grad:
-            return []
-        grads = torch.autograd.grad(loss, targets, allow_unused=True)
-        return [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
-
-    return call
-
-
-def _device(params: list, leaves: list) -> torch.device | None:
-    t = next(iter(params + leaves), None)
-    return t.device if t is not None else None
-
-
-def _grads_check(ref: list, n: int) -> Callable[[list], float]:
-    """Error of a stage's gradients against the member loop's, normwise over each member's [N, ...] gradients
-    (a per-member input's pieces are compared as one row each)."""
-    return lambda got: max(max_rel_error(*pair) for pair in zip(_rows(got, n), _rows(ref, n))) if ref else 0.0
-
-
-def _rows(grads: list, n: int) -> list:
-    """(the [N, ...] gradients as one [N, total] tensor, the rest as rows of their own)."""
-    stacked = [g.reshape(n, -1).float() for g in grads if g.dim() and g.shape[0] == n]
-    rest = [g.reshape(1, -1) for g in grads if not (g.dim() and g.shape[0] == n)]
-    return [torch.cat(stacked, dim=1) if stacked else torch.zeros(n, 0)] + rest
-
-
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeats, warmup, ticks, flops: int,
                    candidates: list[StrategyResult]) -> StageProfile:
     """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`."""
@@ -341,10 +281,10 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeat
     ticks(f"stage {stage.id} forward + backward ({label})")
     fresh = stage_inputs(program, env, n)
     reference = LoopRunner(program, n, runner.stacked, runner.member_states)
-    loop_call = _fwd_bwd(program, reference, fresh, n)
+    loop_call = fwd_bwd(program, reference, fresh, n)
     ref_grads = loop_call()
-    check = _grads_check(ref_grads, n)
-    res, call, _ = try_strategy(label, stage.id, lambda: _fwd_bwd(program, runner, fresh, n), check, dev, rtol=GRAD_RTOL)
+    check = grads_check(ref_grads, n)
+    res, call, _ = try_strategy(label, stage.id, lambda: fwd_bwd(program, runner, fresh, n), check, dev, rtol=GRAD_RTOL)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
     if label == "loop":

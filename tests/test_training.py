@@ -304,3 +304,38 @@ def test_random_plan_edits_never_change_the_gradients(data, name):
         except planner.EditError:
             continue
         assert_gradients_match(plan, members, inputs, want, label)
+
+
+# --- autotune for training ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["deep_mlp", "transformer_block"])
+def test_training_autotune_chooses_trainable_strategies_checked_by_gradients(name):
+    n = 3
+    plan, members, inputs, member_in = sample_setup(name, n)
+    tuned = executor.autotune(plan, members, inputs, train=True, repeats=3)
+    trainable = {Strategy.VMAP, Strategy.WIDE, Strategy.LOOP}
+    assert all(s.options.strategy in trainable for s in tuned.stages)
+    assert all("forward + backward" in s.options.note for s in tuned.stages), [s.options.note for s in tuned.stages]
+    lrs = [0.01 * (i + 1) for i in range(n)]
+    ens, loop = train_both(tuned, members, member_in, inputs,
+                           lambda ps: StackedSGD(ps, n, lr=lrs, momentum=0.9), lambda ps, i: torch.optim.SGD(ps, lr=lrs[i], momentum=0.9))
+    assert_params_match(ens, loop, f"{name} tuned for training")
+
+
+def test_training_autotune_never_picks_a_strategy_with_wrong_gradients(monkeypatch):
+    from stagewise.executor import autotune_train
+    from stagewise.executor.stages import RUNNERS
+
+    n = 2
+    plan, members, inputs, _ = sample_setup("mlp", n)
+    real = RUNNERS[Strategy.WIDE]
+
+    class WrongGradients(real):
+        def run(self, args):
+            return [type(v)(v.tree.detach()) if hasattr(v, "tree") else v for v in super().run(args)]  # cuts the gradient
+
+    monkeypatch.setitem(RUNNERS, Strategy.WIDE, WrongGradients)
+    tuned, found = autotune_train.tune_training(plan, members, inputs, repeats=3)
+    wide = [r for r in found[tuned.stages[0].id] if r.strategy == "wide"]
+    assert wide and not wide[0].ok
+    assert tuned.stages[0].options.strategy is not Strategy.WIDE
