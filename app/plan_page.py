@@ -114,7 +114,8 @@ def _select_matches(matches: tuple[str, ...]) -> None:
 
 def summary_ui(plan: Plan, loaded: state.Loaded, ref: state.ModelRef) -> None:
     st.markdown(f"**{ref.name}** · **{plan_summary(plan)}**"
-                f" · {plural(len(loaded.data.nodes), 'node')} · N = {plan.n_members} · traced with {loaded.graph.tracer}")
+                f" · {plural(len(loaded.data.nodes), 'node')} · N = {plan.n_members} · traced with {loaded.graph.tracer}"
+                f" · precision {plan.dtype}")
 
 
 def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str]]:

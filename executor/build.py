@@ -28,6 +28,35 @@ from stagewise.executor.stages import Runner, StageProgram, runner_for
 from stagewise.executor.values import Batched, Shared, as_batched, n_first
 
 
+# Precision (plan.dtype). Cast once, not autocast: the stacked floating state (parameters and buffers,
+# BatchNorm running statistics included, like `model.to(torch.bfloat16)`) is cast once at build, floating
+# inputs at the module's entry, outputs back to the caller's dtype. It is the simplest rule that is also what
+# users run (bf16 weights halve memory and bandwidth; autocast would re-cast the weights on every call),
+# and every op of every stage strategy (vmap, loop, wide, compile) sees one dtype, so nothing in the
+# executor needs to know about it. float16 on CPU where an op has no Half kernel: ExecutionError naming the
+# op and suggesting bfloat16, never a silently wrong answer. "tf32" keeps float32 and enables TF32 only
+# around the module's CUDA calls; on CPU it is a no-op (computes exactly like float32).
+LOW_PRECISION = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _TF32:
+    """TF32 matmuls and convolutions (and float32 matmul precision "high") inside, restored after."""
+
+    def __enter__(self):
+        self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision = self.saved
+        torch.set_float32_matmul_precision(precision)
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor leaf of `tree` as `dtype` (others untouched)."""
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x, tree)
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """`None` -> cpu; refuses CUDA on a machine without it, with the fix."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -263,6 +292,10 @@ class BatchedModule(nn.Module):
             else:
                 env[name] = Shared(x)
         self._check_traced_shapes(inputs)
+        dtype = LOW_PRECISION.get(self.plan.dtype)
+        if dtype is not None:  # floating inputs enter at the plan's precision, like the stacked state (see LOW_PRECISION)
+            env = {k: Batched(_cast_floating(v.tree, dtype)) if isinstance(v, Batched) else Shared(_cast_floating(v.value, dtype))
+                   for k, v in env.items()}
         return env
 
     def _check_traced_shapes(self, inputs: tuple) -> None:
@@ -278,8 +311,8 @@ class BatchedModule(nn.Module):
                 raise InputError(f"the inputs break a condition of the plan's torch.export trace ({what}); "
                                  "pass inputs shaped like the traced ones or re-plan with example inputs of this shape") from None
 
-    def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
-        """Run all stages; returns (N-first outputs, boundary values by node name if `keep`)."""
+    def _run_plain(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
+        """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`)."""
         if self.training and torch.is_grad_enabled():
             self._check_trainable()
         env = self.bind_inputs(inputs)
@@ -307,6 +340,27 @@ class BatchedModule(nn.Module):
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)
         return result, (env if keep else {})
+
+    def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
+        """Run all stages at plan.dtype; returns (N-first outputs, boundary values by node name if `keep`,
+        those in the plan's dtype). Floating inputs cast in, floating outputs cast back to the caller's
+        dtype (that of its first floating input; float32 when it passes none)."""
+        dtype = LOW_PRECISION.get(self.plan.dtype)
+        if dtype is None:
+            tf32 = self.plan.dtype == "tf32" and any(t.is_cuda for t in self._stacked.values())
+            if not tf32:
+                return self._run_plain(*inputs, keep=keep)
+            with _TF32():
+                return self._run_plain(*inputs, keep=keep)
+        caller = next((x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.float32)
+        try:
+            out, env = self._run_plain(*inputs, keep=keep)  # bind_inputs casts the floating inputs
+        except (ExecutionError, InputError) as e:  # a stage fed by the model inputs reports InputError
+            if "not implemented for 'Half'" not in str(e):
+                raise
+            raise ExecutionError(f"{str(e).split('. Check')[0]}: this op has no float16 kernel on {next(iter(self._stacked.values())).device.type}; "
+                                 "use dtype 'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
+        return _cast_floating(out, caller), env
 
     def forward(self, *inputs):
         """Shared inputs as one member takes them, per_member ones [N, ...]; returns N-first outputs.
@@ -367,7 +421,10 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked))
     stacked.update({k: v.to(dev) for k, v in per_member.items()})
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
-    return BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+    module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+    if plan.dtype in LOW_PRECISION:
+        module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
+    return module
 
 
 def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]:

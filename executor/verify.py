@@ -20,6 +20,11 @@ from stagewise.executor.build import build, resolve_device
 from stagewise.executor.values import member_value
 
 DEFAULT_RTOL = 1e-4  # float32: vmap and the loop may sum in different orders
+# Normwise relative tolerance per plan dtype, against the float32 loop (README "Precision"). Chosen from the
+# worst error measured on every sample, both input modes, N=3, outputs and stage boundaries (tests/test_dtype.py),
+# with 2.5-4x headroom (worst seen: bfloat16 1.2e-2, float16 1.3e-3). tf32 computes as float32 on CPU; on CUDA its
+# matmuls keep a 10-bit mantissa like float16, so it gets float16's value (not yet measured on a GPU).
+DTYPE_RTOL = {"float32": DEFAULT_RTOL, "tf32": 5e-3, "bfloat16": 3e-2, "float16": 5e-3}
 
 
 @dataclass
@@ -149,12 +154,13 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float = DEFAULT_RTOL, device=None,
+def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float | None = None, device=None,
            calls: int = 2, more_inputs: Sequence[Sequence[Any]] = ()) -> VerifyReport:
     """Build the plan, run it and the member loop on `inputs`, and compare.
 
     Args:
         inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
+        rtol: max normwise relative error; None = DTYPE_RTOL[plan.dtype] (the loop always runs in float32).
         device: where the batched module runs (inputs are copied there); the loop
             runs each member where it already is, on `inputs` as given.
         calls: consecutive calls compared (at least 2: state a forward() updates
@@ -170,6 +176,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     """
     if not isinstance(calls, int) or calls < 1:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}")
+    rtol = DTYPE_RTOL[plan.dtype] if rtol is None else rtol
     members = list(members)
     inputs = tuple(inputs)
     example = member_inputs(plan, inputs, 0)

@@ -1,0 +1,127 @@
+"""Plan precision (plan.dtype): the batched module at bfloat16/float16 against the float32 member loop,
+within the documented tolerance (executor.verify.DTYPE_RTOL, README "Precision"); the plan field's JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stagewise import executor, planner
+from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, resized_inputs
+from stagewise.planner import EditError, Plan, PlanFileError
+from conftest import SAMPLE_NAMES
+
+N = 3
+
+
+def _verify(sample, name, dtype, mode="shared", device=None):
+    src, graph = sample(name)
+    plan = planner.set_dtype(planner.propose(graph, n_members=N, input_mode=mode), dtype)
+    inputs = executor.batched_inputs(plan, src.example_inputs)
+    other = resized_inputs(plan, inputs)
+    return executor.verify(plan, src.members(N), inputs, device=device, more_inputs=[other] if other else ())
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_low_precision_matches_float32_loop(sample, name, dtype, mode):
+    report = _verify(sample, name, dtype, mode)
+    assert report.rtol == DTYPE_RTOL[dtype]  # picked from the plan's dtype when rtol is not given
+    assert report.ok, report.to_text()
+    # the error is the precision's, not zero: the module really ran at the lower precision
+    assert report.max_rel > DEFAULT_RTOL, report.to_text()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_weights_cast_once_outputs_back_in_callers_dtype(sample, dtype):
+    src, graph = sample("mlp")
+    plan = planner.set_dtype(planner.propose(graph, n_members=N), dtype)
+    module = executor.build(plan, src.members(N))
+    assert {t.dtype for t in module.stacked_state.values() if t.is_floating_point()} == {getattr(torch, dtype)}
+    out = module(*src.example_inputs)
+    assert out.dtype == torch.float32 and out.shape[0] == N
+
+
+def test_tf32_on_cpu_is_float32(sample):
+    report = _verify(sample, "mlp", "tf32")
+    assert report.rtol == DTYPE_RTOL["tf32"] and report.ok and report.max_rel <= DEFAULT_RTOL, report.to_text()
+
+
+def test_float16_without_a_kernel_names_the_op_and_suggests_bfloat16(sample, monkeypatch):
+    src, graph = sample("mlp")
+    plan = planner.set_dtype(planner.propose(graph, n_members=N), "float16")
+    module = executor.build(plan, src.members(N))
+    real = torch.nn.functional.linear
+
+    def no_half(x, w, b=None):
+        if x.dtype == torch.float16:
+            raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
+        return real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", no_half)
+    monkeypatch.setattr(torch._C._nn, "linear", no_half)
+    with pytest.raises(planner.ExecutionError, match=r"(?s)addmm_impl_cpu_.*bfloat16"):
+        module(*src.example_inputs)
+
+
+# --- the plan field ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", planner.DTYPES)
+def test_plan_json_round_trip(sample, dtype):
+    _, graph = sample("mlp")
+    plan = planner.set_dtype(planner.propose(graph, n_members=N), dtype)
+    back = Plan.loads(plan.dumps())
+    assert back == plan and back.dtype == dtype
+    assert ("dtype" in json.loads(plan.dumps())) == (dtype != "float32")  # float32 files read as before
+
+
+def test_old_plan_files_load_as_float32(sample):
+    _, graph = sample("mlp")
+    d = planner.propose(graph, n_members=N).to_json()
+    d.pop("dtype", None)
+    assert Plan.from_json(d).dtype == "float32"
+
+
+def test_edits_keep_the_dtype(sample):
+    _, graph = sample("mlp")
+    plan = planner.set_dtype(planner.propose(graph, n_members=N), "bfloat16")
+    assert plan.with_n_members(5).dtype == "bfloat16"
+    assert planner.set_options(plan, graph, plan.stages[0].id, chunk_size=2).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("bad", ["fp16", "half", 16, None, "Float32"])
+def test_invalid_dtype_in_a_file_names_value_and_choices(sample, bad):
+    _, graph = sample("mlp")
+    d = planner.propose(graph, n_members=N).to_json()
+    d["dtype"] = bad
+    with pytest.raises(PlanFileError, match=r"(?s)unknown dtype .*float32, tf32, bfloat16, float16"):
+        Plan.loads(json.dumps(d), source="p.json")
+
+
+def test_set_dtype_refuses_unknown_values(sample):
+    _, graph = sample("mlp")
+    plan = planner.propose(graph, n_members=N)
+    with pytest.raises(EditError, match=r"'fp8'.*bfloat16"):
+        planner.set_dtype(plan, "fp8")
+
+
+def test_stage_table_shows_the_dtype(sample):
+    _, graph = sample("mlp")
+    plan = planner.set_dtype(planner.propose(graph, n_members=N), "bfloat16")
+    assert "dtype=bfloat16" in planner.format_stage_table(plan, graph).splitlines()[0]
+
+
+# --- CUDA -----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["tf32", "bfloat16"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_block"])
+def test_cuda_precision_matches_float32_loop(sample, name, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    report = _verify(sample, name, dtype, device="cuda")
+    assert report.ok, report.to_text()
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()) == before  # tf32 only inside calls
