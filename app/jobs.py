@@ -27,7 +27,7 @@ from stagewise.app.launch import REPO_ROOT, environment
 from stagewise.planner.errors import StagewiseError
 
 TASKS = ("profile", "verify")
-JOB_ID = re.compile(r"^(profile|verify)-[a-z0-9_]{8}$")  # what tempfile.mkdtemp(prefix=f"{task}-") names
+JOB_ID = re.compile(r"(profile|verify)-[a-z0-9_]{8}")  # what tempfile.mkdtemp(prefix=f"{task}-") names
 ORPHAN_AGE_S = 24 * 3600  # a job folder this old is left over from an earlier run of the app
 READ_MARK = "result_read"  # written once the app has read the result: the folder is garbage from then on
 _PROCS: dict[str, subprocess.Popen] = {}
@@ -99,7 +99,7 @@ def find(job_id: str) -> Job:
     Raises JobError unless `job_id` has the shape of a job id and names a real folder (not a link)
     directly inside jobs_root() that holds a job record: nothing from an address can point elsewhere.
     """
-    if not isinstance(job_id, str) or not JOB_ID.match(job_id):
+    if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
         raise JobError(f"job id {str(job_id)[:80]!r} from the address is not a job id of this app "
                        "(like 'profile-ab12cd_9'); it was ignored")
     root = jobs_root()
@@ -168,6 +168,9 @@ def result(job: Job) -> dict[str, Any] | None:
             return json.loads(rp.read_text())
         if running(job):
             return None
+        if not job.path.exists():  # another tab of the same job read its result first, or cancelled it
+            return {"ok": False, "error": f"job {job.id} is over and its folder removed (its result was read, or it "
+                                          "was cancelled, in another tab); run it again", "reports": []}
         return {"ok": False, "error": "the worker is gone (cancelled, or the app was restarted) and left no result; "
                                       "run it again", "reports": []}
     code = proc.poll()
@@ -215,7 +218,7 @@ def clean_orphans(now: float | None = None) -> list[str]:
         return []
     removed = []
     for d in root.iterdir():
-        if not JOB_ID.match(d.name) or d.is_symlink() or not d.is_dir():
+        if not JOB_ID.fullmatch(d.name) or d.is_symlink() or not d.is_dir():
             continue
         try:
             job = find(d.name)

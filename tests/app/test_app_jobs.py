@@ -289,7 +289,7 @@ def _assert_reaped(pid: int, timeout: float = 10) -> None:
 
 def test_finished_worker_is_reaped_even_when_nobody_polls(tmp_path):
     job = jobs.start("verify", str(tmp_path / "missing.py"), (), residual_plan().to_json(), "cpu", [4])
-    assert job.path.parent == jobs.jobs_root() and jobs.JOB_ID.match(job.id)
+    assert job.path.parent == jobs.jobs_root() and jobs.JOB_ID.fullmatch(job.id)
     deadline = time.time() + 120
     while not (job.path / "result.json").is_file() and time.time() < deadline:
         time.sleep(0.2)
@@ -315,7 +315,7 @@ def test_forged_job_ids_are_refused(tmp_path):
     outside.mkdir()
     (outside / "job.json").write_text('{"task": "profile", "started": 0, "pid": 1}')
     (root / "verify-linked_1").symlink_to(outside)  # planted inside, pointing out
-    for forged in ("../../etc", "/etc", str(outside), "profile-abcd1234/../../x", "profile-ABCD1234", ""):
+    for forged in ("../../etc", "/etc", str(outside), "profile-abcd1234/../../x", "profile-ABCD1234", "profile-abcd1234\n", ""):
         with pytest.raises(jobs.JobError, match="not a job id of this app"):
             jobs.find(forged)
     with pytest.raises(jobs.JobError, match="does not name a job folder of this app"):
