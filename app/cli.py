@@ -14,7 +14,7 @@ from stagewise import planner
 from stagewise import executor
 from stagewise.planner import StagewiseError, budget
 from stagewise.planner.files import temp_beside, writable_problem
-from stagewise.executor.verify import DEFAULT_RTOL, resized_inputs
+from stagewise.executor.verify import resized_inputs
 
 EXIT_MISMATCH = 1
 EXIT_ERROR = 2
@@ -47,7 +47,7 @@ def cmd_plan(args) -> int:
     if graph.tracer_note:
         print(f"note: {graph.tracer_note}")
     modes = _parse_modes(args.input_mode, graph.input_names)
-    plan = planner.propose(graph, n_members=args.n, input_mode=modes, model=str(args.model))
+    plan = planner.set_dtype(planner.propose(graph, n_members=args.n, input_mode=modes, model=str(args.model)), args.dtype)
     print(planner.format_stage_table(plan, graph))
     if args.output:
         plan.save(args.output)
@@ -158,6 +158,10 @@ def cmd_profile(args) -> int:
     if progress:
         sys.stderr.write("\n")
     print(report.to_text())
+    if plan.dtype != "float32":  # the plan's own times above ran at its precision; the loop baseline runs float32
+        e2e = report.end_to_end
+        print(f"precision: {plan.dtype}: end to end {e2e.ms:.3f} ms at {plan.dtype}" if e2e.ok and e2e.time is not None
+              else f"precision: {plan.dtype}: end to end failed at {plan.dtype} ({e2e.error})")
     if args.output:
         # the report carries the profiled (tuned) plan's JSON; store the report inside that plan, not the plan twice
         profiled = planner.Plan.from_json(report.plan, source="profile report") if report.plan else plan
@@ -223,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-n", type=int, default=8, help="number of members N (default 8)")
     sp.add_argument("--input-mode", nargs="+", metavar="MODE", help="shared | per_member, or name=mode per input (default shared)")
     sp.add_argument("--weights", nargs="+", help="member weight files (.safetensors or state_dict), one per member")
+    sp.add_argument("--dtype", default="float32", choices=planner.DTYPES,
+                    help="precision of the batched module (default float32; tf32 only changes CUDA matmuls; see README 'Precision')")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
     sp.add_argument("--trust-archive", action="store_true",
                     help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
@@ -233,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("model")
     sr.add_argument("--weights", nargs="+")
     sr.add_argument("--device", default=None, help="cpu (default) or cuda")
-    sr.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="max normwise relative error (default 1e-4)")
+    sr.add_argument("--rtol", type=float, default=None,
+                    help="max normwise relative error (default: the plan dtype's, float32 1e-4; see README 'Precision')")
     sr.add_argument("--trust-archive", action="store_true",
                     help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
     sr.add_argument("--distributed", action="store_true",

@@ -125,3 +125,18 @@ def test_cuda_precision_matches_float32_loop(sample, name, dtype):
     report = _verify(sample, name, dtype, device="cuda")
     assert report.ok, report.to_text()
     assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()) == before  # tf32 only inside calls
+
+
+# --- CLI ------------------------------------------------------------------------
+
+def test_cli_plan_dtype_and_run_uses_its_tolerance(tmp_path, capsys):
+    from stagewise.app import cli
+    from conftest import SAMPLES_DIR
+
+    out = tmp_path / "p.json"
+    assert cli.main(["plan", str(SAMPLES_DIR / "mlp.py"), "-n", "3", "--dtype", "bfloat16", "-o", str(out)]) == 0
+    assert "dtype=bfloat16" in capsys.readouterr().out
+    assert Plan.load(out).dtype == "bfloat16"
+    assert cli.main(["run", str(out), str(SAMPLES_DIR / "mlp.py")]) == 0
+    text = capsys.readouterr().out
+    assert "MATCH" in text and f"rtol {DTYPE_RTOL['bfloat16']:g}" in text
