@@ -72,24 +72,30 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _this_ranks_slice(plan: Plan, members, inputs: Sequence[Any], member_group, group, device):
+    """(member indices, members, ShardedModule, inputs) of this rank's slice; building agreed across ranks."""
+    indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
+    with agreed("building each rank's members", group):
+        local = local_members(members, indices, plan.n_members)
+    sharded = build_sharded(plan, lambda _: local, group, device)
+    return indices, local, sharded, sharded.local_inputs(inputs)
+
+
 def verify_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory], inputs: Sequence[Any], *,
-                   rtol: float, group=None, device: str | torch.device | None = None, repeats: int = 5) -> ShardedVerifyReport:
+                   rtol: float | None, group=None, device: str | torch.device | None = None, repeats: int = 5) -> ShardedVerifyReport:
     """Each rank verifies its slice (executor.verify against the loop over its members, at a second batch
     size where the plan allows), times its forward and the all-gather; returns every rank's verdict on every rank.
     Collective over a ProcessGroup (None: the world)."""
     from stagewise.executor.verify import resized_inputs, verify
 
     member_group, _ = resolve_groups(group)
-    indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
-    with agreed("building each rank's members", group):
-        local = local_members(members, indices, plan.n_members)
-    sharded = build_sharded(plan, lambda _: local, group, device)
-    local_inputs = sharded.local_inputs(inputs)
+    indices, local, sharded, local_inputs = _this_ranks_slice(plan, members, inputs, member_group, group, device)
     with agreed("verifying each rank's members against their loop", group):
         t0 = time.perf_counter()
         sliced = plan.with_n_members(len(indices))
         other = resized_inputs(sliced, local_inputs)
         report = verify(sliced, local, local_inputs, rtol=rtol, device=sharded.device, more_inputs=[other] if other else ())
+        rtol = report.rtol  # None above: the plan dtype's tolerance, as verify chose it
         verify_s = time.perf_counter() - t0
         with torch.no_grad():
             sharded.module(*local_inputs)  # warm-up
@@ -171,11 +177,7 @@ def profile_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactor
     from stagewise.executor.profile import profile
 
     member_group, _ = resolve_groups(group)
-    indices = member_slice(plan.n_members, dist.get_rank(member_group), dist.get_world_size(member_group))
-    with agreed("building each rank's members", group):
-        local = local_members(members, indices, plan.n_members)
-    sharded = build_sharded(plan, lambda _: local, group, device)
-    local_inputs = sharded.local_inputs(inputs)
+    indices, local, sharded, local_inputs = _this_ranks_slice(plan, members, inputs, member_group, group, device)
     with agreed("profiling each rank's members", group):
         t0 = time.perf_counter()
         report = profile(plan.with_n_members(len(indices)), local, local_inputs, device=sharded.device, repeats=repeats,
