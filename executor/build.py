@@ -384,6 +384,8 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
             shapes and dtypes in plan.inputs are used and this is ignored.
         device: where to run ("cpu", "cuda", torch.device); default cpu.
         check_memory: False skips the memory estimate (planner.budget; also STAGEWISE_SKIP_MEMORY_CHECK=1).
+    The module runs at plan.dtype (see LOW_PRECISION): bfloat16/float16 state cast here, once; an op
+    without a float16 kernel raises ExecutionError on the first call (naming it, suggesting bfloat16).
     Returns:
         BatchedModule: forward(*inputs) takes shared inputs as-is and per_member
         inputs as [N, ...]; returns the model's outputs with tensors N-first.
