@@ -40,7 +40,7 @@ from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
 from stagewise.executor.timing import MIN_REPEATS
-from stagewise.executor.verify import DEFAULT_RTOL, loop_outputs, member_inputs
+from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, loop_outputs, member_inputs
 from stagewise.executor.baselines import stack_outputs
 
 COMPILE_MIN_MS = 0.1  # below this a stage is all launch overhead; compiling it costs seconds for nothing
@@ -84,7 +84,7 @@ def _note(results: list[StrategyResult], chosen: StrategyResult) -> str:
 
 def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int, device: torch.device,
                 allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
-                progress: Progress, done: int, total: int) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
+                progress: Progress, done: int, total: int, rtol: float = DEFAULT_RTOL) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
     """Every candidate of one stage on its real inputs; returns (results, chosen, its outputs, its runner)."""
     stage = program.stage
     reference, ref, check = loop_reference(program, runner, fresh)
@@ -103,7 +103,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
             runners[label] = r
             return lambda: r(fresh())
 
-        res, call, out = try_strategy(label, stage.id, make, check, device)
+        res, call, out = try_strategy(label, stage.id, make, check, device, rtol=rtol)
         res.chunk_size = chunk
         results.append(res)
         if call is not None:
@@ -181,7 +181,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
         for program, runner in zip(module.programs, module.runners):
             fresh = stage_inputs(program, env, n)
             results, chosen, out, chosen_runner = _tune_stage(program, runner, fresh, n, dev, allowed, repeats, warmup,
-                                                              progress, done, total)
+                                                              progress, done, total, DTYPE_RTOL[plan.dtype])
             done += len(candidate_strategies(program, dev, allowed))
             found[program.stage.id] = results
             advance(program, env, fresh, out, chosen_runner)
@@ -248,7 +248,7 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     for label, p in [("per-stage", plan)] + [(f"merged/{a.stages[0].options.strategy.value}", a) for a in alternatives]:
         plans[label] = p
         make = lambda p=p: (lambda m: (lambda: m(*inputs)))(build(p, members, example_inputs=example, device=device))  # noqa: E731
-        res, call, _ = try_strategy(label, "whole", make, check, device)
+        res, call, _ = try_strategy(label, "whole", make, check, device, rtol=DTYPE_RTOL[plan.dtype])
         results.append(res)
         if call is not None:
             cands[label] = (res, call)
@@ -272,7 +272,7 @@ def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, d
         got = module(*inputs)
     want = stack_outputs(loop_outputs(plan, members, inputs))
     err = max_rel_error(got, want)
-    if not err <= DEFAULT_RTOL:
+    if not err <= DTYPE_RTOL[plan.dtype]:
         raise ExecutionError(f"autotune: the tuned plan differs from the member loop (max rel err {err:.2e}) although each stage matched; "
                              "profile the plan with its default strategies and report this")
 

@@ -30,7 +30,7 @@ from stagewise.executor.candidates import (Progress, advance, make_runner, loop_
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.timing import native_stderr_silenced
-from stagewise.executor.verify import member_inputs
+from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, member_inputs
 
 
 # --- the profile ---------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     env = module.bind_inputs(inputs)
     with torch.no_grad():
         stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                 candidates.get(program.stage.id, []))
+                                 candidates.get(program.stage.id, []), DTYPE_RTOL[plan.dtype])
                   for program, runner in zip(module.programs, module.runners)]
         whole_results = _profile_whole(plan, module, members, inputs, dev, stages, repeats, warmup, ticks,
                                        baselines=baselines, compile_baseline=compile_baseline, floor=floor)
@@ -200,7 +200,7 @@ class Ticks:
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.device, repeats: Optional[int], warmup: int,
-                   ticks: Ticks, flops: int, candidates: list[StrategyResult]) -> StageProfile:
+                   ticks: Ticks, flops: int, candidates: list[StrategyResult], rtol: float = DEFAULT_RTOL) -> StageProfile:
     """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`."""
     stage, n = program.stage, runner.n_members
     strategy = stage.options.strategy
@@ -208,14 +208,14 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
     ticks(f"stage {stage.id} ({label})")
     fresh = stage_inputs(program, env, n)
     reference, ref, check = loop_reference(program, runner, fresh)
-    res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(fresh())), check, dev)
+    res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(fresh())), check, dev, rtol=rtol)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
     if label == "loop":
         loop_res = res
     else:  # the stage's own loop strategy on the same inputs, for the speedup column
         loop_res, loop_call, _ = try_strategy(
-            "loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(fresh())), check, dev)
+            "loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(fresh())), check, dev, rtol=rtol)
         if loop_call is not None:
             cands["loop"] = (loop_res, loop_call)
     time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
@@ -251,7 +251,8 @@ def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tup
             if name in ("vmap", "vmap+compile"):
                 ticks(f"baseline {name}")
             check = None if name in ("loop", "floor") else (lambda out: max_rel_error(out, ref_out))
-            res, call, _ = try_strategy(name, "whole", make, check, dev)
+            rtol = DTYPE_RTOL[plan.dtype] if name == "stagewise" else DEFAULT_RTOL  # the baselines run in float32
+            res, call, _ = try_strategy(name, "whole", make, check, dev, rtol=rtol)
             if name == "loop" and res.ok:
                 res.max_rel_err = 0.0  # the reference itself
             results[name] = res

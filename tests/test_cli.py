@@ -118,7 +118,7 @@ def test_show(mlp_plan, capsys):
     code, out, _ = run_cli(capsys, "show", mlp_plan)
     assert code == 0
     assert "model: " in out and "mlp.py" in out and "fingerprint:" in out
-    assert "s0     batched" in out and "params" not in out
+    assert "s0     ok        batched (vmap)" in out and "params" not in out
     code, out, _ = run_cli(capsys, "show", mlp_plan, MLP)
     assert code == 0 and "params" in out and "FLOPs" in out and "16.6k" in out
 

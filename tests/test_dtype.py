@@ -140,3 +140,20 @@ def test_cli_plan_dtype_and_run_uses_its_tolerance(tmp_path, capsys):
     assert cli.main(["run", str(out), str(SAMPLES_DIR / "mlp.py")]) == 0
     text = capsys.readouterr().out
     assert "MATCH" in text and f"rtol {DTYPE_RTOL['bfloat16']:g}" in text
+
+
+def test_profile_and_autotune_check_a_low_precision_plan_at_its_tolerance():
+    """Stages at bfloat16 differ from the float32 loop by ~5e-3: profile and autotune must judge them at the
+    plan dtype's tolerance (and the float32 baselines at float32's), not refuse every candidate."""
+    from stagewise import executor, planner
+
+    src = planner.load_model_file("sample_models/mlp.py")
+    graph = planner.trace(src.model, src.example_inputs)
+    plan = planner.set_dtype(planner.propose(graph, n_members=3), "bfloat16")
+    members = src.members(3)
+    inputs = executor.batched_inputs(plan, src.example_inputs)
+    report = executor.profile(plan, members, inputs, repeats=3)
+    assert all(s.result.ok for s in report.stages), [s.result.error for s in report.stages]
+    assert report.end_to_end.ok and 1e-4 < report.end_to_end.max_rel_err < 3e-2
+    tuned = executor.autotune(plan, members, inputs, repeats=3, strategies=["vmap", "wide", "loop"])
+    assert tuned.dtype == "bfloat16" and all(s.options.note.startswith("autotune chose") for s in tuned.stages)
