@@ -55,9 +55,10 @@ bench: $(VENV)/.installed
 # Mutation testing of the checking core, not part of `make test`: mutmut ([tool.mutmut] in pyproject.toml)
 # changes one thing at a time in executor/verify.py, planner/validate.py, planner/edits.py,
 # executor/autotune.py and executor/stages.py, and runs only the selected fast tests that reach the
-# changed function. It works in a copy under MUTATION_DIR (its mutants/ folder stays out of the checkout;
-# a later run re-tests only what changed). MUTANTS narrows the run to name globs, e.g.
-# MUTANTS='planner.validate.*'; `cd $(MUTATION_DIR) && mutmut show NAME` shows one mutant's diff.
+# changed function. It works in a copy under MUTATION_DIR laid out as src/stagewise/ (mutmut names a
+# mutant by its path without src/, which must equal the module the tests import: stagewise.planner...;
+# its mutants/ folder stays out of the checkout; a later run re-tests only what changed). MUTANTS narrows
+# the run to name globs, e.g. MUTANTS='stagewise.planner.validate.*'; `cd $(MUTATION_DIR) && mutmut show NAME`.
 MUTATION_DIR  ?= $(or $(TMPDIR),/tmp)/stagewise-mutation
 MUTATION_JOBS ?= 1
 MUTANTS       ?=
@@ -68,11 +69,11 @@ $(VENV)/.installed-mutation: $(VENV)/.installed-test
 	touch $@
 
 mutation: $(VENV)/.installed-mutation
-	mkdir -p $(MUTATION_DIR)
-	cd $(MUTATION_DIR) && rm -rf __init__.py planner executor app sample_models tests pyproject.toml
-	cp -r __init__.py planner executor app sample_models tests pyproject.toml $(MUTATION_DIR)/
-	mkdir -p $(MUTATION_DIR)/path && ln -sfn $(MUTATION_DIR)/mutants $(MUTATION_DIR)/path/stagewise  # `stagewise` = the mutated copy
-	cd $(MUTATION_DIR) && PYTHONPATH=$(MUTATION_DIR)/path STAGEWISE_HYPOTHESIS_SCALE=0.1 nice -n 10 $(MUTMUT) run --max-children $(MUTATION_JOBS) $(MUTANTS) \
+	rm -rf $(MUTATION_DIR)/src $(MUTATION_DIR)/sample_models $(MUTATION_DIR)/tests $(MUTATION_DIR)/pyproject.toml
+	mkdir -p $(MUTATION_DIR)/src/stagewise
+	cp -r __init__.py planner executor app sample_models $(MUTATION_DIR)/src/stagewise/
+	cp -r sample_models tests pyproject.toml $(MUTATION_DIR)/
+	cd $(MUTATION_DIR) && STAGEWISE_HYPOTHESIS_SCALE=0.1 nice -n 10 $(MUTMUT) run --max-children $(MUTATION_JOBS) $(MUTANTS) \
 		> run.log 2>&1 || (tr '\r' '\n' < run.log | tail -n 30; exit 1)
 	@tr '\r' '\n' < $(MUTATION_DIR)/run.log | grep -E 'mutations/second|done in' | tail -n 2
 	@cd $(MUTATION_DIR) && $(MUTMUT) results --all true | sed -E 's/^ *([a-z_.]+)\.x(_|ǁ).*: /\1 /' \
