@@ -226,6 +226,13 @@ class BatchedModule(nn.Module):
             stacked = {k: self._stacked[k] for k in p.state_names}
             member_states = [{k: v[k] for k in p.state_names} for v in views]
             self.runners.append(runner_for(p, self.n_members, stacked, member_states))
+        self._storage = [t.data_ptr() for t in self._stacked.values()]
+
+    def _follow_new_storage(self) -> None:
+        """Rebuild the runners if a stacked tensor got new storage (`p.data = ...`, `set_`): the loop
+        runners' per-member views would go on reading the old one. An in-place update needs nothing."""
+        if any(t.data_ptr() != ptr for t, ptr in zip(self._stacked.values(), self._storage)):
+            self._build_runners()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # the stacked state tree: tied names stay one Parameter
@@ -315,6 +322,7 @@ class BatchedModule(nn.Module):
         """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`)."""
         if self.training and torch.is_grad_enabled():
             self._check_trainable()
+        self._follow_new_storage()
         env = self.bind_inputs(inputs)
         for program, runner, state_out in zip(self.programs, self.runners, self._state_outputs):
             args = [env[n] for n in program.input_names]

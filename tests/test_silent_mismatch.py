@@ -333,3 +333,27 @@ def test_verify_catches_a_batched_module_that_is_wrong_only_at_another_shape(mon
     report = executor.verify(plan, members, (x,), more_inputs=[executor.resized_inputs(plan, (x,))])
     assert not report.ok
     assert [r.name for r in report.outputs if not r.ok] == ["out @ [7, 4]", "out @ [7, 4] (call 2)"]
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap", "wide"])
+def test_new_storage_for_stacked_state_reaches_every_strategy(strategy):
+    """`p.data = ...` gives a stacked tensor new storage: loop stages read per-member views of it, which
+    must follow (an optimizer's in-place update needs nothing; a replaced tensor must not be missed)."""
+    from stagewise.planner.plan import Strategy
+
+    torch.manual_seed(0)
+    members = [TiedHead() for _ in range(3)]
+    graph = planner.trace(members[0], (torch.arange(5),))
+    plan = planner.propose(graph, n_members=3)
+    for s in plan.stages:
+        if s.mode is planner.StageMode.BATCHED:
+            plan = planner.set_options(plan, graph, s.id, strategy=Strategy(strategy))
+    ens = executor.build(plan, members)
+    x = torch.arange(6)
+    with torch.no_grad():
+        ens(x)  # runners and caches made
+        new = ens.stacked_state["mid.weight"] * 2 + 0.5
+        ens.stacked_state["mid.weight"].data = new
+        for i, m in enumerate(members):
+            m.mid.weight.copy_(new[i])
+        torch.testing.assert_close(ens(x), loop_reference(members, x))
