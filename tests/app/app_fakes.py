@@ -102,3 +102,19 @@ def random_dag(n: int, seed: int = 0) -> FakeGraph:
         if i > 3 and rng.random() < 0.3:
             g.add_edge(names[rng.randrange(max(0, i - 12), i - 1)], name)
     return FakeGraph(g, names, fingerprint=f"random{n}")
+
+
+def wait_until_listening(proc, port: int, seconds: float = 60) -> None:
+    """Wait for a launched app to accept connections on 127.0.0.1:port; fail with its output if it exits first."""
+    import socket
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.3).close()
+            return
+        except OSError:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.3)
+    raise AssertionError("the app did not start listening")

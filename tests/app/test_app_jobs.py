@@ -8,7 +8,7 @@ import pytest
 
 from stagewise.app import jobs, launch
 from stagewise.app.export_page import snippet
-from app_fakes import app_test, residual_plan
+from app_fakes import app_test, residual_plan, wait_until_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,21 +98,12 @@ def test_launch_main_serves_the_app(tmp_path, monkeypatch):
     import sys
 
     port = launch.free_port(0)
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from app.launch import main; main(None, {port}, headless=True)"
+    code = f"from stagewise.app.launch import main; main(None, {port}, headless=True)"  # the installed package, as `stagewise ui`
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**__import__("os").environ, "STAGEWISE_AUTOSAVE": str(tmp_path / "a.json")})
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.3).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read().decode()
-                time.sleep(0.3)
-        else:
-            raise AssertionError("the app did not start listening")
+        wait_until_listening(proc, port)
         import urllib.request
 
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=10).read() == b"ok"

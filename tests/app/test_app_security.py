@@ -22,7 +22,7 @@ import pytest
 
 from stagewise import planner
 from stagewise.app import autosave, launch, state
-from app_fakes import ROOT, TEST_TOKEN, app_test
+from app_fakes import ROOT, TEST_TOKEN, app_test, wait_until_listening
 
 SAMPLES = ROOT / "sample_models"
 
@@ -128,16 +128,7 @@ def test_stagewise_ui_prints_a_tokened_address_and_refuses_foreign_hosts(tmp_pat
         assert m, first
         token = m.group(1)
         assert len(token) >= 40 and token != "inherited"  # its own fresh token, not one from the environment
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.3).close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read().decode()
-                time.sleep(0.3)
-        else:
-            raise AssertionError("the app did not start listening")
+        wait_until_listening(proc, port)
         assert " 101 " in _handshake(port, f"127.0.0.1:{port}")  # a session for this machine's name
         assert " 101 " in _handshake(port, f"localhost:{port}")
         refused = _handshake(port, f"evil.example:{port}")  # a DNS-rebound page sends its own name
