@@ -117,7 +117,7 @@ def _handshake(port: int, host: str) -> str:
 
 def test_stagewise_ui_prints_a_tokened_address_and_refuses_foreign_hosts(tmp_path):
     port = launch.free_port(0)
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from app.launch import main; main(None, {port}, headless=True)"
+    code = f"from stagewise.app.launch import main; main(None, {port}, headless=True)"  # the installed package, as `stagewise ui`
     env = {**os.environ, "STAGEWISE_AUTOSAVE": str(tmp_path / "a.json"), launch.TOKEN_ENV: "inherited",
            launch.NO_TOKEN_ENV: "1"}
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdin=subprocess.DEVNULL,
