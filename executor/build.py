@@ -24,7 +24,7 @@ from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage
 from stagewise.planner.validate import stage_graph, validate
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
-from stagewise.executor.stages import Runner, StageProgram, runner_for
+from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
 from stagewise.executor.values import Batched, Shared, as_batched, n_first
 
 
@@ -226,12 +226,15 @@ class BatchedModule(nn.Module):
             stacked = {k: self._stacked[k] for k in p.state_names}
             member_states = [{k: v[k] for k in p.state_names} for v in views]
             self.runners.append(runner_for(p, self.n_members, stacked, member_states))
-        self._storage = [t.data_ptr() for t in self._stacked.values()]
+        # the state read through per-member views (loop runners); batched runners read the stacked tensors
+        # themselves, so a plan without loop stages watches nothing on the per-call path
+        watched = {k for p, r in zip(self.programs, self.runners) if isinstance(r, LoopRunner) for k in p.state_names}
+        self._storage = [(self._stacked[k], self._stacked[k].data_ptr()) for k in sorted(watched)]
 
     def _follow_new_storage(self) -> None:
-        """Rebuild the runners if a stacked tensor got new storage (`p.data = ...`, `set_`): the loop
-        runners' per-member views would go on reading the old one. An in-place update needs nothing."""
-        if any(t.data_ptr() != ptr for t, ptr in zip(self._stacked.values(), self._storage)):
+        """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
+        per-member views would go on reading the old one. An in-place update needs nothing."""
+        if any(t.data_ptr() != ptr for t, ptr in self._storage):
             self._build_runners()
 
     def _apply(self, fn, recurse=True):
