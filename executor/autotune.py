@@ -158,6 +158,16 @@ def is_oom_text(error: str) -> bool:
     return error.startswith("out of memory")
 
 
+def tuning_start(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], dev: torch.device,
+                 allowed: Optional[set[Strategy]]) -> tuple[tuple, list[nn.Module], Any, dict, int]:
+    """(inputs and members on `dev`, the plan's batched module, its bound inputs, the number of candidates)."""
+    inputs = on_device(tuple(inputs), dev)
+    members = members_on(list(members), dev)
+    module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
+    total = sum(len(candidate_strategies(p, dev, allowed)) for p in module.programs)
+    return inputs, members, module, module.bind_inputs(inputs), total
+
+
 def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
          progress: Progress = None, repeats: Optional[int] = None, warmup: int = 2,
          strategies: Optional[Sequence[str | Strategy]] = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
@@ -167,14 +177,10 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     ("per-stage", "merged/compile", ...) and "per-stage s<k>" each original stage's.
     """
     dev = resolve_device(device)
-    inputs = on_device(tuple(inputs), dev)
-    members = members_on(list(members), dev)
     n = plan.n_members
     allowed = {Strategy(s) for s in strategies} if strategies is not None else None
-    module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
-    total = sum(len(candidate_strategies(p, dev, allowed)) for p in module.programs)
+    inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
     done = 0
-    env = module.bind_inputs(inputs)
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
     with torch.no_grad():

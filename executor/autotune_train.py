@@ -20,14 +20,13 @@ import torch
 from torch import nn
 
 from stagewise.planner.plan import Plan, Stage, StageOptions, Strategy
-from stagewise.executor.autotune import _fastest, _note, candidate_strategies
-from stagewise.executor.build import build, resolve_device
-from stagewise.executor.candidates import (Progress, advance, loop_reference, make_runner, members_on, on_device, stage_inputs,
-                                           time_candidates, try_strategy)
+from stagewise.executor.autotune import _fastest, _note, candidate_strategies, tuning_start
+from stagewise.executor.build import resolve_device
+from stagewise.executor.candidates import (Progress, advance, loop_reference, make_runner, stage_inputs, time_candidates,
+                                           try_strategy)
 from stagewise.executor.stage_grads import GRAD_RTOL, fwd_bwd, grads_check
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import LoopRunner
-from stagewise.executor.verify import member_inputs
 
 TRAINING_CANDIDATES = (Strategy.VMAP, Strategy.WIDE, Strategy.LOOP)
 
@@ -37,14 +36,10 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
                   strategies: Optional[Sequence[str | Strategy]] = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
     """The training-mode autotune, also returning every stage's measured candidates (see the module docstring)."""
     dev = resolve_device(device)
-    inputs = on_device(tuple(inputs), dev)
-    members = members_on(list(members), dev)
     n = plan.n_members
     allowed = set(TRAINING_CANDIDATES) & ({Strategy(s) for s in strategies} if strategies is not None else set(TRAINING_CANDIDATES))
-    module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
-    total = sum(len(candidate_strategies(p, dev, allowed)) for p in module.programs)
+    inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
     done = 0
-    env = module.bind_inputs(inputs)
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
     for program, runner in zip(module.programs, module.runners):

@@ -223,13 +223,8 @@ def test_a_stage_without_state_takes_the_device_of_its_inputs():
     assert runner.device_for([Shared(1.0)]) is None
 
 
-class InPlaceScaledByItem(nn.Module):
+class InPlaceScaledByItem(ScaledByItem):
     """The per-member float enters a stage that writes in place (its inputs are made [N, ...] before it runs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(4, 8)
-        self.fc2 = nn.Linear(8, 8)
 
     def forward(self, x):
         h = torch.relu(self.fc1(x))
