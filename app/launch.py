@@ -7,6 +7,7 @@ nothing in a browser session that did not present it.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -17,11 +18,13 @@ import threading
 import time
 import webbrowser
 from pathlib import Path
+from typing import Sequence
 
 APP_DIR = Path(__file__).resolve().parent
 REPO_ROOT = APP_DIR.parent
 MAIN = APP_DIR / "main.py"
 MODEL_ENV = "STAGEWISE_MODEL"  # the model the app opens on (absolute path)
+OPEN_ENV = "STAGEWISE_OPEN_MODULES"  # leaf modules it opens on that model (JSON list; `stagewise ui --open`)
 TOKEN_ENV = "STAGEWISE_UI_TOKEN"  # the access token a browser session must present as ?token=
 # Opt-out for running app/main.py without `stagewise ui` and without a token (`streamlit run`, demos):
 # only the value "1" counts; without it a token-less app refuses every session.
@@ -110,8 +113,8 @@ def url(port: int, token: str | None) -> str:
     return f"http://127.0.0.1:{int(port)}/" + (f"?token={token}" if token else "")
 
 
-def environment(model_path: str | os.PathLike | None = None) -> dict[str, str]:
-    """os.environ plus the model to open and the repository on PYTHONPATH (the app imports planner/executor).
+def environment(model_path: str | os.PathLike | None = None, open_modules: Sequence[str] = ()) -> dict[str, str]:
+    """os.environ plus the model to open (and its leaf modules to open) and the repository on PYTHONPATH.
 
     The access token is left out (workers started from the app get this environment too);
     `main` adds the token of its own run to the server's environment only.
@@ -124,19 +127,23 @@ def environment(model_path: str | os.PathLike | None = None) -> dict[str, str]:
 
             raise ModelLoadError(f"model file {model_path} does not exist; pass a .py model file or a .pt2 archive")
         env[MODEL_ENV] = str(p)
+    if open_modules:
+        env[OPEN_ENV] = json.dumps(list(open_modules))
     return env
 
 
-def main(model_path: str | os.PathLike | None = None, port: int | None = None, headless: bool = False) -> int:
+def main(model_path: str | os.PathLike | None = None, port: int | None = None, headless: bool = False,
+         open_modules: Sequence[str] = ()) -> int:
     """Run the app until interrupted; returns streamlit's exit code.
 
     Args:
         model_path: a .py model file or .pt2 archive to open on (default: a bundled sample).
         port: TCP port on 127.0.0.1 (default: streamlit's 8501, or the next free one).
         headless: do not open a browser window (one is opened once the server answers, when a browser exists).
+        open_modules: leaf modules to open on that model (planner.trace's open_modules).
     """
     token = new_token()
-    env = {**environment(model_path), TOKEN_ENV: token}
+    env = {**environment(model_path, open_modules), TOKEN_ENV: token}
     env.pop(NO_TOKEN_ENV, None)  # `stagewise ui` always asks for its token
     port = int(port) if port is not None else free_port()
     address = url(port, token)

@@ -243,7 +243,7 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     Returns (plan, the whole-plan candidates if the merged stage won, else None).
     """
     example = member_inputs(plan, inputs, 0)
-    alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example).node_names, allowed)
+    alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names, allowed)
     if not alternatives:
         return plan, None
     want = stack_outputs(loop_outputs(plan, members, inputs))

@@ -128,7 +128,7 @@ def _first_difference(plan: Plan, graph: ModelGraph) -> str:
     extra = [n for n in graph.compute_nodes if n not in placed]
     if extra:
         return f"first model node the plan lacks: {extra[0]!r}"
-    return "same node names: parameter shapes, dtypes or module types differ (" + fingerprint_lines(graph.gm)[-1] + " ...)"
+    return "same node names: parameter shapes, dtypes or module types differ (" + fingerprint_lines(graph.gm, graph.opened_modules)[-1] + " ...)"
 
 
 def register_output_dataclasses(gm: torch.fx.GraphModule) -> None:
@@ -421,7 +421,7 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     # the traced shapes, not the caller's: an export graph is specialised to them, so another shape
     # would trace another graph; the batched module then checks each call against them
     example = example_inputs_from(plan.inputs) or example_inputs
-    graph = retrace(copy.deepcopy(members[0]), plan.tracer, example, [i.name for i in plan.inputs])
+    graph = retrace(copy.deepcopy(members[0]), plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
@@ -431,7 +431,8 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     register_output_dataclasses(graph.gm)
     stacked = stack_member_state(members, dev)
     # a sweep's members differ in numbers the trace baked in: give each member its own (or refuse)
-    per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked))
+    per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked),
+                                       opened=plan.opened_modules)
     stacked.update({k: v.to(dev) for k, v in per_member.items()})
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))

@@ -119,13 +119,15 @@ def _refuse(diff: _Difference, attrs: dict[str, list], why: str) -> MemberError:
 
 
 def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], tracer: str, example_inputs: tuple | None,
-                          input_names: Sequence[str] | None, state_keys: set[str]) -> dict[str, torch.Tensor]:
+                          input_names: Sequence[str] | None, state_keys: set[str], *,
+                          opened: Sequence[str] = ()) -> dict[str, torch.Tensor]:
     """Make constants that members hold differently per-member state of `graph.gm` (changed in place).
 
     Args:
         graph: member 0's retraced graph (its GraphModule is edited: new buffers and get_attr nodes).
         members: all members, member 0 first.
         state_keys: the stacked state's names (parameters and buffers).
+        opened: the plan's opened_modules (each member is traced with them open, like member 0).
     Returns:
         {name: [N, ...] tensor} to add to the stacked state: lifted numbers ([N]) and plain tensor
         attributes the graph reads as constants ([N, *shape]) when members hold different ones.
@@ -150,7 +152,7 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
                 attr_diffs.setdefault(k, []).append(i)
     others = {}
     for i in suspects:
-        g = retrace(copy.deepcopy(members[i]), tracer, example_inputs, input_names)
+        g = retrace(copy.deepcopy(members[i]), tracer, example_inputs, input_names, opened)
         if g.fingerprint != graph.fingerprint:
             raise MemberError(f"member {i} traces to another graph than member 0 (fingerprint {g.fingerprint} vs {graph.fingerprint}); "
                               "all members must share one architecture: build them from one class and config")

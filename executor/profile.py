@@ -55,7 +55,7 @@ def stage_flops(plan: Plan, member: nn.Module, example: tuple) -> dict[str, int]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            graph = trace(member, example, probe=False)
+            graph = trace(member, example, probe=False, open_modules=plan.opened_modules)
     except StagewiseError:
         return {s.id: 0 for s in plan.stages}
     return {s.id: sum(int(graph.dag.nodes[n].get("flops", 0)) for n in s.nodes if n in graph.dag) * plan.n_members

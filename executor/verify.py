@@ -193,7 +193,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     boundary = [n for p in module.programs for n in p.output_names]
     per_member = []
     for i, m in enumerate(members):
-        rec = _Recorder(retrace(m, plan.tracer, example).gm, set(boundary))
+        rec = _Recorder(retrace(m, plan.tracer, example, opened=plan.opened_modules).gm, set(boundary))
         with torch.no_grad():
             rec.run(*member_inputs(plan, inputs, i))
         per_member.append(rec.values)

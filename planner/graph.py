@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace
 from stagewise.planner.errors import TraceError
 from stagewise.planner.inputs import traced_specs
+from stagewise.planner.opening import LeafModule, resolve_open_modules, symbolic_trace_opening
 from stagewise.planner.plan import InputSpec
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
@@ -63,6 +64,7 @@ class ModelGraph:
     out_spec: Any = None  # pytree spec of the output for export graphs (flat outputs otherwise)
     input_specs: dict[str, InputSpec] = field(default_factory=dict)  # traced shape/dtype/dynamic dims per input (planner.inputs)
     input_guard: Any = field(repr=False, default=None)  # export's input-guard function (one member's inputs), None for fx
+    opened_modules: tuple[str, ...] = ()  # module paths traced inside instead of kept as leaves (planner.opening)
 
     @property
     def compute_nodes(self) -> list[str]:
@@ -82,17 +84,32 @@ class ModelGraph:
     def topo_index(self, name: str) -> int:
         return self._topo_index[name]
 
+    def leaf_modules(self) -> list[LeafModule]:
+        """The modules the graph calls as single nodes (what `trace(..., open_modules=[path])` can open), in graph order.
+
+        Export graphs have none: torch.export traces inside every module.
+        """
+        out = []
+        for name in self.node_names:
+            d = self.dag.nodes[name]
+            if d["op"] == "call_module":
+                path = str(self.fx_node(name).target)
+                out.append(LeafModule(path, type(self.gm.get_submodule(path)).__name__, name,
+                                      bool(d.get("batchable", True)), str(d.get("reason", ""))))
+        return out
+
 
 # --- tracing -------------------------------------------------------------------
 
-def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.GraphModule, str, str]:
+def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] = ()) -> tuple[torch.fx.GraphModule, str, str]:
     """Trace with torch.fx, falling back to torch.export. Returns (gm, tracer, note).
 
     The graph takes exactly the inputs `example_inputs` gives: forward() parameters
-    after them keep their defaults (see `_fx_trace`).
+    after them keep their defaults (see `_fx_trace`). `opened`: module paths fx traces
+    inside (planner.opening); export traces inside every module anyway.
     """
     try:
-        gm = _fx_trace(model, len(example_inputs))
+        gm = _fx_trace(model, len(example_inputs), opened)
         return gm, "fx", ""
     except Exception as e:  # fx raises many types for untraceable Python
         fx_error = f"{type(e).__name__}: {_first_line(e)}"
@@ -110,14 +127,18 @@ def fx_or_export(model: nn.Module, example_inputs: tuple) -> tuple[torch.fx.Grap
             f"torch.export failed: {type(e).__name__}: {_first_line(e)}. "
             "Remove data-dependent Python control flow from forward() or wrap it with torch.fx.wrap / torch.cond"
         ) from None
+    if opened:
+        return gm, "export", (f"torch.fx could not trace inside the opened modules {', '.join(opened)} ({fx_error}); "
+                              "traced with torch.export, which opens every module")
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
 
 
 _CACHE_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
 
 
-def _fx_trace(model: nn.Module, given: int | Sequence[str]) -> torch.fx.GraphModule:
-    """torch.fx's graph of `model` taking only the `given` inputs (a count of leading parameters, or names).
+def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str] = ()) -> torch.fx.GraphModule:
+    """torch.fx's graph of `model` taking only the `given` inputs (a count of leading parameters, or names),
+    with the `opened` module paths traced inside (planner.opening).
 
     Without this, a forward(x, mask=None, flag=False) called with x alone traces
     to a graph with three required placeholders. The other parameters that have
@@ -125,7 +146,10 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str]) -> torch.fx.GraphMod
     takes the branch the default takes, and their placeholders are removed.
     """
     fixed = _defaults_not_given(model, given)
-    gm = torch.fx.symbolic_trace(model, concrete_args=fixed or None)
+    if opened:
+        gm = symbolic_trace_opening(model, opened, fixed or None)
+    else:
+        gm = torch.fx.symbolic_trace(model, concrete_args=fixed or None)
     if fixed:
         _drop_concrete_placeholders(gm, fixed)
     return gm
@@ -258,22 +282,26 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True) -> ModelGraph:
+def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_modules: Sequence[str] = ()) -> ModelGraph:
     """Trace `model` on `example_inputs` and annotate every node.
 
     Args:
         model: the architecture (one member); it is not modified.
         example_inputs: positional inputs of one member (no member axis).
         probe: run the vmap capability probe on every node (planner.capability).
+        open_modules: leaf modules to trace inside: paths ("enc.layers.0"), globs ("enc.layers.*")
+            or class names ("TransformerEncoderLayer"); see planner.opening. The graph's
+            `opened_modules` holds the paths they resolved to; `leaf_modules()` what is still closed.
     Returns:
         ModelGraph with shapes, dtypes, params, FLOPs and batchability per node.
     Raises:
-        TraceError when both tracers fail (both reasons in the message) or the
-        traced graph does not run on the example inputs.
+        TraceError when both tracers fail (both reasons in the message), the
+        traced graph does not run on the example inputs, or an open_modules name matches no module.
     """
     example_inputs = tuple(example_inputs)
+    opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
-    gm, tracer, note = fx_or_export(model, example_inputs)
+    gm, tracer, note = fx_or_export(model, example_inputs, opened)
     changed = before.restore_if_changed(model)
     if changed and tracer == "fx" and not changed.attributes:
         # fx ran forward() on the real module: an in-place update of real state happened
@@ -293,25 +321,28 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True) -> Mod
             "keep counters and caches out of forward(), or hold them in a tensor buffer updated in place"
         )
     values, flops = _run_and_record(gm, example_inputs)
-    graph = graph_of(gm, tracer, note, values, flops)
+    graph = graph_of(gm, tracer, note, values, flops, opened=opened)
     if probe:
         annotate_capability(graph)
     return graph
 
 
-def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_names: Sequence[str] | None = None) -> ModelGraph:
+def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_names: Sequence[str] | None = None,
+            opened: Sequence[str] = ()) -> ModelGraph:
     """Trace `model` again with the tracer a plan records, structure only (no shapes, no probe).
 
     `input_names` (the plan's inputs) tells fx which forward() parameters the plan
     takes; without it, the first len(example_inputs) (or all without defaults).
+    `opened`: the plan's opened_modules, traced inside again (and part of the fingerprint).
     """
+    opened = resolve_open_modules(model, opened)
     if tracer == "fx":
         given = input_names if input_names is not None else len(example_inputs or ())
         try:
-            gm = _fx_trace(model, given)
+            gm = _fx_trace(model, given, opened)
         except Exception as e:
             raise TraceError(f"torch.fx cannot trace this member ({type(e).__name__}: {_first_line(e)}), but the plan was made with fx; re-plan this model") from None
-        return graph_of(gm, "fx", "")
+        return graph_of(gm, "fx", "", opened=opened)
     if tracer == "export":
         if example_inputs is None:
             raise TraceError("this plan was traced with torch.export, which needs example inputs; pass example_inputs= to executor.build")
@@ -319,12 +350,13 @@ def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_n
             gm = _export(model, example_inputs)
         except Exception as e:
             raise TraceError(f"torch.export cannot trace this member ({type(e).__name__}: {_first_line(e)}); check the member and the example inputs") from None
-        return graph_of(gm, "export", "")
+        return graph_of(gm, "export", "", opened=opened)
     raise TraceError(f"unknown tracer {tracer!r} in the plan; expected 'fx' or 'export'")
 
 
-def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | None = None, flops: dict | None = None) -> ModelGraph:
-    """Build the networkx view of `gm`; shapes and FLOPs come from `values`/`flops` when given."""
+def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | None = None, flops: dict | None = None,
+             *, opened: Sequence[str] = ()) -> ModelGraph:
+    """Build the networkx view of `gm`; shapes and FLOPs come from `values`/`flops` when given; `opened` as traced."""
     values, flops = values or {}, flops or {}
     dag = nx.DiGraph()
     names = []
@@ -354,11 +386,12 @@ def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | No
         tracer_note=note,
         input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
         node_names=names,
-        fingerprint=fingerprint(gm),
+        fingerprint=fingerprint(gm, opened),
         example_values=values,
         out_spec=getattr(gm, "_out_spec", None) if tracer == "export" else None,
         input_specs=traced_specs(gm, tracer, values),
         input_guard=getattr(gm, "_guards_fn", None) if tracer == "export" else None,
+        opened_modules=tuple(opened),
     )
 
 
@@ -587,13 +620,17 @@ def _node_signature(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
     return f"{node.name} = {node.op} {target}({', '.join(a.name for a in node.all_input_nodes)})"
 
 
-def fingerprint_lines(gm: torch.fx.GraphModule) -> list[str]:
-    """What `fingerprint` hashes, one line per node then per state tensor (to show the first difference)."""
+def fingerprint_lines(gm: torch.fx.GraphModule, opened: Sequence[str] = ()) -> list[str]:
+    """What `fingerprint` hashes, one line per node, per state tensor, then per opened module (to show the first difference).
+
+    No line for opened modules when there are none: graphs traced without opening keep their fingerprints.
+    """
     lines = [_node_signature(gm, node) for node in gm.graph.nodes]
     lines += [f"state {name}: {list(t.shape)} {t.dtype}" for name, t in sorted(gm.state_dict().items())]
+    lines += [f"opened {path}" for path in opened]  # an export graph is the same opened or not; the plan is not
     return lines
 
 
-def fingerprint(gm: torch.fx.GraphModule) -> str:
-    """Hash of the graph structure and parameter/buffer shapes (not their values)."""
-    return hashlib.sha256("\n".join(fingerprint_lines(gm)).encode()).hexdigest()[:16]
+def fingerprint(gm: torch.fx.GraphModule, opened: Sequence[str] = ()) -> str:
+    """Hash of the graph structure, parameter/buffer shapes (not their values) and the opened module paths."""
+    return hashlib.sha256("\n".join(fingerprint_lines(gm, opened)).encode()).hexdigest()[:16]

@@ -235,6 +235,8 @@ class Plan:
     profile: Mapping[str, Any] | None = None  # last ProfileReport.to_json(), if any
     schema_version: int = SCHEMA_VERSION
     dtype: str = DEFAULT_DTYPE  # precision of the batched module, one of DTYPES; written to JSON only when not float32
+    # leaf modules the trace opened (planner.opening); executor.build traces them open again. JSON only when not empty
+    opened_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.n_members, bool) or not isinstance(self.n_members, int) or self.n_members < 1:
@@ -303,6 +305,7 @@ class Plan:
             "profile": dict(self.profile) if self.profile is not None else None,
             # only when not the default: float32 plans read the same as before the field existed
             **({"dtype": self.dtype} if self.dtype != DEFAULT_DTYPE else {}),
+            **({"opened_modules": list(self.opened_modules)} if self.opened_modules else {}),
         }
 
     def dumps(self) -> str:
@@ -345,6 +348,10 @@ class Plan:
         problem = dtype_problem(dtype)
         if problem:
             raise PlanFileError(f"{source}: {problem}; fix it in the plan file or re-plan with `stagewise plan --dtype`")
+        opened = d.get("opened_modules", [])  # files written before the field existed opened nothing
+        if not isinstance(opened, list) or not all(isinstance(p, str) and p for p in opened):
+            raise PlanFileError(f"{source}: opened_modules must be a list of module paths such as [\"encoder.layers.0\"], "
+                                f"got {opened!r}; fix it or re-plan with `stagewise plan --open`")
         return Plan(
             fingerprint=str(d["fingerprint"]),
             tracer=str(d["tracer"]),
@@ -355,6 +362,7 @@ class Plan:
             profile=profile,
             schema_version=version,
             dtype=dtype,
+            opened_modules=tuple(opened),
         )
 
     @staticmethod

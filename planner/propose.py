@@ -64,6 +64,7 @@ def propose(
         inputs=inputs,
         stages=tuple(renumber(stages, graph)),
         model=model,
+        opened_modules=graph.opened_modules,
     )
     return validate(plan, graph)
 

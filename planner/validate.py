@@ -84,10 +84,15 @@ def renumber(plan_stages: Iterable[Stage], graph: ModelGraph) -> list[Stage]:
 def validate(plan: Plan, graph: ModelGraph) -> Plan:
     """Check the plan fits the graph; returns it unchanged or raises PlanMismatchError.
 
-    Checks: same fingerprint, input names, every compute node in exactly one stage,
+    Checks: same opened modules and fingerprint, input names, every compute node in exactly one stage,
     no unknown nodes, each stage convex, the stage graph acyclic, batched stages
     hold only batchable nodes.
     """
+    if tuple(plan.opened_modules) != tuple(graph.opened_modules):
+        raise PlanMismatchError(
+            f"the plan opens modules {list(plan.opened_modules)} but the model was traced opening {list(graph.opened_modules)}; "
+            "trace it with planner.trace(..., open_modules=plan.opened_modules)"
+        )
     if plan.fingerprint != graph.fingerprint:
         raise PlanMismatchError(
             f"plan fingerprint {plan.fingerprint} does not match the model's {graph.fingerprint}: "

@@ -1,0 +1,159 @@
+"""Opening leaf modules: trace inside modules torch.fx keeps as single `call_module` nodes.
+
+fx's default tracer keeps every torch.nn module (Linear, LayerNorm, MultiheadAttention,
+TransformerEncoderLayer, GRU, ...) as one opaque node. `trace(..., open_modules=[...])`
+names modules to trace inside instead; their ops become nodes of their own, with the
+opened module's path as `module_path`, that can be planned like any other.
+
+What a name may be (`resolve_open_modules`):
+- a dotted module path, "encoder.layers.0";
+- a glob over paths, "*" standing for one path component and "**" for any number,
+  "encoder.layers.*", "**.self_attn";
+- a class name, "TransformerEncoderLayer": every module of that class.
+Opening a module inside a leaf opens the leaves around it too ("enc.layers.0" opens "enc").
+A name that only matches modules fx already traces inside (a user module) opens nothing
+and is not recorded; a name that matches no module is a TraceError listing what can be opened.
+
+fx traces the opened module's forward() with PyTorch's MHA fast path switched off
+(`no_mha_fastpath`): TransformerEncoderLayer checks the fast path's conditions on the
+input (`src.dim() != 3`) before its ordinary path, which a symbolic trace cannot
+evaluate; with the fast path off those checks are skipped and the ordinary path (the
+one vmap can batch) is traced. Modules whose forward() still branches on their input
+(MultiheadAttention, TransformerEncoder, GRU/LSTM) make fx fail; planner.graph then
+falls back to torch.export, whose graph opens every module, and says so in the tracer note.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.fx
+from torch import nn
+
+from stagewise.planner.errors import TraceError
+
+
+@dataclass(frozen=True)
+class LeafModule:
+    """One `call_module` node of a traced graph: a module the planner cannot see inside (plain data for the UI)."""
+
+    path: str  # dotted module path, what open_modules takes
+    type_name: str  # the module's class name, "MultiheadAttention"
+    node: str  # the fx node that calls it
+    batchable: bool  # the capability probe's verdict on the whole module
+    reason: str = ""  # why it cannot run under vmap ("" when batchable)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)  # never called: fx reaches what they hold
+
+
+def default_leaf(module: nn.Module, path: str) -> bool:
+    """Whether torch.fx's default tracer keeps `module` as one call_module node (containers are never called)."""
+    return not isinstance(module, _CONTAINERS) and torch.fx.Tracer().is_leaf_module(module, path)
+
+
+def openable_modules(model: nn.Module) -> list[tuple[str, str]]:
+    """(path, class name) of every module a default fx trace cannot see inside: leaves and what they hold."""
+    inside_leaf: list[str] = []
+    out = []
+    for path, mod in model.named_modules():
+        if not path:
+            continue
+        if any(path.startswith(p + ".") for p in inside_leaf) or default_leaf(mod, path):
+            out.append((path, type(mod).__name__))
+            inside_leaf.append(path)
+    return out
+
+
+def resolve_open_modules(model: nn.Module, names: Iterable[str]) -> tuple[str, ...]:
+    """The module paths `names` (paths, globs or class names) open, in the model's module order.
+
+    Returns only modules fx would not trace inside by default (leaves and modules inside
+    leaves); a name that matches only other modules adds nothing.
+    Raises:
+        TraceError naming the first name that matches no module, with the leaf modules that can be opened.
+    """
+    names = [str(n) for n in names]
+    if not names:
+        return ()
+    modules = [(path, type(mod).__name__) for path, mod in model.named_modules() if path]
+    openable = {path for path, _ in openable_modules(model)}
+    chosen: set[str] = set()
+    for name in names:
+        matched = [path for path, cls in modules if _matches(name, path, cls)]
+        if not matched:
+            raise TraceError(f"open_modules: {type(model).__name__} has no module {name!r}; "
+                             f"{_openable_hint(model)}")
+        chosen.update(p for p in matched if p in openable)
+    return tuple(path for path, _ in modules if path in chosen)
+
+
+def _matches(name: str, path: str, cls: str) -> bool:
+    """Whether `name` (a path, a glob or a class name) names the module at `path` of class `cls`."""
+    if name in (path, cls):
+        return True
+    if "*" not in name and "?" not in name:
+        return False
+    return re.fullmatch(_glob_regex(name), path) is not None
+
+
+def _glob_regex(pattern: str) -> str:
+    """A path glob as a regex: "**" any number of components, "*" within one, "?" one character."""
+    out = []
+    for part in re.split(r"(\*\*|\*|\?)", pattern):
+        out.append({"**": ".*", "*": r"[^.]*", "?": r"[^.]"}.get(part, re.escape(part)))
+    return "".join(out)
+
+
+def _openable_hint(model: nn.Module) -> str:
+    """The top-level leaf modules, for an error message."""
+    openable = openable_modules(model)
+    tops = [(p, c) for p, c in openable if not any(p.startswith(q + ".") for q, _ in openable)]
+    if not tops:
+        return "it has no leaf modules: fx already traces inside all of it"
+    shown = ", ".join(f"{p} ({c})" for p, c in tops[:12]) + (f", ... ({len(tops)} in all)" if len(tops) > 12 else "")
+    return f"leaf modules that can be opened: {shown} (or a module inside one, e.g. {tops[0][0]}.<child>, or a class name)"
+
+
+def with_ancestors(paths: Iterable[str]) -> frozenset[str]:
+    """`paths` and every module around them ("a.b.c" -> a, a.b, a.b.c): fx must trace through those to reach them."""
+    out: set[str] = set()
+    for p in paths:
+        parts = p.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(out)
+
+
+class OpeningTracer(torch.fx.Tracer):
+    """torch.fx's tracer with the given module paths (and the modules around them) no longer leaves."""
+
+    def __init__(self, opened: Iterable[str]):
+        super().__init__()
+        self.opened = with_ancestors(opened)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.opened:
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def symbolic_trace_opening(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None) -> torch.fx.GraphModule:
+    """torch.fx.symbolic_trace with `opened` traced inside (the same GraphModule when nothing is opened)."""
+    tracer = OpeningTracer(opened)
+    with no_mha_fastpath():
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+@contextlib.contextmanager
+def no_mha_fastpath() -> Iterator[None]:
+    """PyTorch's fused MHA/Transformer fast path switched off (process-wide) while tracing, then restored."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
