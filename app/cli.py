@@ -20,9 +20,9 @@ EXIT_MISMATCH = 1
 EXIT_ERROR = 2
 
 
-def _load(model: str, weights: list[str] | None, trust_archive: bool = False):
+def _load(model: str, weights: list[str] | None, trust_archive: bool = False, open_modules=()):
     src = planner.load_source(model, weights=weights or None, trust_archive=trust_archive)
-    graph = planner.trace(src.model, src.example_inputs)
+    graph = planner.trace(src.model, src.example_inputs, open_modules=open_modules or ())
     return src, graph
 
 
@@ -43,7 +43,7 @@ def _check_trace_output(path: str | None) -> None:
 
 def cmd_plan(args) -> int:
     _check_plan_output(args.output)
-    src, graph = _load(args.model, args.weights, args.trust_archive)
+    src, graph = _load(args.model, args.weights, args.trust_archive, args.open)
     if graph.tracer_note:
         print(f"note: {graph.tracer_note}")
     modes = _parse_modes(args.input_mode, graph.input_names)
@@ -128,7 +128,7 @@ def cmd_show(args) -> int:
     plan = planner.Plan.load(args.plan)
     graph = None
     if args.model:
-        _, graph = _load(args.model, None, args.trust_archive)
+        _, graph = _load(args.model, None, args.trust_archive, plan.opened_modules)  # traced as the plan was
         planner.validate(plan, graph)
     if plan.model:
         print(f"model: {plan.model}  fingerprint: {plan.fingerprint}")
@@ -215,7 +215,11 @@ def _progress_bar():
 def cmd_ui(args) -> int:
     from stagewise.app.launch import main as launch  # the app needs streamlit; import only here
 
-    return launch(model_path=args.model, port=args.port) or 0
+    return launch(model_path=args.model, port=args.port, open_modules=args.open or ()) or 0
+
+
+OPEN_HELP = ("trace inside this leaf module (repeatable): a module path (encoder.layers.0), a glob (encoder.layers.*) "
+             "or a class name (TransformerEncoderLayer); the plan records it. See README 'Opening leaf modules'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("plan")
     sr.add_argument("model")
     sr.add_argument("--weights", nargs="+")
+    sp.add_argument("--open", action="append", metavar="MODULE", help=OPEN_HELP)
     sr.add_argument("--device", default=None, help="cpu (default) or cuda")
     sr.add_argument("--rtol", type=float, default=None,
                     help="max normwise relative error (default: the plan dtype's, float32 1e-4; see README 'Precision')")
@@ -290,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    su.add_argument("--open", action="append", metavar="MODULE", help=OPEN_HELP)
     except Exception as e:  # a bug in stagewise or torch: one line, the traceback on request
         if os.environ.get("STAGEWISE_DEBUG"):
             traceback.print_exc()

@@ -26,7 +26,7 @@ from stagewise import planner
 from stagewise.app import autosave, jobs
 from stagewise.app import graph_view as gv
 from stagewise.app.history import History
-from stagewise.app.launch import LOCAL_HOSTS, MODEL_ENV, NO_TOKEN_ENV, REPO_ROOT, TOKEN_ENV
+from stagewise.app.launch import LOCAL_HOSTS, MODEL_ENV, NO_TOKEN_ENV, OPEN_ENV, REPO_ROOT, TOKEN_ENV
 from stagewise.planner.errors import StagewiseError
 from stagewise.planner.plan import Plan
 
@@ -50,6 +50,7 @@ class ModelRef:
     label: str = ""  # what the user called it (upload name or sample name)
     trust_archive: bool = False  # the user allowed this .pt2 archive to unpickle (run code)
     trusted_sha256: str = ""  # sha256 of the archive's bytes when trusted (open_model sets it); an autosave trusts only these
+    opened: tuple[str, ...] = ()  # leaf modules traced inside (planner.trace's open_modules; app/open_view.py)
 
     @property
     def name(self) -> str:
@@ -88,14 +89,14 @@ class Loaded:
 
 
 @st.cache_resource(max_entries=8, show_spinner="Loading and tracing the model…")
-def _load(path: str, weights: tuple[str, ...], digest: str, trust_archive: bool = False) -> Loaded:
+def _load(path: str, weights: tuple[str, ...], digest: str, trust_archive: bool = False, opened: tuple[str, ...] = ()) -> Loaded:
     src = planner.load_source(path, list(weights) or None, trust_archive=trust_archive)
-    graph = planner.trace(src.model, src.example_inputs)
+    graph = planner.trace(src.model, src.example_inputs, open_modules=opened)
     return Loaded(src, graph, gv.graph_data(graph))
 
 
 def loaded(ref: ModelRef) -> Loaded:
-    return _load(ref.path, ref.weights, ref.digest(), ref.trust_archive)
+    return _load(ref.path, ref.weights, ref.digest(), ref.trust_archive, ref.opened)
 
 
 @st.cache_resource(max_entries=32)
@@ -427,7 +428,8 @@ def init() -> None:
         flash("warning", str(e))
     path = default_model_path()
     if path:
-        open_model(ModelRef(path, label=Path(path).name), DEFAULT_N, save=False)
+        opened = tuple(json.loads(os.environ.get(OPEN_ENV) or "[]")) if path == os.environ.get(MODEL_ENV) else ()
+        open_model(ModelRef(path, label=Path(path).name, opened=opened), DEFAULT_N, save=False)
     offer = ss().get("autosave_offer")
     # an autosave equal to the plan just opened (profile aside) is nothing to restore
     if offer is not None and plan() is not None and _without_profile(offer.plan) == _without_profile(plan()) and not offer.weights:
@@ -445,7 +447,7 @@ def restore_autosave() -> None:
     ss().autosave_offer = None
     if rec is None:
         return
-    ref = ModelRef(rec.model_path, rec.weights, label=Path(rec.model_path).name)
+    ref = ModelRef(rec.model_path, rec.weights, label=Path(rec.model_path).name, opened=rec.plan.opened_modules)
     gone = [p for p in (ref.path, *ref.weights) if not Path(p).is_file()]
     if gone:
         flash("error", f"restoring the autosaved plan: its model file{'s' if len(gone) > 1 else ''} "
