@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", default="float32", choices=planner.DTYPES,
                     help="precision of the batched module (default float32; tf32 only changes CUDA matmuls; see README 'Precision')")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
+    sp.add_argument("--open", action="append", metavar="MODULE", help=OPEN_HELP)
     sp.add_argument("--trust-archive", action="store_true",
                     help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
     sp.set_defaults(func=cmd_plan)
@@ -242,7 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
     sr.add_argument("plan")
     sr.add_argument("model")
     sr.add_argument("--weights", nargs="+")
-    sp.add_argument("--open", action="append", metavar="MODULE", help=OPEN_HELP)
     sr.add_argument("--device", default=None, help="cpu (default) or cuda")
     sr.add_argument("--rtol", type=float, default=None,
                     help="max normwise relative error (default: the plan dtype's, float32 1e-4; see README 'Precision')")
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     su = sub.add_parser("ui", help="open the planner in the browser (localhost only)")
     su.add_argument("model", nargs="?", help="model file to open (default: a bundled sample)")
     su.add_argument("--port", type=int, default=None)
+    su.add_argument("--open", action="append", metavar="MODULE", help=OPEN_HELP)
     su.set_defaults(func=cmd_ui)
     return p
 
@@ -295,7 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    su.add_argument("--open", action="append", metavar="MODULE", help=OPEN_HELP)
     except Exception as e:  # a bug in stagewise or torch: one line, the traceback on request
         if os.environ.get("STAGEWISE_DEBUG"):
             traceback.print_exc()
