@@ -5,7 +5,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-UI_MODULES = {"main.py", "state.py", "plan_page.py", "model_page.py", "profile_page.py", "export_page.py"}
+UI_MODULES = {"main.py", "state.py", "plan_page.py", "model_page.py", "profile_page.py", "export_page.py",
+              "open_view.py", "diff_view.py"}  # open_view: the leaf-module picker the plan page draws; diff_view: its "Compare plans"
 # launch.py starts the streamlit server; it asks streamlit's config which guard options this version
 # knows (inside command(), so importing launch, as app.jobs does, still imports no streamlit)
 LAUNCHER = {"launch.py"}
