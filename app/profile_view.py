@@ -11,48 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional
 
+# per-stage times are read in the planner (plan diffs need them too); re-exported for the pages
+from stagewise.planner.measured import measured_stage_times, result_ms, stage_times  # noqa: F401
+
 Report = Mapping[str, Any]
-
-
-def result_ms(result: Optional[Mapping[str, Any]]) -> Optional[float]:
-    """Median ms of one StrategyResult, None when it did not run or failed."""
-    if not result or not result.get("ok") or not result.get("time"):
-        return None
-    ms = result["time"].get("median_ms")
-    return float(ms) if isinstance(ms, (int, float)) else None
-
-
-def stage_times(report: Report | None) -> dict[str, float]:
-    """{stage id: median ms of the plan's strategy}; {} when there is no report."""
-    out = {}
-    for s in (report or {}).get("stages", []) or []:
-        ms = result_ms(s.get("result"))
-        if ms is not None:
-            out[str(s["id"])] = ms
-    return out
-
-
-def measured_stage_times(plan: Any, report: Report | None) -> dict[str, float]:
-    """{stage id of `plan`: median ms} for the stages of `plan` that `report` measured as they are.
-
-    A report's stage ids name the stages of the plan it profiled (report["plan"]), which may
-    differ from `plan` (an autotuned merge, an edit since): a time counts only for a stage with
-    the same nodes and strategy there, so a merged stage's time never lands on a smaller stage.
-    A report without its plan measured nothing this function can match.
-    """
-    profiled = (report or {}).get("plan") or {}
-    times = stage_times(report)
-    by_nodes = {}
-    for s in profiled.get("stages", []) or []:
-        if isinstance(s, Mapping) and s.get("id") in times:
-            strategy = (s.get("options") or {}).get("strategy", "vmap")
-            by_nodes[(tuple(s.get("nodes") or ()), strategy)] = times[s["id"]]
-    out = {}
-    for stage in plan.stages:
-        ms = by_nodes.get((tuple(stage.nodes), stage.options.strategy.value))
-        if ms is not None:
-            out[stage.id] = ms
-    return out
 
 
 def shown_report(reports: Iterable[Mapping[str, Any]], n: Optional[int]) -> Optional[Mapping[str, Any]]:
