@@ -1,4 +1,4 @@
-"""The `stagewise` command: plan | run | show | profile | ui.
+"""The `stagewise` command: plan | run | show | diff | profile | ui.
 
 Every StagewiseError becomes one line on stderr and exit code 2; a verification
 mismatch exits 1. Nothing here imports streamlit (`ui` starts it in a subprocess).
@@ -6,6 +6,7 @@ mismatch exits 1. Nothing here imports streamlit (`ui` starts it in a subprocess
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -138,6 +139,13 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_diff(args) -> int:
+    """Compare two plan files of one model; exit 0 when identical, 1 when they differ (like diff(1))."""
+    diff = planner.diff_plans(planner.Plan.load(args.before), planner.Plan.load(args.after))
+    print(json.dumps(diff.to_json(), indent=2, sort_keys=True) if args.json else planner.format_diff(diff))
+    return 0 if diff.identical else EXIT_MISMATCH
+
+
 def cmd_profile(args) -> int:
     if args.distributed:
         unsupported = [flag for flag, on in (("-o", args.output), ("--trace", args.trace), ("--compile-baseline", args.compile_baseline)) if on]
@@ -258,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--trust-archive", action="store_true",
                     help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
     ss.set_defaults(func=cmd_show)
+
+    sd = sub.add_parser("diff", help="compare two plans of one model (exit 0 identical, 1 different)")
+    sd.add_argument("before", help="plan JSON file")
+    sd.add_argument("after", help="plan JSON file of the same model")
+    sd.add_argument("--json", action="store_true", help="print the diff as JSON instead of text")
+    sd.set_defaults(func=cmd_diff)
 
     sf = sub.add_parser("profile", help="time each stage and the baselines")
     sf.add_argument("plan")
