@@ -54,7 +54,7 @@ def export_page() -> None:
                          type="primary", key="dl_plan")
     st.caption("Includes the last profile report" if plan.profile else "No profile report inside yet (see the Profile page)")
     loaded = state.current()
-    view, _ = state.view_and_layout(ref, st.session_state.get("collapsed", []))
+    view = state.view_of(ref, st.session_state.get("collapsed", []), st.session_state.get("unfolded", []))
     dot = plan_dot(loaded.data, view, plan)
     c[1].download_button("Download .dot", dot, file_name=f"{stem}.dot", mime="text/vnd.graphviz", key="dl_dot")
     svg = _svg(dot)

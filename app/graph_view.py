@@ -7,7 +7,7 @@ cached, pickled and unit-tested with small fakes.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from stagewise.app.layout import layered_layout
@@ -32,6 +32,8 @@ STRATEGY_COLORS = {
     "floor": "#bcbd22", "torch.func": "#8c564b",
 }
 MODULE_PREFIX = "module:"  # view ids of collapsed modules; fx node names never contain ':'
+FOLD_PREFIX = "fold:"  # view ids of folded runs of identical modules
+OPEN_PREFIX = "open:"  # the "▾" tag of an expanded module: clicking it collapses the module
 LABEL_LIMIT = 300  # draw (fitted) node names next to markers up to this many view nodes
 
 
@@ -111,11 +113,12 @@ def graph_data(graph: Any) -> GraphData:
 
 @dataclass(frozen=True)
 class ViewGraph:
-    """The graph as drawn: fx nodes, or one box per collapsed module."""
+    """The graph as drawn: fx nodes, one box per collapsed module, one box per fold of repeated modules."""
 
     ids: tuple[str, ...]  # view node ids, topological order of their first member
     members: Mapping[str, tuple[str, ...]]  # view id -> fx node names it stands for
     edges: tuple[tuple[str, str], ...]
+    folds: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # fold view id -> the module paths it folds
 
     def expand(self, view_ids: Iterable[str]) -> list[str]:
         """fx node names behind these view ids (unknown ids are dropped)."""
@@ -123,6 +126,10 @@ class ViewGraph:
         for v in view_ids:
             out.extend(self.members.get(v, ()))
         return out
+
+    def kind(self, vid: str) -> str:
+        """"node", "module" (a collapsed module) or "fold" (repeated modules drawn as one box)."""
+        return "fold" if vid.startswith(FOLD_PREFIX) else "module" if vid.startswith(MODULE_PREFIX) else "node"
 
 
 def _owner(module_path: str, collapsed: Sequence[str]) -> str | None:
@@ -133,28 +140,89 @@ def _owner(module_path: str, collapsed: Sequence[str]) -> str | None:
     return None
 
 
-def collapse(data: GraphData, modules: Iterable[str] = ()) -> ViewGraph:
-    """Contract every node under one of `modules` into a box `module:<path>`; nested choices fold into the outer one."""
+MIN_FOLD = 3  # this many identical sibling modules in a chain are drawn as one box "×k"
+
+
+def module_signature(data: GraphData, path: str) -> tuple:
+    """What makes two modules the same block: their nodes' ops, targets and shapes, relative to the module."""
+    sig = []
+    for n in data.nodes:
+        if n.module_path == path or n.module_path.startswith(path + "."):
+            rel = n.target[len(path) + 1:] if n.op == "call_module" and n.target.startswith(path + ".") else n.target
+            sig.append((n.op, rel, n.module_path[len(path):], n.shape, n.dtype))
+    return tuple(sig)
+
+
+def _edges_between(view_of: Mapping[str, str], edges: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    out: dict[tuple[str, str], None] = {}
+    for u, v in edges:
+        e = (view_of[u], view_of[v])
+        if e[0] != e[1]:
+            out[e] = None
+    return tuple(out)
+
+
+def _fold_runs(data: GraphData, boxes: Sequence[str], edges: set[tuple[str, str]], unfolded: set[str]) -> list[list[str]]:
+    """Runs of >= MIN_FOLD collapsed siblings p.i, p.i+1, ... that are the same block and feed each other in a chain."""
+    by_parent: dict[str, dict[int, str]] = {}
+    for path in boxes:
+        parent, _, last = path.rpartition(".")
+        if last.isdigit():
+            by_parent.setdefault(parent, {})[int(last)] = path
+    runs = []
+    for parent, kids in by_parent.items():
+        run: list[str] = []
+        sig = None
+        for i in sorted(kids):
+            path = kids[i]
+            here = module_signature(data, path)
+            chained = run and int(run[-1].rpartition(".")[2]) == i - 1 and here == sig \
+                and (MODULE_PREFIX + run[-1], MODULE_PREFIX + path) in edges
+            if chained:
+                run.append(path)
+                continue
+            if len(run) >= MIN_FOLD:
+                runs.append(run)
+            run, sig = [path], here
+        if len(run) >= MIN_FOLD:
+            runs.append(run)
+    return [r for r in runs if fold_id(r)[len(FOLD_PREFIX):] not in unfolded]
+
+
+def fold_id(paths: Sequence[str]) -> str:
+    """"fold:layers.0-23" for the modules layers.0 ... layers.23."""
+    parent, _, first = paths[0].rpartition(".")
+    return f"{FOLD_PREFIX}{parent + '.' if parent else ''}{first}-{paths[-1].rpartition('.')[2]}"
+
+
+def collapse(data: GraphData, modules: Iterable[str] = (), unfolded: Iterable[str] = ()) -> ViewGraph:
+    """Contract every node under one of `modules` into a box `module:<path>`; nested choices fold into the outer one.
+
+    A collapsed module holding a single node is drawn as that node. Runs of identical collapsed sibling
+    modules (layers.0 ... layers.23, each feeding the next) are drawn as one box `fold:layers.0-23`
+    unless its id is in `unfolded`.
+    """
     collapsed = sorted(set(modules), key=lambda p: (p.count("."), p))
-    view_of: dict[str, str] = {}
-    members: dict[str, list[str]] = {}
-    ids: list[str] = []
+    owner_of: dict[str, str | None] = {}
+    sizes: dict[str, int] = {}
     for n in data.nodes:
         owner = _owner(n.module_path, collapsed) if collapsed and n.module_path else None
-        vid = MODULE_PREFIX + owner if owner else n.name
-        view_of[n.name] = vid
-        if vid not in members:
-            members[vid] = []
-            ids.append(vid)
-        members[vid].append(n.name)
-    edges = []
-    seen = set()
-    for u, v in data.edges:
-        e = (view_of[u], view_of[v])
-        if e[0] != e[1] and e not in seen:
-            seen.add(e)
-            edges.append(e)
-    return ViewGraph(tuple(ids), {k: tuple(v) for k, v in members.items()}, tuple(edges))
+        owner_of[n.name] = owner
+        if owner:
+            sizes[owner] = sizes.get(owner, 0) + 1
+    view_of = {name: MODULE_PREFIX + o if o and sizes[o] > 1 else name for name, o in owner_of.items()}
+    boxes = list(dict.fromkeys(v[len(MODULE_PREFIX):] for v in view_of.values() if v.startswith(MODULE_PREFIX)))
+    folds: dict[str, tuple[str, ...]] = {}
+    if len(boxes) >= MIN_FOLD:
+        for run in _fold_runs(data, boxes, set(_edges_between(view_of, data.edges)), set(unfolded)):
+            fid = fold_id(run)
+            folds[fid] = tuple(run)
+            inside = {MODULE_PREFIX + p for p in run}
+            view_of = {name: fid if vid in inside else vid for name, vid in view_of.items()}
+    members: dict[str, list[str]] = {}
+    for n in data.nodes:
+        members.setdefault(view_of[n.name], []).append(n.name)
+    return ViewGraph(tuple(members), {k: tuple(v) for k, v in members.items()}, _edges_between(view_of, data.edges), folds)
 
 
 AUTO_COLLAPSE_NODES = 300  # graphs larger than this open with modules collapsed
@@ -164,6 +232,18 @@ MAX_VIEW_NODES = 250  # auto-collapse aims at a drawn graph no larger than this
 def modules_at_depth(data: GraphData, depth: int) -> list[str]:
     """Module paths with `depth` dots-plus-one parts (depth 1: "layers", depth 2: "layers.0", ...)."""
     return [p for p in data.module_paths() if p.count(".") == depth - 1]
+
+
+def boxes_at_depth(data: GraphData, depth: int) -> list[str]:
+    """Modules at `depth` holding more than one node: what "collapse all at depth" collapses (a one-node module
+    is drawn as its node anyway)."""
+    counts: dict[str, int] = {}
+    for n in data.nodes:
+        parts = n.module_path.split(".") if n.module_path else []
+        if len(parts) >= depth:
+            key = ".".join(parts[:depth])
+            counts[key] = counts.get(key, 0) + 1
+    return sorted(p for p, k in counts.items() if k > 1)
 
 
 def auto_collapse(data: GraphData, max_view: int = MAX_VIEW_NODES) -> int:
@@ -260,6 +340,71 @@ def fit_labels(view: ViewGraph, pos: Mapping[str, tuple[float, float]]) -> dict[
             name = names[v]
             out[v] = name if len(name) <= room else (name[: room - 1] + "…" if room >= 4 else "")
     return out
+
+
+def clicked_view_id(event: Any) -> str | None:
+    """The view id of a plain click (one point, no box or lasso drawn), or None for anything else."""
+    try:
+        sel = event["selection"]
+        points = sel["points"]
+    except (KeyError, TypeError):
+        return None
+    if sel.get("box") or sel.get("lasso") or not points:
+        return None
+    ids = {_point_id(p) for p in points} - {None}
+    return ids.pop() if len(ids) == 1 else None
+
+
+def _point_id(p: Any) -> str | None:
+    cd = p.get("customdata") if isinstance(p, Mapping) else None
+    if isinstance(cd, (list, tuple)):
+        cd = cd[0] if cd else None
+    return cd if isinstance(cd, str) else None
+
+
+@dataclass(frozen=True)
+class ViewChange:
+    collapsed: tuple[str, ...]
+    unfolded: tuple[str, ...]
+    message: str
+
+
+def child_modules(data: GraphData, path: str) -> list[str]:
+    """Direct child modules of `path` that hold more than one node (one-node modules draw as their node anyway)."""
+    depth = path.count(".") + 1
+    counts: dict[str, int] = {}
+    for n in data.nodes:
+        if n.module_path.startswith(path + "."):
+            child = ".".join(n.module_path.split(".")[: depth + 1])
+            counts[child] = counts.get(child, 0) + 1
+    return [c for c, k in counts.items() if k > 1]
+
+
+def toggle(data: GraphData, view: ViewGraph, vid: str, collapsed: Iterable[str], unfolded: Iterable[str]) -> ViewChange:
+    """What a click on a module box, a fold or an expanded module's tag does to the view.
+
+    - a collapsed module box opens one level: its child modules become boxes (so a big block opens
+      into its parts, not into hundreds of nodes);
+    - a fold of k identical blocks shows the k blocks (each still collapsed);
+    - an expanded module's tag collapses it into one box again (and forgets what was open inside).
+    """
+    col, unf = set(collapsed), set(unfolded)
+    if vid.startswith(OPEN_PREFIX):
+        path = vid[len(OPEN_PREFIX):]
+        col = {c for c in col if not c.startswith(path + ".")} | {path}
+        unf = {u for u in unf if not u.startswith(path + ".")}
+        msg = f"collapsed {path}"
+    elif view.kind(vid) == "fold":
+        unf.add(vid[len(FOLD_PREFIX):])
+        msg = f"unfolded {len(view.folds[vid])} identical blocks {vid[len(FOLD_PREFIX):]}"
+    elif view.kind(vid) == "module":
+        path = vid[len(MODULE_PREFIX):]
+        kids = child_modules(data, path)
+        col = (col - {path}) | set(kids)
+        msg = f"expanded {path}" + (f" into {plural(len(kids), 'module box', 'module boxes')}" if kids else "")
+    else:
+        return ViewChange(tuple(sorted(col)), tuple(sorted(unf)), "")
+    return ViewChange(tuple(sorted(col)), tuple(sorted(unf)), msg)
 
 
 def selection_from_event(event: Any, view: ViewGraph) -> list[str]:

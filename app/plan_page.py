@@ -9,8 +9,10 @@ import streamlit as st
 from stagewise.app import actions, state
 from stagewise.app import graph_view as gv
 from stagewise.app.figure import FigureOptions, build_figure
+from stagewise.app.diff_view import diff_ui
 from stagewise.app.dot_view import plan_dot
 from stagewise.app.history import History
+from stagewise.app.open_view import open_modules_ui
 from stagewise.app.profile_view import measured_stage_times
 from stagewise.planner.plan import Plan, Strategy
 from stagewise.planner.table import plan_summary, plural
@@ -87,16 +89,42 @@ def _step(kind: str) -> None:
     state.save_autosave()
 
 
-def _chart_selected(key: str, collapsed: tuple[str, ...]) -> None:
+def _chart_selected(key: str, collapsed: tuple[str, ...], unfolded: tuple[str, ...]) -> None:
+    """A click or box/lasso selection on the graph.
+
+    A plain click on a collapsed module box expands it one level, on a fold of repeated
+    modules unfolds it, on an expanded module's "▾" tag collapses it; a click on a node,
+    and every box or lasso selection, adds to the selection.
+    """
     ref = state.model_ref()
     if ref is None:
         return
-    view, _ = state.view_and_layout(ref, collapsed)
-    picked = gv.selection_from_event(st.session_state.get(key), view)
+    view = state.view_of(ref, collapsed, unfolded)
+    event = st.session_state.get(key)
+    clicked = gv.clicked_view_id(event)
+    if clicked is not None and (clicked.startswith(gv.OPEN_PREFIX) or view.kind(clicked) != "node"):
+        loaded = state.current()
+        change = gv.toggle(loaded.data, view, clicked, collapsed, unfolded)
+        st.session_state.collapsed, st.session_state.unfolded = list(change.collapsed), list(change.unfolded)
+        state.flash("info", change.message)
+        return
+    picked = gv.selection_from_event(event, view)
     # Each redraw resets Plotly's own selection, so clicks add to ours; an empty
     # selection event (Plotly's deselect) clears it.
     current = list(st.session_state.get("selection", []))
     st.session_state.selection = list(dict.fromkeys(current + picked)) if picked else []
+
+
+def _collapse_to_depth() -> None:
+    m = state.current()
+    depth = st.session_state.get("collapse_depth", 0)
+    if m is not None:
+        st.session_state.collapsed = gv.boxes_at_depth(m.data, depth) if depth else []
+        st.session_state.unfolded = []
+
+
+def _expand_all() -> None:
+    st.session_state.collapsed, st.session_state.unfolded, st.session_state.collapse_depth = [], [], 0
 
 
 def _table_selected(key: str, stage_ids: tuple[str, ...]) -> None:
@@ -118,24 +146,30 @@ def summary_ui(plan: Plan, loaded: state.Loaded, ref: state.ModelRef) -> None:
                 f" · precision {plan.dtype}")
 
 
-def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str]]:
-    """Module collapse and search; returns (collapsed module paths, search hits)."""
+def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str], list[str]]:
+    """Module collapse and search; returns (collapsed module paths, unfolded folds, search hits).
+
+    `collapsed` in the session is the truth (clicks on the graph change it); the depth control
+    and "Expand all" rewrite it in one step, and the multiselect shows and edits it directly.
+    """
     modules = data.module_paths()
     depths = sorted({m.count(".") + 1 for m in modules})
     if st.session_state.get("collapse_depth", 0) not in [0] + depths:
         st.session_state.collapse_depth = 0
     st.session_state.collapsed = [m for m in st.session_state.get("collapsed", []) if m in modules]
-    c0, c1, c2, c3 = st.columns([1.2, 2.3, 2, 1], vertical_alignment="bottom")
-    depth = c0.selectbox("Collapse modules at depth", [0] + depths, key="collapse_depth",
-                         format_func=lambda d: "none" if d == 0 else f"{d} (e.g. {gv.modules_at_depth(data, d)[0]})",
-                         help="Draw every nn.Module at this nesting depth as one square; selecting a square selects its nodes")
-    extra = c1.multiselect("Also collapse", modules, key="collapsed", placeholder="module paths")
-    query = c2.text_input("Search nodes", key="search", placeholder="name, op target or module path")
+    unfolded = list(st.session_state.get("unfolded", []))
+    c0, c1, c2, c3, c4 = st.columns([1.3, 0.8, 2.2, 2, 1], vertical_alignment="bottom")
+    c0.selectbox("Collapse all modules at depth", [0] + depths, key="collapse_depth", on_change=_collapse_to_depth,
+                 format_func=lambda d: "none" if d == 0 else f"{d} (e.g. {gv.modules_at_depth(data, d)[0]})",
+                 help="Draw every nn.Module at this nesting depth as one box; click a box to expand it in place")
+    c1.button("Expand all", on_click=_expand_all, disabled=not st.session_state.collapsed, width="stretch")
+    c2.multiselect("Collapsed modules", modules, key="collapsed", placeholder="none: every node drawn",
+                   help="Clicking a module box on the graph expands it; its ▾ tag collapses it again")
+    query = c3.text_input("Search nodes", key="search", placeholder="name, op target or module path")
     hits = gv.search(data, query)
-    c3.button(f"Select {len(hits)} hits", disabled=not hits, on_click=_select_matches, args=(tuple(hits),),
+    c4.button(f"Select {len(hits)} hits", disabled=not hits, on_click=_select_matches, args=(tuple(hits),),
               width="stretch")
-    collapsed = sorted(set(extra) | set(gv.modules_at_depth(data, depth) if depth else []))
-    return collapsed, hits
+    return sorted(st.session_state.collapsed), sorted(unfolded), hits
 
 
 def selection_ui(plan: Plan, data: gv.GraphData) -> list[str]:
@@ -195,24 +229,27 @@ def pending_ui() -> None:
         c[2].button("Cancel", on_click=_apply_pending, args=("cancel",), key="pending_cancel")
 
 
-def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: list[str], hits: list[str],
-             selection: list[str]) -> None:
-    view, pos = state.view_and_layout(ref, collapsed)
+def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: list[str], unfolded: list[str],
+             hits: list[str], selection: list[str]) -> None:
+    view = state.view_of(ref, collapsed, unfolded)
     expanded_sel = set(view.expand(selection)) | set(selection)
     for s in plan.stages:
         if s.id in expanded_sel:
             expanded_sel |= set(s.nodes)
     times = measured_stage_times(plan, plan.profile) if st.session_state.get("color_by_time") and plan.profile else None
-    fig = build_figure(data, view, pos, plan, FigureOptions(
+    fig = build_figure(data, view, plan, FigureOptions(
         selected=frozenset(expanded_sel), highlighted=frozenset(hits), stage_times=times))
-    key = f"chart_{st.session_state.get('view_version', 0)}_{abs(hash(tuple(sorted(collapsed)))) % 10**8}"
-    st.plotly_chart(fig, key=key, on_select=partial(_chart_selected, key, tuple(sorted(collapsed))),
-                    selection_mode=("points", "box", "lasso"), config={"displaylogo": False, "scrollZoom": True})
-    legend = ("Colour = measured stage time (open grey = not measured in the attached profile)" if times is not None
-              else "Colour = stage (kept across edits; never red or grey), filled = runs batched")
-    st.caption(f"Top to bottom = data flow. {legend}; grey square with a cross = runs as a member loop; "
-               "red outline = cannot be batched (hover for why); black ring = selected. Click nodes to add them to "
-               "the selection, box/lasso (chart toolbar) to add many; clear it with ✕ in the selection box.")
+    key = f"chart_{st.session_state.get('view_version', 0)}_{abs(hash((tuple(collapsed), tuple(unfolded)))) % 10**8}"
+    # scrollZoom off: the mouse wheel scrolls the page (a tall graph must not trap it); zoom is in the toolbar
+    st.plotly_chart(fig, key=key, on_select=partial(_chart_selected, key, tuple(collapsed), tuple(unfolded)),
+                    selection_mode=("points", "box", "lasso"), config={"displaylogo": False, "scrollZoom": False})
+    legend = ("Colour = measured stage time (dotted open boxes = not measured in the attached profile)" if times is not None
+              else "Shaded region and colour = stage (kept across edits; never red or grey)")
+    st.caption(f"Top to bottom = data flow. {legend}; hatched grey, dashed = runs as a member loop; "
+               "red outline = cannot be batched (hover for why); black outline = selected. Click a node to add it to "
+               "the selection, drag a box (or lasso) to add many; click a bold ▸ module box to expand it, its ▾ tag "
+               "to collapse it again; ×k boxes are k identical blocks, click to unfold. The wheel scrolls the page; "
+               "zoom with the toolbar.")
 
 
 def stage_rows(plan: Plan, data: gv.GraphData) -> pd.DataFrame:
@@ -253,10 +290,10 @@ def history_ui(h: History) -> None:
             st.text(f"{mark} {i}: {label}")
 
 
-def graphviz_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: list[str]) -> None:
+def graphviz_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: list[str], unfolded: list[str]) -> None:
     if not st.toggle("Static Graphviz view", key="show_dot"):
         return
-    view, _ = state.view_and_layout(ref, collapsed)
+    view = state.view_of(ref, collapsed, unfolded)
     dot = plan_dot(data, view, plan)
     st.graphviz_chart(dot, width="content")
     st.download_button("Download .dot", dot, file_name=f"{plan.model or 'plan'}.dot".replace("/", "_"), mime="text/vnd.graphviz")
@@ -271,15 +308,17 @@ def plan_page() -> None:
     loaded = state.current()
     plan = h.present
     summary_ui(plan, loaded, ref)
+    open_modules_ui()
     if loaded.graph.tracer != "fx":
         st.caption(f"Traced with torch.export: {loaded.graph.tracer_note}")
-    collapsed, hits = view_options_ui(loaded.data)
+    collapsed, unfolded, hits = view_options_ui(loaded.data)
     selection = selection_ui(plan, loaded.data)
     actions_ui(plan, selection)
     left, right = st.columns([3, 2])
     with left:
-        graph_ui(loaded.data, plan, ref, collapsed, hits, selection)
+        graph_ui(loaded.data, plan, ref, collapsed, unfolded, hits, selection)
     with right:
         stage_table_ui(plan, loaded.data)
         history_ui(h)
-    graphviz_ui(loaded.data, plan, ref, collapsed)
+    graphviz_ui(loaded.data, plan, ref, collapsed, unfolded)
+    diff_ui(h, loaded.data, collapsed)

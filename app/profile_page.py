@@ -213,15 +213,15 @@ def results_ui(plan, loaded, ref) -> None:
         st.dataframe(table_cells(rows), hide_index=True, width="stretch")
     times = measured_stage_times(plan, report)
     if stage_times(report):
-        view, pos = state.view_and_layout(ref, ())
+        view = state.view_of(ref, st.session_state.get("collapsed", []), st.session_state.get("unfolded", []))
         st.markdown("**Graph coloured by measured stage time**")
         unmeasured = [s.id for s in plan.stages if s.id not in times]
         if unmeasured:
-            st.caption(f"Open grey markers: {plural(len(unmeasured), 'stage')} of the current plan "
+            st.caption(f"Open dotted boxes: {plural(len(unmeasured), 'stage')} of the current plan "
                        f"({', '.join(unmeasured[:8])}{' …' if len(unmeasured) > 8 else ''}) "
                        f"{'was' if len(unmeasured) == 1 else 'were'} not measured as {'it is' if len(unmeasured) == 1 else 'they are'} "
                        "in this report (another N, an autotuned merge, or an edit since).")
-        gfig = build_figure(loaded.data, view, pos, plan, FigureOptions(stage_times=times, height=520))
+        gfig = build_figure(loaded.data, view, plan, FigureOptions(stage_times=times))
         st.plotly_chart(gfig, key="time_graph")
     sweep = sweep_rows(reports)
     if len(sweep) > 1:

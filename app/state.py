@@ -101,15 +101,16 @@ def loaded(ref: ModelRef) -> Loaded:
 
 @st.cache_resource(max_entries=32)
 def _view(path: str, weights: tuple[str, ...], digest: str, trust_archive: bool,
-          collapsed: tuple[str, ...]) -> tuple[gv.ViewGraph, dict]:
-    data = _load(path, weights, digest, trust_archive).data
-    view = gv.collapse(data, collapsed)
-    return view, gv.view_layout(view)
+          collapsed: tuple[str, ...], unfolded: tuple[str, ...], opened: tuple[str, ...] = ()) -> gv.ViewGraph:
+    data = _load(path, weights, digest, trust_archive, opened).data
+    return gv.collapse(data, collapsed, unfolded)
 
 
-def view_and_layout(ref: ModelRef, collapsed: Sequence[str]) -> tuple[gv.ViewGraph, dict]:
-    """The drawn graph and its layout, cached per model digest and collapse choice."""
-    return _view(ref.path, ref.weights, ref.digest(), ref.trust_archive, tuple(sorted(collapsed)))
+def view_of(ref: ModelRef, collapsed: Sequence[str] = (), unfolded: Sequence[str] = ()) -> gv.ViewGraph:
+    """The drawn graph (collapsed modules, folded repeats), cached per model digest and view choice.
+    Its layout is cached by app.dot_layout per drawn graph (edits to the plan never move a node)."""
+    return _view(ref.path, ref.weights, ref.digest(), ref.trust_archive, tuple(sorted(collapsed)), tuple(sorted(unfolded)),
+                 ref.opened)
 
 
 # -- access: the token `stagewise ui` made (app/launch.py) ---------------------------------
@@ -383,8 +384,10 @@ def _install(ref: ModelRef, history: History, data: gv.GraphData) -> None:
     ss().model_ref = ref
     ss().history = history
     ss().selection = []
-    ss().collapsed = []
-    ss().collapse_depth = gv.auto_collapse(data) if len(data.nodes) > gv.AUTO_COLLAPSE_NODES else 0
+    depth = gv.auto_collapse(data) if len(data.nodes) > gv.AUTO_COLLAPSE_NODES else 0
+    ss().collapse_depth = depth  # what the "collapse all at depth" control shows; `collapsed` is the truth
+    ss().collapsed = gv.boxes_at_depth(data, depth) if depth else []
+    ss().unfolded = []
     bump_view()
 
 

@@ -77,6 +77,42 @@ def residual_graph() -> FakeGraph:
     return FakeGraph(g, [n for n, _, _ in spec])
 
 
+def transformer_like_graph(blocks: int = 6) -> FakeGraph:
+    """x -> `blocks` pre-LN blocks (attention with q/k/v and a residual add, then an MLP with a residual add) -> output."""
+    g = nx.DiGraph()
+    order: list[str] = []
+
+    def node(name: str, module_path: str = "", op: str = "call_module", target: str = "") -> str:
+        g.add_node(name, **dict(_attrs(name, op, module_path), target=target or (f"{module_path} (Linear)" if op == "call_module" else name)))
+        order.append(name)
+        return name
+
+    prev = node("x", op="placeholder")
+    for i in range(blocks):
+        p = f"layers.{i}"
+        ln = node(f"layers_{i}_ln1", f"{p}.ln1")
+        g.add_edge(prev, ln)
+        qkv = [node(f"layers_{i}_{k}", f"{p}.{k}") for k in "qkv"]
+        for q in qkv:
+            g.add_edge(ln, q)
+        att = node(f"sdpa_{i}", p, "call_function", "scaled_dot_product_attention")
+        for q in qkv:
+            g.add_edge(q, att)
+        proj = node(f"layers_{i}_proj", f"{p}.proj")
+        g.add_edge(att, proj)
+        add = node(f"add_{2 * i}", p, "call_function", "add")
+        g.add_edges_from([(prev, add), (proj, add)])
+        ln2 = node(f"layers_{i}_ln2", f"{p}.ln2")
+        fc1 = node(f"layers_{i}_fc1", f"{p}.ffn.fc1")
+        fc2 = node(f"layers_{i}_fc2", f"{p}.ffn.fc2")
+        g.add_edges_from([(add, ln2), (ln2, fc1), (fc1, fc2)])
+        prev = node(f"add_{2 * i + 1}", p, "call_function", "add")
+        g.add_edges_from([(add, prev), (fc2, prev)])
+    out = node("output", op="output")
+    g.add_edge(prev, out)
+    return FakeGraph(g, order)
+
+
 def residual_plan() -> Plan:
     return Plan(
         fingerprint="fake", tracer="fx", n_members=4, inputs=(InputSpec("x"),),

@@ -1,12 +1,10 @@
 """Layout, collapse, search and figure building on small fakes (no streamlit, no tracing)."""
 from __future__ import annotations
 
-import time
-
 from app_fakes import random_dag, residual_graph, residual_plan
 
 from stagewise.app import graph_view as gv
-from stagewise.app.figure import FigureOptions, build_figure
+from stagewise.app.figure import FigureOptions, build_figure, drawing_of
 from stagewise.app.dot_view import plan_dot
 from stagewise.app.layout import layered_layout, layers_of
 from stagewise.planner.plan import Stage, StageMode
@@ -53,30 +51,91 @@ def test_search_matches_name_target_and_module():
     assert gv.search(data, "  ") == []
 
 
-def test_figure_has_a_trace_per_stage_with_node_ids_in_customdata():
+def _trace(fig, name):
+    return next(t for t in fig.data if t.name == name)
+
+
+def test_figure_draws_regions_boxes_and_hit_points_per_stage():
     data, plan = gv.graph_data(residual_graph()), residual_plan()
     view = gv.collapse(data)
-    fig = build_figure(data, view, gv.view_layout(view), plan, FigureOptions(selected=frozenset({"add"})))
+    fig = build_figure(data, view, plan, FigureOptions(selected=frozenset({"add"})))
     names = [t.name for t in fig.data]
-    assert names[1:] == ["s0 · batched (vmap) · 4 nodes", "s1 · member loop · 1 node", "s2 · batched (vmap) · 1 node",
-                         "inputs / outputs", "selected"]
-    ids = [c for t in fig.data[1:-1] for c in t.customdata]
-    assert sorted(ids) == sorted(view.ids)
-    excluded = fig.data[2]
-    assert excluded.marker.color == gv.EXCLUDED_FILL and excluded.marker.symbol[0] == "square-x"
-    assert "not batchable</b>: calls .item()" in excluded.hovertext[0]
-    ring = next(t for t in fig.data if t.name == "selected")
-    assert list(ring.customdata) == ["add"]  # selection ring drawn over the node
+    # the stage regions come first and carry the legend
+    assert names[:3] == ["s0 · batched (vmap) · 4 nodes", "s1 · member loop · 1 node", "s2 · batched (vmap) · 1 node"]
+    hits = [t for t in fig.data if t.name.endswith(" nodes") and t.mode == "markers"]
+    assert sorted(set(c for t in hits for c in t.customdata)) == sorted(view.ids)  # every box answers clicks
+    loop = _trace(fig, "s1 · member loop · 1 node")
+    assert loop.fillpattern.shape == "/" and loop.line.dash == "dash"  # hatched and dashed, never a stage colour
+    assert _trace(fig, "s1 boxes").fillcolor == gv.EXCLUDED_FILL
+    assert "not batchable</b>: calls .item()" in _trace(fig, "s1 nodes").hovertext[0]
+    assert _trace(fig, "cannot batch").line.color == gv.CANNOT_BATCH
+    assert _trace(fig, "selected").line.color == "#000000"
+    labels = _trace(fig, "labels")
+    assert "<b>add</b>" in labels.text[list(view.ids).index("add")]
+
+
+def test_every_edge_is_drawn_with_an_arrow_and_skip_edges_are_routed():
+    data, plan = gv.graph_data(residual_graph()), residual_plan()
+    view = gv.collapse(data)
+    d = drawing_of(data, view)
+    assert {(e.tail, e.head) for e in d.edges} == set(view.edges)
+    assert all(len(e.arrow) == 4 for e in d.edges)
+    fig = build_figure(data, view, plan)
+    assert sum(1 for v in _trace(fig, "edges").x if v is None) == len(view.edges)
+    # the skip edge x -> add does not run through the boxes of the block it skips
+    skip = next(e for e in d.edges if (e.tail, e.head) == ("x", "add"))
+    for vid in ("block_fc1", "block_act", "block_fc2"):
+        b = d.boxes[vid]
+        inside = [p for p in skip.path if abs(p[0] - b.x) < b.w / 2 and abs(p[1] - b.y) < b.h / 2]
+        assert not inside, f"x -> add crosses {vid}"
+
+
+def test_layout_does_not_move_nodes_when_the_plan_changes():
+    data, plan = gv.graph_data(residual_graph()), residual_plan()
+    view = gv.collapse(data)
+    merged = plan.with_stages([Stage("s0", plan.stages[0].nodes + plan.stages[1].nodes + plan.stages[2].nodes,
+                                     StageMode.EXCLUDED, reason="r")])
+    before = _trace(build_figure(data, view, plan), "labels")
+    after = _trace(build_figure(data, view, merged), "labels")
+    assert list(before.x) == list(after.x) and list(before.y) == list(after.y)
+
+
+def test_stage_regions_hug_their_boxes():
+    from stagewise.app.dot_layout import Box, regions
+
+    boxes = {"a": Box(50, 100, 40, 20), "b": Box(50, 60, 40, 20), "c": Box(120, 60, 40, 20), "d": Box(50, 20, 40, 20)}
+    shapes = regions(boxes, {"s": ["a", "b", "c"], "t": ["d"]}, pad=5)
+    (poly,) = shapes["s"]  # rows a and b+c are adjacent: one staircase polygon
+    xs, ys = [p[0] for p in poly], [p[1] for p in poly]
+    assert min(xs) == 25 and max(xs) == 145 and max(ys) == 115 and min(ys) == 45
+    assert poly[0] == poly[-1]
+    # the row of a spans only a (25..75), the row of b and c spans both
+    assert (75, 115) in poly and (145, 45) in poly
+    assert len(shapes["t"]) == 1
+
+
+def test_the_spine_runs_straight_down():
+    from app_fakes import transformer_like_graph
+
+    data = gv.graph_data(transformer_like_graph(blocks=6))
+    view = gv.collapse(data)
+    d = drawing_of(data, view)
+    if d.engine != "dot":
+        import pytest
+        pytest.skip("the Graphviz dot program is not installed")
+    adds = [n.name for n in data.nodes if n.name.startswith("add")]
+    assert len({round(d.boxes[a].x) for a in adds}) == 1, "the residual stream should be one straight column"
+    assert d.width < 600
 
 
 def test_figure_colours_by_measured_time():
     data, plan = gv.graph_data(residual_graph()), residual_plan()
     view = gv.collapse(data)
-    fig = build_figure(data, view, gv.view_layout(view), plan, FigureOptions(stage_times={"s0": 2.0, "s1": 5.0}))
-    assert fig.data[2].name == "s1: 5 ms" and fig.data[3].name == "s2: not measured"
-    unmeasured = fig.data[3]  # open white marker, off the colour scale: it cannot read as fast
-    assert unmeasured.marker.color == gv.UNMEASURED_FILL and unmeasured.marker.colorscale is None
-    assert fig.data[1].marker.showscale and not fig.data[2].marker.showscale
+    fig = build_figure(data, view, plan, FigureOptions(stage_times={"s0": 2.0, "s1": 5.0}))
+    assert fig.data[1].name == "s1: 5 ms" and fig.data[2].name == "s2: not measured"
+    unmeasured = _trace(fig, "s2 boxes")  # white, dotted: no colour on the time scale, so it cannot read as fast
+    assert unmeasured.fillcolor == gv.UNMEASURED_FILL and unmeasured.line.dash == "dot"
+    assert _trace(fig, "s1 boxes").fillcolor != _trace(fig, "s0 boxes").fillcolor
 
 
 def test_stage_colours_follow_the_stage_not_its_position():
@@ -102,11 +161,11 @@ def test_an_excluded_stage_run_wide_is_drawn_batched():
     wide = plan.with_stages([plan.stages[0], Stage("s1", ("item",), StageMode.EXCLUDED, reason="calls .item()",
                                                    options=StageOptions(strategy=Strategy.WIDE)), plan.stages[2]])
     view = gv.collapse(data)
-    fig = build_figure(data, view, gv.view_layout(view), wide)
-    s1 = fig.data[2]
+    fig = build_figure(data, view, wide)
+    s1 = fig.data[1]
     assert s1.name == "s1 · batched (wide) · 1 node"
-    assert s1.marker.color == gv.stage_colors(wide)["s1"] and s1.marker.symbol[0] == "circle"
-    assert "batched (wide), excluded from vmap" in s1.hovertext[0]
+    assert s1.line.color == gv.stage_colors(wide)["s1"] and s1.line.dash == "solid" and s1.fillpattern.shape is None
+    assert "batched (wide), excluded from vmap" in _trace(fig, "s1 nodes").hovertext[0]
 
 
 def test_measured_times_land_only_on_stages_measured_as_they_are():
@@ -131,7 +190,7 @@ def test_selection_event_maps_points_to_nodes():
     assert gv.selection_from_event(None, view) == []
 
 
-def test_thousand_node_graph_lays_out_and_draws_fast():
+def test_thousand_node_graph_draws_every_box_and_edge():
     from stagewise.planner.plan import Plan, Stage, InputSpec
 
     g = random_dag(1000)
@@ -139,15 +198,12 @@ def test_thousand_node_graph_lays_out_and_draws_fast():
     names = [n.name for n in data.nodes]
     plan = Plan("random1000", "fx", 4, (InputSpec("x"),),
                 tuple(Stage(f"s{i}", tuple(names[j:j + 10])) for i, j in enumerate(range(0, 1000, 10))))
-    t0 = time.perf_counter()
+    # how fast: benchmarks/graph_view.py (timings are measured there, not asserted here)
     view = gv.collapse(data)
-    pos = gv.view_layout(view)
-    t1 = time.perf_counter()
-    fig = build_figure(data, view, pos, plan, FigureOptions(selected=frozenset(names[:5])))
-    fig.to_json()
-    t2 = time.perf_counter()
-    assert t1 - t0 < 3.0, f"layout took {t1 - t0:.2f}s"
-    assert t2 - t1 < 3.0, f"figure after layout took {t2 - t1:.2f}s"
+    fig = build_figure(data, view, plan, FigureOptions(selected=frozenset(names[:5])))
+    hits = {c for t in fig.data if t.mode == "markers" and t.name.endswith(" nodes") for c in t.customdata}
+    assert hits == set(view.ids)
+    assert sum(1 for v in next(t for t in fig.data if t.name == "edges").x if v is None) == len(view.edges)
 
 
 def test_dot_has_a_cluster_per_stage_and_dashed_excluded():
