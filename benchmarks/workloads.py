@@ -1,7 +1,8 @@
 """The benchmark workloads: sample models at the sizes the issue names.
 
 Each workload is one model file, a member count N and an input mode. The
-sample files already have the benchmark shapes (batch, width, sequence).
+sample files already have the benchmark shapes (batch, width, sequence); models that
+are benchmarks only (not samples every test runs) live in benchmarks/models/.
 """
 from __future__ import annotations
 
@@ -31,4 +32,6 @@ WORKLOADS = [
     Workload("conv resblock 64ch 16x16, N=20, b8", "sample_models/resblock.py", 20, "shared"),
     Workload("transformer block d64 h4 s16, N=16, b8", "sample_models/transformer_block.py", 16, "shared"),
     Workload("GRU h64 32 steps, N=16, b8", "sample_models/gru.py", 16, "shared"),
+    Workload("LSTM h64 32 steps, N=16, b8", "benchmarks/models/lstm.py", 16, "shared"),
+    Workload("nn.TransformerEncoderLayer d64 h4 s16, N=16, b8", "benchmarks/models/transformer_encoder.py", 16, "shared"),
 ]

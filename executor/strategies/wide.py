@@ -7,8 +7,9 @@ inside the stage a batched value is `NFirst(t)`, t = [N, *member_shape].
 
 Because every node with a wide rule runs without vmap, this strategy also runs
 stages that were excluded because vmap has no batching rule for one of their
-ops (scaled_dot_product_attention and nn.GRU on CPU): `wide_rule_gaps`
-says which nodes of a stage would still need vmap.
+ops (scaled_dot_product_attention, nn.GRU, nn.LSTM on CPU; nn.MultiheadAttention and
+nn.TransformerEncoder(Layer), which vmap runs only through its slow per-member fallback):
+`wide_rule_gaps` says which nodes of a stage would still need vmap.
 
 The node program is built once per runner (WideRunner._compile_program): per call
 only tensor ops and a closure per node run. nn.Linear is one baddbmm against

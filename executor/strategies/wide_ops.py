@@ -285,25 +285,31 @@ def linear(x: Any, weight: Any, bias: Any, n: int) -> torch.Tensor:
         if not is_nf(x):
             y = y.unsqueeze(0).expand(n, *y.shape)
         return y + bias.t.reshape(n, *([1] * (y.dim() - 2)), -1) if is_nf(bias) else y
-    w = weight.t  # [N, out, in]
-    out_f, in_f = w.shape[1], w.shape[2]
+    return gemm(x, relaid(weight.t, "bmm"), bias, n)
+
+
+def gemm(x: Any, wt: torch.Tensor, bias: Any, n: int) -> torch.Tensor:
+    """y[m] = x[m] @ wt[m] + b[m] with weights already [N, in, out] (any strides: a column slice of
+    a relaid packed weight, e.g. the q part of attention's [N, E, 3E], needs no copy). Returns [N, *batch, out].
+
+    Batched x [N, *batch, in]: one baddbmm over [N, M, in] x [N, in, out].
+    Shared x [*batch, in]: the same baddbmm with x broadcast over members (no copy).
+    """
+    in_f, out_f = wt.shape[1], wt.shape[2]
     b = bias.t if is_nf(bias) else (bias.unsqueeze(0).expand(n, -1) if bias is not None else None)
     if is_nf(x):
         t = x.t
         batch = t.shape[1:-1]
         x3 = t.reshape(n, -1, in_f)
-        wt = relaid(w, "bmm")
-        y = torch.baddbmm(b.unsqueeze(1), x3, wt) if b is not None else torch.bmm(x3, wt)
-        return y.view(n, *batch, out_f)
-    # shared x: the same input for every member, broadcast (stride 0, no copy) into one baddbmm.
-    # Measured faster on CPU than one GEMM against the concatenated weights ([M, in] x [in, N*out]),
-    # whose [M, N, out] result leaves the next layer a strided N-first view (MLP N=100: 1.66 vs 1.87 ms;
-    # re-measured with the activation in place, Linear+ReLU+Linear: 1.51 vs 1.57 ms on one thread,
-    # 1.03 vs 1.99 ms on two, where MKL splits the single M=32 GEMM poorly; a copy to contiguous
-    # [N, M, out] for the next layer is slower still)
-    batch = x.shape[:-1]
-    x3 = x.reshape(1, -1, in_f).expand(n, -1, -1)
-    wt = relaid(w, "bmm")
+    else:
+        # shared x: the same input for every member, broadcast (stride 0, no copy) into one baddbmm.
+        # Measured faster on CPU than one GEMM against the concatenated weights ([M, in] x [in, N*out]),
+        # whose [M, N, out] result leaves the next layer a strided N-first view (MLP N=100: 1.66 vs 1.87 ms;
+        # re-measured with the activation in place, Linear+ReLU+Linear: 1.51 vs 1.57 ms on one thread,
+        # 1.03 vs 1.99 ms on two, where MKL splits the single M=32 GEMM poorly; a copy to contiguous
+        # [N, M, out] for the next layer is slower still)
+        batch = x.shape[:-1]
+        x3 = x.reshape(1, -1, in_f).expand(n, -1, -1)
     y = torch.baddbmm(b.unsqueeze(1), x3, wt) if b is not None else torch.bmm(x3, wt)
     return y.view(n, *batch, out_f)
 
