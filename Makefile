@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 MODEL  ?= sample_models/transformer_block.py
 
-.PHONY: run test test-gpu bench browser-deps clean plan mutation
+.PHONY: run test test-gpu bench bench-graph browser-deps clean plan mutation
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ test-gpu:
 
 bench: $(VENV)/.installed
 	$(BIN)/python -m benchmarks.run
+
+# How fast the Plan page's graph draws (100 / 1,000 / 5,000 nodes), server side and in headless Chromium.
+bench-graph: $(VENV)/.installed-test browser-deps
+	$(BIN)/python -m benchmarks.graph_view --browser
 
 # Mutation testing of the checking core, not part of `make test`: mutmut ([tool.mutmut] in pyproject.toml)
 # changes one thing at a time in executor/verify.py, planner/validate.py, planner/edits.py,

@@ -186,7 +186,7 @@ def _fold_runs(data: GraphData, boxes: Sequence[str], edges: set[tuple[str, str]
             run, sig = [path], here
         if len(run) >= MIN_FOLD:
             runs.append(run)
-    return [r for r in runs if fold_id(r)[len(FOLD_PREFIX):] not in unfolded]
+    return [r for r in runs if r[0].rpartition(".")[0] not in unfolded]
 
 
 def fold_id(paths: Sequence[str]) -> str:
@@ -200,7 +200,7 @@ def collapse(data: GraphData, modules: Iterable[str] = (), unfolded: Iterable[st
 
     A collapsed module holding a single node is drawn as that node. Runs of identical collapsed sibling
     modules (layers.0 ... layers.23, each feeding the next) are drawn as one box `fold:layers.0-23`
-    unless its id is in `unfolded`.
+    unless their parent ("layers") is in `unfolded`.
     """
     collapsed = sorted(set(modules), key=lambda p: (p.count("."), p))
     owner_of: dict[str, str | None] = {}
@@ -392,10 +392,10 @@ def toggle(data: GraphData, view: ViewGraph, vid: str, collapsed: Iterable[str],
     if vid.startswith(OPEN_PREFIX):
         path = vid[len(OPEN_PREFIX):]
         col = {c for c in col if not c.startswith(path + ".")} | {path}
-        unf = {u for u in unf if not u.startswith(path + ".")}
+        unf = {u for u in unf if u != path and not u.startswith(path + ".")}
         msg = f"collapsed {path}"
     elif view.kind(vid) == "fold":
-        unf.add(vid[len(FOLD_PREFIX):])
+        unf.add(view.folds[vid][0].rpartition(".")[0])  # the parent: its blocks stay unfolded while others open
         msg = f"unfolded {len(view.folds[vid])} identical blocks {vid[len(FOLD_PREFIX):]}"
     elif view.kind(vid) == "module":
         path = vid[len(MODULE_PREFIX):]

@@ -247,7 +247,7 @@ def graph_ui(data: gv.GraphData, plan: Plan, ref: state.ModelRef, collapsed: lis
               else "Shaded region and colour = stage (kept across edits; never red or grey)")
     st.caption(f"Top to bottom = data flow. {legend}; hatched grey, dashed = runs as a member loop; "
                "red outline = cannot be batched (hover for why); black outline = selected. Click a node to add it to "
-               "the selection, drag a box (or lasso) to add many; click a bold ▸ module box to expand it, its ▾ tag "
+               "the selection, box or lasso (chart toolbar) to add many; click a bold ▸ module box to expand it, its ▾ tag "
                "to collapse it again; ×k boxes are k identical blocks, click to unfold. The wheel scrolls the page; "
                "zoom with the toolbar.")
 

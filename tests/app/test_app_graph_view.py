@@ -24,7 +24,7 @@ def test_identical_blocks_in_a_chain_fold_into_one_box():
     assert view.kind(fid) == "fold" and view.kind("x") == "node"
     assert ("x", fid) in view.edges
     # unfolded, the six blocks are boxes of their own again
-    unfolded = gv.collapse(data, layers, unfolded=["layers.0-5"])
+    unfolded = gv.collapse(data, layers, unfolded=["layers"])
     assert not unfolded.folds and sum(v.startswith(gv.MODULE_PREFIX) for v in unfolded.ids) == 6
 
 
@@ -56,13 +56,14 @@ def test_clicks_expand_unfold_and_collapse():
     assert list(view.folds) == ["fold:layers.0-5"]
     # a click on the fold shows the six blocks
     ch = gv.toggle(data, view, "fold:layers.0-5", ch.collapsed, ch.unfolded)
-    assert ch.unfolded == ("layers.0-5",)
+    assert ch.unfolded == ("layers",)
     view = gv.collapse(data, ch.collapsed, ch.unfolded)
     # a click on block 2 opens it: its parts with more than one node (ffn) become boxes, the rest are nodes
     ch = gv.toggle(data, view, "module:layers.2", ch.collapsed, ch.unfolded)
     assert "layers.2" not in ch.collapsed and "layers.2.ffn" in ch.collapsed
     view = gv.collapse(data, ch.collapsed, ch.unfolded)
     assert "layers_2_q" in view.ids and "module:layers.2.ffn" in view.ids
+    assert not view.folds and "module:layers.4" in view.ids  # the other blocks stay unfolded
     # the tag of an expanded module collapses it again, with everything inside
     ch = gv.toggle(data, view, gv.OPEN_PREFIX + "layers", ch.collapsed, ch.unfolded)
     assert ch.collapsed == ("layers",) and ch.unfolded == ()

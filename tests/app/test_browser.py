@@ -53,11 +53,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STACK = ROOT / "tests" / "app" / "models" / "transformer_stack.py"  # 24 identical blocks, 652 nodes
+
+
 @pytest.fixture
-def server(tmp_path):
+def server(tmp_path, request):
+    model = getattr(request, "param", MODEL)
     port = _free_port()
     token = launch.new_token()
-    env = launch.environment(MODEL)  # exactly what `stagewise ui MODEL` runs, from another directory
+    env = launch.environment(model)  # exactly what `stagewise ui MODEL` runs, from another directory
     env[launch.TOKEN_ENV] = token
     env["STAGEWISE_AUTOSAVE"] = str(tmp_path / "autosave.json")
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
@@ -166,6 +170,56 @@ def test_click_select_and_merge_in_chromium(server):
             stranger.screenshot(path=str(ARTIFACTS / "no_token_refused.png"))
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "failure.png"))  # what the browser showed when it failed
+            raise
+        finally:
+            browser.close()
+
+
+def _wait_for_box(page, vid: str) -> None:
+    page.wait_for_function("(id) => { const gd = document.querySelector('.js-plotly-plot');"
+                           " return gd && gd.data && gd.data.some(t => (t.customdata || []).includes(id)); }",
+                           arg=vid, timeout=WAIT_MS)
+    page.wait_for_timeout(800)
+
+
+@pytest.mark.parametrize("server", [STACK], indirect=True)
+def test_click_expands_and_collapses_modules_and_the_wheel_scrolls(server):
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium (apt-get install chromium, or `make test` as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        try:
+            page.goto(server)
+            # a big graph opens collapsed, and the 24 identical blocks are one box
+            _wait_for_box(page, "fold:layers.0-23")
+            page.screenshot(path=str(ARTIFACTS / "stack_folded.png"))
+            _click_node(page, "fold:layers.0-23")
+            _wait_for_box(page, "module:layers.5")  # unfolded: one box per block
+            assert page.evaluate(POINT_JS, "fold:layers.0-23") is None
+            _click_node(page, "module:layers.5")
+            _wait_for_box(page, "layers_5_q")  # expanded in place: its nodes are drawn, the other blocks stay boxes
+            assert page.evaluate(POINT_JS, "module:layers.4") is not None
+            page.screenshot(path=str(ARTIFACTS / "stack_block_expanded.png"))
+            _click_node(page, "open:layers.5")  # its tag collapses it again
+            _wait_for_box(page, "module:layers.5")
+            assert page.evaluate(POINT_JS, "layers_5_q") is None
+            # the multiselect shows the truth: 24 blocks collapsed
+            assert page.get_by_text("layers.23", exact=True).count() >= 1
+
+            # the mouse wheel over the (tall) graph scrolls the page instead of zooming the chart
+            xy = page.evaluate(POINT_JS, "module:layers.2")
+            page.mouse.move(*xy)
+            before = page.evaluate("() => document.querySelector('section.stMain, .main, [data-testid=stAppScrollToBottomContainer]') ? 0 : 0")
+            y0 = page.evaluate(POINT_JS, "module:layers.2")[1]
+            page.mouse.wheel(0, 600)
+            page.wait_for_timeout(800)
+            y1 = page.evaluate(POINT_JS, "module:layers.2")[1]
+            assert before == 0 and y1 < y0 - 300, f"the page did not scroll under the wheel ({y0} -> {y1})"
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "failure.png"))
             raise
         finally:
             browser.close()
