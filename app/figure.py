@@ -354,7 +354,7 @@ def _layout(fig: go.Figure, data: GraphData, d: dot_layout.Drawing, height: int)
     fig.update_layout(
         height=height, margin=dict(l=10, r=10, t=40, b=10),
         hovermode="closest", hoverdistance=30, plot_bgcolor="#ffffff", uirevision=data.fingerprint,
-        dragmode="select", modebar=dict(orientation="v"),
+        modebar=dict(orientation="v"),
         hoverlabel=dict(bgcolor="#ffffff", bordercolor="#444444", font=dict(color="#111111", size=12)),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.0, itemclick=False, itemdoubleclick=False),
         xaxis=dict(visible=False, range=[-10, d.width + LABEL_ROOM], constrain="domain"),
