@@ -6,8 +6,7 @@ compute side (no streamlit); the UI holds only plans, the diff and plain graph d
 """
 from __future__ import annotations
 
-import functools
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -15,17 +14,13 @@ import streamlit as st
 
 from stagewise.app import graph_view as gv
 from stagewise.app.history import History
-from stagewise.app.layout import layered_layout
-from stagewise.planner.diff import ChangeKind, PlanDiff, diff_plans
+from stagewise.app.figure import FigureOptions, build_figure
+from stagewise.planner.diff import PlanDiff, diff_plans
 from stagewise.planner.errors import StagewiseError
 from stagewise.planner.plan import Plan
 
-UNCHANGED = "#b0b0b0"  # grey: the node's stage is the same in both plans
-CHANGED = "#ff7f0e"  # orange: its stage was merged, split, regrouped or runs another way
+DIFF_WIDTH_PX = 480  # each side gets half the page
 UPLOAD = "upload"  # the choice "a plan file" in the baseline select box
-
-Pos = Mapping[str, tuple[float, float]]
-
 
 def diff_table(diff: PlanDiff) -> pd.DataFrame:
     """diff.rows() with times as text ("" when neither plan measured a group, "not measured" for one side)."""
@@ -38,64 +33,15 @@ def diff_table(diff: PlanDiff) -> pd.DataFrame:
                                        "before ms", "after ms", "details"])
 
 
-def _node_class(diff: PlanDiff, names: tuple[str, ...], starts: set[str]) -> str:
-    """'changed start', 'changed', 'unchanged' or 'io' for one drawn node (a collapsed module: any of its nodes)."""
-    found = [diff.nodes[n] for n in names if n in diff.nodes]
-    if not found:
-        return "io"
-    if not any(c.changed for c in found):
-        return "unchanged"
-    return "changed start" if any(n in starts for n in names) else "changed"
+def changed_nodes(diff: PlanDiff) -> frozenset[str]:
+    """fx nodes whose stage was merged, split, regrouped or runs another way."""
+    return frozenset(n for n, c in diff.nodes.items() if c.changed)
 
 
-CLASSES = {  # class -> (legend name, marker)
-    "unchanged": ("unchanged", dict(color=UNCHANGED, symbol="circle")),
-    "changed": ("changed", dict(color=CHANGED, symbol="circle")),
-    "changed start": ("first node of a changed stage",
-                      dict(color=CHANGED, symbol="diamond", line=dict(width=2, color="#000000"))),
-    "io": ("inputs / outputs", dict(color=gv.IO_COLOR, symbol="circle")),
-}
-
-
-def diff_figure(data: gv.GraphData, view: gv.ViewGraph, pos: Pos, diff: PlanDiff, plan: Plan, side: str) -> go.Figure:
-    """The graph with nodes grey (unchanged) or orange (changed), the first node of each changed stage of
-    `plan` (the diff's "before" or "after" side, named by `side`) a black-ringed diamond; hover names both stages."""
-    changed_stages = {sid for c in diff.stages if c.kind is not ChangeKind.SAME
-                      for sid in (c.before if side == "before" else c.after)}
-    starts = {s.nodes[0] for s in plan.stages if s.id in changed_stages}
-    runs = {s.id: s.runs_as() for s in plan.stages}
-    groups: dict[str, list[str]] = {}
-    for vid in view.ids:
-        groups.setdefault(_node_class(diff, view.members[vid], starts), []).append(vid)
-    ex: list[Optional[float]] = []
-    ey: list[Optional[float]] = []
-    for u, v in view.edges:
-        ex += [pos[u][0], pos[v][0], None]
-        ey += [pos[u][1], pos[v][1], None]
-    traces = [go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#cccccc", width=1), hoverinfo="skip", showlegend=False)]
-    for cls, (name, marker) in CLASSES.items():
-        vids = groups.get(cls, [])
-        if vids:
-            traces.append(go.Scatter(
-                x=[pos[v][0] for v in vids], y=[pos[v][1] for v in vids], mode="markers", name=name,
-                customdata=vids, hovertext=[_hover(diff, view.members[v], v, runs, side) for v in vids], hoverinfo="text",
-                marker={"size": 12, "line": dict(width=1, color="#ffffff"), **marker},
-            ))
-    fig = go.Figure(traces)
-    n_layers = len({round(p[1], 6) for p in pos.values()}) or 1
-    fig.update_layout(height=max(360, min(4000, 30 * n_layers + 80)), margin=dict(l=10, r=10, t=30, b=10),
-                      plot_bgcolor="#ffffff", hovermode="closest", xaxis=dict(visible=False), yaxis=dict(visible=False),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.0), uirevision=data.fingerprint)
-    return fig
-
-
-def _hover(diff: PlanDiff, names: tuple[str, ...], vid: str, runs: Mapping[str, str], side: str) -> str:
-    """'name: before s1 → after s0 (batched (vmap))' for one drawn node."""
-    c = next((diff.nodes[n] for n in names if n in diff.nodes), None)
-    if c is None:
-        return f"{vid}: input / output"
-    here = c.before if side == "before" else c.after
-    return f"{vid}: before {c.before or '-'} → after {c.after or '-'}" + (f" ({runs[here]})" if here in runs else "")
+def diff_figure(data: gv.GraphData, view: gv.ViewGraph, diff: PlanDiff, plan: Plan) -> go.Figure:
+    """The Plan page's drawing of `plan` (stage regions and colours of that side), changed nodes outlined in
+    orange. Both sides share one layout (it never depends on the plan), so a node sits in the same place twice."""
+    return build_figure(data, view, plan, FigureOptions(changed=changed_nodes(diff), width_px=DIFF_WIDTH_PX))
 
 
 def _baseline_ui(h: History) -> tuple[Optional[Plan], str]:
@@ -117,13 +63,7 @@ def _baseline_ui(h: History) -> tuple[Optional[Plan], str]:
         return None, ""
 
 
-@functools.lru_cache(maxsize=16)
-def _positions(ids: tuple[str, ...], edges: tuple[tuple[str, str], ...]) -> Pos:
-    """Layered positions of a drawn graph (inputs on top), computed once per view."""
-    return layered_layout(ids, edges)
-
-
-def diff_ui(h: History, data: gv.GraphData, collapsed: Sequence[str] = ()) -> None:
+def diff_ui(h: History, data: gv.GraphData, collapsed: Sequence[str] = (), unfolded: Sequence[str] = ()) -> None:
     """The "Compare plans" expander: the other plan is "before", the current plan "after".
 
     `collapsed`: module paths to draw as one box each (the Plan page's choice, so big graphs stay small).
@@ -139,13 +79,12 @@ def diff_ui(h: History, data: gv.GraphData, collapsed: Sequence[str] = ()) -> No
             return
         st.markdown(f"**{name} → current plan:** {diff.summary()}")
         st.dataframe(diff_table(diff), hide_index=True, width="stretch", key="diff_table")
-        view = gv.collapse(data, collapsed)
-        pos = _positions(view.ids, view.edges)
+        view = gv.collapse(data, collapsed, unfolded)
         left, right = st.columns(2)
         for col, side, plan in ((left, "before", before), (right, "after", h.present)):
             with col:
                 st.caption(f"{side}: {name if side == 'before' else 'current plan'}")
-                st.plotly_chart(diff_figure(data, view, pos, diff, plan, side), key=f"diff_graph_{side}",
-                                config={"displaylogo": False})
-        st.caption("Grey = the node's stage is the same in both plans; orange = its stage was merged, split, regrouped "
-                   "or runs another way; black-ringed diamond = where a changed stage begins on that side.")
+                st.plotly_chart(diff_figure(data, view, diff, plan), key=f"diff_graph_{side}",
+                                config={"displaylogo": False, "scrollZoom": False})
+        st.caption("Each side is drawn as the Plan page draws it (stage regions and colours of that plan); "
+                   "an orange outline = the node's stage was merged, split, regrouped or runs another way.")

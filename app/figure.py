@@ -26,6 +26,7 @@ from stagewise.planner.table import plural
 LOOP_OUTLINE = "#555555"  # dashed outline of a member-loop stage (hatched grey, never a stage colour)
 TIME_SCALE = "Viridis"  # time overlay; not red-yellow: red means "cannot be batched" in this graph
 EDGE_COLOR = "#8a8a8a"
+CHANGED_COLOR = "#ff7f0e"  # plan diff: outline of a box whose stage changed
 FRAME_COLOR = "#7a7a7a"
 NO_STAGE = "?"  # group of placeholders and the output, which no stage holds
 PLOT_WIDTH_PX = 700  # typical width of the graph column: the scale that keeps the drawing 1:1 assumes it
@@ -44,6 +45,8 @@ class FigureOptions:
     stage_times: Mapping[str, float] | None = None  # stage id -> ms of stages measured as they are; colours by time
     # (stages missing from it are drawn open, "not measured"; see profile_view.measured_stage_times)
     height: int | None = None  # pixels; None: the drawing's own height at the column's scale
+    changed: frozenset[str] = frozenset()  # fx node names drawn with an orange outline (plan diff)
+    width_px: int = 0  # width of the column the figure goes in; 0: PLOT_WIDTH_PX
 
 
 # -- what is laid out ----------------------------------------------------------------------------
@@ -265,10 +268,13 @@ def build_figure(data: GraphData, view: ViewGraph, plan: Plan, opts: FigureOptio
     if hits:
         traces.append(_fill_trace([d.boxes[v].polygon(5) for v in hits], "rgba(255,215,0,0.35)", "#e6b800", 2,
                                   "search hits", legend=True))
+    changed = [v for v in view.ids if any(n in opts.changed for n in view.members[v])]
+    if changed:
+        traces.append(_line_trace([d.boxes[v].polygon(2.5) for v in changed], CHANGED_COLOR, 3, "changed"))
     if sel:
         traces.append(_line_trace([d.boxes[v].polygon(3) for v in sel], "#000000", 2.5, "selected"))
     # labels, scaled with the drawing
-    scale, height = _scale(d, opts.height)
+    scale, height = _scale(d, opts.height, opts.width_px or PLOT_WIDTH_PX)
     font = 10.0 * scale
     if font >= MIN_LABEL_PX:
         label_of = dict(spec.nodes)
@@ -338,10 +344,10 @@ def _hit_trace(data: GraphData, view: ViewGraph, d: dot_layout.Drawing, vids: Se
                       selected=dict(marker=dict(opacity=0)), unselected=dict(marker=dict(opacity=0)))
 
 
-def _scale(d: dot_layout.Drawing, height: int | None) -> tuple[float, int]:
+def _scale(d: dot_layout.Drawing, height: int | None, width_px: int) -> tuple[float, int]:
     """Pixels per dot point and the figure height: 1:1 where the drawing fits the column, smaller where it is wider."""
     margin = 60
-    scale = min(1.0, PLOT_WIDTH_PX / max(d.width + 10 + LABEL_ROOM, 1.0))
+    scale = min(1.0, width_px / max(d.width + 10 + LABEL_ROOM, 1.0))
     if d.height * scale > MAX_HEIGHT_PX:
         scale = MAX_HEIGHT_PX / d.height
     if height is not None:  # a fixed height (the Profile page's small graph): fit the drawing into it

@@ -321,4 +321,4 @@ def plan_page() -> None:
         stage_table_ui(plan, loaded.data)
         history_ui(h)
     graphviz_ui(loaded.data, plan, ref, collapsed, unfolded)
-    diff_ui(h, loaded.data, collapsed)
+    diff_ui(h, loaded.data, collapsed, unfolded)

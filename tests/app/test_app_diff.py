@@ -53,7 +53,8 @@ def test_compares_with_the_proposed_plan_by_default(at):
     assert len(charts) == 2
     before, after = (json.loads(c.proto.spec) for c in charts)
     names = {t.get("name") for t in after["data"]}
-    assert {"unchanged", "changed", "first node of a changed stage"} <= names
+    assert "changed" in names and "s1 · member loop · 10 nodes" in names  # the merged stage, outlined as changed
+    assert "s2 · batched (vmap) · 9 nodes" in {t.get("name") for t in before["data"]} and "s2" not in str(names)
 
 
 def test_an_edit_since_adds_a_step_to_compare_with(at):
@@ -86,20 +87,21 @@ def test_an_uploaded_plan_file_is_compared_and_one_of_another_model_refused(at, 
     assert "**wide.json → current plan:** s0 now runs vmap (was wide); s1 and s2 merged into s1;" in text
 
 
-def test_figure_colours_changed_nodes_and_stage_starts():
+def test_figure_outlines_changed_nodes_on_the_shared_layout():
     data = gv.graph_data(residual_graph())
     plan = residual_plan()
     merged = plan.with_stages([plan.stages[0], planner.Stage("s1", plan.stages[1].nodes + plan.stages[2].nodes,
                                                              planner.StageMode.EXCLUDED, reason="r")])
     diff = planner.diff_plans(plan, merged)
     view = gv.collapse(data)
-    pos = diff_view._positions(view.ids, view.edges)
-    fig = diff_view.diff_figure(data, view, pos, diff, merged, "after")
-    by_name = {t.name: list(t.customdata) for t in fig.data if t.name}
-    first = merged.stages[1].nodes[0]
-    assert by_name["first node of a changed stage"] == [first]
-    assert set(by_name["changed"]) == set(merged.stages[1].nodes) - {first}
-    assert set(by_name["unchanged"]) == set(plan.stages[0].nodes)
-    assert by_name["inputs / outputs"] == ["x", "output"]
+    assert diff_view.changed_nodes(diff) == frozenset(merged.stages[1].nodes)
+    before, after = diff_view.diff_figure(data, view, diff, plan), diff_view.diff_figure(data, view, diff, merged)
+    by_name = {t.name: t for t in after.data}
+    changed = by_name["changed"]
+    assert sum(1 for v in changed.x if v is None) == len(merged.stages[1].nodes)  # one outline per changed box
+    assert "s1 · member loop · 2 nodes" in by_name and "s2 · batched (vmap) · 1 node" in {t.name for t in before.data}
+    # the same layout on both sides: every label sits in the same place
+    lb, la = (next(t for t in f.data if t.name == "labels") for f in (before, after))
+    assert list(lb.x) == list(la.x) and list(lb.y) == list(la.y)
     table = diff_view.diff_table(diff)
     assert list(table["change"]) == ["same", "merged"] and list(table["after ms"]) == ["", ""]
