@@ -18,10 +18,33 @@ from stagewise.app import state
 CHOICE_KEY = "open_modules_choice"
 
 
+# torch.nn classes whose forward is one functional call: opening them gives the same single node back
+SINGLE_OP = frozenset({
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "GroupNorm", "InstanceNorm1d", "InstanceNorm2d",
+    "RMSNorm", "Embedding", "Dropout", "Dropout1d", "Dropout2d", "Identity", "Flatten", "Unflatten", "ReLU", "GELU",
+    "SiLU", "Tanh", "Sigmoid", "LeakyReLU", "ELU", "Softmax", "LogSoftmax", "Softplus", "Mish", "Hardswish",
+    "MaxPool1d", "MaxPool2d", "AvgPool1d", "AvgPool2d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "Upsample",
+})
+
+
 def leaf_rows(graph: Any) -> list[dict]:
-    """One row per leaf module of a planner.ModelGraph: path, class, batchable and why not (plain data)."""
-    return [{"module": leaf.path, "type": leaf.type_name, "batchable": leaf.batchable, "why not": leaf.reason}
+    """One row per leaf module of a planner.ModelGraph: path, class, what opening gives, batchable and why not.
+
+    Modules with several ops inside (attention, encoder layers, recurrent layers, user modules kept as
+    leaves) come first; single-op modules (Linear, LayerNorm, ...) last: opening them gives one node back."""
+    rows = [{"module": leaf.path, "type": leaf.type_name,
+             "inside": "one op" if leaf.type_name in SINGLE_OP else "several ops",
+             "batchable": leaf.batchable, "why not": leaf.reason}
             for leaf in graph.leaf_modules()]
+    return sorted(rows, key=lambda r: (r["inside"] == "one op", r["batchable"]))
+
+
+def _counts(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
 
 
 def _reopen(opened: tuple[str, ...], label: str) -> None:
@@ -56,7 +79,11 @@ def open_modules_ui() -> list[str]:
         return []
     graph = loaded.graph
     rows = leaf_rows(graph)
-    with st.expander(f"Leaf modules ({len(rows)}): open to plan inside them"):
+    worth = [r for r in rows if r["inside"] != "one op"]
+    kinds = ", ".join(f"{t} ×{n}" if n > 1 else t for t, n in _counts(r["type"] for r in worth).items())
+    title = (f"Leaf modules: {len(worth)} with ops inside ({kinds}) to open and plan inside" if worth
+             else f"Leaf modules ({len(rows)}, each one op): nothing inside to plan")
+    with st.expander(title):
         if graph.tracer_note:
             st.caption(f"tracer note: {graph.tracer_note}")
         if ref.opened:
