@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import networkx as nx
 import torch
 from torch import nn
-from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_map, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner import budget
 from stagewise.planner.files import temp_beside
@@ -197,6 +197,12 @@ class BatchedModule(nn.Module):
         self.__dict__["_input_guard"] = graph.input_guard  # export's input check on one member's inputs; a function, not a submodule
         output_node = next(n for n in graph.gm.graph.nodes if n.op == "output")
         self._output_args = output_node.args[0]
+        # the output's structure, flattened once: per call only its leaves are looked up
+        leaves, self._output_tree = tree_flatten(self._output_args)
+        self._output_leaves = [(x.name, None) if isinstance(x, torch.fx.Node) else (None, x) for x in leaves]
+        # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
+        self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]
+        self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
         stage_of = {n: s.id for s in plan.stages for n in s.nodes}
         read_outside = {}
         for node in graph.gm.graph.nodes:
@@ -221,21 +227,37 @@ class BatchedModule(nn.Module):
 
     def _build_runners(self) -> None:
         views = [{k: v[i] for k, v in self._stacked.items()} for i in range(self.n_members)]
-        self.runners: list[Runner] = []
+        runners: list[Runner] = []
         for p in self.programs:
             stacked = {k: self._stacked[k] for k in p.state_names}
             member_states = [{k: v[k] for k in p.state_names} for v in views]
-            self.runners.append(runner_for(p, self.n_members, stacked, member_states))
+            runners.append(runner_for(p, self.n_members, stacked, member_states))
+        self.runners = runners
         # the state read through per-member views (loop runners); batched runners read the stacked tensors
         # themselves, so a plan without loop stages watches nothing on the per-call path
         watched = {k for p, r in zip(self.programs, self.runners) if isinstance(r, LoopRunner) for k in p.state_names}
         self._storage = [(self._stacked[k], self._stacked[k].data_ptr()) for k in sorted(watched)]
 
+    @property
+    def runners(self) -> list[Runner]:
+        """One runner per program, in run order. Assigning a new list (profile labels them) re-makes the steps."""
+        return self.__dict__["_runners"]
+
+    @runners.setter
+    def runners(self, runners: list[Runner]) -> None:
+        self.__dict__["_runners"] = runners
+        # the flat program the per-call path runs: per stage (program, runner, input names, output names,
+        # whether it writes in place, (output index, state key) of state handed on as itself)
+        self.__dict__["_steps"] = [(p, r, tuple(p.input_names), tuple(p.output_names), p.writes_in_place, tuple(so))
+                                   for p, r, so in zip(self.programs, runners, self._state_outputs)]
+
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
         per-member views would go on reading the old one. An in-place update needs nothing."""
-        if any(t.data_ptr() != ptr for t, ptr in self._storage):
-            self._build_runners()
+        for t, ptr in self._storage:
+            if t.data_ptr() != ptr:
+                self._build_runners()
+                return
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # the stacked state tree: tied names stay one Parameter
@@ -290,8 +312,8 @@ class BatchedModule(nn.Module):
         if len(inputs) != len(self._input_names):
             raise InputError(f"the model takes {len(self._input_names)} inputs {self._input_names}, got {len(inputs)}; pass them positionally")
         env: dict[str, Any] = {}
-        for name, mode, x in zip(self._input_names, self._modes, inputs):
-            if mode is InputMode.PER_MEMBER:
+        for name, per_member, x in zip(self._input_names, self._per_member_at, inputs):
+            if per_member:
                 if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.n_members:
                     got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                     raise InputError(
@@ -301,7 +323,8 @@ class BatchedModule(nn.Module):
                 env[name] = Batched(x)
             else:
                 env[name] = Shared(x)
-        self._check_traced_shapes(inputs)
+        if self._checks_traced:
+            self._check_traced_shapes(inputs)
         dtype = LOW_PRECISION.get(self.plan.dtype)
         if dtype is not None:  # floating inputs enter at the plan's precision, like the stacked state (see LOW_PRECISION)
             env = {k: Batched(_cast_floating(v.tree, dtype)) if isinstance(v, Batched) else Shared(_cast_floating(v.value, dtype))
@@ -325,32 +348,41 @@ class BatchedModule(nn.Module):
         """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`)."""
         if self.training and torch.is_grad_enabled():
             self._check_trainable()
-        self._follow_new_storage()
+        if self._storage:
+            self._follow_new_storage()
         env = self.bind_inputs(inputs)
-        for program, runner, state_out in zip(self.programs, self.runners, self._state_outputs):
-            args = [env[n] for n in program.input_names]
-            if program.writes_in_place:
+        n = self.n_members
+        for program, runner, input_names, output_names, in_place, state_out in self._steps:
+            args = [env[name] for name in input_names]
+            if in_place:
                 # an in-place write must land in one [N, ...] tensor that later stages read too
                 # (vmap cannot write a batched value into a shared one; a loop would write N times into it)
-                args = [as_batched(a, self.n_members, runner.device_for(args)) for a in args]
-                env.update(zip(program.input_names, args))
+                args = [as_batched(a, n, runner.device_for(args)) for a in args]
+                env.update(zip(input_names, args))
             try:
                 outs = runner(args)
             except ExecutionError as e:
-                read = [n for n in program.input_names if n in self._input_names]
-                if not read or e.__cause__ is None or isinstance(e.__cause__, StagewiseError):
+                error = self._input_error(program, e)
+                if error is e:
                     raise
-                # torch failed in a stage fed by the model inputs: most likely their shape or dtype
-                raise InputError(f"{e}. The stage reads model input(s) {read}; check they are shaped like example_inputs() "
-                                 "(per_member ones with a leading [N] axis)") from e
-            for name, value in zip(program.output_names, outs):
-                env[name] = value
+                raise error from e
+            env.update(zip(output_names, outs))
             for k, key in state_out:
-                env[program.output_names[k]] = Batched(self._stacked[key])
-        result = tree_map(lambda a: n_first(env[a.name], self.n_members) if isinstance(a, torch.fx.Node) else a, self._output_args)
+                env[output_names[k]] = Batched(self._stacked[key])
+        leaves = [n_first(env[name], n) if name is not None else x for name, x in self._output_leaves]
+        result = leaves[0] if self._output_tree.is_leaf() else tree_unflatten(leaves, self._output_tree)
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)
         return result, (env if keep else {})
+
+    def _input_error(self, program: StageProgram, e: ExecutionError) -> StagewiseError:
+        """The error to raise for a stage's failure: an InputError when torch failed in a stage fed by the
+        model inputs (most likely their shape or dtype), else `e` itself."""
+        read = [n for n in program.input_names if n in self._input_names]
+        if not read or e.__cause__ is None or isinstance(e.__cause__, StagewiseError):
+            return e
+        return InputError(f"{e}. The stage reads model input(s) {read}; check they are shaped like example_inputs() "
+                          "(per_member ones with a leading [N] axis)")
 
     def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
         """Run all stages at plan.dtype; returns (N-first outputs, boundary values by node name if `keep`,

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+from torch._functorch import predispatch as functorch_ops  # the pieces torch.func.vmap is made of (see flat_vmap)
+from torch._functorch.vmap import lazy_load_decompositions
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -20,7 +22,8 @@ from stagewise.planner.capability import is_inplace
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
-from stagewise.executor.values import Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value, stage_device
+from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value,
+                                       reset_stage_device, set_stage_device)
 
 
 @dataclass
@@ -75,6 +78,54 @@ def _state_of(gm: torch.fx.GraphModule, node: torch.fx.Node, state_keys: set[str
     return []
 
 
+def state_slots(module: torch.nn.Module, names: list[str]) -> list[tuple[dict, str, str]] | None:
+    """Where each state name lives in `module`: (its owner's _parameters or _buffers dict, leaf name,
+    dotted name); None when one is a plain attribute (functional_call's setattr case)."""
+    slots = []
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        try:
+            owner = module.get_submodule(path) if path else module
+        except AttributeError:
+            return None
+        table = owner._parameters if leaf in owner._parameters else owner._buffers if leaf in owner._buffers else None
+        if table is None:
+            return None
+        slots.append((table, leaf, name))
+    return slots
+
+
+def stateless_call(module: torch.fx.GraphModule, names: list[str]) -> Callable[..., Any]:
+    """`call(*state, *inputs)`: `functional_call(module, dict(zip(names, state)), inputs, tie_weights=False)`,
+    with the places of `names` in the module looked up once, here.
+
+    Per call it puts each state tensor into its slot, runs the GraphModule's generated `forward`
+    (no Module.__call__ / GraphModule wrapper around it: a stage module has no hooks of its own)
+    and puts the module's own tensors back. Every original is read before any is replaced, so a
+    submodule reachable under two names is restored correctly too. State and inputs are flat
+    positional arguments so that vmap, which flattens its arguments on every call, walks no dict.
+    """
+    k = len(names)
+    slots = state_slots(module, names)
+    if slots is None:
+        return lambda *args: functional_call(module, dict(zip(names, args[:k])), args[k:], tie_weights=False)
+    if not slots:
+        return lambda *inputs: module.forward(*inputs)
+    places = [(table, leaf) for table, leaf, _ in slots]
+
+    def call(*args: Any) -> Any:
+        saved = [table[leaf] for table, leaf in places]
+        try:
+            for (table, leaf), t in zip(places, args):
+                table[leaf] = t
+            return module.forward(*args[k:])
+        finally:
+            for (table, leaf), t in zip(places, saved):
+                table[leaf] = t
+
+    return call
+
+
 @dataclass
 class Runner:
     """Runs one StageProgram across members. Subclasses implement `run`."""
@@ -94,9 +145,9 @@ class Runner:
         return state.device if state is not None else device_of(args)
 
     def __call__(self, args: list) -> list:
+        token = set_stage_device(self.device_for(args))  # numbers made into tensors anywhere in the run land here
         try:
-            with stage_device(self.device_for(args)):  # numbers made into tensors anywhere in the run land here
-                return self.run(args)
+            return self.run(args)
         except ExecutionError:
             raise
         except Exception as e:  # a stage failure becomes one message naming the stage
@@ -106,6 +157,8 @@ class Runner:
                 f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
                 f"stage inputs were {shapes}. Check the input shapes, or exclude the stage to run it as a loop"
             ) from e
+        finally:
+            reset_stage_device(token)
 
 
 def _describe_value(v) -> str:
@@ -124,20 +177,74 @@ def randomness(module: torch.nn.Module) -> str:
     return "different" if module.training else "error"
 
 
+def flat_vmap(func: Callable[..., tuple], dims: tuple, batch_size: int, randomness: str) -> Callable[..., tuple]:
+    """`vmap(func, in_dims=dims, randomness=randomness)` for flat positional arguments (each dim 0 or
+    None) and a flat tuple of tensor outputs, N-first.
+
+    torch.func.vmap flattens its arguments, matches in_dims to them and checks them on every call
+    (about 40 us on the development CPU, as much as a small stage's arithmetic); here those are
+    fixed when the stage is built, so a call does only what vmap does after them: one vmap level,
+    a batch dimension onto each batched argument, `func`, the batch dimension off each output.
+    Under torch.compile it is torch.func.vmap itself (dynamo knows that one).
+    """
+    lazy_load_decompositions()
+    batched = tuple(d == 0 for d in dims)
+    public = vmap(func, in_dims=dims, randomness=randomness)
+    add, remove = functorch_ops._add_batch_dim, functorch_ops._remove_batch_dim
+    is_compiling = torch.compiler.is_compiling
+
+    def call(*args: Any) -> tuple:
+        if is_compiling():
+            return public(*args)
+        for x, b in zip(args, batched):
+            if b and x.shape[0] != batch_size:
+                return public(*args)  # vmap's own error, naming the sizes
+        level = functorch_ops._vmap_increment_nesting(batch_size, randomness)
+        try:
+            outs = func(*[add(x, 0, level) if b else x for x, b in zip(args, batched)])
+            return tuple(remove(t, level, batch_size, 0) for t in outs)
+        finally:
+            functorch_ops._vmap_decrement_nesting()
+
+    return call
+
+
+def _simple_dims(args: list) -> tuple | None:
+    """vmap's in_dims for `args` when each is Shared (None) or a Batched tensor (0); None otherwise."""
+    dims = []
+    for a in args:
+        t = type(a)
+        if t is Shared:
+            dims.append(None)
+        elif t is Batched and isinstance(a.tree, torch.Tensor):
+            dims.append(0)
+        else:
+            return None
+    return tuple(dims)
+
+
 class VmapRunner(Runner):
-    """One torch.func.vmap over stacked state: `functional_call(stage, state[i], inputs[i])` for all i at once."""
+    """One torch.func.vmap over stacked state: `functional_call(stage, state[i], inputs[i])` for all i at once.
+
+    The vmapped callable is made once per kind of arguments (which are shared, which batched) and
+    training mode; the stage runs through `stateless_call` (its state's places found at construction).
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._meta: dict[str, Any] = {}
-        module = self.program.module
+        # tie_weights=False: every name of a tied tensor is in `state` (executor.build.member_state), each
+        # a separate per-member slice of one stacked tensor, which functional_call's tying would refuse
+        self._state_keys = list(self.stacked)  # the order of the state arguments (see stateless_call)
+        call = stateless_call(self.program.module, self._state_keys)
+        flat_metas: dict[int, dict[str, Any]] = {}
 
-        def one_member(state, inputs):
-            # tie_weights=False: every name of a tied tensor is in `state` (executor.build.member_state), each
-            # a separate per-member slice of one stacked tensor, which functional_call's tying would refuse
-            out = functional_call(module, state, tuple(inputs), tie_weights=False)
+        def one_member(*args):
+            out = call(*args)
             if type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
-                self._meta = self._flat_meta(len(out))  # the common case: a flat tuple of tensors, no pytree walk
+                # the common case: a flat tuple of tensors, no pytree walk
+                meta = flat_metas.get(len(out))
+                self._meta = meta if meta is not None else flat_metas.setdefault(len(out), self._flat_meta(len(out)))
                 return out
             leaves, spec = tree_flatten(out)
             tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -146,16 +253,14 @@ class VmapRunner(Runner):
             return tuple(leaves[i] for i in tensor_at)
 
         self._one_member = one_member
+        self._call = call
         self._vmapped: dict[Any, Callable] = {}
-        self._flat_metas: dict[int, dict[str, Any]] = {}
 
-    def _flat_meta(self, n: int) -> dict[str, Any]:
-        """The recorded output structure of a stage returning a flat tuple of n tensors (made once per n)."""
-        meta = self._flat_metas.get(n)
-        if meta is None:
-            leaves, spec = tree_flatten(tuple(range(n)))
-            meta = self._flat_metas[n] = {"spec": spec, "leaves": leaves, "tensor_at": list(range(n)), "flat": True}
-        return meta
+    @staticmethod
+    def _flat_meta(n: int) -> dict[str, Any]:
+        """The recorded output structure of a stage returning a flat tuple of n tensors."""
+        leaves, spec = tree_flatten(tuple(range(n)))
+        return {"spec": spec, "leaves": leaves, "tensor_at": list(range(n)), "flat": True}
 
     def _vmap_args(self, args: list) -> tuple[list, list, bool]:
         """(inputs, their in_dims, whether anything member-specific goes in)."""
@@ -163,7 +268,7 @@ class VmapRunner(Runner):
         pairs = [batched_arg(a, device) for a in args]
         inputs = [p[0] for p in pairs]
         dims = [p[1] for p in pairs]
-        per_member = bool(self.stacked) or any(d is not None and any(x == 0 for x in tree_flatten(d)[0]) for d in dims)
+        per_member = bool(self._state_keys) or any(d is not None and any(x == 0 for x in tree_flatten(d)[0]) for d in dims)
         return inputs, dims, per_member
 
     def _rebuild(self, tensors: Any, meta: dict[str, Any] | None = None) -> list:
@@ -177,9 +282,36 @@ class VmapRunner(Runner):
             leaves[slot] = t
         return [Batched(v) for v in tree_unflatten(leaves, meta["spec"])]
 
+    def _vmapped_for(self, dims: Any, training: bool) -> Callable:
+        """The vmapped stage for arguments with these in_dims (made on first use, then kept); call it
+        with the state tensors (in `_state_keys` order), then the inputs, all positional."""
+        key = (tuple(dims) if all(d is None or type(d) is int for d in dims) else repr(dims), training)
+        fn = self._vmapped.get(key)
+        if fn is None:
+            in_dims = (0,) * len(self._state_keys) + tuple(dims)
+            chunk_size = self.program.stage.options.chunk_size
+            if chunk_size is None and all(d is None or d == 0 for d in dims):
+                fn = flat_vmap(self._one_member, in_dims, self.n_members, randomness(self.program.module))
+            else:
+                fn = vmap(self._one_member, in_dims=in_dims, randomness=randomness(self.program.module), chunk_size=chunk_size)
+            self._vmapped[key] = fn
+        return fn
+
+    def _state_args(self) -> list[torch.Tensor]:
+        """The stacked state in `_state_keys` order (read per call: in-place updates and `.data` swaps show)."""
+        stacked = self.stacked
+        return [stacked[k] for k in self._state_keys]
+
     def run(self, args: list) -> list:
-        inputs, dims, per_member = self._vmap_args(args)
         training = self.program.module.training
+        dims = _simple_dims(args)
+        if dims is not None and not training and (self._state_keys or 0 in dims):
+            # the per-call fast path: shared values and batched tensors into a vmap made before
+            fn = self._vmapped.get((dims, False))
+            if fn is None:
+                fn = self._vmapped_for(dims, False)
+            return self._rebuild(fn(*self._state_args(), *[a.value if d is None else a.tree for a, d in zip(args, dims)]))
+        inputs, dims, per_member = self._vmap_args(args)
         if not per_member and training:
             # training: random ops (dropout) must draw per member, so nothing is computed once and shared
             inputs, dims, per_member = self._vmap_args([as_batched(a, self.n_members, self.device_for(args)) for a in args])
@@ -187,13 +319,7 @@ class VmapRunner(Runner):
             # nothing member-specific goes in: compute once, share the result
             out = functional_call(self.program.module, {}, tuple(inputs))
             return [Shared(v) for v in out]
-        key = (tuple(dims) if all(d is None or type(d) is int for d in dims) else repr(dims), training)
-        fn = self._vmapped.get(key)
-        if fn is None:
-            fn = vmap(self._one_member, in_dims=(0, dims), randomness=randomness(self.program.module),
-                      chunk_size=self.program.stage.options.chunk_size)
-            self._vmapped[key] = fn
-        return self._rebuild(fn(self.stacked, inputs))
+        return self._rebuild(self._vmapped_for(dims, training)(*self._state_args(), *inputs))
 
 
 class LoopRunner(Runner):

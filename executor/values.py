@@ -35,6 +35,11 @@ def stage_device(device: torch.device | None) -> Iterator[None]:
         _stage_device.reset(token)
 
 
+# the same without a context manager, for the per-call path (a generator-based `with` costs microseconds)
+set_stage_device = _stage_device.set
+reset_stage_device = _stage_device.reset
+
+
 @dataclass(frozen=True)
 class Shared:
     value: Any
@@ -76,7 +81,10 @@ def _tree_of(v: Any) -> Any:
 def device_of(values: list) -> torch.device | None:
     """The device of the first tensor among `values` (boundary values or plain pytrees), or None."""
     for v in values:
-        for x in tree_flatten(_tree_of(v))[0]:
+        tree = _tree_of(v)
+        if _is_tensor(tree):  # the common case, without a pytree walk
+            return tree.device
+        for x in tree_flatten(tree)[0]:
             if _is_tensor(x):
                 return x.device
     return None
@@ -98,6 +106,8 @@ def stack_member_values(values: list, device: torch.device | str | None = None) 
     on the device of the stage running now (stage_device), else of the values' own
     tensors, else the CPU.
     """
+    if values and all(_is_tensor(v) for v in values):  # the common case (a loop stage's tensors), without pytree walks
+        return torch.stack(values), 0
     if device is None:
         device = _stage_device.get() or device_of(list(values))
     flat = [tree_flatten(v) for v in values]
@@ -128,6 +138,24 @@ def member_value(v, i: int) -> Any:
     if isinstance(v, Batched):
         return tree_map(lambda x: x[i] if _is_tensor(x) else x, v.tree)
     return v.values[i]
+
+
+def member_rows(v, n: int, views: bool = True) -> list:
+    """What each of the `n` members sees of `v` (member_value for every i at once).
+
+    `views`: a Batched tensor's rows come from one `unbind` (one call instead of n indexings); such
+    rows cannot be written in place under autograd, so a stage that writes in place passes False.
+    """
+    if type(v) is Shared:
+        return [v.value] * n
+    if type(v) is Batched:
+        x = v.tree
+        if _is_tensor(x):
+            return list(x.unbind(0)) if views else [x[i] for i in range(n)]
+        return [member_value(v, i) for i in range(n)]
+    if type(v) is PerMember:
+        return v.values
+    return [member_value(v, i) for i in range(n)]
 
 
 def as_batched(v, n: int, device: torch.device | None = None):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from stagewise.executor.stages import LoopRunner
-from stagewise.executor.values import PerMember, member_value
+from stagewise.executor.values import PerMember, member_rows
 
 
 def _shell(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> nn.Module:
@@ -48,7 +48,15 @@ class BoundLoopRunner(LoopRunner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._bound = [bind(self.program.module, st) for st in self.member_states]
+        # each copy's generated forward, called directly (a stage module has no hooks of its own)
+        self._forwards = [gm.forward for gm in self._bound]
 
     def run(self, args: list) -> list:
-        results = [gm(*(member_value(a, i) for a in args)) for i, gm in enumerate(self._bound)]
-        return [PerMember([r[k] for r in results]) for k in range(len(self.program.output_names))]
+        n = self.n_members
+        if args:  # each argument's N member values at once (one unbind per batched tensor), then one call per member
+            views = not self.program.writes_in_place  # an in-place write into an unbind row is refused under autograd
+            rows = zip(*(member_rows(a, n, views) for a in args))
+            results = [forward(*row) for forward, row in zip(self._forwards, rows)]
+        else:
+            results = [forward() for forward in self._forwards]
+        return [PerMember(list(column)) for column in zip(*results)]  # the stage module returns a flat tuple
