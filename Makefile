@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 MODEL  ?= sample_models/transformer_block.py
 
-.PHONY: run test test-gpu bench bench-graph browser-deps clean plan mutation
+.PHONY: run test test-gpu bench bench-gpu bench-graph browser-deps clean plan mutation
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,14 @@ test-gpu:
 
 bench: $(VENV)/.installed
 	$(BIN)/python -m benchmarks.run
+
+# The GPU benchmark (benchmarks/gpu.py: every way of running N members, throughput and latency, the issue's targets)
+# on a CUDA machine as it is, like test-gpu: no venv, the checkout imported as `stagewise` through the same link.
+# BENCH_ARGS passes options, e.g. BENCH_ARGS="--out $$OUT --budget-s 340" or --only TEXT.
+BENCH_ARGS ?=
+bench-gpu:
+	mkdir -p build/gpu-path && ln -sfn "$(CURDIR)" build/gpu-path/stagewise
+	PYTHONPATH="$(CURDIR)/build/gpu-path$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m benchmarks.gpu --device cuda $(BENCH_ARGS)
 
 # How fast the Plan page's graph draws (100 / 1,000 / 5,000 nodes), server side and in headless Chromium.
 bench-graph: $(VENV)/.installed-test browser-deps
