@@ -1,6 +1,7 @@
 """The Model page: pick a bundled sample or upload a model file / .pt2 archive and member weights; N and input modes."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -9,9 +10,24 @@ import pandas as pd
 import streamlit as st
 
 from stagewise.app import state
+from stagewise.app.launch import TOKEN_ENV
 from stagewise.planner.plan import InputMode
 
 WEIGHT_TYPES = ["safetensors", "pt", "pth", "bin"]
+
+
+def upload_limit_note() -> str:
+    """What the uploaders take: the size limit that applies (server.maxUploadSize, MB) and what to do past it.
+
+    Streamlit refuses a larger file in the browser ("File must be ... or smaller") before the app
+    sees it, so this note, shown beside the uploaders, is where the way around it is named.
+    """
+    mb = st.get_option("server.maxUploadSize")
+    raise_it = "" if os.environ.get(TOKEN_ENV) else " (or restart the app with a larger `--server.maxUploadSize`)"
+    return (f"Up to **{mb} MB per file** (this server's `server.maxUploadSize`); the uploader refuses a larger file. "
+            f"For a larger model file or archive, open it by its path instead, `stagewise ui path/to/model.pt2`"
+            f"{raise_it}; for larger member weights, use the command line, which reads them from disk: "
+            "`stagewise profile PLAN MODEL --weights FILE ...`.")
 
 
 def _natural(name: str) -> list:
@@ -102,6 +118,7 @@ def source_ui() -> None:
         st.file_uploader("Member weights (optional): one .safetensors or state_dict file per member, "
                          "assigned in file-name order; N becomes the number of files",
                          type=WEIGHT_TYPES, accept_multiple_files=True, key="weights_upload")
+        st.caption(upload_limit_note())
         st.button("Load uploaded model", on_click=_open_upload, type="primary")
     st.number_input("Members N for the model you open", min_value=1, max_value=4096, value=state.DEFAULT_N, key="n_new")
 
