@@ -79,8 +79,31 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+MODULES_KEY = "<submodules>"  # a leaf's config entry naming its submodules' classes
+
+
 def _module_config(mod: nn.Module) -> dict:
-    return {k: v for k, v in plain_attributes(mod).items() if "." not in k}
+    """Everything a leaf module's forward can read that tracing cannot see inside it: the plain attributes of
+    the leaf and of every submodule ("self_attn.num_heads", "norm1.eps"), callables held as attributes
+    ("activation": F.gelu), and the classes of its submodules (an activation module swapped for another)."""
+    config: dict = dict(plain_attributes(mod))
+    for path, sub in mod.named_modules():
+        for k, v in vars(sub).items():
+            if not k.startswith("_") and callable(v) and not isinstance(v, nn.Module):
+                config[f"{path}.{k}" if path else k] = getattr(v, "__module__", "") + "." + getattr(v, "__qualname__", repr(v))
+    config[MODULES_KEY] = tuple((p, type(m).__qualname__) for p, m in mod.named_modules() if p)
+    return config
+
+
+def _config_owner(mod: nn.Module, key: str) -> tuple[nn.Module, str]:
+    """The (sub)module a config key of `mod` belongs to, and the attribute name ("norm1.eps" -> (mod.norm1, "eps"))."""
+    if key == MODULES_KEY:
+        return mod, key
+    path, _, attr = key.rpartition(".")
+    try:
+        return (mod.get_submodule(path) if path else mod), attr
+    except AttributeError:
+        return mod, key
 
 
 def _differences(graph: ModelGraph, others: dict[int, ModelGraph], n: int) -> list[_Difference]:
@@ -100,7 +123,8 @@ def _differences(graph: ModelGraph, others: dict[int, ModelGraph], n: int) -> li
                     if mine.get(k) != theirs.get(k):
                         found.setdefault(f"{node.target}.{k}", {})[i] = theirs.get(k)
         for where, by_member in found.items():
-            first = base[where] if isinstance(where, int) else _module_config(graph.gm.get_submodule(node.target)).get(where.rpartition(".")[2])
+            first = base[where] if isinstance(where, int) else \
+                _module_config(graph.gm.get_submodule(node.target)).get(where[len(str(node.target)) + 1:])
             diffs.append(_Difference(node.name, where, [by_member.get(i, first) for i in range(n)]))
     return diffs
 
@@ -203,17 +227,21 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
     """Rewrite one node so that its differing constant is read from per-member state, or refuse."""
     gm = graph.gm
     node = graph.fx_node(diff.node)
-    if isinstance(diff.where, str):  # a call_module's config
-        mod = gm.get_submodule(node.target)
-        attr = diff.where.rpartition(".")[2]
-        if isinstance(mod, _IGNORED_IN_EVAL) and not mod.training:
+    if isinstance(diff.where, str):  # a call_module's config (its own attributes or a submodule's)
+        leaf = gm.get_submodule(node.target)
+        key = diff.where[len(str(node.target)) + 1:]
+        mod, attr = _config_owner(leaf, key)
+        if isinstance(mod, _IGNORED_IN_EVAL) and not mod.training and attr != MODULES_KEY:
             return
-        if isinstance(mod, nn.LeakyReLU) and attr == "negative_slope" and _numbers(diff.values):
+        if key == MODULES_KEY:
+            raise _refuse(diff, attr_diffs, f"{type(leaf).__name__} holds submodules of other classes in some members.")
+        if mod is leaf and isinstance(mod, nn.LeakyReLU) and attr == "negative_slope" and _numbers(diff.values):
             slope = _constant_node(gm, node, diff, lifted)
             node.op, node.target = "call_function", leaky_relu_per_member
             node.args, node.kwargs = (node.args[0], slope), {}
             return
-        raise _refuse(diff, attr_diffs, f"{type(mod).__name__}.{attr} cannot be given per member.")
+        raise _refuse(diff, attr_diffs, f"{type(mod).__name__}.{attr} cannot be given per member"
+                      + (f" (a setting inside the leaf module {type(leaf).__name__} at {node.target})." if mod is not leaf else "."))
     if not _numbers(diff.values):
         raise _refuse(diff, attr_diffs, "It is not a number.")
     if not _liftable(node, diff.where):

@@ -232,7 +232,6 @@ LEAF_ATTRS = ("members that differ in an attribute of a submodule inside a leaf 
               "executor.constants._differences compares only the leaf's own attributes")
 
 
-@pytest.mark.xfail(strict=True, reason=LEAF_ATTRS)
 @pytest.mark.parametrize("strategy", [None, Strategy.WIDE])
 @pytest.mark.parametrize("differs", [{"nhead": 4}, {"batch_first": False}, {"eps": 0.5},
                                      {"activation": (nn.Tanh(), nn.SiLU())}],
@@ -403,7 +402,7 @@ def all_dropout(m):
 
 @pytest.mark.parametrize("opened", [
     pytest.param(["layers.0"], id="opened"),
-    pytest.param([], id="closed", marks=pytest.mark.xfail(strict=True, reason=LEAF_ATTRS + " (here layers.0.dropout1.p in training)")),
+    pytest.param([], id="closed"),
 ])
 def test_sweep_of_dropout_p_in_training_is_refused_or_right(opened):
     """Member 0 drops nothing (p = 0), member 1 everything (p = 1): both deterministic, so comparable."""
