@@ -5,17 +5,27 @@ outputs of the strategies already chosen upstream, so conversion costs such as
 stacking a loop's per-member outputs land on the stage that pays them). Every
 candidate is first checked against the member loop of that stage (normwise,
 worst member, rtol 1e-4): failures, out-of-memory and wrong results are
-recorded and never chosen. The working candidates are timed round-robin and the
-fastest by minimum time wins (the minimum is the estimate least disturbed by
-other processes; medians are reported too). The measured times go into each
-stage's `options.note`.
+recorded and never chosen. The working candidates then race (Budget): by
+default all are timed briefly round-robin, those clearly slower than the best
+(beyond CLOSE and the best's own spread) are dropped, and the survivors are
+timed again with the full sample budget; the fastest by minimum time wins (the
+minimum is the estimate least disturbed by other processes; medians are
+reported too). The measured times go into each stage's `options.note`.
 
 Candidates: batched stages try vmap, wide, loop, compile (skipped for stages
-under COMPILE_MIN_MS, where it cannot pay) and cuda_graph on CUDA; vmap that
-runs out of memory is retried with chunk_size N/2, N/4, ... Excluded stages try
-loop and, where every node has a hand-batched rule, wide (this is how
-scaled_dot_product_attention and nn.GRU, which have no vmap batching rule on
-CPU, still run batched).
+under COMPILE_MIN_MS, where it cannot pay, and by the "quick" budget) and
+cuda_graph on CUDA; vmap that runs out of memory is retried with chunk_size
+N/2, N/4, ... A stage with convolutions tries wide in each conv form
+(wide_layers.CONV_FORMS: "wide" is the device's default form, "wide/conv=bmm"
+etc. the others); the chosen form is recorded in the stage's options (a
+"[wide: conv=...]" tag in the note), so the saved plan rebuilds it. Excluded
+stages try loop and, where every node has a hand-batched rule, wide: this is how
+scaled_dot_product_attention, nn.GRU and nn.LSTM (no vmap batching rule on
+CPU), nn.MultiheadAttention and nn.TransformerEncoderLayer / TransformerEncoder
+(which vmap runs only through its slow per-member fallback) still run batched.
+Finally the per-stage plan races the whole model as one stage (merged/compile,
+merged/wide, merged/vmap, merged/loop), each built from its plan and checked
+end to end.
 
 The planner cannot import the executor, so autotuning lives here:
 `executor.autotune(plan, members, inputs)` (or `executor.profile(..., autotune=True)`),
@@ -24,7 +34,7 @@ not `planner.propose(..., autotune=True)`.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -34,12 +44,13 @@ from stagewise.planner.errors import ExecutionError
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from stagewise.executor.build import build, resolve_device
-from stagewise.executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
-                                 stage_inputs, strategy_label, time_candidates, try_strategy)
+from stagewise.executor.candidates import (Progress, advance, conv_form_of_label, make_runner, loop_reference, max_rel_error,
+                                           members_on, on_device, stage_inputs, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
-from stagewise.executor.timing import MIN_REPEATS
+from stagewise.executor.strategies.wide import conv_form_of, wide_conv_forms, with_conv_form
+from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repeats, peak_memory_bytes
 from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, loop_outputs, member_inputs
 from stagewise.executor.baselines import stack_outputs
 
@@ -82,24 +93,118 @@ def _note(results: list[StrategyResult], chosen: StrategyResult) -> str:
     return f"autotune chose {chosen.strategy} (min/median ms): " + _measured(results, " ms")
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How much measuring autotune spends; `autotune(budget=...)` takes one or a name of BUDGETS.
+
+    With `prune` (successive halving) every working candidate is first timed briefly
+    (`quick_repeats` samples, no memory measurement); those whose fastest sample is slower
+    than both the best's minimum + CLOSE and the best's p90 (its slow samples: the measured
+    spread) are dropped, and only the survivors are timed again with the full sample budget
+    (`round_s` per candidate, the round cut at twice that when the machine is loaded). A single
+    survivor is not timed again. Without `prune` every candidate gets the full budget (the
+    behaviour before pruning existed). Every candidate is still run once and checked against
+    the member loop before any timing: pruning only saves timing, never a check.
+    """
+
+    prune: bool = True
+    quick_repeats: int = 3  # samples per candidate in a pruning round (3: the p90 is the slowest of three)
+    round_s: float = SAMPLE_BUDGET_S  # a final round aims at this much wall time per candidate
+    compile: bool = True  # try torch.compile candidates (seconds each: per stage and the merged model)
+
+
+BUDGETS = {
+    "default": Budget(),
+    "quick": Budget(quick_repeats=2, round_s=0.1, compile=False),  # seconds instead of minutes; no torch.compile
+    "thorough": Budget(prune=False),  # every candidate timed in full, as before pruning
+}
+
+
+def budget_of(budget: "str | Budget | None") -> Budget:
+    """The Budget for a name of BUDGETS (or a Budget); ExecutionError naming the known ones."""
+    if budget is None:
+        return BUDGETS["default"]
+    if isinstance(budget, Budget):
+        return budget
+    if budget not in BUDGETS:
+        raise ExecutionError(f"unknown autotune budget {budget!r}; use one of {', '.join(BUDGETS)} or an autotune.Budget")
+    return BUDGETS[budget]
+
+
+Cands = dict[str, tuple[StrategyResult, Any]]
+
+
+def _timing_round(cands: Cands, device: torch.device, repeats: Optional[int], warmup: int, budget: Budget,
+                  compiles: set[str], *, final: bool) -> None:
+    """One round-robin over `cands`: brief (pruning) or full (`final`, or every round without pruning)."""
+    if not cands:
+        return
+    if budget.prune and not final:
+        quick = budget.quick_repeats if repeats is None else min(repeats, budget.quick_repeats)
+        time_candidates(cands, device, quick, min(warmup, 1), compiles, memory=False)
+        return
+    if repeats is None and budget.prune:  # the brief round's times say how many samples fit the budget
+        known = [r.time.min_ms / 1e3 for r, _ in cands.values() if r.time]
+        repeats = default_repeats(sum(known), budget.round_s * len(cands)) if len(known) == len(cands) else None
+    deadline = 2 * budget.round_s * len(cands) if budget.prune else None
+    time_candidates(cands, device, repeats, warmup, compiles, memory=not budget.prune, deadline_s=deadline)
+
+
+def _survivors(cands: Cands, budget: Budget) -> Cands:
+    """The timed working candidates that may still win (all of them without pruning)."""
+    timed = {k: v for k, v in cands.items() if v[0].ok and v[0].time}
+    if not budget.prune or not timed:
+        return timed
+    best = min((r.time for r, _ in timed.values()), key=lambda t: t.min_ms)
+    bar = max(best.min_ms * (1 + CLOSE), best.p90_ms)
+    return {k: v for k, v in timed.items() if v[0].time.min_ms <= bar}
+
+
+def race(cands: Cands, device: torch.device, repeats: Optional[int], warmup: int, budget: Budget,
+         compiles: set[str] = frozenset(), timed: bool = False) -> Optional[StrategyResult]:
+    """The fastest of `cands` (working, checked candidates) by successive halving (see Budget).
+
+    `timed`: the candidates already had their brief round (autotune's eager ones did).
+    Returns None when none survives its timing.
+    """
+    if not timed:
+        _timing_round(cands, device, repeats, warmup, budget, set(compiles), final=False)
+    alive = _survivors(cands, budget)
+    if budget.prune and len(alive) > 1:
+        _timing_round(alive, device, repeats, 1, budget, set(), final=True)
+        alive = _survivors(alive, Budget(prune=False))
+    chosen = _fastest(alive, device, repeats, budget)
+    if chosen is not None and chosen.peak_mem_bytes is None:  # pruned races measure the winner's memory alone
+        try:
+            chosen.peak_mem_bytes = peak_memory_bytes(alive[chosen.strategy][1], device)
+        except Exception:  # memory is informative only; the candidate ran and was checked
+            pass
+    return chosen
+
+
 def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int, device: torch.device,
                 allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
-                progress: Progress, done: int, total: int, rtol: float = DEFAULT_RTOL) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
-    """Every candidate of one stage on its real inputs; returns (results, chosen, its outputs, its runner)."""
+                progress: Progress, done: int, total: int, rtol: float = DEFAULT_RTOL,
+                budget: Budget = BUDGETS["default"]) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
+    """Every candidate of one stage on its real inputs; returns (results, chosen, its outputs, its runner).
+
+    Eager candidates are run, checked and timed briefly first; their best time decides
+    whether the slow ones (compile, cuda_graph) are worth building; then the race (Budget).
+    """
     stage = program.stage
     reference, ref, check = loop_reference(program, runner, fresh)
     results: list[StrategyResult] = []
-    working: dict[str, tuple[StrategyResult, Any]] = {}
+    working: Cands = {}
     outputs: dict[str, Any] = {}
     runners: dict[str, Runner] = {}
 
-    def attempt(strategy: Strategy, chunk: Optional[int] = None) -> StrategyResult:
-        label = strategy_label(strategy, chunk)
+    def attempt(strategy: Strategy, chunk: Optional[int] = None, form: str = "") -> StrategyResult:
+        label = strategy_label(strategy, chunk, form)
         if progress is not None:
             progress(done, total, f"{stage.id}: {label}")
 
         def make():
-            r = make_runner(program, runner, strategy, chunk)
+            r = make_runner(program, runner, strategy, chunk, form)
             runners[label] = r
             return lambda: r(fresh())
 
@@ -117,40 +222,46 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
             chunk = n // 2
             while chunk >= 1 and not attempt(Strategy.VMAP, chunk).ok:
                 chunk //= 2
-    time_candidates(working, device, repeats, warmup, set())
-    best_eager = min((r.time.min_ms for r, _ in working.values() if r.ok and r.time), default=math.inf)
+        if strategy is Strategy.WIDE and res.ok:  # the stage's convolutions in each other form ("wide" is the default one)
+            for form in wide_conv_forms(program, device)[1:]:
+                attempt(Strategy.WIDE, form=form)
+    _timing_round(dict(working), device, repeats, warmup, budget, set(), final=False)
+    alive = _survivors(working, budget)
+    best_eager = min((r.time.min_ms for r, _ in alive.values()), default=math.inf)
     slow = [s for s in candidates if s not in EAGER]
     if slow and best_eager < COMPILE_MIN_MS:
         for s in slow:
             results.append(StrategyResult(s.value, ok=False, error=f"not tried: the stage takes {best_eager:.3f} ms, under {COMPILE_MIN_MS} ms"))
         slow = []
-    late: dict[str, tuple[StrategyResult, Any]] = {}
+    if Strategy.COMPILE in slow and not budget.compile:
+        results.append(StrategyResult("compile", ok=False, error="not tried: the autotune budget skips torch.compile"))
+        slow.remove(Strategy.COMPILE)
+    late: Cands = {}
     for strategy in slow:
         before = set(working)
         attempt(strategy)
         late.update({k: v for k, v in working.items() if k not in before})
-    if late:  # re-time everything that works in one round-robin, so load changes between rounds cannot decide
-        time_candidates({k: v for k, v in working.items() if v[0].ok}, device, repeats, warmup, set(late))
+    if late:  # the newcomers and the eager survivors in one round-robin, so load changes between rounds cannot decide
+        racing = {**alive, **late}
+        _timing_round(racing, device, repeats, warmup, budget, set(late), final=False)
         for label, (res, _) in late.items():
             res.compile_s = getattr(runners.get(label), "compile_seconds", res.compile_s) if label == "compile" else res.compile_s
-    chosen = _fastest(results, working, device, repeats, warmup)
+        alive = racing
+    chosen = race(alive, device, repeats, warmup, budget, timed=True)
     if chosen is None:  # even the loop failed (e.g. injected faults everywhere): keep the loop's outputs
         return results, StrategyResult("loop", ok=False, error="no strategy worked"), ref, reference
     return results, chosen, outputs[chosen.strategy], runners[chosen.strategy]
 
 
-def _fastest(results: list[StrategyResult], calls: dict[str, tuple[StrategyResult, Any]], device: torch.device,
-             repeats: Optional[int], warmup: int) -> Optional[StrategyResult]:
-    """The working candidate with the lowest minimum time. When the best two are within CLOSE of
+def _fastest(cands: Cands, device: torch.device, repeats: Optional[int], budget: Budget) -> Optional[StrategyResult]:
+    """The candidate with the lowest minimum time. When the best two are within CLOSE of
     each other they are timed again, head to head with twice the samples, before deciding."""
-    ok = sorted((r for r in results if r.ok and r.time), key=lambda r: r.time.min_ms)
+    ok = sorted((r for r, _ in cands.values() if r.ok and r.time), key=lambda r: r.time.min_ms)
     if len(ok) >= 2 and ok[1].time.min_ms <= ok[0].time.min_ms * (1 + CLOSE):
-        pair = {r.strategy: calls[r.strategy] for r in ok[:2] if r.strategy in calls}
-        kept = {label: res.compile_s for label, (res, _) in pair.items()}
-        time_candidates(pair, device, 2 * (repeats or MIN_REPEATS), warmup, set())
-        for label, (res, _) in pair.items():
-            res.compile_s = kept[label]  # one-time costs were measured the first time
-        ok = sorted((r for r in results if r.ok and r.time), key=lambda r: r.time.min_ms)
+        pair = {r.strategy: cands[r.strategy] for r in ok[:2]}
+        deadline = 4 * budget.round_s if budget.prune else None
+        time_candidates(pair, device, 2 * (repeats or MIN_REPEATS), 1, set(), memory=not budget.prune, deadline_s=deadline)
+        ok = sorted((r for r, _ in cands.values() if r.ok and r.time), key=lambda r: r.time.min_ms)
     return ok[0] if ok else None
 
 
@@ -170,7 +281,8 @@ def tuning_start(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]
 
 def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
          progress: Progress = None, repeats: Optional[int] = None, warmup: int = 2,
-         strategies: Optional[Sequence[str | Strategy]] = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
+         strategies: Optional[Sequence[str | Strategy]] = None,
+         budget: "str | Budget | None" = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
     """autotune, also returning the measured candidates: stage id of the tuned plan -> results.
 
     When merging all stages into one won, "s0" holds the whole-plan candidates
@@ -178,34 +290,38 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     """
     dev = resolve_device(device)
     n = plan.n_members
+    spend = budget_of(budget)
     allowed = {Strategy(s) for s in strategies} if strategies is not None else None
     inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
     done = 0
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
+    stage_ms = 0.0
     with torch.no_grad():
         for program, runner in zip(module.programs, module.runners):
             fresh = stage_inputs(program, env, n)
             results, chosen, out, chosen_runner = _tune_stage(program, runner, fresh, n, dev, allowed, repeats, warmup,
-                                                              progress, done, total, DTYPE_RTOL[plan.dtype])
+                                                              progress, done, total, DTYPE_RTOL[plan.dtype], spend)
             done += len(candidate_strategies(program, dev, allowed))
             found[program.stage.id] = results
             advance(program, env, fresh, out, chosen_runner)
             stage = program.stage
+            stage_ms += chosen.time.min_ms if chosen.ok and chosen.time else math.inf
             if not chosen.ok:
                 tuned.append(stage)
                 continue
             strategy = Strategy(chosen.strategy.split("/")[0])
-            tuned.append(replace(stage, options=StageOptions(strategy=strategy, chunk_size=chosen.chunk_size,
-                                                             note=_note(results, chosen))))
+            options = StageOptions(strategy=strategy, chunk_size=chosen.chunk_size, note=_note(results, chosen))
+            tuned.append(replace(stage, options=with_conv_form(options, conv_form_of_label(chosen.strategy))))
     per_stage = plan.with_stages(tuned)
     if progress is not None:
         progress(total, total, "comparing with one merged stage")
     with torch.no_grad():
-        best, merged_results = _best_of_merged(per_stage, members, inputs, dev, allowed, repeats, warmup)
+        best, merged_results, checked = _best_of_merged(per_stage, members, inputs, dev, allowed, repeats, warmup, spend, stage_ms)
     if merged_results is not None:  # one merged stage won: its candidates are whole plans
         found = {"s0": merged_results, **{f"per-stage {k}": v for k, v in found.items()}}
-    _check_end_to_end(best, members, inputs, dev)
+    if not checked:  # the whole-plan comparison built `best` from its JSON and checked it already
+        _check_end_to_end(best, members, inputs, dev)
     return best, found
 
 
@@ -228,47 +344,58 @@ def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[se
     widenable = all(vmap_falls_back(s) or s.options.strategy is Strategy.WIDE for s in excluded)
     strategies = (([Strategy.COMPILE] if compilable else []) + ([Strategy.WIDE] if widenable else [])
                   + ([Strategy.VMAP] if not excluded else []) + [Strategy.LOOP])
+    form = next((f for s in plan.stages if s.options.strategy is Strategy.WIDE and (f := conv_form_of(s.options))), "")
     out = []
     for strategy in strategies:
         if allowed is None or strategy in allowed:
-            stage = Stage(id="s0", nodes=nodes, mode=mode, reason=reason, options=StageOptions(strategy=strategy))
+            options = with_conv_form(StageOptions(strategy=strategy), form if strategy is Strategy.WIDE else "")
+            stage = Stage(id="s0", nodes=nodes, mode=mode, reason=reason, options=options)
             out.append(plan.with_stages([stage]))
     return out
 
 
 def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,
-                    allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int) -> tuple[Plan, Optional[list[StrategyResult]]]:
+                    allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
+                    budget: Budget = BUDGETS["default"], stage_ms: float = math.inf) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
     """The per-stage plan, or one merged stage if that is faster end to end and matches the loop.
 
-    Returns (plan, the whole-plan candidates if the merged stage won, else None).
+    Every alternative (the per-stage plan too) is built afresh from its plan and checked
+    against the member loop end to end. merged/compile is left out where the budget skips
+    compile or the per-stage plan takes under COMPILE_MIN_MS (`stage_ms`: its stages' times).
+    Returns (plan, the whole-plan candidates if the merged stage won, else None, whether the
+    returned plan was checked end to end here).
     """
     example = member_inputs(plan, inputs, 0)
     alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names, allowed)
     if not alternatives:
-        return plan, None
+        return plan, None, False
     want = stack_outputs(loop_outputs(plan, members, inputs))
     check = lambda out: max_rel_error(out, want)  # noqa: E731
-    cands: dict[str, tuple[StrategyResult, Any]] = {}
+    cands: Cands = {}
     plans = {"per-stage": plan}
     results = []
     for label, p in [("per-stage", plan)] + [(f"merged/{a.stages[0].options.strategy.value}", a) for a in alternatives]:
+        if label == "merged/compile" and (not budget.compile or stage_ms < COMPILE_MIN_MS):
+            why = "the autotune budget skips torch.compile" if not budget.compile else f"the plan takes {stage_ms:.3f} ms, under {COMPILE_MIN_MS} ms"
+            results.append(StrategyResult(label, ok=False, error=f"not tried: {why}"))
+            continue
         plans[label] = p
         make = lambda p=p: (lambda m: (lambda: m(*inputs)))(build(p, members, example_inputs=example, device=device))  # noqa: E731
         res, call, _ = try_strategy(label, "whole", make, check, device, rtol=DTYPE_RTOL[plan.dtype])
         results.append(res)
         if call is not None:
             cands[label] = (res, call)
-    time_candidates(cands, device, repeats, warmup, {k for k in cands if k == "merged/compile"})
-    chosen = _fastest(results, cands, device, repeats, warmup)
+    chosen = race(cands, device, repeats, warmup, budget, {k for k in cands if k == "merged/compile"})
     if chosen is None:
-        return plan, None
+        return plan, None, False
     summary = "; whole plan (min/median ms): " + _measured(results)
     best = plans[chosen.strategy]
     if chosen.strategy == "per-stage":
-        return best.with_stages([replace(s, options=replace(s.options, note=s.options.note + summary)) for s in best.stages]), None
+        return best.with_stages([replace(s, options=replace(s.options, note=s.options.note + summary)) for s in best.stages]), None, True
     (stage,) = best.stages
     note = f"autotune merged all stages and chose {stage.options.strategy.value}" + summary
-    return best.with_stages([replace(stage, options=replace(stage.options, note=note))]), results
+    options = with_conv_form(replace(stage.options, note=note), conv_form_of(stage.options))
+    return best.with_stages([replace(stage, options=options)]), results, True
 
 
 def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> None:
@@ -285,7 +412,8 @@ def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, d
 
 def autotune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
              progress: Progress = None, repeats: Optional[int] = None,
-             strategies: Optional[Sequence[str | Strategy]] = None, train: bool = False) -> Plan:
+             strategies: Optional[Sequence[str | Strategy]] = None, train: bool = False,
+             budget: "str | Budget | None" = None) -> Plan:
     """Choose each stage's fastest strategy that matches the member loop.
 
     Args:
@@ -297,6 +425,11 @@ def autotune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *,
         strategies: restrict the candidates (e.g. ["vmap", "wide", "loop"] to skip compile).
         train: choose by forward + backward time among strategies that carry gradients, each
             candidate's gradients checked against the loop's (executor.autotune_train).
+        budget: how much measuring to spend: "default" (successive halving: every checked
+            candidate timed briefly, clear losers dropped, survivors timed in full), "quick"
+            (fewer samples, no torch.compile candidates) or "thorough" (every candidate timed
+            in full), or an autotune.Budget. Every candidate that can be chosen is checked
+            against the member loop whatever the budget.
     Returns:
         A new Plan: each stage's options.strategy/chunk_size set to the winner and
         options.note holding the measured times of every candidate.
@@ -305,5 +438,6 @@ def autotune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *,
         # imported here: autotune_train builds on this module's helpers (a module-level import would be a cycle)
         from stagewise.executor.autotune_train import tune_training
 
-        return tune_training(plan, members, inputs, device=device, progress=progress, repeats=repeats, strategies=strategies)[0]
-    return tune(plan, members, inputs, device=device, progress=progress, repeats=repeats, strategies=strategies)[0]
+        return tune_training(plan, members, inputs, device=device, progress=progress, repeats=repeats, strategies=strategies,
+                             budget=budget)[0]
+    return tune(plan, members, inputs, device=device, progress=progress, repeats=repeats, strategies=strategies, budget=budget)[0]

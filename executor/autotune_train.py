@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 from stagewise.planner.plan import Plan, Stage, StageOptions, Strategy
-from stagewise.executor.autotune import _fastest, _note, candidate_strategies, tuning_start
+from stagewise.executor.autotune import Budget, _note, budget_of, candidate_strategies, race, tuning_start
 from stagewise.executor.build import resolve_device
-from stagewise.executor.candidates import (Progress, advance, loop_reference, make_runner, stage_inputs, time_candidates,
-                                           try_strategy)
+from stagewise.executor.candidates import Progress, advance, loop_reference, make_runner, stage_inputs, try_strategy
 from stagewise.executor.stage_grads import GRAD_RTOL, fwd_bwd, grads_check
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import LoopRunner
@@ -33,9 +32,11 @@ TRAINING_CANDIDATES = (Strategy.VMAP, Strategy.WIDE, Strategy.LOOP)
 
 def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
                   progress: Progress = None, repeats: Optional[int] = None, warmup: int = 2,
-                  strategies: Optional[Sequence[str | Strategy]] = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
+                  strategies: Optional[Sequence[str | Strategy]] = None,
+                  budget: "str | Budget | None" = None) -> tuple[Plan, dict[str, list[StrategyResult]]]:
     """The training-mode autotune, also returning every stage's measured candidates (see the module docstring)."""
     dev = resolve_device(device)
+    spend = budget_of(budget)
     n = plan.n_members
     allowed = set(TRAINING_CANDIDATES) & ({Strategy(s) for s in strategies} if strategies is not None else set(TRAINING_CANDIDATES))
     inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
@@ -64,8 +65,7 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
             if call is not None:
                 working[strategy.value] = (res, call)
         module.train()  # timed as training runs
-        time_candidates(working, dev, repeats, warmup, set())
-        chosen = _fastest(results, working, dev, repeats, warmup)
+        chosen = race(working, dev, repeats, warmup, spend)  # successive halving, as for inference (autotune.Budget)
         module.eval()
         found[stage.id] = results
         with torch.no_grad():  # the next stages' inputs: this stage's forward outputs with the chosen strategy

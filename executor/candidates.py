@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from stagewise.planner.plan import StageOptions, Strategy
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
+from stagewise.executor.strategies.wide import with_conv_form
 from stagewise.executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
 from stagewise.executor.values import Batched, as_batched, n_first
 from stagewise.executor.verify import DEFAULT_RTOL
@@ -62,13 +63,22 @@ def _nfirst_all(values: list, n: int) -> list:
 
 # --- running one strategy ------------------------------------------------------------------
 
-def strategy_label(strategy: Strategy, chunk_size: Optional[int]) -> str:
-    return strategy.value + (f"/chunk={chunk_size}" if chunk_size and strategy is Strategy.VMAP else "")
+def strategy_label(strategy: Strategy, chunk_size: Optional[int], conv_form: str = "") -> str:
+    """"vmap", "vmap/chunk=4", "wide/conv=bmm": a candidate's name in results and notes."""
+    return (strategy.value + (f"/chunk={chunk_size}" if chunk_size and strategy is Strategy.VMAP else "")
+            + (f"/conv={conv_form}" if conv_form and strategy is Strategy.WIDE else ""))
 
 
-def make_runner(program: StageProgram, base: Runner, strategy: Strategy, chunk_size: Optional[int] = None) -> Runner:
-    """A runner of `strategy` for the stage `base` runs, sharing base's stacked state."""
-    options = StageOptions(strategy=strategy, chunk_size=chunk_size, note=program.stage.options.note)
+def conv_form_of_label(label: str) -> str:
+    """The conv form a candidate label names ("wide/conv=bmm" -> "bmm"; "" for none)."""
+    return label.partition("/conv=")[2]
+
+
+def make_runner(program: StageProgram, base: Runner, strategy: Strategy, chunk_size: Optional[int] = None,
+                conv_form: str = "") -> Runner:
+    """A runner of `strategy` for the stage `base` runs, sharing base's stacked state (`conv_form`: wide's)."""
+    options = with_conv_form(StageOptions(strategy=strategy, chunk_size=chunk_size, note=program.stage.options.note),
+                             conv_form if strategy is Strategy.WIDE else "")
     prog = replace(program, stage=replace(program.stage, options=options))
     return RUNNERS[strategy](prog, base.n_members, base.stacked, base.member_states)
 
@@ -135,15 +145,22 @@ def stage_check(want_values: list, n: int) -> Callable[[list], float]:
 
 
 def time_candidates(cands: dict[str, tuple[StrategyResult, Callable]], device: torch.device,
-                    repeats: Optional[int], warmup: int, compiles: set[str]) -> None:
-    """Time the working candidates round-robin; fill time, peak memory and compile_s in place."""
+                    repeats: Optional[int], warmup: int, compiles: set[str], *, memory: bool = True,
+                    deadline_s: Optional[float] = None) -> None:
+    """Time the working candidates round-robin; fill time, peak memory and compile_s in place.
+
+    compile_s of a label in `compiles` becomes its first call's time less a steady call; the
+    others' is kept as it was (a later round must not erase a compile time measured before),
+    0 where it still holds the first call's time. `memory`: measure peak memory (on CPU one
+    profiled call, ~0.05-0.3 s) for candidates that have none yet. `deadline_s`: see
+    timing.interleaved."""
     fns = {label: call for label, (res, call) in cands.items()}
     try:
-        timings = interleaved(fns, device, repeats, warmup)
+        timings = interleaved(fns, device, repeats, warmup, deadline_s)
     except Exception:  # a candidate that ran once but fails when repeated (OOM on a second buffer set): find which
         for label, (res, call) in cands.items():
             try:
-                res.time = interleaved({label: call}, device, repeats, warmup)[label]
+                res.time = interleaved({label: call}, device, repeats, warmup, deadline_s)[label]
             except Exception as e:
                 res.ok, res.error = False, describe_error(e)
                 if is_oom(e) and device.type == "cuda":
@@ -152,13 +169,17 @@ def time_candidates(cands: dict[str, tuple[StrategyResult, Callable]], device: t
     for label, (res, call) in cands.items():
         if label not in timings or not res.ok:
             continue
+        first_timing = res.time is None
         res.time = timings[label]
-        first = res.compile_s
-        res.compile_s = max(0.0, first - res.time.median_ms / 1e3) if label in compiles else 0.0
-        try:
-            res.peak_mem_bytes = peak_memory_bytes(call, device)
-        except Exception as e:
-            res.ok, res.error = False, describe_error(e)
+        if label in compiles and first_timing:
+            res.compile_s = max(0.0, res.compile_s - res.time.median_ms / 1e3)
+        elif first_timing:
+            res.compile_s = 0.0  # the first call of an eager candidate is no one-time cost worth reporting
+        if memory and res.peak_mem_bytes is None:
+            try:
+                res.peak_mem_bytes = peak_memory_bytes(call, device)
+            except Exception as e:
+                res.ok, res.error = False, describe_error(e)
 
 
 def on_device(x: Any, device: torch.device) -> Any:

@@ -26,6 +26,7 @@ import torch
 TINY_CALL_S = 2e-4  # calls faster than this are repeated within one sample
 SAMPLE_BUDGET_S = 0.25  # default time spent timing one callable (repeats derived from it)
 MIN_REPEATS, MAX_REPEATS = 10, 40
+MIN_DEADLINE_ROUNDS = 3  # a deadline never cuts a round-robin shorter than this
 
 
 @dataclass
@@ -101,8 +102,12 @@ def _sampler(fn: Callable[[], object], device: torch.device, inner: int) -> Call
 
 
 def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repeats: Optional[int] = None,
-                warmup: int = 2) -> dict[str, Timing]:
-    """Time several callables round-robin; each is warmed up `warmup` times first."""
+                warmup: int = 2, deadline_s: Optional[float] = None) -> dict[str, Timing]:
+    """Time several callables round-robin; each is warmed up `warmup` times first.
+
+    `deadline_s`: stop sampling once the round-robin has run this long (wall time), after at
+    least MIN_DEADLINE_ROUNDS rounds; on a loaded machine the planned repeats can take many
+    times their budget, and autotune's minimum needs few samples."""
     if not fns:
         return {}
     first = {}
@@ -114,9 +119,12 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, repe
         repeats = default_repeats(sum(first.values()), SAMPLE_BUDGET_S * len(fns))
     samplers = {name: _sampler(fn, device, max(1, int(TINY_CALL_S / max(first[name], 1e-7)))) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    start = time.perf_counter()
+    for k in range(repeats):
         for name, sample in samplers.items():
             samples[name].append(sample())
+        if deadline_s is not None and k + 1 >= MIN_DEADLINE_ROUNDS and time.perf_counter() - start > deadline_s:
+            break
     return {name: Timing.of(s) for name, s in samples.items()}
 
 

@@ -179,7 +179,7 @@ class FakeTimer:
     def __init__(self, times: dict[str, list[float]], fail_when_repeated: frozenset = frozenset()):
         self.times, self.rounds, self.fail = times, {}, fail_when_repeated
 
-    def __call__(self, cands, device, repeats, warmup, compiles):
+    def __call__(self, cands, device, repeats, warmup, compiles, **_):
         from stagewise.executor.timing import Timing
 
         for label, (res, call) in cands.items():

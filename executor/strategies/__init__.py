@@ -1,7 +1,10 @@
 """Stage strategies beyond the spine's vmap and loop, registered in executor.stages.RUNNERS.
 
 - loop: the member loop over per-member bound copies of the stage (no functional_call per call);
-- wide: hand-batched kernels (baddbmm Linear, grouped conv, fused norms, SDPA, GRU);
+- wide: hand-batched kernels: baddbmm Linear (sibling Linears fused), convolutions in one of
+  several forms (wide_layers.CONV_FORMS: per-member loop, grouped, grouped channels_last, im2col
+  + baddbmm; cuDNN benchmark mode on GPU), fused norms and pools, scaled_dot_product_attention,
+  nn.GRU, nn.LSTM, nn.MultiheadAttention, nn.TransformerEncoderLayer / TransformerEncoder;
 - compile: torch.compile of the stage's vmapped callable (compile time kept apart);
 - cuda_graph: CUDA-graph capture of the stage (GPU only; refused on CPU).
 """

@@ -11,6 +11,10 @@ ops (scaled_dot_product_attention, nn.GRU, nn.LSTM on CPU; nn.MultiheadAttention
 nn.TransformerEncoder(Layer), which vmap runs only through its slow per-member fallback):
 `wide_rule_gaps` says which nodes of a stage would still need vmap.
 
+Convolutions run in the stage's conv form (wide_layers.CONV_FORMS_DOC: per-member loop,
+grouped, grouped channels_last, im2col + baddbmm, cuDNN benchmark mode on GPU), read from
+the stage's options (conv_form_of; "" = the device's default) when the runner is made.
+
 The node program is built once per runner (WideRunner._compile_program): per call
 only tensor ops and a closure per node run. nn.Linear is one baddbmm against
 [N, in, out] weights transposed at construction, fused with the activation
@@ -21,6 +25,9 @@ Measured on the 2-core CPU, round-robin against HEAD's interpreter: deep MLP
 """
 from __future__ import annotations
 
+import functools
+import re
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,9 +35,12 @@ import torch.fx
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
+from stagewise.planner.errors import PlanFileError
+from stagewise.planner.plan import StageOptions
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_ops
-from stagewise.executor.strategies.wide_layers import ELEMENTWISE_MODULES, inplace_activation, module_rule
+from stagewise.executor.strategies.wide_layers import (CONV_FORMS, ELEMENTWISE_MODULES, conv, conv_forms,
+                                                       inplace_activation, module_rule)
 from stagewise.executor.strategies.wide_ops import NFirst, is_nf, op_name
 from stagewise.executor.values import Batched, PerMember, Shared, stack_member_values
 
@@ -66,6 +76,45 @@ def wide_rule_gaps(program: StageProgram) -> list[str]:
     return gaps
 
 
+# --- the convolution form of a wide stage --------------------------------------------------------
+# A plan records the form autotune chose as a tag in the stage's options.note ("[wide: conv=bmm]"),
+# so the JSON plan rebuilds the same kernels. A future StageOptions field `variant` ("conv=bmm")
+# is read first where it exists; the note tag is what plans carry today.
+_FORM_TAG = re.compile(r"\[wide: conv=([a-z_]+)\]")
+
+
+def conv_form_of(options: StageOptions) -> str:
+    """The conv form recorded in a stage's options ("" = the device's default form).
+
+    Raises PlanFileError for a form that does not exist (a hand-edited plan)."""
+    variant = getattr(options, "variant", "") or ""
+    found = re.fullmatch(r"conv=([a-z_]+)", variant) or _FORM_TAG.search(options.note)
+    form = found.group(1) if found else ""
+    if form and form not in CONV_FORMS:
+        raise PlanFileError(f"unknown wide conv form {form!r} in the stage options; use one of {', '.join(CONV_FORMS)} "
+                            "or remove the [wide: conv=...] tag from the note")
+    return form
+
+
+def with_conv_form(options: StageOptions, form: str) -> StageOptions:
+    """`options` with `form` recorded ("" removes the record)."""
+    note = _FORM_TAG.sub("", options.note).rstrip()
+    if form:
+        note = f"{note} [wide: conv={form}]".lstrip()
+    return replace(options, note=note)
+
+
+def wide_conv_forms(program: StageProgram, device) -> list[str]:
+    """Conv forms worth trying for the stage on `device`, the default first; [] without convolutions."""
+    forms: list[str] = []
+    for node in program.module.graph.nodes:
+        if node.op == "call_module":
+            mod = program.module.get_submodule(node.target)
+            if module_rule(mod) is conv:
+                forms += [f for f in conv_forms(mod, device) if f not in forms]
+    return forms
+
+
 class WideRunner(Runner):
     """Hand-batched kernels over stacked state (see module docstring)."""
 
@@ -74,12 +123,16 @@ class WideRunner(Runner):
         gm = self.program.module
         self._nodes = list(gm.graph.nodes)
         self._calls: dict[str, tuple] = {}
+        form = conv_form_of(self.program.stage.options)
         for node in self._nodes:
             if node.op == "call_module":
                 mod = gm.get_submodule(node.target)
                 prefix = f"{node.target}."
                 state = {k[len(prefix):]: v for k, v in self.stacked.items() if k.startswith(prefix)}
-                self._calls[node.name] = (mod, module_rule(mod), state)
+                rule = module_rule(mod)
+                if rule is conv and form:
+                    rule = functools.partial(conv, form=form)
+                self._calls[node.name] = (mod, rule, state)
             elif node.op == "call_function":
                 self._calls[node.name] = (node.target, op_name(node.target))
             elif node.op == "call_method":

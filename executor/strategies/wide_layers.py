@@ -57,42 +57,136 @@ def unfold_channels(y: torch.Tensor, n: int) -> torch.Tensor:
 
 # CPU: mkldnn's grouped convolution (and one conv with N*out channels for a shared input) measured
 # slower than N separate convolutions (31-34 ms vs 27 ms for 20 x [8, 64, 16, 16] 3x3, one thread),
-# so on CPU the conv is looped over members and everything around it stays batched. Tests flip this
-# to exercise the grouped path, which GPUs take.
+# so on CPU the default form loops the conv over members and everything around it stays batched.
+# Tests flip this to exercise the grouped path, which GPUs take by default.
 GROUPED_CONV_ON_CPU = False
 
+# How `conv` batches the members' convolutions (a stage's form: WideRunner reads it from the stage's
+# options, autotune tries each where it applies and records the fastest; see CONV_FORMS_DOC).
+CONV_FORMS = ("loop", "grouped", "grouped_nhwc", "bmm", "grouped_bench", "grouped_nhwc_bench")
+CONV_FORMS_DOC = """
+loop               one F.conv per member on its slice; results stacked (the CPU default)
+grouped            members folded into channels [B, N*C, *sp], one conv with groups = N*groups (the GPU default);
+                   a shared input with groups 1 is one ordinary conv with N*out channels
+grouped_nhwc       grouped, with input and weights in channels_last (Conv2d; Conv1d runs as grouped)
+bmm                im2col (F.unfold; a plain view for 1x1 stride-1 convs) and one baddbmm of [N, out, C*k] weights
+                   (groups 1, numeric padding; others run as grouped); a shared input runs as grouped
+grouped_bench      grouped with torch.backends.cudnn.benchmark on for the call (CUDA only: cuDNN times its
+                   algorithms on the first call of each shape and keeps the fastest)
+grouped_nhwc_bench grouped_nhwc with cudnn.benchmark on (CUDA only)
+"""
+CUDA_ONLY_FORMS = ("grouped_bench", "grouped_nhwc_bench")
 
-def _grouped(x: Any) -> bool:
-    return GROUPED_CONV_ON_CPU or (x.t if is_nf(x) else x).device.type != "cpu"
+
+def default_conv_form(device: torch.device) -> str:
+    """The form a stage without a recorded one runs: per-member convs on CPU, grouped on GPU."""
+    return "grouped" if GROUPED_CONV_ON_CPU or device.type != "cpu" else "loop"
 
 
-def conv(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
-    """Conv1d/2d of every member: on GPU one grouped convolution (groups = N * groups) over
-    the channel-folded [B, N*C, *sp] layout; on CPU one convolution per member (see below)."""
+def conv_forms(module: nn.Module, device: torch.device) -> list[str]:
+    """The forms that run `module` differently from one another on `device` (the default first)."""
+    forms = [default_conv_form(device)]
+    forms += [f for f in ("loop", "grouped") if f not in forms]
+    if isinstance(module, nn.Conv2d):
+        forms.append("grouped_nhwc")
+    if module.groups == 1 and not isinstance(module.padding, str):
+        forms.append("bmm")
+    if device.type == "cuda":
+        forms += ["grouped_bench"] + (["grouped_nhwc_bench"] if isinstance(module, nn.Conv2d) else [])
+    return forms
+
+
+class _CudnnBenchmark:
+    """torch.backends.cudnn.benchmark on for a block (the flag alone; TF32 and determinism stay as set)."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True
+
+    def __exit__(self, *exc) -> None:
+        torch.backends.cudnn.benchmark = self.saved
+
+
+def conv(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int, form: str = "") -> Any:
+    """Conv1d/2d of every member in the stage's `form` (CONV_FORMS_DOC; "" = default_conv_form).
+
+    Input format: x NFirst [N, B, C, *sp] (per member) or a shared [B, C, *sp]; weights [N, out, in/groups, *k].
+    Returns NFirst [N, B, out, *sp'] (a strided view for the folded and bmm forms); None for
+    what it does not batch (padding modes other than zeros, unbatched inputs, extra arguments).
+    """
     if module.padding_mode != "zeros" or kwargs or len(args) != 1:
         return None
     x = args[0]
     spatial = 1 if isinstance(module, nn.Conv1d) else 2
     if (x.rank if is_nf(x) else x.dim()) != spatial + 2:
         return None  # unbatched input: leave it to vmap
+    t = x.t if is_nf(x) else x
+    form = form or default_conv_form(t.device)
+    if form.endswith("_bench"):
+        if t.device.type != "cuda":
+            form = form[: -len("_bench")]  # cuDNN's benchmark mode means nothing off CUDA
+        else:
+            with _CudnnBenchmark():
+                return _conv(module, state, x, n, spatial, form[: -len("_bench")])
+    return _conv(module, state, x, n, spatial, form)
+
+
+def _conv(module: nn.Module, state: dict, x: Any, n: int, spatial: int, form: str) -> NFirst:
     w = state["weight"]  # [N, out, in/groups, *k]
-    out_c = w.shape[1]
     b = state.get("bias")
     opts = dict(stride=module.stride, padding=module.padding, dilation=module.dilation)
     fn = F.conv1d if spatial == 1 else F.conv2d
-    w_cat = w.reshape(n * out_c, *w.shape[2:])
-    b_cat = b.reshape(-1) if b is not None else None
-    if not _grouped(x):
+    if form == "loop":
         xs = [x.t[i] for i in range(n)] if is_nf(x) else [x] * n
         return NFirst(torch.stack([fn(xi, w[i], b[i] if b is not None else None, groups=module.groups, **opts)
                                    for i, xi in enumerate(xs)]))
+    if form == "bmm" and is_nf(x) and module.groups == 1 and not isinstance(module.padding, str):
+        return NFirst(_conv_bmm(module, w, b, x.t, spatial))
+    nhwc = form == "grouped_nhwc" and spatial == 2
+    w_cat = relaid(w, "conv_nhwc") if nhwc else w.reshape(-1, *w.shape[2:])
+    b_cat = b.reshape(-1) if b is not None else None
     if is_nf(x):
-        y = fn(fold_channels(x.t), w_cat, b_cat, groups=n * module.groups, **opts)
-    elif module.groups == 1:
-        y = fn(x, w_cat, b_cat, **opts)  # a shared input: one ordinary conv with N*out channels
+        y = fn(fold_channels(x.t, nhwc), w_cat, b_cat, groups=n * module.groups, **opts)
     else:
-        y = fn(x.repeat(1, n, *([1] * spatial)), w_cat, b_cat, groups=n * module.groups, **opts)
+        xs = x.contiguous(memory_format=torch.channels_last) if nhwc else x
+        if module.groups == 1:
+            y = fn(xs, w_cat, b_cat, **opts)  # a shared input: one ordinary conv with N*out channels
+        else:
+            y = fn(xs.repeat(1, n, *([1] * spatial)), w_cat, b_cat, groups=n * module.groups, **opts)
     return NFirst(unfold_channels(y, n))
+
+
+def _conv_bmm(module: nn.Module, w: torch.Tensor, b: Optional[torch.Tensor], x: torch.Tensor, spatial: int) -> torch.Tensor:
+    """Per-member conv (groups 1) as im2col + one baddbmm: [N, out, C*k] x [N, C*k, B*L].
+
+    x [N, B, C, *sp] -> [N, B, out, *sp'] (a permuted view of the [N, out, B, *sp'] GEMM output).
+    A 1x1 kernel with stride 1 and no padding needs no unfold: the columns are x itself.
+    """
+    n, batch, c = x.shape[:3]
+    out_c = w.shape[1]
+    k = tuple(w.shape[3:])
+    stride, padding, dilation = module.stride, module.padding, module.dilation
+    pointwise = all(s == 1 for s in k) and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+    if pointwise:
+        out_sp = tuple(x.shape[3:])
+        cols = x.reshape(n, batch, c, -1)  # [N, B, C, L]
+    else:
+        xs = x.reshape(n * batch, c, *x.shape[3:])
+        if spatial == 1:  # F.unfold is 2-d only: a length-L signal is a 1 x L image
+            xs, k2 = xs.unsqueeze(2), (1,) + k
+            s2, p2, d2 = (1,) + tuple(stride), (0,) + tuple(padding), (1,) + tuple(dilation)
+        else:
+            k2, s2, p2, d2 = k, tuple(stride), tuple(padding), tuple(dilation)
+        cols = F.unfold(xs, k2, dilation=d2, padding=p2, stride=s2)  # [N*B, C*k, L]
+        in_sp = xs.shape[2:]
+        out_sp = tuple((in_sp[i] + 2 * p2[i] - d2[i] * (k2[i] - 1) - 1) // s2[i] + 1 for i in range(2))
+        out_sp = out_sp[1:] if spatial == 1 else out_sp
+        cols = cols.view(n, batch, cols.shape[1], cols.shape[2])  # [N, B, C*k, L]
+    length = cols.shape[-1]
+    cols = cols.transpose(1, 2).reshape(n, cols.shape[2], batch * length)  # [N, C*k, B*L]
+    w2 = w.reshape(n, out_c, -1)
+    y = torch.baddbmm(b.unsqueeze(2), w2, cols) if b is not None else torch.bmm(w2, cols)  # [N, out, B*L]
+    return y.view(n, out_c, batch, *out_sp).transpose(1, 2)
 
 
 def pool(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:

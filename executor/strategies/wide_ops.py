@@ -249,18 +249,24 @@ def stamp(*tensors: Optional[torch.Tensor]) -> tuple:
 
 
 _LAYOUTS: dict[tuple[int, str], tuple[weakref.ref, tuple, torch.Tensor]] = {}
+_RELAYOUTS = {
+    "bmm": lambda w: w.transpose(1, 2).contiguous(),
+    "conv_nhwc": lambda w: w.reshape(-1, *w.shape[2:]).contiguous(memory_format=torch.channels_last),
+}
 
 
 def relaid(w: torch.Tensor, kind: str) -> torch.Tensor:
     """A stacked weight in the layout its GEMM wants, cached while `w` is unchanged.
 
     kind "bmm": [N, out, in] -> contiguous [N, in, out] (NN batched GEMM measured ~10% faster than NT).
+    kind "conv_nhwc": a conv weight [N, out, in/g, kh, kw] -> [N*out, in/g, kh, kw] in channels_last
+    (the grouped convolution of wide_layers.conv's "grouped_nhwc" form).
     The cache is keyed by the tensor and its `stamp` (version counter and storage), so an in-place
     update of the member state (BatchedModule.stacked_state) is seen on the next call. No caching
     while autograd records (a cached copy would carry a stale graph).
     """
-    assert kind == "bmm", kind
-    make = lambda: w.transpose(1, 2).contiguous()  # noqa: E731
+    assert kind in _RELAYOUTS, kind
+    make = lambda: _RELAYOUTS[kind](w)  # noqa: E731
     if torch.is_grad_enabled() and w.requires_grad:
         return make()
     key = (id(w), kind)
