@@ -200,6 +200,7 @@ class BatchedModule(nn.Module):
         # the output's structure, flattened once: per call only its leaves are looked up
         leaves, self._output_tree = tree_flatten(self._output_args)
         self._output_leaves = [(x.name, None) if isinstance(x, torch.fx.Node) else (None, x) for x in leaves]
+        self._output_is_leaf = self._output_tree.is_leaf()
         # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
         self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]
         self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
@@ -370,7 +371,7 @@ class BatchedModule(nn.Module):
             for k, key in state_out:
                 env[output_names[k]] = Batched(self._stacked[key])
         leaves = [n_first(env[name], n) if name is not None else x for name, x in self._output_leaves]
-        result = leaves[0] if self._output_tree.is_leaf() else tree_unflatten(leaves, self._output_tree)
+        result = leaves[0] if self._output_is_leaf else tree_unflatten(leaves, self._output_tree)
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)
         return result, (env if keep else {})
@@ -412,6 +413,8 @@ class BatchedModule(nn.Module):
         inputs a stage reading them cannot take (wrong shape); ExecutionError when a
         later stage fails.
         """
+        if self.plan.dtype == "float32":  # the common case, straight to the stages (run_stages casts for the others)
+            return self._run_plain(*inputs)[0]
         return self.run_stages(*inputs)[0]
 
 

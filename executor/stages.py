@@ -197,8 +197,9 @@ def flat_vmap(func: Callable[..., tuple], dims: tuple, batch_size: int, randomne
         if is_compiling():
             return public(*args)
         for x, b in zip(args, batched):
-            if b and x.shape[0] != batch_size:
-                return public(*args)  # vmap's own error, naming the sizes
+            if b and x.shape[0] != batch_size:  # what vmap checks on every call, without its pytree walk
+                raise ValueError(f"vmap: expected the member axis (dim 0) of size {batch_size} on every batched "
+                                 f"argument, got one of shape {list(x.shape)}")
         level = functorch_ops._vmap_increment_nesting(batch_size, randomness)
         try:
             outs = func(*[add(x, 0, level) if b else x for x, b in zip(args, batched)])
@@ -209,18 +210,30 @@ def flat_vmap(func: Callable[..., tuple], dims: tuple, batch_size: int, randomne
     return call
 
 
-def _simple_dims(args: list) -> tuple | None:
-    """vmap's in_dims for `args` when each is Shared (None) or a Batched tensor (0); None otherwise."""
-    dims = []
+_NUMBERS = (int, float, bool, type(None))  # a Batched value that is one of these is the same for every member
+
+
+def _simple_args(args: list) -> tuple[tuple | None, list]:
+    """(vmap's in_dims, the inputs) when each argument is Shared (None), a Batched tensor (0) or a
+    Batched number (None; what batched_arg gives them, without its pytree walk); (None, []) otherwise."""
+    dims, inputs = [], []
     for a in args:
         t = type(a)
         if t is Shared:
             dims.append(None)
-        elif t is Batched and isinstance(a.tree, torch.Tensor):
-            dims.append(0)
+            inputs.append(a.value)
+        elif t is Batched:
+            x = a.tree
+            if isinstance(x, torch.Tensor):
+                dims.append(0)
+            elif type(x) in _NUMBERS:
+                dims.append(None)
+            else:
+                return None, []
+            inputs.append(x)
         else:
-            return None
-    return tuple(dims)
+            return None, []
+    return tuple(dims), inputs
 
 
 class VmapRunner(Runner):
@@ -304,20 +317,20 @@ class VmapRunner(Runner):
 
     def run(self, args: list) -> list:
         training = self.program.module.training
-        dims = _simple_dims(args)
+        dims, inputs = _simple_args(args)
         if dims is not None and not training and (self._state_keys or 0 in dims):
             # the per-call fast path: shared values and batched tensors into a vmap made before
             fn = self._vmapped.get((dims, False))
             if fn is None:
                 fn = self._vmapped_for(dims, False)
-            return self._rebuild(fn(*self._state_args(), *[a.value if d is None else a.tree for a, d in zip(args, dims)]))
+            return self._rebuild(fn(*self._state_args(), *inputs))
         inputs, dims, per_member = self._vmap_args(args)
         if not per_member and training:
             # training: random ops (dropout) must draw per member, so nothing is computed once and shared
             inputs, dims, per_member = self._vmap_args([as_batched(a, self.n_members, self.device_for(args)) for a in args])
         if not per_member:
             # nothing member-specific goes in: compute once, share the result
-            out = functional_call(self.program.module, {}, tuple(inputs))
+            out = self._call(*inputs)  # no state: the stage module's forward
             return [Shared(v) for v in out]
         return self._rebuild(self._vmapped_for(dims, training)(*self._state_args(), *inputs))
 
