@@ -43,7 +43,7 @@ from torch import nn
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
-from stagewise.executor.build import build, resolve_device
+from stagewise.executor.build import BatchedModule, build, resolve_device
 from stagewise.executor.candidates import (Progress, advance, conv_form_of_label, make_runner, loop_reference, max_rel_error,
                                            members_on, on_device, stage_inputs, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.report import StrategyResult
@@ -297,6 +297,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
     stage_ms = 0.0
+    made: dict[str, Runner] = {}  # stage id -> the chosen runner (compiled/captured already)
     with torch.no_grad():
         for program, runner in zip(module.programs, module.runners):
             fresh = stage_inputs(program, env, n)
@@ -305,6 +306,8 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
             done += len(candidate_strategies(program, dev, allowed))
             found[program.stage.id] = results
             advance(program, env, fresh, out, chosen_runner)
+            if chosen.ok:
+                made[program.stage.id] = chosen_runner
             stage = program.stage
             stage_ms += chosen.time.min_ms if chosen.ok and chosen.time else math.inf
             if not chosen.ok:
@@ -317,11 +320,12 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     if progress is not None:
         progress(total, total, "comparing with one merged stage")
     with torch.no_grad():
-        best, merged_results, checked = _best_of_merged(per_stage, members, inputs, dev, allowed, repeats, warmup, spend, stage_ms)
+        best, merged_results, checked = _best_of_merged(per_stage, members, inputs, dev, allowed, repeats, warmup, spend, stage_ms,
+                                                        made)
     if merged_results is not None:  # one merged stage won: its candidates are whole plans
         found = {"s0": merged_results, **{f"per-stage {k}": v for k, v in found.items()}}
-    if not checked:  # the whole-plan comparison built `best` from its JSON and checked it already
-        _check_end_to_end(best, members, inputs, dev)
+    if not checked:  # the whole-plan comparison built `best` from its plan and checked it already
+        _check_end_to_end(best, members, inputs, dev, made)
     return best, found
 
 
@@ -356,11 +360,13 @@ def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[se
 
 def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,
                     allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
-                    budget: Budget = BUDGETS["default"], stage_ms: float = math.inf) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
+                    budget: Budget = BUDGETS["default"], stage_ms: float = math.inf,
+                    made: Optional[dict[str, Runner]] = None) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
     """The per-stage plan, or one merged stage if that is faster end to end and matches the loop.
 
     Every alternative (the per-stage plan too) is built afresh from its plan and checked
-    against the member loop end to end. merged/compile is left out where the budget skips
+    against the member loop end to end; the per-stage plan runs the runners tuning made
+    (`made`, see build_reusing), so its compiled stages are not compiled again. merged/compile is left out where the budget skips
     compile or the per-stage plan takes under COMPILE_MIN_MS (`stage_ms`: its stages' times).
     Returns (plan, the whole-plan candidates if the merged stage won, else None, whether the
     returned plan was checked end to end here).
@@ -380,7 +386,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
             results.append(StrategyResult(label, ok=False, error=f"not tried: {why}"))
             continue
         plans[label] = p
-        make = lambda p=p: (lambda m: (lambda: m(*inputs)))(build(p, members, example_inputs=example, device=device))  # noqa: E731
+        reuse = made if label == "per-stage" else {}
+        make = lambda p=p, reuse=reuse: (lambda m: (lambda: m(*inputs)))(build_reusing(p, members, inputs, device, reuse))  # noqa: E731
         res, call, _ = try_strategy(label, "whole", make, check, device, rtol=DTYPE_RTOL[plan.dtype])
         results.append(res)
         if call is not None:
@@ -398,9 +405,31 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     return best.with_stages([replace(stage, options=options)]), results, True
 
 
-def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device) -> None:
-    """The tuned plan as a whole must match the member loop (each stage already did)."""
+def _same_kernels(a: StageOptions, b: StageOptions) -> bool:
+    """Whether two stage options make the same runner (strategy, chunk size, wide's conv form)."""
+    return a.strategy is b.strategy and a.chunk_size == b.chunk_size and conv_form_of(a) == conv_form_of(b)
+
+
+def build_reusing(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,
+                  made: dict[str, Runner]) -> BatchedModule:
+    """`plan` built afresh, its runners replaced by the ones tuning already made (and compiled) for the
+    same stage id where the fresh build made a runner of the same class from the same options.
+
+    The fresh build proves the saved plan makes these kernels; reusing the tuned runners saves
+    compiling (or capturing) each stage a second time. Both read equal stacked state.
+    """
     module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=device)
+    runners = [made[p.stage.id] if p.stage.id in made and type(made[p.stage.id]) is type(r)
+               and _same_kernels(made[p.stage.id].program.stage.options, p.stage.options) else r
+               for p, r in zip(module.programs, module.runners)]
+    module.runners = runners  # assigning a new list re-makes the module's steps (BatchedModule.runners)
+    return module
+
+
+def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,
+                      made: Optional[dict[str, Runner]] = None) -> None:
+    """The tuned plan as a whole must match the member loop (each stage already did)."""
+    module = build_reusing(plan, members, inputs, device, made or {})
     with torch.no_grad():
         got = module(*inputs)
     want = stack_outputs(loop_outputs(plan, members, inputs))

@@ -170,3 +170,36 @@ def test_later_rounds_keep_the_compile_time_the_first_measured():
     assert 1.9 < first <= 2.0 and res.peak_mem_bytes is None
     time_candidates(cands, CPU, 3, 1, set(), memory=True)
     assert res.compile_s == first and res.peak_mem_bytes is not None
+
+
+def test_the_end_to_end_checks_run_the_runners_tuning_made(sample, monkeypatch):
+    """A compiled stage is not compiled again for the whole-plan race or the final check."""
+    real, seen = autotune_module.build_reusing, []
+
+    def spy(plan, members, inputs, device, made):
+        module = real(plan, members, inputs, device, made)
+        seen.append((dict(made), list(module.runners)))
+        return module
+
+    monkeypatch.setattr(autotune_module, "build_reusing", spy)
+    src, graph = sample("mlp")
+    tune(planner.propose(graph, N), src.members(N), src.example_inputs, strategies=EAGER)
+    made, runners = seen[-1]  # the final check of a one-stage plan
+    assert runners[0] is made["s0"]
+    seen.clear()
+    split = planner.split(planner.propose(graph, N), graph, "s0", at="act")
+    tune(split, src.members(N), src.example_inputs, strategies=EAGER)
+    made, runners = seen[0]  # the per-stage candidate of the whole-plan race
+    assert [r is made[s] for r, s in zip(runners, ("s0", "s1"))] == [True, True]
+
+
+def test_a_runner_is_reused_only_for_the_same_kernels(sample):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    members = src.members(N)
+    tuned_vmap = executor.build(plan, members).runners[0]
+    loop_plan = planner.set_options(plan, graph, "s0", strategy="loop")
+    module = autotune_module.build_reusing(loop_plan, members, src.example_inputs, CPU, {"s0": tuned_vmap})
+    assert module.runners[0] is not tuned_vmap  # the plan says loop: the tuned vmap runner is not what it makes
+    module = autotune_module.build_reusing(plan, members, src.example_inputs, CPU, {"s0": tuned_vmap})
+    assert module.runners[0] is tuned_vmap

@@ -80,7 +80,7 @@ def wide_rule_gaps(program: StageProgram) -> list[str]:
 # A plan records the form autotune chose as a tag in the stage's options.note ("[wide: conv=bmm]"),
 # so the JSON plan rebuilds the same kernels. A future StageOptions field `variant` ("conv=bmm")
 # is read first where it exists; the note tag is what plans carry today.
-_FORM_TAG = re.compile(r"\[wide: conv=([a-z_]+)\]")
+_FORM_TAG = re.compile(r"\[wide: conv=([a-z0-9_]+)\]")
 
 
 def conv_form_of(options: StageOptions) -> str:
@@ -88,7 +88,7 @@ def conv_form_of(options: StageOptions) -> str:
 
     Raises PlanFileError for a form that does not exist (a hand-edited plan)."""
     variant = getattr(options, "variant", "") or ""
-    found = re.fullmatch(r"conv=([a-z_]+)", variant) or _FORM_TAG.search(options.note)
+    found = re.fullmatch(r"conv=([a-z0-9_]+)", variant) or _FORM_TAG.search(options.note)
     form = found.group(1) if found else ""
     if form and form not in CONV_FORMS:
         raise PlanFileError(f"unknown wide conv form {form!r} in the stage options; use one of {', '.join(CONV_FORMS)} "

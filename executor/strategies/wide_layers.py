@@ -63,14 +63,17 @@ GROUPED_CONV_ON_CPU = False
 
 # How `conv` batches the members' convolutions (a stage's form: WideRunner reads it from the stage's
 # options, autotune tries each where it applies and records the fastest; see CONV_FORMS_DOC).
-CONV_FORMS = ("loop", "grouped", "grouped_nhwc", "bmm", "grouped_bench", "grouped_nhwc_bench")
+CONV_FORMS = ("loop", "grouped", "grouped_nhwc", "bmm", "im2col", "grouped_bench", "grouped_nhwc_bench")
 CONV_FORMS_DOC = """
 loop               one F.conv per member on its slice; results stacked (the CPU default)
 grouped            members folded into channels [B, N*C, *sp], one conv with groups = N*groups (the GPU default);
                    a shared input with groups 1 is one ordinary conv with N*out channels
 grouped_nhwc       grouped, with input and weights in channels_last (Conv2d; Conv1d runs as grouped)
-bmm                im2col (F.unfold; a plain view for 1x1 stride-1 convs) and one baddbmm of [N, out, C*k] weights
-                   (groups 1, numeric padding; others run as grouped); a shared input runs as grouped
+bmm                pointwise convs (1x1, stride 1, no padding, groups 1) of a per-member input as one baddbmm of
+                   [N, out, C] weights on the input itself (no copy of it); every other conv runs as grouped
+im2col             every groups-1 conv (numeric padding) of a per-member input as F.unfold + one baddbmm of
+                   [N, out, C*k] weights; others as grouped. CUDA only: on CPU F.unfold measured 4-40x slower
+                   than the grouped conv (3x3, 8-32 px)
 grouped_bench      grouped with torch.backends.cudnn.benchmark on for the call (CUDA only: cuDNN times its
                    algorithms on the first call of each shape and keeps the fastest)
 grouped_nhwc_bench grouped_nhwc with cudnn.benchmark on (CUDA only)
@@ -89,11 +92,18 @@ def conv_forms(module: nn.Module, device: torch.device) -> list[str]:
     forms += [f for f in ("loop", "grouped") if f not in forms]
     if isinstance(module, nn.Conv2d):
         forms.append("grouped_nhwc")
-    if module.groups == 1 and not isinstance(module.padding, str):
+    if _pointwise(module):
         forms.append("bmm")
     if device.type == "cuda":
+        forms += ["im2col"] if module.groups == 1 and not isinstance(module.padding, str) else []
         forms += ["grouped_bench"] + (["grouped_nhwc_bench"] if isinstance(module, nn.Conv2d) else [])
     return forms
+
+
+def _pointwise(module: nn.Module) -> bool:
+    """A 1x1 conv with stride 1, no padding and groups 1: a matrix product over channels."""
+    return (module.groups == 1 and not isinstance(module.padding, str) and all(k == 1 for k in module.kernel_size)
+            and all(s == 1 for s in module.stride) and all(p == 0 for p in module.padding))
 
 
 class _CudnnBenchmark:
@@ -140,7 +150,8 @@ def _conv(module: nn.Module, state: dict, x: Any, n: int, spatial: int, form: st
         xs = [x.t[i] for i in range(n)] if is_nf(x) else [x] * n
         return NFirst(torch.stack([fn(xi, w[i], b[i] if b is not None else None, groups=module.groups, **opts)
                                    for i, xi in enumerate(xs)]))
-    if form == "bmm" and is_nf(x) and module.groups == 1 and not isinstance(module.padding, str):
+    if is_nf(x) and ((form == "bmm" and _pointwise(module))
+                     or (form == "im2col" and module.groups == 1 and not isinstance(module.padding, str))):
         return NFirst(_conv_bmm(module, w, b, x.t, spatial))
     nhwc = form == "grouped_nhwc" and spatial == 2
     w_cat = relaid(w, "conv_nhwc") if nhwc else w.reshape(-1, *w.shape[2:])
