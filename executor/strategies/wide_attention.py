@@ -24,6 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.executor.strategies.wide_ops import NFirst, affine, gemm, is_nf, relaid
+from stagewise.planner.errors import ExecutionError
+
+FULLY_MASKED = ("a query row of nn.MultiheadAttention has every key masked out: torch answers NaN there on its fast "
+                "path (eval, batch_first self-attention, bool masks) and 0 on its slow path, so a batched answer could "
+                "differ from the member loop's; exclude this stage (it then runs as the loop) or keep at least one key "
+                "unmasked per row")
 
 MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
 LAYER_ARGS = ("src", "src_mask", "src_key_padding_mask", "is_causal")
@@ -103,12 +109,22 @@ def _unbatched(*xs: Any) -> tuple:
 
 def attention(module: nn.Module, state: dict, query: Any, key: Any, value: Any, n: int, batch_first: bool, *,
               key_padding_mask: Any = None, attn_mask: Any = None, need_weights: bool = False,
-              average_weights: bool = True, is_causal: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+              average_weights: bool = True, is_causal: bool = False,
+              fully_masked_ok: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Batched multi-head attention core: query/key/value NFirst [N, *, E] or shared [*, E] with * = (B, L)
     if batch_first else (L, B). Returns (out [N, *, E], weights [N, B, (heads,) L, S] or None), or
-    (None, None) where it refuses (is_causal without a mask, as torch raises)."""
+    (None, None) where it refuses (is_causal without a mask, as torch raises; masks torch refuses). Raises
+    ExecutionError for a fully masked row where torch's fast path (NaN) and slow path (0) disagree, unless
+    `fully_masked_ok` (the encoder's nested-tensor mirror, where torch drops the padded positions)."""
     if is_causal and attn_mask is None:
         return None, None
+    dtype = (query.t if is_nf(query) else query).dtype
+    masks = [m.t if is_nf(m) else m for m in (key_padding_mask, attn_mask) if m is not None]
+    if any(m.dtype != torch.bool and m.dtype != dtype for m in masks):
+        return None, None  # torch refuses such masks (integer, or another float dtype): let it say so
+    if not fully_masked_ok and _fast_path_possible(module, query, key, value, batch_first, need_weights) and \
+            any(m.dtype == torch.bool and bool(m.all(dim=-1).any()) for m in masks):
+        raise ExecutionError(FULLY_MASKED)
     e, heads = module.embed_dim, module.num_heads
     dh = e // heads
     b_dim, l_dim = (1, 2) if batch_first else (2, 1)  # of an N-first tensor
@@ -133,6 +149,14 @@ def attention(module: nn.Module, state: dict, query: Any, key: Any, value: Any, 
     o = o.reshape(n, *((batch, tgt) if batch_first else (tgt, batch)), e)
     out = gemm(NFirst(o), relaid(state["out_proj.weight"], "bmm"), _nf(state.get("out_proj.bias")), n)
     return out, weights
+
+
+def _fast_path_possible(module: nn.Module, query: Any, key: Any, value: Any, batch_first: bool, need_weights: bool) -> bool:
+    """Whether torch's own MultiheadAttention could take its fast path here (a superset of its conditions, without
+    the data-dependent ones): where it can, a fully masked row is NaN in the loop, and 0 in the batched kernels."""
+    return (not module.training and batch_first and query is key and key is value and not need_weights
+            and module.num_heads % 2 == 0 and module._qkv_same_embed_dim and module.bias_k is None
+            and not module.add_zero_attn and torch.backends.mha.get_fastpath_enabled() and not torch.is_autocast_enabled())
 
 
 def _nf(t: Optional[torch.Tensor]) -> Optional[NFirst]:
@@ -194,13 +218,19 @@ def _activation_ok(act: Any) -> bool:
 
 
 def encoder_layer_supported(module: nn.Module) -> bool:
-    """Dropout while training (a random stream per member) and unusual activations are refused."""
+    """Dropout while training (a random stream per member), unusual activations, and parts of other classes than
+    the ones this rule computes (an RMSNorm, a Linear subclass) are refused."""
     dropping = module.training and any(m.p > 0 for m in (module.dropout, module.dropout1, module.dropout2))
-    return not dropping and mha_supported(module.self_attn) and _activation_ok(module.activation)
+    parts = (type(module.norm1) is nn.LayerNorm and type(module.norm2) is nn.LayerNorm
+             and type(module.linear1) is nn.Linear and type(module.linear2) is nn.Linear
+             and type(module.self_attn) is nn.MultiheadAttention)
+    return parts and not dropping and mha_supported(module.self_attn) and _activation_ok(module.activation)
 
 
 def encoder_supported(module: nn.Module) -> bool:
-    return all(isinstance(layer, nn.TransformerEncoderLayer) and encoder_layer_supported(layer) for layer in module.layers)
+    """Every layer a supported nn.TransformerEncoderLayer, and the final norm, if any, a LayerNorm."""
+    return (module.norm is None or type(module.norm) is nn.LayerNorm) and all(
+        type(layer) is nn.TransformerEncoderLayer and encoder_layer_supported(layer) for layer in module.layers)
 
 
 def encoder_layer(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
@@ -226,7 +256,7 @@ def encoder(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -
     if is_causal is None:
         return None
     for i, layer in enumerate(module.layers):
-        y = _layer(layer, _sub(state, f"layers.{i}."), x, mask, kpm, is_causal, n)
+        y = _layer(layer, _sub(state, f"layers.{i}."), x, mask, kpm, is_causal, n, fully_masked_ok=nested)
         if y is None:
             return None
         x = NFirst(y)
@@ -285,14 +315,15 @@ def _norm(module: nn.LayerNorm, state: dict, x: Any) -> torch.Tensor:
     return affine(y, _nf(state.get("weight")), _nf(state.get("bias")), len(shape))
 
 
-def _layer(module: nn.Module, state: dict, x: Any, mask: Any, kpm: Any, is_causal: bool, n: int) -> Optional[torch.Tensor]:
+def _layer(module: nn.Module, state: dict, x: Any, mask: Any, kpm: Any, is_causal: bool, n: int,
+           fully_masked_ok: bool = False) -> Optional[torch.Tensor]:
     """One encoder layer on NFirst or shared x; returns [N, *, E] (None where attention refuses)."""
     batch_first = module.self_attn.batch_first
     attn_state = _sub(state, "self_attn.")
 
     def sa(y: Any) -> Optional[torch.Tensor]:
         return attention(module.self_attn, attn_state, y, y, y, n, batch_first, key_padding_mask=kpm,
-                         attn_mask=mask, is_causal=is_causal)[0]
+                         attn_mask=mask, is_causal=is_causal, fully_masked_ok=fully_masked_ok)[0]
 
     def ff(y: torch.Tensor) -> torch.Tensor:
         h = module.activation(gemm(NFirst(y), relaid(state["linear1.weight"], "bmm"), _nf(state.get("linear1.bias")), n))
