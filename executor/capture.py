@@ -15,8 +15,9 @@ Rules, each one a way a replay could otherwise answer wrongly without a word:
 - **State changed from outside** (an optimizer step, `load_state_dict`, `.to()`, a manual
   `p.add_()`): the wrapper records every stacked parameter's and buffer's storage and
   version counter at capture and checks them on each call; any change means a re-capture,
-  because a graph replays the kernels of capture time, and the plan's cached re-layouts of
-  weights (the `wide` strategy's) are only refreshed by running Python.
+  because a graph replays the kernels of capture time on the storages of capture time. (A
+  write through `.data` bumps no version counter; the replay still reads it, since no
+  runner keeps copies derived from the weights across calls.)
 - **State changed by forward itself** (buffers a model updates in forward, recorded by
   torch.export as graph nodes): the warm-up runs would apply those updates extra times, so
   every buffer is saved before warming up and put back before the first replay; a replay

@@ -143,22 +143,15 @@ class WideRunner(Runner):
 
         self._fused = _sibling_linears(gm, self.stacked)  # first node of a group -> the group's node names
         self._pending: dict[str, Any] = {}
-        self._fused_weights: dict[str, tuple] = {}
         self._program = self._compile_program(gm)
 
     def _linear_group(self, first: str, group: list[str], x: Any) -> Any:
         """Sibling Linears reading one input as one GEMM against their weights concatenated;
         the other members' results wait in self._pending until their nodes run."""
         states = [self._calls[name][2] for name in group]
-        tensors = [st[k] for st in states for k in ("weight", "bias") if k in st]
-        versions = wide_ops.stamp(*tensors)
-        cached = self._fused_weights.get(first)
-        if cached is None or cached[0] != versions:
-            w = torch.cat([st["weight"] for st in states], dim=1)
-            b = torch.cat([st["bias"] for st in states], dim=1) if "bias" in states[0] else None
-            cached = (versions, w, b)
-            self._fused_weights[first] = cached
-        _, w, b = cached
+        # concatenated on every call: a copy kept across calls would miss writes through `.data` (see wide_ops.relaid)
+        w = torch.cat([st["weight"] for st in states], dim=1)
+        b = torch.cat([st["bias"] for st in states], dim=1) if "bias" in states[0] else None
         y = wide_ops.linear(x, NFirst(w), NFirst(b) if b is not None else None, self.n_members)
         parts = y.split([st["weight"].shape[1] for st in states], dim=-1)
         for name, part in zip(group[1:], parts[1:]):
@@ -229,9 +222,9 @@ class WideRunner(Runner):
     def _linear_step(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[tuple[Callable[[dict], None], Optional[str]]]:
         """nn.Linear of every member as one baddbmm on [N, M, in] x [N, in, out], or None (no fast form).
 
-        The weights are transposed to [N, in, out] here, once (NN batched GEMM measured faster
-        than NT), and again only when their stamp (version counter, storage) shows an update; the bias
-        is a [N, 1, out] view, broadcast inside baddbmm. Where the Linear's only reader is an
+        The weights are read as a transposed [N, in, out] view on every call (an NT GEMM: a copy
+        kept across calls would miss writes through `.data`, see wide_ops.relaid); the bias is a
+        [N, 1, out] view, broadcast inside baddbmm. Where the Linear's only reader is an
         activation module with an in-place form, the activation runs in place on the GEMM
         output and the pair is one step (returns the activation's node name to skip).
         Calls that need autograd, or inputs of another form, take the interpreted path.
@@ -251,15 +244,6 @@ class WideRunner(Runner):
         if len(users) == 1 and users[0].op == "call_module" and len(users[0].args) == 1 and not users[0].kwargs:
             act = inplace_activation(gm.get_submodule(users[0].target))
             act_node = users[0] if act is not None else None
-        layout: list = [None, None, None]  # [stamp of (w, b), w as [N, in, out], b as [N, 1, out]]
-
-        def relayout() -> None:
-            with torch.no_grad():
-                layout[1] = w.transpose(1, 2).contiguous()
-            layout[2] = b.unsqueeze(1) if b is not None else None  # a view: remade when b's storage moves
-            layout[0] = wide_ops.stamp(w, b)
-
-        relayout()
         src, dst = node.args[0].name, (act_node or node).name
         generic = self._generic_step(node)
         generic_act = self._generic_step(act_node) if act_node is not None else None
@@ -282,11 +266,9 @@ class WideRunner(Runner):
             else:
                 return interpreted(env)
             if torch.is_grad_enabled() and (t.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-                return interpreted(env)  # the cached transpose would carry no autograd history
-            if layout[0] != wide_ops.stamp(w, b):
-                relayout()  # the stacked state changed since the copy was made (an optimizer step)
-            b3 = layout[2]
-            y = torch.baddbmm(b3, x3, layout[1]) if b3 is not None else torch.bmm(x3, layout[1])
+                return interpreted(env)  # autograd records: the generic path, whose in-place activation is not used
+            wt = w.transpose(1, 2)  # views made per call: nothing derived from the weights outlives the call
+            y = torch.baddbmm(b.unsqueeze(1), x3, wt) if b is not None else torch.bmm(x3, wt)
             if act is not None:
                 act(y)  # y is fresh (ours alone) and no autograd records: safe in place
             env[dst] = NFirst(y if len(batch) == 1 else y.view(n, *batch, out_f))
