@@ -13,10 +13,14 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-from torch._functorch import predispatch as functorch_ops  # the pieces torch.func.vmap is made of (see flat_vmap)
-from torch._functorch.vmap import lazy_load_decompositions
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch without them gets vmap itself
+    from torch._functorch import predispatch as functorch_ops
+    from torch._functorch.vmap import lazy_load_decompositions
+except ImportError:  # pragma: no cover - another torch
+    functorch_ops = None
 
 from stagewise.planner.capability import is_inplace
 from stagewise.planner.errors import ExecutionError
@@ -187,9 +191,11 @@ def flat_vmap(func: Callable[..., tuple], dims: tuple, batch_size: int, randomne
     a batch dimension onto each batched argument, `func`, the batch dimension off each output.
     Under torch.compile it is torch.func.vmap itself (dynamo knows that one).
     """
+    public = vmap(func, in_dims=dims, randomness=randomness)
+    if functorch_ops is None:
+        return public
     lazy_load_decompositions()
     batched = tuple(d == 0 for d in dims)
-    public = vmap(func, in_dims=dims, randomness=randomness)
     add, remove = functorch_ops._add_batch_dim, functorch_ops._remove_batch_dim
     is_compiling = torch.compiler.is_compiling
 
