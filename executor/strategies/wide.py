@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -97,10 +97,13 @@ def conv_form_of(options: StageOptions) -> str:
 
 
 def with_conv_form(options: StageOptions, form: str) -> StageOptions:
-    """`options` with `form` recorded ("" removes the record)."""
+    """`options` with `form` recorded ("" removes the record): the note tag, and the `variant`
+    field too where StageOptions has one (plans read by older versions still find the tag)."""
     note = _FORM_TAG.sub("", options.note).rstrip()
     if form:
         note = f"{note} [wide: conv={form}]".lstrip()
+    if "variant" in {f.name for f in fields(options)}:
+        return replace(options, note=note, variant=f"conv={form}" if form else "")
     return replace(options, note=note)
 
 
