@@ -50,7 +50,7 @@ from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
 from stagewise.executor.strategies.wide import conv_form_of, wide_conv_forms, with_conv_form
-from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repeats, peak_memory_bytes
+from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repeats, describe_error, peak_memory_bytes
 from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, loop_outputs, member_inputs
 from stagewise.executor.baselines import stack_outputs
 
@@ -161,25 +161,32 @@ def _survivors(cands: Cands, budget: Budget) -> Cands:
 
 
 def race(cands: Cands, device: torch.device, repeats: Optional[int], warmup: int, budget: Budget,
-         compiles: set[str] = frozenset(), timed: bool = False) -> Optional[StrategyResult]:
+         compiles: set[str] = frozenset(), timed: bool = False, pool: Optional[Cands] = None) -> Optional[StrategyResult]:
     """The fastest of `cands` (working, checked candidates) by successive halving (see Budget).
 
     `timed`: the candidates already had their brief round (autotune's eager ones did).
+    `pool`: every working candidate, pruned ones too (default `cands`): where the winner fails
+    when run again and no survivor is left, the race goes on among these.
     Returns None when none survives its timing.
     """
+    pool = cands if pool is None else pool
     if not timed:
         _timing_round(cands, device, repeats, warmup, budget, set(compiles), final=False)
     alive = _survivors(cands, budget)
     if budget.prune and len(alive) > 1:
         _timing_round(alive, device, repeats, 1, budget, set(), final=True)
         alive = _survivors(alive, Budget(prune=False))
-    chosen = _fastest(alive, device, repeats, budget)
-    if chosen is not None and chosen.peak_mem_bytes is None:  # pruned races measure the winner's memory alone
-        try:
+    while True:
+        chosen = _fastest(alive, device, repeats, budget)
+        if chosen is None or chosen.peak_mem_bytes is not None:
+            return chosen
+        try:  # pruned races measure the winner's memory alone
             chosen.peak_mem_bytes = peak_memory_bytes(alive[chosen.strategy][1], device)
-        except Exception:  # memory is informative only; the candidate ran and was checked
-            pass
-    return chosen
+            return chosen
+        except Exception as e:  # it failed when run again (out of memory on a second buffer set): not a candidate after all
+            chosen.ok, chosen.error = False, describe_error(e)
+            del alive[chosen.strategy]
+            alive = alive or _survivors(pool, budget)  # the pruned ones are back in the race (their brief times)
 
 
 def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int, device: torch.device,
@@ -247,7 +254,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
         for label, (res, _) in late.items():
             res.compile_s = getattr(runners.get(label), "compile_seconds", res.compile_s) if label == "compile" else res.compile_s
         alive = racing
-    chosen = race(alive, device, repeats, warmup, budget, timed=True)
+    chosen = race(alive, device, repeats, warmup, budget, timed=True, pool=working)
     if chosen is None:  # even the loop failed (e.g. injected faults everywhere): keep the loop's outputs
         return results, StrategyResult("loop", ok=False, error="no strategy worked"), ref, reference
     return results, chosen, outputs[chosen.strategy], runners[chosen.strategy]

@@ -203,3 +203,23 @@ def test_a_runner_is_reused_only_for_the_same_kernels(sample):
     assert module.runners[0] is not tuned_vmap  # the plan says loop: the tuned vmap runner is not what it makes
     module = autotune_module.build_reusing(plan, members, src.example_inputs, CPU, {"s0": tuned_vmap})
     assert module.runners[0] is tuned_vmap
+
+
+def test_a_winner_that_fails_when_its_memory_is_measured_is_not_chosen(sample, monkeypatch):
+    src, graph = sample("mlp")
+    plan = planner.propose(graph, N)
+    timed(monkeypatch, {"vmap": [1.0], "wide": [3.0], "loop": [3.1]})
+
+    def peak(call, device):
+        call()
+        if peak.calls == 0:
+            peak.calls += 1
+            raise torch.OutOfMemoryError("simulated out of memory on the memory run")
+        return 123
+
+    peak.calls = 0
+    monkeypatch.setattr(autotune_module, "peak_memory_bytes", peak)
+    tuned, found = tune(plan, src.members(N), src.example_inputs, strategies=EAGER)
+    results = {r.strategy: r for r in found["s0"]}
+    assert not results["vmap"].ok and results["vmap"].error.startswith("out of memory")
+    assert tuned.stage("s0").options.strategy is Strategy.WIDE and results["wide"].peak_mem_bytes == 123
