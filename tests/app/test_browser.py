@@ -8,6 +8,7 @@ without the token (refused). Screenshots go to tests/artifacts/ (git-ignored); l
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
@@ -84,6 +85,26 @@ def server(tmp_path, request):
         log.close()
 
 
+@contextlib.contextmanager
+def chromium_page(failure_png: str, width: int = 1500, height: int = 1500):
+    """(playwright sync_api, a page of headless Debian Chromium); skips with the fix when either is missing;
+    on a failure, a screenshot of what the page showed goes to tests/artifacts/<failure_png>."""
+    if not CHROMIUM.exists():
+        pytest.skip("Debian chromium is not installed at /usr/bin/chromium (apt-get install chromium, or `make test` as root)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": width, "height": height})
+        try:
+            yield sync_api, page
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / failure_png))
+            raise
+        finally:
+            browser.close()
+
+
 def _stage_count(page) -> int:
     text = page.get_by_text(re.compile(r"\d+ stages? \(")).first.inner_text()
     return int(re.search(r"(\d+) stages? \(", text).group(1))
@@ -99,80 +120,68 @@ def _click_node(page, node: str) -> None:
 
 
 def test_click_select_and_merge_in_chromium(server):
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium (apt-get install chromium, or `make test` as root)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1500})
-        try:
-            page.goto(server)
-            page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=90_000)
-            page.wait_for_timeout(1000)
-            page.screenshot(path=str(ARTIFACTS / "plan_initial.png"))
-            before = _stage_count(page)
-            assert before == 3
+    with chromium_page("failure.png") as (sync_api, page):
+        page.goto(server)
+        page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=90_000)
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(ARTIFACTS / "plan_initial.png"))
+        before = _stage_count(page)
+        assert before == 3
 
-            page.wait_for_timeout(500)
-            _click_node(page, "ln1")  # stage s0
-            page.get_by_text("ln1 (s0)").wait_for(timeout=WAIT_MS)  # mirrored into the multiselect
-            page.wait_for_timeout(1000)  # let the chart redraw with the selection outline
-            _click_node(page, "scaled_dot_product_attention")  # stage s1 (excluded): clicks add to the selection
-            page.get_by_text("scaled_dot_product_attention (s1)").wait_for(timeout=WAIT_MS)
-            page.screenshot(path=str(ARTIFACTS / "plan_selected.png"))
+        page.wait_for_timeout(500)
+        _click_node(page, "ln1")  # stage s0
+        page.get_by_text("ln1 (s0)").wait_for(timeout=WAIT_MS)  # mirrored into the multiselect
+        page.wait_for_timeout(1000)  # let the chart redraw with the selection outline
+        _click_node(page, "scaled_dot_product_attention")  # stage s1 (excluded): clicks add to the selection
+        page.get_by_text("scaled_dot_product_attention (s1)").wait_for(timeout=WAIT_MS)
+        page.screenshot(path=str(ARTIFACTS / "plan_selected.png"))
 
-            merge = page.get_by_role("button", name="Merge")
-            sync_api.expect(merge).to_be_enabled(timeout=WAIT_MS)
-            merge.click()
-            # s0's batched nodes would become a member loop: the app says so and waits
-            page.get_by_text("into a member loop", exact=False).first.wait_for(timeout=WAIT_MS)
-            assert _stage_count(page) == before
-            page.screenshot(path=str(ARTIFACTS / "plan_merge_warning.png"))
-            page.get_by_role("button", name=re.compile("Apply anyway")).click()
-            page.get_by_text("merge s0+s1", exact=False).first.wait_for(timeout=WAIT_MS)
-            page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=WAIT_MS)
-            page.wait_for_timeout(1000)
-            assert _stage_count(page) == before - 1
-            page.screenshot(path=str(ARTIFACTS / "plan_merged.png"))
+        merge = page.get_by_role("button", name="Merge")
+        sync_api.expect(merge).to_be_enabled(timeout=WAIT_MS)
+        merge.click()
+        # s0's batched nodes would become a member loop: the app says so and waits
+        page.get_by_text("into a member loop", exact=False).first.wait_for(timeout=WAIT_MS)
+        assert _stage_count(page) == before
+        page.screenshot(path=str(ARTIFACTS / "plan_merge_warning.png"))
+        page.get_by_role("button", name=re.compile("Apply anyway")).click()
+        page.get_by_text("merge s0+s1", exact=False).first.wait_for(timeout=WAIT_MS)
+        page.wait_for_selector(".js-plotly-plot .scatterlayer path.point", timeout=WAIT_MS)
+        page.wait_for_timeout(1000)
+        assert _stage_count(page) == before - 1
+        page.screenshot(path=str(ARTIFACTS / "plan_merged.png"))
 
-            page.get_by_role("button", name="Undo").click()
-            page.get_by_text("undid: merge s0+s1").wait_for(timeout=WAIT_MS)
-            assert _stage_count(page) == before
+        page.get_by_role("button", name="Undo").click()
+        page.get_by_text("undid: merge s0+s1").wait_for(timeout=WAIT_MS)
+        assert _stage_count(page) == before
 
-            # box select from the chart toolbar picks several nodes at once
-            page.wait_for_timeout(1000)
-            page.locator(".js-plotly-plot").hover()
-            page.locator(".modebar-btn[data-val='select']").click()
-            a, c = page.evaluate(POINT_JS, "ffn_0"), page.evaluate(POINT_JS, "ffn_2")
-            page.mouse.move(a[0] - 30, a[1] - 10)
-            page.mouse.down()
-            page.mouse.move(c[0] + 30, c[1] + 10, steps=8)
-            page.mouse.up()
-            for node in ("ffn_0", "ffn_1", "ffn_2"):
-                page.get_by_text(f"{node} (s2)").wait_for(timeout=WAIT_MS)
-            page.screenshot(path=str(ARTIFACTS / "plan_box_selected.png"))
+        # box select from the chart toolbar picks several nodes at once
+        page.wait_for_timeout(1000)
+        page.locator(".js-plotly-plot").hover()
+        page.locator(".modebar-btn[data-val='select']").click()
+        a, c = page.evaluate(POINT_JS, "ffn_0"), page.evaluate(POINT_JS, "ffn_2")
+        page.mouse.move(a[0] - 30, a[1] - 10)
+        page.mouse.down()
+        page.mouse.move(c[0] + 30, c[1] + 10, steps=8)
+        page.mouse.up()
+        for node in ("ffn_0", "ffn_1", "ffn_2"):
+            page.get_by_text(f"{node} (s2)").wait_for(timeout=WAIT_MS)
+        page.screenshot(path=str(ARTIFACTS / "plan_box_selected.png"))
 
-            # a page link drops the query string; the app puts the token back, so a reload still gets in
-            page.get_by_role("link", name="Model").click()
-            page.get_by_text("Open a model").wait_for(timeout=WAIT_MS)
-            page.wait_for_timeout(1000)
-            assert "token=" in page.url, page.url
-            page.reload()
-            page.get_by_text("Open a model").wait_for(timeout=WAIT_MS)
-            assert page.get_by_text("Access refused").count() == 0
+        # a page link drops the query string; the app puts the token back, so a reload still gets in
+        page.get_by_role("link", name="Model").click()
+        page.get_by_text("Open a model").wait_for(timeout=WAIT_MS)
+        page.wait_for_timeout(1000)
+        assert "token=" in page.url, page.url
+        page.reload()
+        page.get_by_text("Open a model").wait_for(timeout=WAIT_MS)
+        assert page.get_by_text("Access refused").count() == 0
 
-            # the address without the token: nothing but the refusal
-            stranger = browser.new_page(viewport={"width": 1200, "height": 800})
-            stranger.goto(server.split("?", 1)[0])
-            stranger.get_by_text("Access refused").wait_for(timeout=WAIT_MS)
-            assert stranger.locator(".js-plotly-plot").count() == 0
-            stranger.screenshot(path=str(ARTIFACTS / "no_token_refused.png"))
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "failure.png"))  # what the browser showed when it failed
-            raise
-        finally:
-            browser.close()
+        # the address without the token: nothing but the refusal
+        stranger = page.context.browser.new_page(viewport={"width": 1200, "height": 800})
+        stranger.goto(server.split("?", 1)[0])
+        stranger.get_by_text("Access refused").wait_for(timeout=WAIT_MS)
+        assert stranger.locator(".js-plotly-plot").count() == 0
+        stranger.screenshot(path=str(ARTIFACTS / "no_token_refused.png"))
 
 
 def _wait_for_box(page, vid: str) -> None:
@@ -184,42 +193,30 @@ def _wait_for_box(page, vid: str) -> None:
 
 @pytest.mark.parametrize("server", [STACK], indirect=True)
 def test_click_expands_and_collapses_modules_and_the_wheel_scrolls(server):
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium (apt-get install chromium, or `make test` as root)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1500, "height": 1000})
-        try:
-            page.goto(server)
-            # a big graph opens collapsed, and the 24 identical blocks are one box
-            _wait_for_box(page, "fold:layers.0-23")
-            page.screenshot(path=str(ARTIFACTS / "stack_folded.png"))
-            _click_node(page, "fold:layers.0-23")
-            _wait_for_box(page, "module:layers.5")  # unfolded: one box per block
-            assert page.evaluate(POINT_JS, "fold:layers.0-23") is None
-            _click_node(page, "module:layers.5")
-            _wait_for_box(page, "layers_5_q")  # expanded in place: its nodes are drawn, the other blocks stay boxes
-            assert page.evaluate(POINT_JS, "module:layers.4") is not None
-            page.screenshot(path=str(ARTIFACTS / "stack_block_expanded.png"))
-            _click_node(page, "open:layers.5")  # its tag collapses it again
-            _wait_for_box(page, "module:layers.5")
-            assert page.evaluate(POINT_JS, "layers_5_q") is None
-            # the multiselect shows the truth: 24 blocks collapsed
-            assert page.get_by_text("layers.23", exact=True).count() >= 1
+    with chromium_page("failure.png", height=1000) as (_, page):
+        page.goto(server)
+        # a big graph opens collapsed, and the 24 identical blocks are one box
+        _wait_for_box(page, "fold:layers.0-23")
+        page.screenshot(path=str(ARTIFACTS / "stack_folded.png"))
+        _click_node(page, "fold:layers.0-23")
+        _wait_for_box(page, "module:layers.5")  # unfolded: one box per block
+        assert page.evaluate(POINT_JS, "fold:layers.0-23") is None
+        _click_node(page, "module:layers.5")
+        _wait_for_box(page, "layers_5_q")  # expanded in place: its nodes are drawn, the other blocks stay boxes
+        assert page.evaluate(POINT_JS, "module:layers.4") is not None
+        page.screenshot(path=str(ARTIFACTS / "stack_block_expanded.png"))
+        _click_node(page, "open:layers.5")  # its tag collapses it again
+        _wait_for_box(page, "module:layers.5")
+        assert page.evaluate(POINT_JS, "layers_5_q") is None
+        # the multiselect shows the truth: 24 blocks collapsed
+        assert page.get_by_text("layers.23", exact=True).count() >= 1
 
-            # the mouse wheel over the (tall) graph scrolls the page instead of zooming the chart
-            xy = page.evaluate(POINT_JS, "module:layers.2")
-            page.mouse.move(*xy)
-            before = page.evaluate("() => document.querySelector('section.stMain, .main, [data-testid=stAppScrollToBottomContainer]') ? 0 : 0")
-            y0 = page.evaluate(POINT_JS, "module:layers.2")[1]
-            page.mouse.wheel(0, 600)
-            page.wait_for_timeout(800)
-            y1 = page.evaluate(POINT_JS, "module:layers.2")[1]
-            assert before == 0 and y1 < y0 - 300, f"the page did not scroll under the wheel ({y0} -> {y1})"
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / "failure.png"))
-            raise
-        finally:
-            browser.close()
+        # the mouse wheel over the (tall) graph scrolls the page instead of zooming the chart
+        xy = page.evaluate(POINT_JS, "module:layers.2")
+        page.mouse.move(*xy)
+        before = page.evaluate("() => document.querySelector('section.stMain, .main, [data-testid=stAppScrollToBottomContainer]') ? 0 : 0")
+        y0 = page.evaluate(POINT_JS, "module:layers.2")[1]
+        page.mouse.wheel(0, 600)
+        page.wait_for_timeout(800)
+        y1 = page.evaluate(POINT_JS, "module:layers.2")[1]
+        assert before == 0 and y1 < y0 - 300, f"the page did not scroll under the wheel ({y0} -> {y1})"

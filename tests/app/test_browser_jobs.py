@@ -14,7 +14,6 @@ and helpers are test_browser.py's). Screenshots go to tests/artifacts/ (git-igno
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, ROOT, WAIT_MS, _free_port, server  # noqa: F401 (server: the fixture)
+from test_browser import ARTIFACTS, ROOT, WAIT_MS, _free_port, chromium_page, server  # noqa: F401 (server: the fixture)
 
 from stagewise.app import launch
 
@@ -36,23 +35,8 @@ DATA_DEPENDENT = ROOT / "sample_models" / "data_dependent.py"  # batched and mem
 JOB_WAIT_MS = 240_000  # a profile with autotune compiles; on a busy machine that takes minutes
 
 
-@contextlib.contextmanager
 def _page(failure_png: str, height: int):
-    """(playwright sync_api, a page of headless Chromium); on a failure, a screenshot of what the page showed."""
-    if not CHROMIUM.exists():
-        pytest.skip("Debian chromium is not installed at /usr/bin/chromium (apt-get install chromium, or `make test` as root)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install '.[test]')")
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": height})
-        try:
-            yield sync_api, page
-        except Exception:
-            page.screenshot(path=str(ARTIFACTS / failure_png))
-            raise
-        finally:
-            browser.close()
+    return chromium_page(failure_png, width=1400, height=height)
 
 
 def _open_profile_page(page, url: str) -> None:
