@@ -192,7 +192,7 @@ def _profile(plan, members, inputs, args, progress):
     """
     run = lambda trace_path: executor.profile(  # noqa: E731
         plan, members, inputs, device=args.device, repeats=args.repeats, compile_baseline=args.compile_baseline,
-        trace_path=trace_path, progress=progress, autotune=args.autotune, train=args.train,
+        trace_path=trace_path, progress=progress, autotune=args.autotune, train=args.train, budget=args.budget,
     )
     if not args.trace:
         return run(None), None
@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     sf.add_argument("--weights", nargs="+")
     sf.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     sf.add_argument("--autotune", action="store_true", help="measure every strategy per stage and pick the fastest correct one")
+    sf.add_argument("--budget", choices=["default", "quick", "thorough"], default="default",
+                    help="how much --autotune measures: quick = fewer samples and no torch.compile; thorough = every "
+                         "candidate timed in full (default: losers dropped after a brief timing)")
     sf.add_argument("--trace", help="write a chrome trace (torch.profiler) here")
     sf.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
     sf.add_argument("--compile-baseline", action="store_true", help="also time torch.compile of whole-model vmap (slow to compile)")

@@ -101,7 +101,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
             repeats: Optional[int] = None, warmup: Optional[int] = None, baselines: bool = True,
             compile_baseline: bool = False, trace_path: Optional[str] = None, progress: Progress = None,
             autotune: bool = False, floor: bool = False, train: bool = False, optimizer: str = "adam",
-            lr: float = 1e-3) -> ProfileReport:
+            lr: float = 1e-3, budget: str = "default") -> ProfileReport:
     """Profile `plan` on `inputs`: per stage, end to end, and against the whole-model baselines.
 
     Args:
@@ -116,6 +116,8 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         progress: callable(done, total, label) called before each measurement and at the end.
         autotune: first pick each stage's fastest correct strategy (executor.autotune); the
             report's `plan` is then the tuned plan and each stage lists its candidates.
+        budget: how much autotune measures: "default", "quick" (fewer samples, no torch.compile)
+            or "thorough" (every candidate timed in full); see executor.autotune.
         floor: also time one member on N x the batch (benchmarks; assumes dim 0 is the batch axis).
         train: profile a training step instead of a forward (executor.profile_train): forward +
             backward + optimizer step end to end for the plan (stacked optimizer), the member loop
@@ -132,7 +134,8 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         from stagewise.executor.profile_train import profile_training  # imports this module
 
         return profile_training(plan, members, inputs, device=device, repeats=repeats, warmup=warmup, baselines=baselines,
-                                progress=progress, autotune=autotune, optimizer=optimizer, lr=lr, trace_path=trace_path)
+                                progress=progress, autotune=autotune, optimizer=optimizer, lr=lr, trace_path=trace_path,
+                                budget=budget)
     started = time.perf_counter()
     dev = resolve_device(device)
     inputs = on_device(tuple(inputs), dev)
@@ -141,7 +144,8 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
                    + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}
     if autotune:
-        plan, candidates = tune(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats, warmup=warmup)
+        plan, candidates = tune(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats, warmup=warmup,
+                                budget=budget)
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=dev)
     flops = stage_flops(plan, members[0], example)

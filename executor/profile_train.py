@@ -171,7 +171,7 @@ def has_dropout(module: nn.Module) -> bool:
 
 def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device, repeats: Optional[int],
                      warmup: int, baselines: bool, progress, autotune: bool, optimizer: str, lr: float,
-                     trace_path: Optional[str]) -> ProfileReport:
+                     trace_path: Optional[str], budget: str = "default") -> ProfileReport:
     """executor.profile(..., train=True); see the module docstring. Args as executor.profile's."""
     if optimizer not in OPTIMIZERS:
         raise StagewiseError(f"profile(train=True, optimizer={optimizer!r}): unknown optimizer; use one of {', '.join(OPTIMIZERS)}")
@@ -184,7 +184,7 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     notes = []
     if autotune:
         plan, candidates = tune_training(plan, members, inputs, device=dev, progress=ticks.nested("autotune"), repeats=repeats,
-                                         warmup=warmup)
+                                         warmup=warmup, budget=budget)
         notes.append("autotune chose each stage's strategy by its forward + backward time (training-capable strategies only)")
     example = member_inputs(plan, inputs, 0)
     module = build(plan, [copy.deepcopy(m) for m in members], example_inputs=example, device=dev)

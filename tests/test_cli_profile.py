@@ -56,3 +56,20 @@ def test_profile_train_prints_a_training_profile(mlp_plan, capsys):
     out = capsys.readouterr().out
     assert out.startswith("training profile (adam step)")
     assert "loop: N torch.optim" in out and "torch.func + foreach opt" in out and "stagewise + stacked opt" in out
+
+
+@pytest.mark.parametrize("budget", ["quick", "thorough"])
+def test_profile_autotune_budget_is_passed_on(mlp_plan, tmp_path, budget):
+    tuned = tmp_path / "tuned.json"
+    assert main(["profile", str(mlp_plan), MLP, "--autotune", "--budget", budget, "--repeats", "3", "-o", str(tuned)]) == 0
+    cands = [c for s in planner.Plan.load(tuned).profile["stages"] for c in s.get("candidates", [])]
+    compiled = [c for c in cands if c["strategy"] == "compile"]
+    assert cands and compiled
+    skipped = all("budget skips torch.compile" in (c.get("error") or "") for c in compiled)
+    assert skipped == (budget == "quick")  # quick skips torch.compile, thorough times it
+
+
+def test_profile_budget_must_be_a_known_one(mlp_plan, capsys):
+    with pytest.raises(SystemExit):
+        main(["profile", str(mlp_plan), MLP, "--autotune", "--budget", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
