@@ -61,7 +61,7 @@ def _start(task: str) -> None:
         job = jobs.start(task, ref.path, ref.weights, plan.with_profile(None).to_json(), st.session_state.get("device", "cpu"),
                          ns, trust_archive=ref.trust_archive, autotune=bool(st.session_state.get("autotune")),
                          compile_baseline=bool(st.session_state.get("compile_baseline")),
-                         train=bool(st.session_state.get("train")))
+                         train=bool(st.session_state.get("train")), budget=st.session_state.get("budget", "default"))
     except StagewiseError as e:  # no private jobs directory
         state.flash("error", f"{task} not started: {e}")
         return
@@ -143,11 +143,17 @@ def controls_ui() -> None:
     c[2].button("Profile", type="primary", on_click=_start, args=("profile",), disabled=busy,
                 width="stretch")
     c[3].button("Verify vs loop", on_click=_start, args=("verify",), disabled=busy, width="stretch")
-    o = st.columns(3)
+    o = st.columns([1.2, 1.2, 1.2, 1])
     o[0].checkbox("Autotune each stage's strategy first", key="autotune")
     o[1].checkbox("Also time torch.compile of the whole vmap", key="compile_baseline")
     o[2].checkbox("Training step", key="train",
                   help="time forward + backward + Adam step: the plan with one stacked optimizer, N torch.optim loops, the torch.func recipe")
+    o[3].selectbox("Autotune budget", BUDGETS, key="budget", disabled=not st.session_state.get("autotune"),
+                   help="quick: fewer samples and no torch.compile (minutes become seconds); thorough: every candidate "
+                        "timed in full; default: clear losers dropped after a brief timing")
+
+
+BUDGETS = ["default", "quick", "thorough"]  # executor.autotune's budgets
 
 
 def _bar(title: str, labels: list[str], series: dict[str, tuple[list, list[str] | str]]) -> go.Figure:

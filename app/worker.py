@@ -8,6 +8,7 @@ the app only reads these files. No streamlit here.
 request.json: {"task": "profile"|"verify", "model_path": str, "weights": [str],
                "plan": Plan.to_json(), "device": "cpu"|"cuda", "ns": [int, ...],
                "autotune": bool, "compile_baseline": bool, "train": bool (optional: profile a training step),
+               "budget": "default" | "quick" | "thorough" (optional: how much autotune measures),
                "trust_archive": bool (optional, default false: a .pt2 that needs unpickling is refused)}
 result.json:  {"ok": bool, "error": str|None, "reports": [{"n": int, "report": dict, "text": str}]}
 """
@@ -64,7 +65,7 @@ def run(job_dir: Path) -> dict:
 
             rep = executor.profile(p, members, inputs, device=req.get("device", "cpu"), progress=tick,
                                    autotune=bool(req.get("autotune")), compile_baseline=bool(req.get("compile_baseline")),
-                                   train=bool(req.get("train")))
+                                   train=bool(req.get("train")), budget=str(req.get("budget") or "default"))
         reports.append({"n": n, "report": rep.to_json(), "text": rep.to_text()})
     progress("done", 1.0)
     return {"ok": True, "error": None, "reports": reports}

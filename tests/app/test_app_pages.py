@@ -488,3 +488,21 @@ def test_dismissed_autosave_is_not_offered_again(tmp_path, monkeypatch):
     at.button(key="dismiss_autosave").click().run()
     again = app_test(monkeypatch, tmp_path, SAMPLES / "mlp.py").run()  # a reload: a new session
     assert not any("autosaved plan exists" in t for t in texts(again.info).splitlines())
+
+
+def test_the_autotune_budget_goes_to_the_job(at, monkeypatch):
+    from stagewise.app import jobs
+
+    seen = {}
+
+    def fake_start(task, *args, **kwargs):
+        seen.update(kwargs, task=task)
+        raise jobs.JobError("not started in this test")
+
+    monkeypatch.setattr(jobs, "start", fake_start)
+    at.switch_page("views/profile.py").run()
+    assert at.selectbox(key="budget").disabled  # only autotune has a budget
+    at.checkbox(key="autotune").check().run()
+    at.selectbox(key="budget").set_value("quick").run()
+    button(at, "Profile").click().run()
+    assert seen["task"] == "profile" and seen["autotune"] is True and seen["budget"] == "quick"
