@@ -6,7 +6,6 @@ called on its own input. float32, tight tolerance (normwise per member).
 from __future__ import annotations
 
 import importlib
-import itertools
 
 import pytest
 import torch
