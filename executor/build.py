@@ -345,15 +345,24 @@ class BatchedModule(nn.Module):
                 raise InputError(f"the inputs break a condition of the plan's torch.export trace ({what}); "
                                  "pass inputs shaped like the traced ones or re-plan with example inputs of this shape") from None
 
-    def _run_plain(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
-        """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`)."""
+    def _run_plain(self, *inputs, keep: bool = False, run: Any = None) -> tuple[Any, dict[str, Any]]:
+        """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`).
+        `run(env)`, when given, runs the stages on the bound inputs instead of the flat step list (capture's runs)."""
         if self.training and torch.is_grad_enabled():
             self._check_trainable()
         if self._storage:
             self._follow_new_storage()
         env = self.bind_inputs(inputs)
+        if run is None:
+            self._run_steps(env, self._steps)
+        else:
+            run(env)
+        return self._outputs(env), (env if keep else {})
+
+    def _run_steps(self, env: dict[str, Any], steps: list) -> None:
+        """Run `steps` (a slice of the flat program) on the boundary values in `env`, adding their outputs to it."""
         n = self.n_members
-        for program, runner, input_names, output_names, in_place, state_out in self._steps:
+        for program, runner, input_names, output_names, in_place, state_out in steps:
             args = [env[name] for name in input_names]
             if in_place:
                 # an in-place write must land in one [N, ...] tensor that later stages read too
@@ -370,11 +379,15 @@ class BatchedModule(nn.Module):
             env.update(zip(output_names, outs))
             for k, key in state_out:
                 env[output_names[k]] = Batched(self._stacked[key])
+
+    def _outputs(self, env: dict[str, Any]) -> Any:
+        """The model's outputs, N-first, from the boundary values in `env`."""
+        n = self.n_members
         leaves = [n_first(env[name], n) if name is not None else x for name, x in self._output_leaves]
         result = leaves[0] if self._output_is_leaf else tree_unflatten(leaves, self._output_tree)
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)
-        return result, (env if keep else {})
+        return result
 
     def _input_error(self, program: StageProgram, e: ExecutionError) -> StagewiseError:
         """The error to raise for a stage's failure: an InputError when torch failed in a stage fed by the
@@ -385,7 +398,7 @@ class BatchedModule(nn.Module):
         return InputError(f"{e}. The stage reads model input(s) {read}; check they are shaped like example_inputs() "
                           "(per_member ones with a leading [N] axis)")
 
-    def run_stages(self, *inputs, keep: bool = False) -> tuple[Any, dict[str, Any]]:
+    def run_stages(self, *inputs, keep: bool = False, run: Any = None) -> tuple[Any, dict[str, Any]]:
         """Run all stages at plan.dtype; returns (N-first outputs, boundary values by node name if `keep`,
         those in the plan's dtype). Floating inputs cast in, floating outputs cast back to the caller's
         dtype (that of its first floating input; float32 when it passes none)."""
@@ -393,12 +406,12 @@ class BatchedModule(nn.Module):
         if dtype is None:
             tf32 = self.plan.dtype == "tf32" and any(t.is_cuda for t in self._stacked.values())
             if not tf32:
-                return self._run_plain(*inputs, keep=keep)
+                return self._run_plain(*inputs, keep=keep, run=run)
             with _TF32():
-                return self._run_plain(*inputs, keep=keep)
+                return self._run_plain(*inputs, keep=keep, run=run)
         caller = next((x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.float32)
         try:
-            out, env = self._run_plain(*inputs, keep=keep)  # bind_inputs casts the floating inputs
+            out, env = self._run_plain(*inputs, keep=keep, run=run)  # bind_inputs casts the floating inputs
         except (ExecutionError, InputError) as e:  # a stage fed by the model inputs reports InputError
             if "not implemented for 'Half'" not in str(e):
                 raise

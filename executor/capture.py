@@ -26,14 +26,21 @@ Rules, each one a way a replay could otherwise answer wrongly without a word:
 - **Inference only**: capture refuses when autograd would record (grad enabled and any
   stacked parameter requires grad; run under `torch.no_grad()` / `torch.inference_mode()`)
   and in training mode (`ens.eval()` first); training goes through the BatchedModule itself.
-- A plan that cannot be captured (a host sync such as `.item()`, data-dependent shapes,
-  a CPU tensor) raises ExecutionError naming the reason; run `ens` itself instead.
+- **Stages that cannot be captured** (a host sync such as `.item()` or `if x.any():`,
+  data-dependent shapes such as `x[mask]` or `nonzero`): when the whole plan fails to
+  capture, each stage is run once under a host-sync detector, and the plan becomes
+  maximal *runs* of capturable stages, one graph each (per signature of the run's own
+  inputs, which may change from call to call after an eager stage), with the other
+  stages eager between them. A run whose capture still fails is split stage by stage.
+  `cap.layout()` says which stages replay in which graph and why the others run eagerly;
+  when no stage can be captured, the call raises ExecutionError naming the reasons.
 
 `backend` is the capture mechanism: `CudaGraphBackend` on CUDA (the default). Tests on
 machines without a GPU pass `ReplayBackend`, which keeps the same static-buffer
 semantics (inputs copied in, outputs written into fixed tensors, state restored after the
-capture run) by re-running the plan eagerly, so everything above but the CUDA graph itself
-is checked everywhere.
+capture run) by re-running the plan eagerly, and refuses to capture what a CUDA graph
+refuses (the host-sync ops `HostSyncDetector` knows), so everything above but the CUDA
+graph itself is checked everywhere.
 """
 from __future__ import annotations
 
@@ -42,9 +49,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.errors import ExecutionError
+from stagewise.executor.stages import VmapRunner
+from stagewise.executor.values import Batched, PerMember, tagged as _tagged, untagged as _untagged
 
 DEFAULT_MAX_SIGNATURES = 8
 WARMUP_CALLS = 2  # lazy initialisation and cuBLAS/cuDNN workspace choices happen outside the graph
@@ -53,6 +63,52 @@ WARMUP_CALLS = 2  # lazy initialisation and cuBLAS/cuDNN workspace choices happe
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+aten = torch.ops.aten
+# ops whose result the host must wait for: a CUDA graph cannot capture them (the stream may not sync while capturing)
+_SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
+             aten.unique_consecutive, aten.unique_dim_consecutive}
+_SYNC_OVERLOADS = {aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
+
+
+def _bool_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+def _to_host(func, args: tuple, kwargs: dict) -> bool:
+    """A copy from a GPU tensor to the CPU (`.cpu()`, `.tolist()` go through here or `.item()`)."""
+    if func.overloadpacket not in (aten._to_copy, aten.copy_):
+        return False
+    src = args[1] if func.overloadpacket is aten.copy_ else args[0]
+    dst = args[0].device if func.overloadpacket is aten.copy_ else kwargs.get("device")
+    return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst is not None and torch.device(dst).type == "cpu"
+
+
+class HostSyncDetector(TorchDispatchMode):
+    """Runs ops unchanged and records the first one a CUDA graph cannot capture (`found`, None if none): ops whose
+    result the host reads (`.item()`, `bool(t)`, `tolist`), ops with data-dependent output shapes (`nonzero`,
+    boolean-mask indexing, `masked_select`, `unique`, `repeat_interleave` by a tensor) and copies to the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is None and (func.overloadpacket in _SYNC_OPS or func in _SYNC_OVERLOADS
+                                   or (func.overloadpacket is aten.index and _bool_index(args))
+                                   or _to_host(func, args, kwargs)):
+            self.found = str(func.overloadpacket).replace("aten.", "")
+        return func(*args, **kwargs)
+
+
+def host_sync_in(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(fn(), the first op in it a CUDA graph cannot capture, or None)."""
+    with HostSyncDetector() as detector:
+        out = fn()
+    return out, detector.found
 
 
 class CudaGraphBackend:
@@ -84,7 +140,9 @@ class ReplayBackend:
 
     def capture(self, fn: Callable[[], Any], warmup: Callable[[], None]) -> tuple[Callable[[], None], Any]:
         warmup()
-        out = fn()
+        out, sync = host_sync_in(fn)
+        if sync is not None:  # what torch.cuda.graph raises on a GPU, where the stream may not sync while capturing
+            raise RuntimeError(f"operation not permitted when stream is capturing ({sync} makes the host wait)")
         static, spec = tree_flatten(out)
 
         def replay() -> None:
@@ -104,6 +162,22 @@ class _Graph:
     static_inputs: list  # flat: tensors are the static buffers, other leaves are baked in
     static_out: Any
     state_key: tuple
+
+
+@dataclass
+class _Run:
+    """Consecutive stages replayed as one graph (`eager`: run as the plan runs them, `reason` why)."""
+    steps: list  # a slice of the BatchedModule's flat step list
+    inputs: tuple  # boundary names the run reads from before it
+    outputs: tuple  # boundary names it makes (or writes in place) that later stages or the model's outputs read
+    eager: bool = False
+    reason: str = ""
+    graphs: dict = None  # signature of the run's inputs -> _Graph
+    numbers: frozenset = frozenset()  # inputs only vmapped stages read: per-member floats enter them as a [N] tensor
+
+    @property
+    def stage_ids(self) -> list[str]:
+        return [step[0].stage.id for step in self.steps]
 
 
 def _state_tensors(ens: nn.Module) -> list[torch.Tensor]:
@@ -128,8 +202,39 @@ def _signature(flat: list) -> tuple:
     return tuple(out)
 
 
+def _static_copy(flat: list) -> list:
+    return [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat]
+
+
+def _run_of(steps: list, i: int, j: int, read_after: Callable[[int], set], reason: str | None = None) -> _Run:
+    """steps[i:j] as one run (eager when a `reason` is given): what it reads from before it, what it hands on."""
+    chunk = steps[i:j]
+    made: set = set()
+    inputs: list = []
+    for step in chunk:
+        inputs += [name for name in step[2] if name not in made and name not in inputs]
+        made |= set(step[3]) | (set(step[2]) if step[4] else set())  # inputs written in place are new values too
+    numbers = {name for name in inputs if all(isinstance(step[1], VmapRunner) for step in chunk if name in step[2])}
+    return _Run(chunk, tuple(inputs), tuple(sorted(made & read_after(j))), eager=reason is not None,
+                reason=reason or "", graphs={}, numbers=frozenset(numbers))
+
+
+def _runs_of(steps: list, eager: dict[int, str], read_after: Callable[[int], set]) -> list[_Run]:
+    """Maximal runs of consecutive steps not in `eager` (step index -> reason), each eager step a run of its own."""
+    runs, i = [], 0
+    while i < len(steps):
+        j = i + 1
+        if i not in eager:
+            while j < len(steps) and j not in eager:
+                j += 1
+        runs.append(_run_of(steps, i, j, read_after, eager.get(i)))
+        i = j
+    return runs
+
+
 class CapturedPlan(nn.Module):
-    """A BatchedModule whose forward replays one captured graph per input signature (see the module docstring)."""
+    """A BatchedModule whose forward replays one captured graph per input signature, or one per run of capturable
+    stages when some stage cannot be captured (see the module docstring)."""
 
     def __init__(self, ens: nn.Module, *, clone_outputs: bool = True, max_signatures: int = DEFAULT_MAX_SIGNATURES,
                  backend: Any = None):
@@ -142,11 +247,18 @@ class CapturedPlan(nn.Module):
         self.backend = backend if backend is not None else CudaGraphBackend()
         self._graphs: dict[tuple, _Graph] = {}
         self._state = _state_tensors(ens)
+        self._params = [t for t in self._state if isinstance(t, nn.Parameter)]
         self._tensors_of = getattr(ens, "_stacked", None)  # BatchedModule replaces this dict when .to() replaces tensors
+        self._runs: list[_Run] | None = None  # None: the whole plan is one graph
         self.captures = 0  # how many graphs were captured (a re-capture counts again)
 
     def _state_key(self) -> tuple:
         return tuple((t.data_ptr(), t._version) for t in self._state)
+
+    def _run_state_key(self) -> tuple:
+        """For runs: the storages, and the parameters' versions (buffers that eager stages update in place every
+        call move their version counter, and a replay reads their storage anyway)."""
+        return tuple(t.data_ptr() for t in self._state) + tuple(p._version for p in self._params)
 
     def _check_mode(self) -> None:
         if self.ens.training:
@@ -156,34 +268,70 @@ class CapturedPlan(nn.Module):
             raise ExecutionError("whole-plan capture cannot record gradients: call it under torch.no_grad() or "
                                  "torch.inference_mode() (training runs through the BatchedModule itself)")
 
+    def layout(self) -> list[dict[str, Any]]:
+        """How calls run: one entry per graph or eager stage, in run order: {"stages": [ids], "mode": "graph" |
+        "eager", "reason": why a stage runs eagerly}. Before the first call, and when the whole plan is one graph,
+        a single "graph" entry holding every stage."""
+        if self._runs is None:
+            return [{"stages": [p.stage.id for p in self.ens.programs], "mode": "graph", "reason": ""}]
+        return [{"stages": r.stage_ids, "mode": "eager" if r.eager else "graph", "reason": r.reason} for r in self._runs]
+
     def forward(self, *inputs):
         self._check_mode()
-        flat, spec = tree_flatten(list(inputs))
-        key = (spec, _signature(flat))
         if getattr(self.ens, "_stacked", None) is not self._tensors_of:  # `.to()` replaced the state tensors
             self._state, self._tensors_of = _state_tensors(self.ens), getattr(self.ens, "_stacked", None)
+            self._params = [t for t in self._state if isinstance(t, nn.Parameter)]
             self._graphs.clear()
+            for run in self._runs or []:
+                run.graphs.clear()
+        if self._runs is None:
+            out = self._whole(inputs)
+        if self._runs is not None:  # the whole plan did not capture (now or earlier): its runs
+            out = self.ens.run_stages(*inputs, run=self._run_runs)[0]
+        if self.clone_outputs:
+            return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+    # --- the whole plan as one graph ---------------------------------------------------------------
+
+    def _whole(self, inputs: tuple) -> Any:
+        flat, spec = tree_flatten(list(inputs))
+        key = (spec, _signature(flat))
         g = self._graphs.get(key)
         if g is None or g.state_key != self._state_key():
-            g = self._capture(flat, spec, key)
+            static_inputs = _static_copy(flat)
+            args = tree_unflatten(static_inputs, spec)
+            try:
+                replay, out = self._capture(lambda: self.ens(*args))
+            except _NotCapturable as e:
+                runs = self._split(inputs)
+                if all(r.eager for r in runs):
+                    raise ExecutionError(
+                        f"no stage of the plan can be captured in a CUDA graph ({e}; "
+                        + "; ".join(f"stage {r.stage_ids[0]}: {r.reason}" for r in runs)
+                        + "): run the batched module itself") from e
+                self._runs = runs
+                return None
+            g = self._keep(self._graphs, key, _Graph(replay, static_inputs, out, self._state_key()))
         for static, x in zip(g.static_inputs, flat):
             if isinstance(static, torch.Tensor):
                 static.copy_(x, non_blocking=True)
         g.replay()
-        if self.clone_outputs:
-            return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, g.static_out)
         return g.static_out
 
-    def _capture(self, flat: list, spec: Any, key: tuple) -> _Graph:
-        static_inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in flat]
-        args = tree_unflatten(static_inputs, spec)
+    def _keep(self, graphs: dict, key: tuple, g: _Graph) -> _Graph:
+        if len(graphs) >= self.max_signatures and key not in graphs:
+            graphs.pop(next(iter(graphs)))  # the oldest signature makes room
+        graphs[key] = g
+        self.captures += 1
+        return g
+
+    def _capture(self, run: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        """Warm up and capture `run()`; the state forward updates is put back afterwards (the warm-up and, for
+        ReplayBackend, the capture run executed it). _NotCapturable when the backend refuses."""
         buffers = list(self.ens.buffers())
         saved = [b.detach().clone() for b in buffers]
-        params = [p for p in self.ens.parameters()]
-        versions = [p._version for p in params]
-
-        def run() -> Any:
-            return self.ens(*args)
+        versions = [p._version for p in self._params]
 
         def warmup() -> None:
             for _ in range(WARMUP_CALLS):
@@ -194,24 +342,110 @@ class CapturedPlan(nn.Module):
         except ExecutionError:
             raise
         except Exception as e:  # capture raises many types; the reason is what the user needs
-            raise ExecutionError(
-                f"the plan cannot be captured as one graph ({type(e).__name__}: {_first_line(e)}); it needs static "
-                "shapes, no host sync (.item(), data-dependent shapes) and every tensor on the GPU: run the batched "
-                "module itself, or give the stages that sync the loop/vmap strategy") from e
+            raise _NotCapturable(f"{type(e).__name__}: {_first_line(e)}") from e
         finally:
-            with torch.no_grad():  # the warm-up (and a ReplayBackend capture) ran forward: undo its state updates
+            with torch.no_grad():
                 for b, s in zip(buffers, saved):
                     if b.shape == s.shape:
                         b.copy_(s)
-        if any(p._version != v for p, v in zip(params, versions)):
+        if any(p._version != v for p, v in zip(self._params, versions)):
             raise ExecutionError("forward() updates parameters in place, which a captured graph would repeat "
                                  "unseen; run the batched module itself")
-        if len(self._graphs) >= self.max_signatures and key not in self._graphs:
-            self._graphs.pop(next(iter(self._graphs)))  # the oldest signature makes room
-        g = _Graph(replay, static_inputs, out, self._state_key())
-        self._graphs[key] = g
-        self.captures += 1
-        return g
+        return replay, out
+
+    # --- runs of capturable stages -----------------------------------------------------------------
+
+    def _split(self, inputs: tuple) -> list[_Run]:
+        """The plan's steps as runs: each step run once (eagerly, state put back after) under the host-sync detector."""
+        ens, steps = self.ens, self.ens._steps
+        eager: dict[int, str] = {}
+
+        def detect(env: dict) -> None:
+            for i, step in enumerate(steps):
+                found = host_sync_in(lambda: ens._run_steps(env, [step]))[1]
+                if found is not None:
+                    eager[i] = f"{found} makes the host wait for the device"
+
+        buffers = list(ens.buffers())
+        saved = [b.detach().clone() for b in buffers]
+        try:
+            with torch.no_grad():
+                ens.run_stages(*inputs, run=detect)
+        finally:
+            with torch.no_grad():
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+        read = [set(step[2]) for step in steps]
+        outputs = {name for name, _ in ens._output_leaves if name is not None}
+
+        def read_after(j: int) -> set:
+            return set().union(outputs, *read[j:])
+
+        self._read_after = read_after
+        return _runs_of(steps, eager, read_after)
+
+    def _run_runs(self, env: dict) -> None:
+        """Run every run on the bound inputs in `env`: eager ones as the plan does, the others by replaying."""
+        i = 0
+        while i < len(self._runs):
+            run = self._runs[i]
+            if run.eager:
+                self.ens._run_steps(env, run.steps)
+                i += 1
+                continue
+            flat, spec = tree_flatten([_tagged(self._numbers_as_tensor(env[name]) if name in run.numbers else env[name])
+                                       for name in run.inputs])
+            key = (spec, _signature(flat))
+            g = run.graphs.get(key)
+            if g is None or g.state_key != self._run_state_key():
+                try:
+                    g = self._capture_run(run, flat, spec, key)
+                except _NotCapturable as e:  # the detector missed something: split the run, or run the stage eagerly
+                    self._runs[i:i + 1] = self._split_run(run, str(e))
+                    if not any(not r.eager for r in self._runs):
+                        raise ExecutionError("no stage of the plan can be captured in a CUDA graph ("
+                                             + "; ".join(f"stage {r.stage_ids[0]}: {r.reason}" for r in self._runs)
+                                             + "): run the batched module itself") from e
+                    continue
+            for static, x in zip(g.static_inputs, flat):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(x, non_blocking=True)
+            g.replay()
+            env.update({name: _untagged(v) for name, v in g.static_out.items()})
+            i += 1
+
+    def _numbers_as_tensor(self, value: Any) -> Any:
+        """Per-member floats (an eager stage's `.item()`, new every call) as one [N] tensor on the plan's device: a
+        graph input like any other, where a Python number would be baked into the graph and force a capture per
+        call. Only for inputs that vmapped stages alone read (vmap turns such numbers into this tensor itself)."""
+        if isinstance(value, PerMember) and value.values and all(type(x) is float for x in value.values):
+            device = next(iter(self.ens.stacked_state.values())).device
+            return Batched(torch.tensor(value.values, dtype=torch.get_default_dtype(), device=device))
+        return value
+
+    def _capture_run(self, run: _Run, flat: list, spec: Any, key: tuple) -> _Graph:
+        static_inputs = _static_copy(flat)
+        values = [_untagged(t) for t in tree_unflatten(static_inputs, spec)]
+
+        def once() -> dict:
+            local = dict(zip(run.inputs, values))
+            self.ens._run_steps(local, run.steps)
+            return {name: _tagged(local[name]) for name in run.outputs}
+
+        replay, out = self._capture(once)
+        return self._keep(run.graphs, key, _Graph(replay, static_inputs, out, self._run_state_key()))
+
+    def _split_run(self, run: _Run, reason: str) -> list[_Run]:
+        """A run whose capture failed: one run per stage, or the stage eager when it was alone."""
+        steps = self.ens._steps
+        first = next(k for k, step in enumerate(steps) if step is run.steps[0])
+        if len(run.steps) == 1:
+            return [_run_of(steps, first, first + 1, self._read_after, reason)]
+        return [_run_of(steps, k, k + 1, self._read_after) for k in range(first, first + len(run.steps))]
+
+
+class _NotCapturable(Exception):
+    """The backend refused to capture (the message says why)."""
 
 
 def capture(ens: nn.Module, *, clone_outputs: bool = True, max_signatures: int = DEFAULT_MAX_SIGNATURES,

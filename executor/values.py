@@ -200,3 +200,18 @@ def n_first(v, n: int, device: torch.device | None = None) -> Any:
         return as_batched(v, n).tree
     tree, _ = stack_member_values(v.values, device)  # per-member numbers come back as a [N] tensor, equal ones stay plain
     return tree
+
+
+def tagged(value: Any) -> tuple:
+    """A boundary value (Shared / Batched / PerMember) as a plain pytree that flattens to its tensors (graph buffers)."""
+    if isinstance(value, Shared):
+        return ("s", value.value)
+    if isinstance(value, Batched):
+        return ("b", value.tree)
+    return ("p", list(value.values))
+
+
+def untagged(kind_tree: tuple) -> Any:
+    """The boundary value `tagged` made a pytree of."""
+    kind, tree = kind_tree
+    return Shared(tree) if kind == "s" else Batched(tree) if kind == "b" else PerMember(tree)

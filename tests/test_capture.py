@@ -170,3 +170,201 @@ def test_cuda_graph_state_updated_by_forward_moves_once_per_call(cls):
         for seed in range(3):
             x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)).cuda()
             torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+
+
+# --- plans with stages that cannot be captured: maximal runs of capturable stages ------------------
+
+from stagewise.executor.capture import HostSyncDetector, host_sync_in  # noqa: E402
+from stagewise.sample_models.data_dependent import DataDependentMLP  # noqa: E402
+
+
+def _data_dependent(d=16):
+    return DataDependentMLP(d=d, d_hidden=24)
+
+
+def _built_data_dependent():
+    torch.manual_seed(0)
+    members = [_data_dependent() for _ in range(N)]
+    reference = copy.deepcopy(members)
+    x = torch.randn(6, 16)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, n_members=N)
+    return executor.build(plan, members).eval(), [m.eval() for m in reference], plan
+
+
+def test_the_host_sync_detector_finds_what_a_cuda_graph_cannot_capture():
+    x = torch.randn(5)
+    found = {name: host_sync_in(f)[1] for name, f in {
+        "item": lambda: x.sum().item(), "mask": lambda: x[x > 0], "unique": lambda: torch.unique(x),
+        "nonzero": lambda: x.nonzero(), "bool": lambda: bool(x.any()),
+        "repeat": lambda: torch.repeat_interleave(x, torch.tensor([1, 2, 1, 1, 1])),
+        "plain": lambda: (x.relu() * 2).sum(0), "vmap": lambda: torch.func.vmap(lambda a: a * 2)(x),
+        "index": lambda: x[torch.tensor([0, 2])]}.items()}
+    assert found == {"item": "_local_scalar_dense", "mask": "index", "unique": "_unique2", "nonzero": "nonzero",
+                     "bool": "_local_scalar_dense", "repeat": "repeat_interleave", "plain": None, "vmap": None,
+                     "index": None}
+    assert isinstance(HostSyncDetector(), torch.utils._python_dispatch.TorchDispatchMode)
+
+
+def test_a_plan_with_host_syncs_replays_its_capturable_runs_between_eager_stages():
+    ens, ref, plan = _built_data_dependent()
+    cap = capture(ens, backend=ReplayBackend())
+    assert cap.layout() == [{"stages": [s.id for s in plan.stages], "mode": "graph", "reason": ""}]  # before a call
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for batch in (6, 6, 9, 6, 9):
+            x = torch.randn(batch, 16, generator=g)
+            torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    layout = cap.layout()
+    modes = [entry["mode"] for entry in layout]
+    assert "eager" in modes and "graph" in modes
+    eager_ids = {i for entry in layout if entry["mode"] == "eager" for i in entry["stages"]}
+    by_id = {s.id: s for s in plan.stages}
+    assert all(not by_id[i].runs_batched for i in eager_ids)  # the .item() / branch stages loop over members
+    assert all("_local_scalar_dense" in entry["reason"] for entry in layout if entry["mode"] == "eager")
+    assert sorted(i for entry in layout for i in entry["stages"]) == sorted(by_id)  # every stage once
+    graphs = sum(len(r.graphs) for r in cap._runs)
+    assert graphs == 2 * modes.count("graph")  # batch 6 and batch 9, each run; later calls replayed
+
+
+class Refusing(ReplayBackend):
+    """A backend that also refuses to capture `torch.sign`, which the host-sync detector does not know: stands in for
+    whatever a real CUDA graph refuses that no detector foresaw."""
+
+    def capture(self, fn, warmup):
+        class Spot(torch.utils._python_dispatch.TorchDispatchMode):
+            seen = False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Spot.seen |= func.overloadpacket is torch.ops.aten.sign
+                return func(*args, **(kwargs or {}))
+
+        with Spot():
+            fn()
+        if Spot.seen:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(fn, warmup)
+
+
+class SignInTheMiddle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        return self.c(torch.sign(h) * h.abs().sqrt())
+
+
+def test_a_run_that_fails_to_capture_is_split_and_the_refused_stage_runs_eagerly():
+    torch.manual_seed(0)
+    members = [SignInTheMiddle() for _ in range(N)]
+    ref = [m.eval() for m in copy.deepcopy(members)]
+    graph = planner.trace(members[0], (torch.randn(5, 8),))
+    plan = planner.propose(graph, n_members=N)
+    sign = next(n for s in plan.stages for n in s.nodes if "sign" in n)
+    plan = planner.exclude(plan, graph, sign)  # the refused op alone, batched stages either side
+    ens = executor.build(plan, members).eval()
+    cap = capture(ens, backend=Refusing())
+    with torch.no_grad():
+        for batch in (5, 5, 3):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    layout = cap.layout()
+    eager = [entry for entry in layout if entry["mode"] == "eager"]
+    assert len(eager) == 1 and "not permitted" in eager[0]["reason"]
+    assert any(entry["mode"] == "graph" for entry in layout)
+
+
+def test_a_plan_where_nothing_can_be_captured_says_so():
+    ens, _ = built(SignInTheMiddle, torch.randn(5, 8))
+
+    class RefuseAll(ReplayBackend):
+        def capture(self, fn, warmup):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with torch.no_grad(), pytest.raises(ExecutionError, match="no stage of the plan can be captured"):
+        capture(ens, backend=RefuseAll())(torch.randn(5, 8))
+
+
+class CountAfterSync(nn.Module):
+    """A buffer updated in forward in a capturable run after an eager (host-sync) stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("calls", torch.ones(()))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = h / (h.abs().max().item() + 1.0)
+        self.calls.add_(1)
+        return self.fc2(h) * self.calls
+
+
+def test_state_updated_in_a_captured_run_moves_once_per_call():
+    ens, ref = built(CountAfterSync, torch.randn(5, 4))
+    cap = capture(ens, backend=ReplayBackend())
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for batch in (5, 5, 2, 5):
+            x = torch.randn(batch, 4, generator=g)
+            torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    assert any(entry["mode"] == "eager" for entry in cap.layout())
+    for got, member in zip(ens.member_state_dicts(), ref):
+        torch.testing.assert_close(got["calls"], member.calls)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_runs_around_host_syncs_match_the_loop():
+    torch.manual_seed(0)
+    members = [_data_dependent() for _ in range(N)]
+    ref = [copy.deepcopy(m).cuda().eval() for m in members]
+    x = torch.randn(6, 16)
+    plan = planner.propose(planner.trace(members[0], (x,)), n_members=N)
+    cap = capture(executor.build(plan, members, device="cuda").eval())
+    with torch.no_grad():
+        for batch in (6, 6, 9):
+            x = torch.randn(batch, 16).cuda()
+            torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    assert {"eager", "graph"} <= {entry["mode"] for entry in cap.layout()}
+
+
+# --- the per-stage cuda_graph strategy: the same state rules (checked with the ReplayBackend) ------------
+
+from stagewise.executor.strategies.cudagraph import CudaGraphRunner  # noqa: E402
+
+
+@pytest.fixture
+def replayed_stages(monkeypatch):
+    monkeypatch.setattr(CudaGraphRunner, "backend_class", ReplayBackend)
+
+
+@pytest.mark.parametrize("cls", [RunningMean, CountCalls])
+def test_a_cuda_graph_stage_updates_state_once_per_call(replayed_stages, cls):
+    ens, ref = built(cls, torch.randn(5, 4), planner.Strategy.CUDA_GRAPH)
+    assert any(isinstance(r, CudaGraphRunner) for r in ens.runners)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for batch in (5, 5, 2, 5):  # a new shape captures again: its warm-up must not count either
+            x = torch.randn(batch, 4, generator=g)
+            torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    for got, member in zip(ens.member_state_dicts(), ref):
+        for k, v in member.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_cuda_graph_stage_sees_weights_given_new_storage(replayed_stages):
+    ens, ref = built(MLP, torch.randn(5, 8), planner.Strategy.CUDA_GRAPH)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        first = ens(x)
+        torch.testing.assert_close(first, loop(ref, x), rtol=1e-5, atol=1e-6)
+        y = torch.randn(5, 8)
+        torch.testing.assert_close(ens(y), loop(ref, y), rtol=1e-5, atol=1e-6)  # a replay with new inputs
+        for p in ens.parameters():
+            p.data = p.data * 2  # new storage: a graph of the old one would read stale weights
+        for m in ref:
+            for p in m.parameters():
+                p.data = p.data * 2
+        torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)

@@ -18,29 +18,16 @@ copy would be baked in too).
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import ExecutionError
+from stagewise.executor.capture import CudaGraphBackend
 from stagewise.executor.stages import Runner, VmapRunner
-from stagewise.executor.values import Batched, PerMember, Shared, signature, stack_member_values
+from stagewise.executor.values import Batched, PerMember, signature, stack_member_values, tagged as _tree, untagged as _untree
 
 CPU_REFUSAL = "cuda_graph needs a CUDA device (a CUDA graph captures GPU kernels); on CPU use vmap, wide or compile"
-
-
-def _tree(value: Any) -> Any:
-    if isinstance(value, Shared):
-        return ("s", value.value)
-    if isinstance(value, Batched):
-        return ("b", value.tree)
-    return ("p", list(value.values))
-
-
-def _untree(kind_tree: Any) -> Any:
-    kind, tree = kind_tree
-    return Shared(tree) if kind == "s" else Batched(tree) if kind == "b" else PerMember(tree)
 
 
 def _signature(args: list) -> tuple:
@@ -53,52 +40,62 @@ def tensors_first(args: list, device: torch.device | None) -> list:
 
 
 class CudaGraphRunner(Runner):
-    """Captures VmapRunner's call once per input signature and replays it. Inference only (no gradients)."""
+    """Captures VmapRunner's call once per input signature and replays it. Inference only (no gradients).
+
+    The warm-up calls before a capture run the stage for real, so the state the stage updates in place (a
+    buffer forward writes) is put back after them: a replay then updates it exactly once per call. A stage
+    state tensor that gets new storage (`p.data = ...`, `set_`) is seen and the stage captured again (the
+    graph reads the storage of capture time)."""
 
     trainable = False
+    backend_class: type = CudaGraphBackend  # tests without a GPU put capture.ReplayBackend here
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         devices = {t.device.type for t in self.stacked.values()}
-        if not torch.cuda.is_available() or (devices and devices != {"cuda"}):
+        if self.backend_class is CudaGraphBackend and (not torch.cuda.is_available() or (devices and devices != {"cuda"})):
             raise ExecutionError(f"stage {self.program.stage.id}: {CPU_REFUSAL}")
         self._inner = VmapRunner(self.program, self.n_members, self.stacked, self.member_states)
-        self._signature: tuple | None = None
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._key: tuple | None = None
+        self._replay = None
 
     def run(self, args: list) -> list:
         args = tensors_first(args, self.device_for(args))
-        key = _signature(args)
-        if key != self._signature:
+        key = (_signature(args), tuple(t.data_ptr() for t in self.stacked.values()))
+        if key != self._key:
             self._capture(args)
-            self._signature = key
+            self._key = key
         new = [x for x in tree_flatten([_tree(a) for a in args])[0] if isinstance(x, torch.Tensor)]
         for static, x in zip(self._static_in, new):
             static.copy_(x, non_blocking=True)
-        self._graph.replay()
-        return [_untree(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, _tree(v))) for v in self._static_out]
+        self._replay()
+        return [_untree(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, t)) for t in self._static_out]
 
     def _capture(self, args: list) -> None:
         static_args = [_untree(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, _tree(a))) for a in args]
-        if any(isinstance(x, torch.Tensor) and not x.is_cuda for x in tree_flatten([_tree(a) for a in static_args])[0]):
+        if self.backend_class is CudaGraphBackend and any(
+                isinstance(x, torch.Tensor) and not x.is_cuda for x in tree_flatten([_tree(a) for a in static_args])[0]):
             raise ExecutionError(f"stage {self.program.stage.id}: not capturable: an input is not on the GPU; {CPU_REFUSAL}")
+        state = [t for t in self.stacked.values() if not isinstance(t, torch.nn.Parameter)]
+        saved = [t.detach().clone() for t in state]
+
+        def warmup() -> None:
+            for _ in range(2):  # outside the graph: lazy inits and autotuned kernels
+                self._inner.run(static_args)
+
+        self._replay, self._key = None, None
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up outside the graph: lazy inits and autotuned kernels
-                    self._inner.run(static_args)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = self._inner.run(static_args)
+            replay, static_out = self.backend_class().capture(lambda: [_tree(v) for v in self._inner.run(static_args)], warmup)
         except Exception as e:  # capture raises many types; the reason is what the user needs
-            self._graph = None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExecutionError(
                 f"stage {self.program.stage.id}: not capturable in a CUDA graph ({type(e).__name__}: {first}); "
                 "needs static shapes and no host sync (.item(), data-dependent shapes): use vmap or compile"
             ) from e
-        self._graph = graph
+        finally:  # the warm-up (and a ReplayBackend's capture run) updated the stage's buffers: put them back
+            with torch.no_grad():
+                for t, v in zip(state, saved):
+                    t.copy_(v)
+        self._replay = replay
         self._static_in = [x for x in tree_flatten([_tree(a) for a in static_args])[0] if isinstance(x, torch.Tensor)]
-        self._static_out = static_out
+        self._static_out = static_out  # tagged trees (values.tagged): the graph's output tensors
