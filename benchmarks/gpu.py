@@ -559,11 +559,21 @@ def write(out: Path, stem: str, rows: list[dict], meta: dict) -> str:
     return text
 
 
-def set_precision() -> None:
-    """float32 means float32: TF32 off for cuBLAS and cuDNN (the issue's rule for every way)."""
+def set_precision() -> tuple:
+    """float32 means float32: TF32 off for cuBLAS and cuDNN (the issue's rule for every way). Returns the flags
+    as they were, for restore_precision: they are process-wide (cuDNN's TF32 is on by default), and a caller in
+    the same process (the smoke test, the rest of a pytest session) must not inherit them."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
+    return saved
+
+
+def restore_precision(saved: tuple) -> None:
+    """Put back the flags set_precision returned."""
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision = saved
+    torch.set_float32_matmul_precision(precision)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -585,13 +595,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     deadline = started + args.budget_s
     rows_to_run = [r for r in ROWS if not args.only or any(s.lower() in r.name.lower() for s in args.only)]
-    set_precision()
+    saved_precision = set_precision()
     saved_env = os.environ.get(SMOKE_ENV)
     if args.smoke:
         os.environ[SMOKE_ENV] = "1"
     try:
         return _run(args, dev, cfg, rows_to_run, started, deadline)
     finally:
+        restore_precision(saved_precision)
         if saved_env is None:
             os.environ.pop(SMOKE_ENV, None)
         else:
@@ -599,6 +610,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, dev: torch.device, cfg: Config, rows_to_run: list[Row], started: float, deadline: float) -> int:
+    if not rows_to_run:
+        print(f"error: no workload matches --only {args.only}; the workloads are:\n" + "\n".join(f"  {r.name}" for r in ROWS),
+              file=sys.stderr)
+        return 2
     stem = ("cuda" if dev.type == "cuda" else f"{dev.type}-gpu") + ("-smoke" if args.smoke else "") \
         + ("-only" if args.only else "")
     print(f"stagewise GPU benchmark on {device_name(dev)}: {len(rows_to_run)} workloads, budget {args.budget_s:.0f} s", flush=True)

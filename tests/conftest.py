@@ -18,8 +18,12 @@ from pathlib import Path
 import networkx as nx
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 from torch import nn
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # a GPU machine's python as it is (`make test-gpu`) may lack the test extras: see HYPOTHESIS_FILES
+    HealthCheck = settings = None
 
 from stagewise import planner
 from stagewise.planner import StageMode
@@ -33,11 +37,12 @@ EXPORT_SAMPLES = {"shape_loop"}  # fx cannot trace these; torch.export does
 # so CI is reproducible; tests take modest example counts through `examples(n)`. For a longer,
 # random search: STAGEWISE_HYPOTHESIS_SCALE=10 pytest tests/test_edits.py
 HYPOTHESIS_SCALE = float(os.environ.get("STAGEWISE_HYPOTHESIS_SCALE", "1"))
-settings.register_profile(
-    "stagewise", deadline=None, derandomize=HYPOTHESIS_SCALE <= 1,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
-)
-settings.load_profile("stagewise")
+if settings is not None:
+    settings.register_profile(
+        "stagewise", deadline=None, derandomize=HYPOTHESIS_SCALE <= 1,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    )
+    settings.load_profile("stagewise")
 
 
 # The app tier needs streamlit and plotly. A GPU machine runs the suite with the python it has
@@ -45,8 +50,10 @@ settings.load_profile("stagewise")
 # tests/test_app_dependencies.py says so in the summary instead of the run failing on imports.
 APP_PACKAGES = ("streamlit", "plotly")
 MISSING_APP_PACKAGES = [m for m in APP_PACKAGES if importlib.util.find_spec(m) is None]
-if MISSING_APP_PACKAGES:
-    collect_ignore_glob = ["app/test_*.py"]
+# Without hypothesis the files that import it are left out (and test_app_dependencies.py says so), not the whole run.
+HYPOTHESIS_FILES = ["test_edits.py", "test_review_adversarial.py", "test_training.py"]
+MISSING_TEST_PACKAGES = ["hypothesis"] if settings is None else []
+collect_ignore_glob = (["app/test_*.py"] if MISSING_APP_PACKAGES else []) + (HYPOTHESIS_FILES if MISSING_TEST_PACKAGES else [])
 
 
 def examples(n: int) -> int:
@@ -61,6 +68,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def precision_flags() -> tuple:
+    """The process-wide switches that change float32 results on CUDA (they exist on CPU builds too)."""
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+            torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())
+
+
+@pytest.fixture(autouse=True)
+def _precision_flags_unchanged():
+    """Every test leaves TF32, matmul precision and cuDNN's modes as it found them: on a GPU a flag left behind
+    changes what every later test computes (cuDNN's TF32 is on by default). A leak is put back and fails the test."""
+    before = precision_flags()
+    yield
+    after = precision_flags()
+    if after != before:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision, bench, det, algos = before
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = bench, det
+        torch.use_deterministic_algorithms(algos)
+        pytest.fail(f"the test changed process-wide precision flags (matmul.allow_tf32, cudnn.allow_tf32, float32 matmul "
+                    f"precision, cudnn.benchmark, cudnn.deterministic, deterministic algorithms) from {before} to {after}; "
+                    "restore them (e.g. in a finally)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,6 +6,7 @@ tables, the JSON and the target lines exist, with the CUDA-only ways skipped and
 import json
 
 import pytest
+import torch
 
 from benchmarks import gpu
 
@@ -90,3 +91,23 @@ def test_report_marks_wrong_failed_and_skipped_ways():
     assert "NOT MET: MLP N=100 (shared x) >= 250x the eager loop: 10.00x" in md
     assert "NOT MET: conv resblock >= 12x the eager loop: 5.00x" in md  # capture refused: stagewise = auto
     assert "NOT EVALUATED: GRU >= 5x the eager loop" in md
+
+
+def _precision() -> tuple:
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+
+
+def test_main_puts_the_precision_flags_back(tmp_path, capsys):
+    """main() turns TF32 off for its run; the flags are process-wide, so they must be as before afterwards (a pytest
+    session on a GPU runs the smoke test in-process, and every later test would otherwise see cuDNN's TF32 off).
+    An --only that matches nothing is an error naming the workloads (it used to end in an UnboundLocalError)."""
+    before = _precision()
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+        assert gpu.main(["--device", "cpu", "--smoke", "--out", str(tmp_path), "--only", "no such workload"]) == 2
+        assert _precision() == (True, True, "high")
+        assert "no workload matches --only ['no such workload']" in capsys.readouterr().err
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision = before
+        torch.set_float32_matmul_precision(precision)
