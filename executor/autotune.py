@@ -24,8 +24,10 @@ scaled_dot_product_attention, nn.GRU and nn.LSTM (no vmap batching rule on
 CPU), nn.MultiheadAttention and nn.TransformerEncoderLayer / TransformerEncoder
 (which vmap runs only through its slow per-member fallback) still run batched.
 Finally the per-stage plan races the whole model as one stage (merged/compile,
-merged/wide, merged/vmap, merged/loop), each built from its plan and checked
-end to end.
+merged/wide, merged/vmap, merged/loop) and, where whole-plan capture can run (a
+GPU), itself captured as CUDA graphs (plan.capture, "per-stage/whole-plan graph",
+captured on redrawn inputs first so the checked call is a replay), each built
+from its plan and checked end to end.
 
 The planner cannot import the executor, so autotuning lives here:
 `executor.autotune(plan, members, inputs)` (or `executor.profile(..., autotune=True)`),
@@ -39,11 +41,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
-from stagewise.executor.build import BatchedModule, build, resolve_device
+from stagewise.executor.build import BatchedModule, build, capture_backend, resolve_device
 from stagewise.executor.candidates import (Progress, advance, conv_form_of_label, make_runner, loop_reference, max_rel_error,
                                            members_on, on_device, stage_inputs, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.report import StrategyResult
@@ -54,6 +57,7 @@ from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repe
 from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, loop_outputs, member_inputs
 from stagewise.executor.baselines import stack_outputs
 
+WHOLE_GRAPH = "per-stage/whole-plan graph"  # the whole-plan candidate: the tuned stages, captured (plan.capture)
 COMPILE_MIN_MS = 0.1  # below this a stage is all launch overhead; compiling it costs seconds for nothing
 CLOSE = 0.05  # two candidates this close (relative) are timed again head to head
 EAGER = (Strategy.VMAP, Strategy.WIDE, Strategy.LOOP)
@@ -379,22 +383,31 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     returned plan was checked end to end here).
     """
     example = member_inputs(plan, inputs, 0)
+    plan = plan.with_capture(False) if plan.capture else plan
     alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names, allowed)
-    if not alternatives:
+    # the per-stage plan replayed as CUDA graphs (executor.capture): one launch per run of capturable stages
+    captured = [(WHOLE_GRAPH, plan.with_capture(True))] if capture_backend(device) is not None else []
+    if not alternatives and not captured:
         return plan, None, False
     want = stack_outputs(loop_outputs(plan, members, inputs))
     check = lambda out: max_rel_error(out, want)  # noqa: E731
     cands: Cands = {}
     plans = {"per-stage": plan}
     results = []
-    for label, p in [("per-stage", plan)] + [(f"merged/{a.stages[0].options.strategy.value}", a) for a in alternatives]:
+    for label, p in [("per-stage", plan)] + captured + [(f"merged/{a.stages[0].options.strategy.value}", a) for a in alternatives]:
         if label == "merged/compile" and (not budget.compile or stage_ms < COMPILE_MIN_MS):
             why = "the autotune budget skips torch.compile" if not budget.compile else f"the plan takes {stage_ms:.3f} ms, under {COMPILE_MIN_MS} ms"
             results.append(StrategyResult(label, ok=False, error=f"not tried: {why}"))
             continue
         plans[label] = p
-        reuse = made if label == "per-stage" else {}
-        make = lambda p=p, reuse=reuse: (lambda m: (lambda: m(*inputs)))(build_reusing(p, members, inputs, device, reuse))  # noqa: E731
+        reuse = made if label in ("per-stage", WHOLE_GRAPH) else {}
+        other = _redrawn(inputs) if label == WHOLE_GRAPH else None
+
+        def make(p=p, reuse=reuse, other=other):
+            m = build_reusing(p, members, inputs, device, reuse)
+            if other is not None:
+                m(*other)  # a whole-plan graph is captured on other values: the checked call is a replay on `inputs`
+            return lambda: m(*inputs)
         res, call, _ = try_strategy(label, "whole", make, check, device, rtol=DTYPE_RTOL[plan.dtype])
         results.append(res)
         if call is not None:
@@ -404,12 +417,21 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
         return plan, None, False
     summary = "; whole plan (min/median ms): " + _measured(results)
     best = plans[chosen.strategy]
-    if chosen.strategy == "per-stage":
+    if chosen.strategy in ("per-stage", WHOLE_GRAPH):
         return best.with_stages([replace(s, options=replace(s.options, note=s.options.note + summary)) for s in best.stages]), None, True
     (stage,) = best.stages
     note = f"autotune merged all stages and chose {stage.options.strategy.value}" + summary
     options = with_conv_form(replace(stage.options, note=note), conv_form_of(stage.options))
     return best.with_stages([replace(stage, options=options)]), results, True
+
+
+def _redrawn(inputs: tuple) -> tuple:
+    """`inputs` with every floating tensor redrawn (same shape, dtype, device), the rest as they are. A whole-plan
+    graph captured on these and then checked on `inputs` must replay on its inputs: one that ignored them would
+    answer with these values' outputs and fail the check against the loop."""
+    g = torch.Generator().manual_seed(12345)
+    return tree_map(lambda x: torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() else x, inputs)
 
 
 def _same_kernels(a: StageOptions, b: StageOptions) -> bool:

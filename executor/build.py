@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import networkx as nx
@@ -23,6 +24,7 @@ from stagewise.planner.graph import ModelGraph, fingerprint_lines, retrace
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage
 from stagewise.planner.validate import stage_graph, validate
+from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
 from stagewise.executor.values import Batched, Shared, as_batched, n_first
@@ -55,6 +57,18 @@ class _TF32:
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Every floating tensor leaf of `tree` as `dtype` (others untouched)."""
     return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x, tree)
+
+
+# What a plan with `capture` set replays through: None = CUDA graphs on a CUDA device, nothing elsewhere (the
+# module runs stage by stage). Tests without a GPU put capture.ReplayBackend here to run the same path on CPU.
+CAPTURE_BACKEND: Any = None
+
+
+def capture_backend(device: torch.device) -> Any:
+    """A fresh whole-plan capture backend for a module on `device`, or None where there is none."""
+    if CAPTURE_BACKEND is not None:
+        return CAPTURE_BACKEND()
+    return CudaGraphBackend() if device.type == "cuda" and torch.cuda.is_available() else None
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -225,6 +239,12 @@ class BatchedModule(nn.Module):
         self._state_outputs = [[(k, str(gm_nodes[name].target)) for k, name in enumerate(p.output_names)
                                 if gm_nodes[name].op == "get_attr" and str(gm_nodes[name].target) in keys] for p in self.programs]
         self._build_runners()
+        self._make_captured()
+
+    def _make_captured(self) -> None:
+        """The plan's whole-plan capture (plan.capture) for the state's device, or None (CPU, or capture off)."""
+        backend = capture_backend(next(iter(self._stacked.values())).device) if self.plan.capture and self._stacked else None
+        self.__dict__["_captured"] = CapturedPlan(self, backend=backend) if backend is not None else None
 
     def _build_runners(self) -> None:
         views = [{k: v[i] for k, v in self._stacked.items()} for i in range(self.n_members)]
@@ -251,6 +271,8 @@ class BatchedModule(nn.Module):
         # whether it writes in place, (output index, state key) of state handed on as itself)
         self.__dict__["_steps"] = [(p, r, tuple(p.input_names), tuple(p.output_names), p.writes_in_place, tuple(so))
                                    for p, r, so in zip(self.programs, runners, self._state_outputs)]
+        # a strategy that carries no gradients (cuda_graph): calls that would record autograd are refused
+        self.__dict__["_inference_only"] = any(not r.trainable for r in runners)
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
@@ -266,6 +288,8 @@ class BatchedModule(nn.Module):
             m._apply(fn)
         self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
         self._build_runners()
+        if "_captured" in self.__dict__:  # not while nn.Module.__init__ sets things up
+            self._make_captured()
         return self
 
     def train(self, mode: bool = True) -> "BatchedModule":
@@ -283,7 +307,7 @@ class BatchedModule(nn.Module):
                 raise ExecutionError(
                     f"stage {program.describe} runs strategy {strategy!r}, which is inference-only (no gradients); "
                     f"for training set another strategy on it (planner.set_options(plan, graph, {program.stage.id!r}, strategy='vmap')), "
-                    "or call the module under torch.no_grad() / in eval() mode for inference"
+                    "or call the module under torch.no_grad() / torch.inference_mode() for inference"
                 )
 
     def named_stacked_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -348,7 +372,7 @@ class BatchedModule(nn.Module):
     def _run_plain(self, *inputs, keep: bool = False, run: Any = None) -> tuple[Any, dict[str, Any]]:
         """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`).
         `run(env)`, when given, runs the stages on the bound inputs instead of the flat step list (capture's runs)."""
-        if self.training and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (self.training or self._inference_only and self._records_grad()):
             self._check_trainable()
         if self._storage:
             self._follow_new_storage()
@@ -426,9 +450,20 @@ class BatchedModule(nn.Module):
         inputs a stage reading them cannot take (wrong shape); ExecutionError when a
         later stage fails.
         """
+        captured = self.__dict__["_captured"]
+        if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
+            try:
+                return captured(*inputs)
+            except NotCapturableError as e:
+                warnings.warn(f"the plan asks for whole-plan capture, but {e}; running stage by stage from now on",
+                              RuntimeWarning, stacklevel=2)
+                self.__dict__["_captured"] = None
         if self.plan.dtype == "float32":  # the common case, straight to the stages (run_stages casts for the others)
             return self._run_plain(*inputs)[0]
         return self.run_stages(*inputs)[0]
+
+    def _records_grad(self) -> bool:
+        return any(p.requires_grad for p in self._stacked.values())
 
 
 def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None = None, device: str | torch.device | None = None,
@@ -484,6 +519,7 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     stacked.update({k: v.to(dev) for k, v in per_member.items()})
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+    module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
     return module

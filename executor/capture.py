@@ -65,6 +65,14 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+class _NotCapturable(Exception):
+    """The backend refused to capture (the message says why)."""
+
+
+class NotCapturableError(ExecutionError):
+    """Nothing of the plan can be captured, or capturing would repeat a parameter update forward makes."""
+
+
 aten = torch.ops.aten
 # ops whose result the host must wait for: a CUDA graph cannot capture them (the stream may not sync while capturing)
 _SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
@@ -302,11 +310,11 @@ class CapturedPlan(nn.Module):
             static_inputs = _static_copy(flat)
             args = tree_unflatten(static_inputs, spec)
             try:
-                replay, out = self._capture(lambda: self.ens(*args))
+                replay, out = self._capture(lambda: self.ens.run_stages(*args)[0])
             except _NotCapturable as e:
                 runs = self._split(inputs)
                 if all(r.eager for r in runs):
-                    raise ExecutionError(
+                    raise NotCapturableError(
                         f"no stage of the plan can be captured in a CUDA graph ({e}; "
                         + "; ".join(f"stage {r.stage_ids[0]}: {r.reason}" for r in runs)
                         + "): run the batched module itself") from e
@@ -349,7 +357,7 @@ class CapturedPlan(nn.Module):
                     if b.shape == s.shape:
                         b.copy_(s)
         if any(p._version != v for p, v in zip(self._params, versions)):
-            raise ExecutionError("forward() updates parameters in place, which a captured graph would repeat "
+            raise NotCapturableError("forward() updates parameters in place, which a captured graph would repeat "
                                  "unseen; run the batched module itself")
         return replay, out
 
@@ -403,7 +411,7 @@ class CapturedPlan(nn.Module):
                 except _NotCapturable as e:  # the detector missed something: split the run, or run the stage eagerly
                     self._runs[i:i + 1] = self._split_run(run, str(e))
                     if not any(not r.eager for r in self._runs):
-                        raise ExecutionError("no stage of the plan can be captured in a CUDA graph ("
+                        raise NotCapturableError("no stage of the plan can be captured in a CUDA graph ("
                                              + "; ".join(f"stage {r.stage_ids[0]}: {r.reason}" for r in self._runs)
                                              + "): run the batched module itself") from e
                     continue
@@ -442,10 +450,6 @@ class CapturedPlan(nn.Module):
         if len(run.steps) == 1:
             return [_run_of(steps, first, first + 1, self._read_after, reason)]
         return [_run_of(steps, k, k + 1, self._read_after) for k in range(first, first + len(run.steps))]
-
-
-class _NotCapturable(Exception):
-    """The backend refused to capture (the message says why)."""
 
 
 def capture(ens: nn.Module, *, clone_outputs: bool = True, max_signatures: int = DEFAULT_MAX_SIGNATURES,

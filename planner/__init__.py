@@ -11,7 +11,7 @@ from stagewise.planner.source import ModelSource, load_export, load_model_file, 
 from stagewise.planner.graph import ModelGraph, NodeInfo, trace, retrace, fingerprint  # noqa: F401
 from stagewise.planner.capability import annotate_capability, chain, unbatchable  # noqa: F401
 from stagewise.planner.propose import propose  # noqa: F401
-from stagewise.planner.edits import exclude, include, merge, set_dtype, set_options, split  # noqa: F401
+from stagewise.planner.edits import exclude, include, merge, set_capture, set_dtype, set_options, split  # noqa: F401
 from stagewise.planner.validate import validate, stage_graph, convexity_violation  # noqa: F401
 from stagewise.planner.table import format_stage_table, stage_rows  # noqa: F401
 from stagewise.planner.diff import ChangeKind, PlanDiff, diff_plans, format_diff  # noqa: F401

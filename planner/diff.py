@@ -40,7 +40,7 @@ class ChangeKind(str, enum.Enum):
 class FieldChange:
     """One setting that differs: `field` went from `old` to `new` (plain JSON values)."""
 
-    field: str  # "mode", "strategy", "chunk_size"; plan level: "n_members", "dtype", "tracer", "input x"
+    field: str  # "mode", "strategy", "chunk_size"; plan level: "n_members", "dtype", "tracer", "capture", "input x"
     old: Any
     new: Any
 
@@ -231,7 +231,7 @@ def _group_ms(stages: Sequence[Stage], times: Mapping[str, float]) -> Optional[f
 
 
 def _plan_changes(a: Plan, b: Plan) -> list[FieldChange]:
-    out = [FieldChange(name, getattr(a, name), getattr(b, name)) for name in ("n_members", "dtype", "tracer")
+    out = [FieldChange(name, getattr(a, name), getattr(b, name)) for name in ("n_members", "dtype", "tracer", "capture")
            if getattr(a, name) != getattr(b, name)]
     modes_a = {i.name: i.mode.value for i in a.inputs}
     modes_b = {i.name: i.mode.value for i in b.inputs}

@@ -255,3 +255,12 @@ def set_dtype(plan: Plan, dtype: str) -> Plan:
     if problem:
         raise EditError(f"set_dtype: {problem}")
     return plan.with_dtype(dtype)
+
+
+def set_capture(plan: Plan, on: bool = True) -> Plan:
+    """The plan with whole-plan capture on (or off): built on a GPU, the batched module replays inference
+    calls (eval mode, no gradients recorded) as CUDA graphs, the maximal runs of capturable stages
+    (executor.capture); training and CPU run stage by stage. Raises EditError for a non-boolean."""
+    if not isinstance(on, bool):
+        raise EditError(f"set_capture: expected True or False, got {on!r}")
+    return plan.with_capture(on)

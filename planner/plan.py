@@ -237,6 +237,9 @@ class Plan:
     dtype: str = DEFAULT_DTYPE  # precision of the batched module, one of DTYPES; written to JSON only when not float32
     # leaf modules the trace opened (planner.opening); executor.build traces them open again. JSON only when not empty
     opened_modules: tuple[str, ...] = ()
+    # whole-plan capture (executor.capture): on a GPU, inference calls replay the plan as CUDA graphs (autotune
+    # sets it where that measured fastest). JSON only when set
+    capture: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.n_members, bool) or not isinstance(self.n_members, int) or self.n_members < 1:
@@ -279,6 +282,10 @@ class Plan:
         """The same stages at another precision (one of DTYPES); the old profile no longer applies."""
         return replace(self, dtype=dtype, profile=None)
 
+    def with_capture(self, on: bool) -> "Plan":
+        """The same stages with whole-plan capture on or off; the old profile no longer applies."""
+        return replace(self, capture=bool(on), profile=None)
+
     def with_profile(self, report_json: Mapping[str, Any] | None) -> "Plan":
         return replace(self, profile=report_json)
 
@@ -306,6 +313,7 @@ class Plan:
             # only when not the default: float32 plans read the same as before the field existed
             **({"dtype": self.dtype} if self.dtype != DEFAULT_DTYPE else {}),
             **({"opened_modules": list(self.opened_modules)} if self.opened_modules else {}),
+            **({"capture": True} if self.capture else {}),
         }
 
     def dumps(self) -> str:
@@ -352,6 +360,9 @@ class Plan:
         if not isinstance(opened, list) or not all(isinstance(p, str) and p for p in opened):
             raise PlanFileError(f"{source}: opened_modules must be a list of module paths such as [\"encoder.layers.0\"], "
                                 f"got {opened!r}; fix it or re-plan with `stagewise plan --open`")
+        capture = d.get("capture", False)  # files written before the field existed run stage by stage
+        if not isinstance(capture, bool):
+            raise PlanFileError(f"{source}: capture must be true or false, got {capture!r}; fix it in the plan file")
         return Plan(
             fingerprint=str(d["fingerprint"]),
             tracer=str(d["tracer"]),
@@ -363,6 +374,7 @@ class Plan:
             schema_version=version,
             dtype=dtype,
             opened_modules=tuple(opened),
+            capture=capture,
         )
 
     @staticmethod

@@ -368,3 +368,110 @@ def test_a_cuda_graph_stage_sees_weights_given_new_storage(replayed_stages):
             for p in m.parameters():
                 p.data = p.data * 2
         torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+
+
+# --- plan.capture: the plan asks for whole-plan capture; build honours it; autotune offers it -----------
+
+import importlib  # noqa: E402
+build_module = importlib.import_module("stagewise.executor.build")
+from stagewise.executor.autotune import WHOLE_GRAPH, tune  # noqa: E402
+from stagewise.planner.plan import Plan  # noqa: E402
+
+
+@pytest.fixture
+def replay_capture(monkeypatch):
+    monkeypatch.setattr(build_module, "CAPTURE_BACKEND", ReplayBackend)
+
+
+def _members_and_plan(make=MLP, x=None):
+    torch.manual_seed(0)
+    members = [make() for _ in range(N)]
+    x = torch.randn(5, 8) if x is None else x
+    return members, planner.propose(planner.trace(members[0], (x,)), n_members=N)
+
+
+def test_capture_is_a_plan_field_that_survives_json_and_is_refused_when_not_boolean():
+    _, plan = _members_and_plan()
+    assert "capture" not in plan.to_json()  # plans without it read as before
+    on = planner.set_capture(plan)
+    assert on.capture and Plan.loads(on.dumps()).capture and Plan.loads(on.dumps()) == on
+    assert not planner.set_capture(on, False).capture
+    with pytest.raises(planner.EditError, match="True or False"):
+        planner.set_capture(plan, "yes")
+    bad = {**on.to_json(), "capture": "yes"}
+    with pytest.raises(planner.PlanFileError, match="capture must be true or false"):
+        Plan.from_json(bad)
+    assert [c.field for c in planner.diff_plans(plan, on).plan_changes] == ["capture"]
+
+
+def test_a_capture_plan_replays_inference_and_runs_training_stage_by_stage(replay_capture):
+    members, plan = _members_and_plan()
+    ref = copy.deepcopy(members)
+    ens = executor.build(planner.set_capture(plan), members).eval()
+    cap = ens.__dict__["_captured"]
+    assert cap is not None
+    with torch.no_grad():
+        for x in xs(5, 2) + xs(3, 1, seed=1):
+            torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    assert cap.captures == 2
+    x = xs(5, 1, seed=2)[0]
+    out = ens(x)  # grad enabled and parameters require grad: stage by stage, gradients flow
+    out.sum().backward()
+    assert all(p.grad is not None for p in ens.parameters()) and cap.captures == 2
+    ens.train()
+    with torch.no_grad():
+        ens(x)
+    assert cap.captures == 2  # training mode never replays
+
+
+def test_without_a_capture_backend_a_capture_plan_runs_stage_by_stage():
+    members, plan = _members_and_plan()
+    ref = copy.deepcopy(members)
+    ens = executor.build(planner.set_capture(plan), members).eval()
+    assert ens.__dict__["_captured"] is None  # CPU: nothing to capture with
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_capture_plan_that_cannot_capture_warns_once_and_runs_stage_by_stage(monkeypatch):
+    class RefuseAll(ReplayBackend):
+        def capture(self, fn, warmup):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(build_module, "CAPTURE_BACKEND", RefuseAll)
+    members, plan = _members_and_plan()
+    ref = copy.deepcopy(members)
+    ens = executor.build(planner.set_capture(plan), members).eval()
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="running stage by stage"):
+            torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)  # no second warning needed
+
+
+def test_autotune_races_the_whole_plan_graph_and_checks_it_against_the_loop(replay_capture):
+    members, plan = _members_and_plan()
+    x = torch.randn(5, 8)
+    best, found = tune(plan, [m.eval() for m in members], (x,), strategies=["vmap", "loop"], budget="quick")
+    notes = " ".join(s.options.note for s in best.stages)
+    assert WHOLE_GRAPH in notes  # measured beside the per-stage plan (whichever won)
+    ens = executor.build(best, members).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_whole_plan_graph_with_wrong_results_is_never_chosen(monkeypatch):
+    class Stale(ReplayBackend):
+        """Replays without running anything: the outputs of capture time, whatever the inputs."""
+
+        def capture(self, fn, warmup):
+            out = fn()
+            return (lambda: None), out
+
+    monkeypatch.setattr(build_module, "CAPTURE_BACKEND", Stale)
+    members, plan = _members_and_plan()
+    best, _ = tune(plan, [m.eval() for m in members], (torch.randn(5, 8),), strategies=["vmap", "loop"], budget="quick")
+    assert not best.capture
+    note = " ".join(s.options.note for s in best.stages)
+    assert WHOLE_GRAPH in note
