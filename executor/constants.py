@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.planner.errors import MemberError
-from stagewise.planner.graph import ModelGraph, plain_attributes, retrace
+from stagewise.planner.graph import ModelGraph, hook_configs, hooks_refusal, plain_attributes, retrace
 
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
 
@@ -161,6 +161,13 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
         structure or training mode, or in a module's config the op cannot take as a tensor.
     """
     n = len(members)
+    for i, m in enumerate(members):
+        refusal = hooks_refusal(m, f"member {i}")
+        if refusal:
+            raise MemberError(refusal)
+        if i and hook_configs(m) != hook_configs(members[0]):
+            raise MemberError(f"member {i}'s weight_norm / spectral_norm hooks differ from member 0's ({hook_configs(m)[:1]} vs "
+                              f"{hook_configs(members[0])[:1]}); apply them with the same settings to every member")
     lifted: dict[str, torch.Tensor] = {}
     lifted.update(_tensor_constants(graph, members, state_keys))
     signatures = [config_signature(m) for m in members]

@@ -146,13 +146,66 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     takes the branch the default takes, and their placeholders are removed.
     """
     fixed = _defaults_not_given(model, given)
-    if opened:
-        gm = symbolic_trace_opening(model, opened, fixed or None)
-    else:
-        gm = torch.fx.symbolic_trace(model, concrete_args=fixed or None)
+    with _grad_mode_watch() as turned_off, _RandomWatch() as random_drawn:
+        if opened:
+            gm = symbolic_trace_opening(model, opened, fixed or None)
+        else:
+            gm = torch.fx.symbolic_trace(model, concrete_args=fixed or None)
+    if random_drawn.calls:
+        # `torch.rand(1) < p` (stochastic depth, layer drop) has no traced input: fx runs it once and bakes the
+        # draw into the graph as a constant, so every call of every member would reuse it (export records the op)
+        raise TraceError(f"forward() draws random numbers from no traced input ({', '.join(sorted(random_drawn.calls))}), "
+                         "which torch.fx freezes into one constant draw")
+    if turned_off:
+        # `with torch.no_grad():` / `torch.set_grad_enabled(False)` in forward() ran at trace time and left
+        # no node: the graph would record gradients the model never makes (torch.export records the region)
+        raise TraceError("forward() turns gradients off (torch.no_grad() / set_grad_enabled(False)), which torch.fx cannot record")
     if fixed:
         _drop_concrete_placeholders(gm, fixed)
     return gm
+
+
+@contextlib.contextmanager
+def _grad_mode_watch():
+    """Yields a list that gets an entry each time grad mode is turned off while inside (torch.no_grad,
+    set_grad_enabled(False): both go through torch._C._set_grad_enabled)."""
+    calls: list[bool] = []
+    original = torch._C._set_grad_enabled
+
+    def watched(mode: bool) -> None:
+        if not mode:
+            calls.append(mode)
+        original(mode)
+
+    torch._C._set_grad_enabled = watched
+    try:
+        yield calls
+    finally:
+        torch._C._set_grad_enabled = original
+
+
+RANDOM_OPS = frozenset({
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.bernoulli, torch.normal, torch.multinomial, torch.poisson,
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.bernoulli, torch.Tensor.random_,
+    torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+    torch.Tensor.multinomial, torch.nn.functional.dropout, torch.dropout,
+})
+
+
+class _RandomWatch(torch.overrides.TorchFunctionMode):
+    """Records random ops that run on concrete values while fx traces (`calls`: their names); ops on fx proxies
+    are recorded in the graph and are not listed."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in RANDOM_OPS and not any(isinstance(a, torch.fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+            self.calls.add(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
 
 
 def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
@@ -299,6 +352,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         traced graph does not run on the example inputs, or an open_modules name matches no module.
     """
     example_inputs = tuple(example_inputs)
+    refusal = hooks_refusal(model, type(model).__name__)
+    if refusal:
+        raise TraceError(refusal)
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
     gm, tracer, note = fx_or_export(model, example_inputs, opened)
@@ -320,10 +376,15 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             f"forward() changes {changed.describe()} while it is traced, and the traced graph cannot repeat that per member; "
             "keep counters and caches out of forward(), or hold them in a tensor buffer updated in place"
         )
+    tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
     values, flops = _run_and_record(gm, example_inputs)
     graph = graph_of(gm, tracer, note, values, flops, opened=opened)
     if probe:
         annotate_capability(graph)
+    # the probe ran the model's own modules under vmap: a hook that stores a tensor on its module (the old
+    # weight_norm's `weight`) left a vmap-internal tensor there, which no later use of the model can read
+    for mod, k, v in tensor_attributes:
+        mod.__dict__[k] = v
     return graph
 
 
@@ -436,6 +497,61 @@ def plain_attributes(model: nn.Module) -> dict[str, Any]:
             if isinstance(v, PLAIN_TYPES) or (isinstance(v, (tuple, list)) and all(isinstance(x, PLAIN_TYPES) for x in v)):
                 out[f"{path}.{k}" if path else k] = v
     return out
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _state_driven_hook_types() -> tuple[type, ...]:
+    """torch's own hooks that compute from the module's state alone (the old weight_norm / spectral_norm):
+    a leaf module's hooks run with the module in every strategy that calls it, so these give each member its own."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    return SpectralNorm, WeightNorm
+
+
+def module_hooks(model: nn.Module) -> dict[str, str]:
+    """Hooks the batched module cannot repeat per member: "path (kind)" -> what the hook is.
+
+    A hook on the root module never reaches a traced graph (fx traces forward(), not the call); a hook
+    on a submodule runs member 0's function (its closure, its captures) for every member, or is traced into
+    the graph with member 0's values. torch's own state-driven weight_norm / spectral_norm hooks are left
+    out below the root (their config is compared like any other attribute, see hook_configs)."""
+    state_driven = _state_driven_hook_types()
+    found = {}
+    for path, mod in model.named_modules():
+        for table in _HOOK_TABLES:
+            for hook in getattr(mod, table, {}).values():
+                if path and isinstance(hook, state_driven):
+                    continue
+                kind = table.strip("_").replace("_hooks", " hook").replace("_", " ")
+                found[f"{path or type(model).__name__} ({kind})"] = getattr(hook, "__qualname__", type(hook).__name__)
+    return found
+
+
+def hook_configs(model: nn.Module) -> tuple:
+    """The state-driven hooks module_hooks leaves out, with their settings (members must agree on them)."""
+    state_driven = _state_driven_hook_types()
+    return tuple((path, table, type(h).__name__, tuple(sorted((k, repr(v)) for k, v in vars(h).items())))
+                 for path, mod in model.named_modules() for table in _HOOK_TABLES
+                 for h in getattr(mod, table, {}).values() if isinstance(h, state_driven))
+
+
+def hooks_refusal(model: nn.Module, who: str) -> str | None:
+    """The message refusing `model`'s hooks (module_hooks) or torch.jit-scripted submodules, or None when it has neither."""
+    scripted = [path for path, mod in model.named_modules() if path and isinstance(mod, torch.jit.ScriptModule)]
+    if scripted:
+        return (f"{who} holds torch.jit-scripted submodule(s) {', '.join(repr(p) for p in scripted[:3])}: a scripted module "
+                "runs its own compiled copy of the weights, so each member's weights cannot be put in for it "
+                "(every member would run member 0's); build the members from the plain nn.Modules, without torch.jit.script")
+    hooks = module_hooks(model)
+    if not hooks:
+        return None
+    shown = ", ".join(f"{k}: {v}" for k, v in list(hooks.items())[:3])
+    return (f"{who} has module hooks ({shown}{', ...' if len(hooks) > 3 else ''}) that a traced graph cannot run per member: "
+            "a hook on the model itself is never traced, and one on a submodule would run member 0's hook for every member. "
+            "Remove the hooks before planning (handle.remove()) and put what they do into forward(), or run the hooks' "
+            "work on the batched module's outputs")
 
 
 @dataclass

@@ -15,6 +15,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from stagewise.executor.stages import LoopRunner
 from stagewise.executor.values import PerMember, member_rows
@@ -22,7 +23,11 @@ from stagewise.executor.values import PerMember, member_rows
 
 def _shell(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> nn.Module:
     """A shallow copy of `module` (and its children) reading parameters/buffers from `state`."""
-    shell = copy.copy(module)
+    if parametrize.is_parametrized(module):  # its class refuses copy.copy (no pickling of parametrized modules)
+        shell = module.__class__.__new__(module.__class__)
+        shell.__dict__.update(module.__dict__)
+    else:
+        shell = copy.copy(module)
     shell._parameters = dict(module._parameters)
     shell._buffers = dict(module._buffers)
     shell._modules = {name: (_shell(child, state, f"{prefix}{name}.") if child is not None else None)

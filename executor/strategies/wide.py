@@ -36,6 +36,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import PlanFileError
+from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageOptions
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_ops
@@ -57,7 +58,10 @@ def _any_nf(x: Any) -> bool:
         return any(_any_nf(v) for v in x)
     if isinstance(x, dict):
         return any(_any_nf(v) for v in x.values())
-    return False
+    if isinstance(x, (torch.Tensor, int, float, bool, str, type(None))):
+        return False
+    # other pytree nodes (an output dataclass, registered at build): look at their leaves
+    return any(is_nf(v) for v in tree_flatten(x, is_leaf=is_nf)[0])
 
 
 def _method(name: str) -> Callable:
@@ -234,7 +238,7 @@ class WideRunner(Runner):
         Returns (step, fused activation node name or None).
         """
         mod, _, state = self._calls[node.name]
-        if (type(mod) is not torch.nn.Linear or node.kwargs or len(node.args) != 1
+        if (type(mod) is not torch.nn.Linear or module_rule(mod) is None or node.kwargs or len(node.args) != 1
                 or not isinstance(node.args[0], torch.fx.Node) or "weight" not in state
                 or (mod.bias is not None and "bias" not in state)):
             return None
@@ -299,6 +303,8 @@ class WideRunner(Runner):
                 return self._linear_group(node.name, self._fused[node.name], args[0])
             mod, rule, state = entry
             if not state and not _any_nf((args, kwargs)):
+                if mod.training and isinstance(mod, torch.nn.modules.dropout._DropoutNd):  # a mask per member
+                    return NFirst(torch.stack([mod(*args, **kwargs) for _ in range(n)]))
                 return mod(*args, **kwargs)
             out = rule(mod, state, args, kwargs, n) if rule is not None else None
             if out is None:
@@ -306,11 +312,31 @@ class WideRunner(Runner):
             return out
         fn, name = entry
         if not _any_nf((args, kwargs)):
+            if _is_random(node):  # one draw per member, as the loop makes (computed once it would be shared by all)
+                return NFirst(torch.stack([fn(*args, **kwargs) for _ in range(n)]))
             return fn(*args, **kwargs)
+        if isinstance(fn, torch._ops.OpOverload) and not fn._schema.returns:
+            # an export graph's checks (_assert_tensor_metadata: dtype, device): the same for the stacked tensor
+            return fn(*tree_map(lambda x: x.t if is_nf(x) else x, args, is_leaf=is_nf),
+                      **tree_map(lambda x: x.t if is_nf(x) else x, kwargs, is_leaf=is_nf))
         out = wide_ops.call_function(fn, name, args, kwargs, n) if name in _RULED else None
         if out is None:
             out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs)
         return out
+
+
+_RANDOM_METHODS = {"uniform_", "normal_", "bernoulli_", "bernoulli", "random_", "exponential_", "geometric_", "cauchy_",
+                   "log_normal_", "multinomial"}
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    """Whether the node draws random numbers (fx: torch.rand & co, Tensor.bernoulli_ & co; export: seeded aten ops)."""
+    target = node.target
+    if node.op == "call_method":
+        return target in _RANDOM_METHODS
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    return target in RANDOM_OPS
 
 
 def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[str]]:
@@ -324,7 +350,7 @@ def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[
         if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
             continue
         mod = gm.get_submodule(node.target)
-        if type(mod) is torch.nn.Linear and f"{node.target}.weight" in stacked:
+        if type(mod) is torch.nn.Linear and module_rule(mod) is not None and f"{node.target}.weight" in stacked:
             groups.setdefault(node.args[0].name, []).append(node)
     fused = {}
     for nodes in groups.values():

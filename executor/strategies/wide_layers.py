@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from stagewise.executor.strategies.wide_attention import (encoder, encoder_layer, encoder_layer_supported, encoder_supported,
                                                           mha_supported, multihead_attention)
@@ -424,7 +425,13 @@ SUPPORTED: list[tuple[type, Callable[[nn.Module], bool]]] = [
 
 
 def module_rule(module: nn.Module) -> Optional[ModuleRule]:
-    """The wide rule for `module`, or None (no rule, or a configuration the rule refuses)."""
+    """The wide rule for `module`, or None (no rule, or a configuration the rule refuses).
+
+    None too where the module's call does more than its forward on its own parameters: hooks (the old
+    weight_norm / spectral_norm) or a parametrization (nn.utils.parametrize: the weight is computed):
+    vmap of the module's own call runs those."""
+    if any(m._forward_hooks or m._forward_pre_hooks or parametrize.is_parametrized(m) for m in module.modules()):
+        return None
     if any(isinstance(module, t) and not ok(module) for t, ok in SUPPORTED):
         return None
     for types, rule in MODULE_RULES:
