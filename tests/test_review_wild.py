@@ -483,3 +483,58 @@ def test_bfloat16_plans_are_within_the_documented_tolerance_and_verify_agrees(ma
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= DTYPE_RTOL["bfloat16"], err
     assert err > 0  # it really ran in bfloat16
+
+
+# --- normalisation and embeddings -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", [None, Strategy.LOOP])
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("train", [False, True])
+def test_batchnorm_momentum_none_num_batches_tracked_and_groupnorm(momentum, train, strategy):
+    """Cumulative averages (momentum=None) divide by num_batches_tracked: both compared after every call."""
+    assert_matches_loop(lambda i: W.Norms(momentum), two_shapes(6, 4), strategy=strategy, train=train)
+
+
+def test_batchnorm_momentum_none_under_wide_in_training_fails_loudly():
+    with pytest.raises(planner.StagewiseError):
+        assert_matches_loop(lambda i: W.Norms(None), two_shapes(6, 4), strategy=Strategy.WIDE, train=True)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_gradients(momentum):
+    assert_matches_loop(lambda i: W.BatchNormHead(momentum), two_shapes(6, 4), train=True, grads=True)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kwargs", [{"max_norm": 1.0}, {"padding_idx": 0}], ids=["max_norm", "padding_idx"])
+def test_embedding_max_norm_renormalises_each_members_weight(kwargs, strategy):
+    """max_norm rewrites the rows it reads in the weight itself, in forward: state compared after each call."""
+    calls = [(torch.randint(0, 10, (2, 5)),), (torch.randint(0, 10, (2, 5)),), (torch.randint(0, 10, (3, 6)),)]
+    assert_matches_loop(lambda i: W.Embeddings(**kwargs), calls, strategy=strategy)
+    if "padding_idx" in kwargs:
+        assert_matches_loop(lambda i: W.Embeddings(**kwargs), calls, strategy=strategy, train=True, grads=True)
+
+
+def test_members_with_another_activation_class_are_refused():
+    plan = planner.propose(planner.trace(W.Net(), (torch.randn(5, 4),)), 2)
+    other = W.Net()
+    other.act = nn.GELU()
+    with pytest.raises(planner.MemberError):
+        executor.build(plan, [W.Net(), other])
+
+
+def test_members_in_another_dtype_are_refused():
+    plan = planner.propose(planner.trace(W.Net(), (torch.randn(5, 4),)), 2)
+    with pytest.raises(planner.MemberError, match="float64"):
+        executor.build(plan, [W.Net(), W.Net().double()])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_non_contiguous_and_cross_member_shared_parameters(strategy):
+    shared = nn.Parameter(torch.randn(6, 4))
+
+    def make(i):
+        m = W.Net()
+        m.fc1.weight = nn.Parameter(torch.randn(4, 6).t()) if i == 0 else shared  # non-contiguous; members 1, 2 share one
+        return m
+    assert_matches_loop(make, two_shapes(5, 4), strategy=strategy)

@@ -324,3 +324,15 @@ class TiedFrozenBN(nn.Module):
 
     def forward(self, idx):
         return self.head(torch.tanh(self.frozen(self.bn(torch.tanh(self.fc(self.emb(idx)))))))
+
+
+class BatchNormHead(nn.Module):
+    """A readout after BatchNorm (a loss on the normalised values alone has no gradient to speak of); no bias before
+    BatchNorm, as usual (its true gradient is 0, what both runs compute there is rounding noise)."""
+
+    def __init__(self, momentum=0.1):
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(4, 6, bias=False), nn.BatchNorm1d(6, momentum=momentum), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn(self.fc(x))))
