@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_map
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
-from stagewise.executor.build import BatchedModule, build, capture_backend, resolve_device
+from stagewise.executor.build import BatchedModule, build, capture_backend, resolve_device, tf32_scope
 from stagewise.executor.candidates import (Progress, advance, conv_form_of_label, make_runner, loop_reference, max_rel_error,
                                            members_on, on_device, stage_inputs, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.report import StrategyResult
@@ -309,7 +309,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     found: dict[str, list[StrategyResult]] = {}
     stage_ms = 0.0
     made: dict[str, Runner] = {}  # stage id -> the chosen runner (compiled/captured already)
-    with torch.no_grad():
+    with torch.no_grad(), tf32_scope(plan.dtype, dev):
         for program, runner in zip(module.programs, module.runners):
             fresh = stage_inputs(program, env, n)
             results, chosen, out, chosen_runner = _tune_stage(program, runner, fresh, n, dev, allowed, repeats, warmup,

@@ -6,6 +6,7 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 import dataclasses
@@ -52,6 +53,12 @@ class _TF32:
     def __exit__(self, *exc):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision = self.saved
         torch.set_float32_matmul_precision(precision)
+
+
+def tf32_scope(dtype: str, device: torch.device) -> Any:
+    """TF32 on for a "tf32" plan's CUDA work (profile and autotune call stage runners outside the module's forward,
+    which turns it on itself), a no-op context otherwise."""
+    return _TF32() if dtype == "tf32" and device.type == "cuda" else contextlib.nullcontext()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -272,7 +279,7 @@ class BatchedModule(nn.Module):
         self.__dict__["_steps"] = [(p, r, tuple(p.input_names), tuple(p.output_names), p.writes_in_place, tuple(so))
                                    for p, r, so in zip(self.programs, runners, self._state_outputs)]
         # a strategy that carries no gradients (cuda_graph): calls that would record autograd are refused
-        self.__dict__["_inference_only"] = any(not r.trainable for r in runners)
+        self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its

@@ -195,12 +195,15 @@ def _state_tensors(ens: nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _signature(flat: list) -> tuple:
-    """What a graph bakes in: each tensor's shape, dtype, device and strides, and every other value itself."""
+def _signature(flat: list, host_scalars: bool = False) -> tuple:
+    """What a graph bakes in: each tensor's shape, dtype, device and strides, and every other value itself.
+    `host_scalars`: a 0-d CPU tensor's value too (a CUDA kernel takes it as a number at launch: the graph keeps
+    the value of capture time, so another value needs another graph)."""
     out = []
     for x in flat:
         if isinstance(x, torch.Tensor):
-            out.append((tuple(x.shape), x.dtype, x.device, x.stride()))
+            scalar = x.item() if host_scalars and x.dim() == 0 and x.device.type == "cpu" else None
+            out.append((tuple(x.shape), x.dtype, x.device, x.stride(), scalar))
         else:
             try:
                 hash(x)
@@ -253,6 +256,7 @@ class CapturedPlan(nn.Module):
         self.clone_outputs = clone_outputs
         self.max_signatures = max_signatures
         self.backend = backend if backend is not None else CudaGraphBackend()
+        self._host_scalars = isinstance(self.backend, CudaGraphBackend)
         self._graphs: dict[tuple, _Graph] = {}
         self._state = _state_tensors(ens)
         self._params = [t for t in self._state if isinstance(t, nn.Parameter)]
@@ -304,13 +308,14 @@ class CapturedPlan(nn.Module):
 
     def _whole(self, inputs: tuple) -> Any:
         flat, spec = tree_flatten(list(inputs))
-        key = (spec, _signature(flat))
+        key = (spec, _signature(flat, self._host_scalars))
         g = self._graphs.get(key)
         if g is None or g.state_key != self._state_key():
             static_inputs = _static_copy(flat)
             args = tree_unflatten(static_inputs, spec)
+            steps = self._inside()
             try:
-                replay, out = self._capture(lambda: self.ens.run_stages(*args)[0])
+                replay, out = self._capture(lambda: self.ens.run_stages(*args, run=lambda env: self.ens._run_steps(env, steps))[0])
             except _NotCapturable as e:
                 runs = self._split(inputs)
                 if all(r.eager for r in runs):
@@ -326,6 +331,11 @@ class CapturedPlan(nn.Module):
                 static.copy_(x, non_blocking=True)
         g.replay()
         return g.static_out
+
+    def _inside(self) -> list:
+        """The module's steps as a capture runs them: a stage with a graph of its own (the cuda_graph strategy)
+        runs its plain vmapped call instead, inside this graph (a graph cannot be captured inside another)."""
+        return [(p, getattr(r, "inside_capture", r), *rest) for p, r, *rest in self.ens._steps]
 
     def _keep(self, graphs: dict, key: tuple, g: _Graph) -> _Graph:
         if len(graphs) >= self.max_signatures and key not in graphs:
@@ -365,7 +375,8 @@ class CapturedPlan(nn.Module):
 
     def _split(self, inputs: tuple) -> list[_Run]:
         """The plan's steps as runs: each step run once (eagerly, state put back after) under the host-sync detector."""
-        ens, steps = self.ens, self.ens._steps
+        ens, steps = self.ens, self._inside()
+        self._steps = steps
         eager: dict[int, str] = {}
 
         def detect(env: dict) -> None:
@@ -403,7 +414,7 @@ class CapturedPlan(nn.Module):
                 continue
             flat, spec = tree_flatten([_tagged(self._numbers_as_tensor(env[name]) if name in run.numbers else env[name])
                                        for name in run.inputs])
-            key = (spec, _signature(flat))
+            key = (spec, _signature(flat, self._host_scalars))
             g = run.graphs.get(key)
             if g is None or g.state_key != self._run_state_key():
                 try:
@@ -445,7 +456,7 @@ class CapturedPlan(nn.Module):
 
     def _split_run(self, run: _Run, reason: str) -> list[_Run]:
         """A run whose capture failed: one run per stage, or the stage eager when it was alone."""
-        steps = self.ens._steps
+        steps = self._steps
         first = next(k for k, step in enumerate(steps) if step is run.steps[0])
         if len(run.steps) == 1:
             return [_run_of(steps, first, first + 1, self._read_after, reason)]

@@ -24,7 +24,7 @@ from stagewise.planner.graph import trace
 from stagewise.planner.plan import Plan, Strategy
 from stagewise.executor import baselines as whole
 from stagewise.executor.autotune import tune
-from stagewise.executor.build import BatchedModule, build, resolve_device
+from stagewise.executor.build import BatchedModule, build, resolve_device, tf32_scope
 from stagewise.executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
                                  stage_inputs, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
@@ -67,6 +67,7 @@ class _Labelled:
 
     def __init__(self, runner: Runner, label: str):
         self.runner, self.label = runner, label
+        self.trainable = runner.trainable
 
     def __call__(self, args: list) -> list:
         with torch.profiler.record_function(self.label):
@@ -150,7 +151,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     module = build(plan, members, example_inputs=example, device=dev)
     flops = stage_flops(plan, members[0], example)
     env = module.bind_inputs(inputs)
-    with torch.no_grad():
+    with torch.no_grad(), tf32_scope(plan.dtype, dev):
         stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
                                  candidates.get(program.stage.id, []), DTYPE_RTOL[plan.dtype])
                   for program, runner in zip(module.programs, module.runners)]

@@ -475,3 +475,45 @@ def test_a_whole_plan_graph_with_wrong_results_is_never_chosen(monkeypatch):
     assert not best.capture
     note = " ".join(s.options.note for s in best.stages)
     assert WHOLE_GRAPH in note
+
+
+def test_a_cuda_graph_stage_that_writes_into_its_input_hands_the_write_on(replayed_stages):
+    from conftest import ScaleInPlace
+
+    torch.manual_seed(0)
+    members = [ScaleInPlace().eval() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(3, 4)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, N)
+    plan = planner.split(plan, graph, "s0", "mul_")
+    plan = planner.split(plan, graph, "s1", "sub")
+    stage = next(s.id for s in plan.stages if "mul_" in s.nodes)
+    ens = executor.build(planner.set_options(plan, graph, stage, strategy="cuda_graph"), members)
+    with torch.no_grad():
+        for batch in (3, 3, 5):
+            x = torch.randn(batch, 4)
+            got = ens(x)
+            want = [torch.stack(o) for o in zip(*[m(x) for m in ref])]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_host_scalar_is_part_of_a_cuda_graph_signature():
+    from stagewise.executor.capture import _signature
+
+    a, b = [torch.tensor(0.5)], [torch.tensor(0.7)]
+    assert _signature(a, host_scalars=True) != _signature(b, host_scalars=True)  # baked in at launch: a new graph
+    assert _signature(a) == _signature(b)  # ReplayBackend reads it each time
+    assert _signature([torch.ones(3)], True) == _signature([torch.zeros(3)], True)
+
+
+def test_whole_plan_capture_runs_cuda_graph_stages_inside_its_own_graph(replayed_stages):
+    ens, ref = built(MLP, torch.randn(5, 8), planner.Strategy.CUDA_GRAPH)
+    cap = capture(ens, backend=ReplayBackend())
+    inner = [s[1] for s in cap._inside()]
+    assert not any(isinstance(r, CudaGraphRunner) for r in inner)
+    with torch.no_grad():
+        for x in xs(5, 2) + xs(2, 1, seed=4):
+            torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    assert cap.layout()[0]["mode"] == "graph" and cap._runs is None

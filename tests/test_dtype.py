@@ -157,3 +157,16 @@ def test_profile_and_autotune_check_a_low_precision_plan_at_its_tolerance():
     assert report.end_to_end.ok and 1e-4 < report.end_to_end.max_rel_err < 3e-2
     tuned = executor.autotune(plan, members, inputs, repeats=3, strategies=["vmap", "wide", "loop"])
     assert tuned.dtype == "bfloat16" and all(s.options.note.startswith("autotune chose") for s in tuned.stages)
+
+
+def test_tf32_scope_turns_tf32_on_only_for_tf32_plans_on_cuda_and_puts_it_back():
+    from stagewise.executor.build import tf32_scope
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    with tf32_scope("tf32", torch.device("cuda")):  # only flags: no CUDA needed to set them
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+    for dtype, device in (("float32", "cuda"), ("tf32", "cpu"), ("bfloat16", "cuda")):
+        with tf32_scope(dtype, torch.device(device)):
+            assert torch.backends.cuda.matmul.allow_tf32 == before[0]
+    after = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    assert after == before

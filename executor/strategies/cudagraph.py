@@ -59,6 +59,11 @@ class CudaGraphRunner(Runner):
         self._key: tuple | None = None
         self._replay = None
 
+    @property
+    def inside_capture(self) -> VmapRunner:
+        """What whole-plan capture runs for this stage: its vmapped call (captured with the rest of the plan)."""
+        return self._inner
+
     def run(self, args: list) -> list:
         args = tensors_first(args, self.device_for(args))
         key = (_signature(args), tuple(t.data_ptr() for t in self.stacked.values()))
@@ -69,6 +74,9 @@ class CudaGraphRunner(Runner):
         for static, x in zip(self._static_in, new):
             static.copy_(x, non_blocking=True)
         self._replay()
+        if self.program.writes_in_place:  # the stage wrote into its inputs' static copies: later stages read the inputs
+            for x, static in zip(new, self._static_in):
+                x.copy_(static)
         return [_untree(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, t)) for t in self._static_out]
 
     def _capture(self, args: list) -> None:
