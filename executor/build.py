@@ -139,6 +139,19 @@ def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> di
     return stacked
 
 
+def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
+    """Names of trainable parameters that two members hold as one tensor. Stacked, each member gets its own
+    copy: forward is the same, but training would update the copies apart where the loop updates one tensor."""
+    seen: dict[int, int] = {}
+    shared = []
+    for i, m in enumerate(members):
+        for name, p in m.named_parameters():
+            owner = seen.setdefault(id(p), i)
+            if owner != i and p.requires_grad and name not in shared:
+                shared.append(name)
+    return shared
+
+
 def _first_difference(plan: Plan, graph: ModelGraph) -> str:
     planned = [n for s in plan.stages for n in s.nodes]
     have = set(graph.compute_nodes)
@@ -280,6 +293,7 @@ class BatchedModule(nn.Module):
                                    for p, r, so in zip(self.programs, runners, self._state_outputs)]
         # a strategy that carries no gradients (cuda_graph): calls that would record autograd are refused
         self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
+        self.__dict__["_grad_checks"] = self._inference_only or bool(self.__dict__.get("_shared_across"))
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
@@ -307,7 +321,15 @@ class BatchedModule(nn.Module):
         return self
 
     def _check_trainable(self) -> None:
-        """ExecutionError naming the first stage whose strategy cannot carry gradients."""
+        """ExecutionError naming the first stage whose strategy cannot carry gradients, or the parameters members
+        share (one tensor in the loop, a copy per member here)."""
+        shared = [k for k in self.__dict__.get("_shared_across", ()) if self._stacked[k].requires_grad]
+        if shared:
+            raise ExecutionError(
+                f"members share the trainable parameter(s) {shared[:3]} (one tensor held by several members): the batched "
+                "module holds a copy per member, so training would update the copies apart where the member loop updates "
+                "one tensor. Give each member its own copy (copy.deepcopy), or freeze it (requires_grad_(False)); "
+                "inference (torch.no_grad()) is unaffected")
         for program, runner in zip(self.programs, self.runners):
             if not runner.trainable:
                 strategy = program.stage.options.strategy.value
@@ -379,7 +401,7 @@ class BatchedModule(nn.Module):
     def _run_plain(self, *inputs, keep: bool = False, run: Any = None) -> tuple[Any, dict[str, Any]]:
         """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`).
         `run(env)`, when given, runs the stages on the bound inputs instead of the flat step list (capture's runs)."""
-        if torch.is_grad_enabled() and (self.training or self._inference_only and self._records_grad()):
+        if self._grad_checks and torch.is_grad_enabled() and (self.training or self._records_grad()):
             self._check_trainable()
         if self._storage:
             self._follow_new_storage()
@@ -511,7 +533,13 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     # the traced shapes, not the caller's: an export graph is specialised to them, so another shape
     # would trace another graph; the batched module then checks each call against them
     example = example_inputs_from(plan.inputs) or example_inputs
-    graph = retrace(copy.deepcopy(members[0]), plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
+    try:
+        private = copy.deepcopy(members[0])
+    except Exception as e:  # a module torch cannot copy (the old nn.utils.weight_norm's derived weight, ...)
+        raise MemberError(f"member 0 cannot be copied ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+                          "stagewise builds from a private copy of it. Models using torch.nn.utils.weight_norm can use "
+                          "torch.nn.utils.parametrizations.weight_norm instead; otherwise make the module deep-copyable") from e
+    graph = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
@@ -526,6 +554,8 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     stacked.update({k: v.to(dev) for k, v in per_member.items()})
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+    module.__dict__["_shared_across"] = shared_across_members(members)
+    module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)

@@ -524,6 +524,8 @@ def module_hooks(model: nn.Module) -> dict[str, str]:
             for hook in getattr(mod, table, {}).values():
                 if path and isinstance(hook, state_driven):
                     continue
+                if not path and str(getattr(hook, "__module__", "")).startswith("torch.export."):
+                    continue  # a loaded torch.export archive's own input check and state sync (the trace keeps the check)
                 kind = table.strip("_").replace("_hooks", " hook").replace("_", " ")
                 found[f"{path or type(model).__name__} ({kind})"] = getattr(hook, "__qualname__", type(hook).__name__)
     return found

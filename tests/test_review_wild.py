@@ -152,10 +152,10 @@ def test_weight_and_spectral_norm_in_eval(kind, strategy):
 
 def test_old_weight_norm_cannot_be_copied_so_build_stops():
     """torch cannot deepcopy a module under the deprecated nn.utils.weight_norm (its weight is a non-leaf
-    attribute); build copies member 0 and stops there with torch's message, which names weight_norm."""
+    attribute); build copies member 0 and stops there with a MemberError naming the replacement."""
     members = [W.Normed("old_weight_norm") for _ in range(N)]
     plan = planner.propose(planner.trace(members[0], (torch.randn(5, 4),)), N)
-    with pytest.raises(Exception, match="weight_norm"):
+    with pytest.raises(planner.MemberError, match="cannot be copied.*parametrizations.weight_norm"):
         executor.build(plan, members)
 
 
@@ -538,3 +538,25 @@ def test_non_contiguous_and_cross_member_shared_parameters(strategy):
         m.fc1.weight = nn.Parameter(torch.randn(4, 6).t()) if i == 0 else shared  # non-contiguous; members 1, 2 share one
         return m
     assert_matches_loop(make, two_shapes(5, 4), strategy=strategy)
+
+
+def test_training_members_that_share_a_parameter_is_refused_inference_is_not():
+    """was: members holding one Parameter trained as N independent copies (the loop steps one tensor)."""
+    shared = nn.Parameter(torch.randn(6, 4))
+
+    def make(i):
+        m = W.Net()
+        if i > 0:
+            m.fc1.weight = shared
+        return m
+
+    members = [make(i) for i in range(N)]
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=RTOL, atol=ATOL)
+    with pytest.raises(planner.ExecutionError, match=r"share the trainable parameter.*fc1\.weight.*deepcopy"):
+        ens(x)
+    shared.requires_grad_(False)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    ens(x).sum().backward()  # frozen in the members: nothing to update apart

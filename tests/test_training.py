@@ -254,6 +254,7 @@ def test_inference_only_strategy_is_refused_in_training_with_the_fix():
     plan, members, inputs, _ = sample_setup("mlp", n)
     ens = executor.build(plan, members).train()
     ens.runners[0].trainable = False  # as cuda_graph is
+    ens.runners = ens.runners  # the steps (and their gradient checks) are made when runners are set
     with pytest.raises(planner.ExecutionError, match="inference-only.*no_grad|no_grad.*inference-only"):
         ens(*inputs)
     with torch.no_grad():
