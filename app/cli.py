@@ -49,6 +49,7 @@ def cmd_plan(args) -> int:
         print(f"note: {graph.tracer_note}")
     modes = _parse_modes(args.input_mode, graph.input_names)
     plan = planner.set_dtype(planner.propose(graph, n_members=args.n, input_mode=modes, model=str(args.model)), args.dtype)
+    plan = planner.set_capture(plan, args.capture)
     print(planner.format_stage_table(plan, graph))
     if args.output:
         plan.save(args.output)
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--weights", nargs="+", help="member weight files (.safetensors or state_dict), one per member")
     sp.add_argument("--dtype", default="float32", choices=planner.DTYPES,
                     help="precision of the batched module (default float32; tf32 only changes CUDA matmuls; see README 'Precision')")
+    sp.add_argument("--capture", action="store_true",
+                    help="whole-plan capture: on a GPU, inference calls replay the plan as CUDA graphs (see README "
+                         "'Whole-plan capture'; autotune sets it where it measures fastest)")
     sp.add_argument("-o", "--output", help="write the plan JSON here")
     sp.add_argument("--open", action="append", metavar="MODULE", help=OPEN_HELP)
     sp.add_argument("--trust-archive", action="store_true",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from stagewise import planner
 from stagewise.app import state
 from stagewise.app.launch import TOKEN_ENV
 from stagewise.planner.plan import InputMode
@@ -91,6 +92,26 @@ def _set_input_mode(name: str) -> None:
         state.commit(f"input {name}: {mode}", result)
 
 
+def _set_dtype() -> None:
+    h = state.history()
+    if h is None:
+        return
+    dtype = st.session_state.get("plan_dtype")
+    result = state.guarded("precision", lambda: planner.set_dtype(h.present, dtype))
+    if result is not None:
+        state.commit(f"precision {dtype}", result)
+
+
+def _set_capture() -> None:
+    h = state.history()
+    if h is None:
+        return
+    on = bool(st.session_state.get("plan_capture"))
+    result = state.guarded("whole-plan capture", lambda: planner.set_capture(h.present, on))
+    if result is not None:
+        state.commit(f"whole-plan capture {'on' if on else 'off'}", result)
+
+
 def source_ui() -> None:
     st.subheader("Open a model")
     samples = state.sample_paths()
@@ -150,6 +171,17 @@ def current_ui() -> None:
             st.session_state[key] = spec.mode.value
         st.radio(spec.name, [m.value for m in InputMode], key=key, horizontal=True, on_change=_set_input_mode,
                  args=(spec.name,))
+    left, right = st.columns(2)
+    if st.session_state.get("plan_dtype") != plan.dtype:
+        st.session_state.plan_dtype = plan.dtype
+    left.selectbox("Precision", list(planner.DTYPES), key="plan_dtype", on_change=_set_dtype,
+                   help="The batched module's dtype, checked against the float32 member loop with the dtype's tolerance "
+                        "(README 'Precision'); one undoable edit")
+    if st.session_state.get("plan_capture") != plan.capture:
+        st.session_state.plan_capture = plan.capture
+    right.checkbox("Whole-plan capture (GPU)", key="plan_capture", on_change=_set_capture,
+                   help="On a GPU, inference calls replay the plan as CUDA graphs (stages that sync with the host run "
+                        "between them); training and CPU run stage by stage. Autotune sets it where it measures fastest")
     nodes_ui(loaded, plan)
 
 

@@ -143,7 +143,7 @@ def _select_matches(matches: tuple[str, ...]) -> None:
 def summary_ui(plan: Plan, loaded: state.Loaded, ref: state.ModelRef) -> None:
     st.markdown(f"**{ref.name}** · **{plan_summary(plan)}**"
                 f" · {plural(len(loaded.data.nodes), 'node')} · N = {plan.n_members} · traced with {loaded.graph.tracer}"
-                f" · precision {plan.dtype}")
+                f" · precision {plan.dtype}" + (" · whole-plan capture on GPU" if plan.capture else ""))
 
 
 def view_options_ui(data: gv.GraphData) -> tuple[list[str], list[str], list[str]]:

@@ -10,6 +10,7 @@ from stagewise import planner
 from stagewise.app import jobs, state
 from stagewise.app import graph_view as gv
 from stagewise.app.figure import FigureOptions, build_figure
+from stagewise.executor.report import capture_text
 from stagewise.app.profile_view import (baselines, failures, headline, measured_stage_times, shown_report, stage_rows,
                                         stage_times, sweep_rows)
 from stagewise.planner.errors import StagewiseError
@@ -200,6 +201,9 @@ def results_ui(plan, loaded, ref) -> None:
             col.metric(k, v)
     for line in failures(report):
         st.warning(line)
+    if report.get("capture"):
+        st.caption(f"Whole-plan capture: {capture_text(report['capture'])}. The end-to-end time replays these graphs; "
+                   "the per-stage times run each stage on its own.")
     if report.get("autotuned"):
         st.button(f"Adopt the autotuned plan for N = {report.get('n_members')}", on_click=_adopt_tuned, args=(report,),
                   type="primary", help="Makes the plan these numbers were measured on the plan (with this N), report included")

@@ -158,6 +158,8 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         whole_results = _profile_whole(plan, module, members, inputs, dev, stages, repeats, warmup, ticks,
                                        baselines=baselines, compile_baseline=compile_baseline, floor=floor)
         end_to_end = whole_results.pop("stagewise")
+        captured = module.__dict__.get("_captured")  # plan.capture: how the end-to-end calls replayed
+        capture = captured.layout() if captured is not None and captured.captures else None
         trace_file = None
         if trace_path:
             ticks("chrome trace")
@@ -173,6 +175,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         torch_version=torch.__version__, threads=torch.get_num_threads(), stages=stages, end_to_end=end_to_end,
         baselines=list(whole_results.values()), warmup=warmup, autotuned=autotune, plan=plan.to_json(),
         trace_path=trace_file, profile_s=time.perf_counter() - started, compile_s=compile_total, notes=notes,
+        capture=capture,
     )
 
 

@@ -110,6 +110,9 @@ class ProfileReport:
     # forward + backward per stage; max_rel_err compares gradients with the member loop's
     train: bool = False
     optimizer: str = ""  # with train: "adam" / "sgd"
+    # whole-plan capture (plan.capture) as the end-to-end time ran it: CapturedPlan.layout(), one entry per graph or
+    # eager stage ({"stages", "mode": "graph" | "eager", "reason"}); None when the plan ran stage by stage
+    capture: Optional[list] = None
 
     # -- lookups -------------------------------------------------------------------
     def baseline(self, name: str) -> Optional[StrategyResult]:
@@ -156,11 +159,25 @@ class ProfileReport:
         lines += ["", f"{whole:<24} {'median ms':>10} {'p10-p90 ms':>15} {'compile s':>9} {'max rel err':>11}  vs stagewise"]
         for r in [self.end_to_end] + self.baselines:
             lines.append(_baseline_row(r, self.end_to_end, self.train))
+        if self.capture:
+            lines.append(f"\nwhole-plan capture: {capture_text(self.capture)}")
         if self.trace_path:
             lines.append(f"\nchrome trace: {self.trace_path} (open in chrome://tracing or ui.perfetto.dev)")
         lines.append(f"\nprofiled in {self.profile_s:.1f} s (compile {self.compile_s:.1f} s); times are medians after {self.warmup} warm-up calls")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def capture_text(layout: list) -> str:
+    """A capture layout in one line: "one CUDA graph (s0-s4)" or "graph s0-s1 · eager s2 (why) · graph s3"."""
+    def ids(entry: dict) -> str:
+        st = entry["stages"]
+        return st[0] if len(st) == 1 else f"{st[0]}-{st[-1]}"
+    if len(layout) == 1 and layout[0]["mode"] == "graph":
+        return f"one CUDA graph ({ids(layout[0])})"
+    graphs = sum(e["mode"] == "graph" for e in layout)
+    parts = [f"graph {ids(e)}" if e["mode"] == "graph" else f"eager {ids(e)} ({e['reason']})" for e in layout]
+    return f"{graphs} CUDA graph{'s' if graphs != 1 else ''}: " + " · ".join(parts)
 
 
 _STAGE_HEADER = (f"{'stage':<6} {'mode':<9} {'strategy':<14} {'nodes':>5} {'median ms':>10} {'p10-p90 ms':>15} "

@@ -71,5 +71,6 @@ def format_stage_table(plan: Plan, graph: ModelGraph | None = None, nodes_width:
         lines.append(line + ("  " + r["reason"] if r["reason"] else ""))
     summary = (f"{plan_summary(plan)}, N={plan.n_members}, tracer={plan.tracer}, inputs: "
                + ", ".join(f"{i.name}={i.mode.value}" for i in plan.inputs)
-               + (f", dtype={plan.dtype}" if plan.dtype != "float32" else ""))  # float32 unless said
+               + (f", dtype={plan.dtype}" if plan.dtype != "float32" else "")  # float32 unless said
+               + (", whole-plan capture on GPU" if plan.capture else ""))
     return "\n".join([summary, *lines])

@@ -517,3 +517,29 @@ def test_whole_plan_capture_runs_cuda_graph_stages_inside_its_own_graph(replayed
         for x in xs(5, 2) + xs(2, 1, seed=4):
             torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
     assert cap.layout()[0]["mode"] == "graph" and cap._runs is None
+
+
+def test_profile_shows_how_a_capture_plan_replayed(replay_capture):
+    from stagewise.executor.report import ProfileReport
+
+    torch.manual_seed(0)
+    members = [_data_dependent() for _ in range(N)]
+    x = torch.randn(6, 16)
+    plan = planner.set_capture(planner.propose(planner.trace(members[0], (x,)), n_members=N))
+    report = executor.profile(plan, [m.eval() for m in members], (x,), repeats=3, baselines=False)
+    assert report.end_to_end.ok and report.capture is not None
+    assert [e["mode"] for e in report.capture] == ["graph", "eager", "graph", "eager", "graph"]
+    text = report.to_text()
+    assert "whole-plan capture: 3 CUDA graphs: graph s0 · eager s1 (_local_scalar_dense" in text
+    assert ProfileReport.from_json(report.to_json()).capture == report.capture
+    plain = executor.profile(planner.set_capture(plan, False), [m.eval() for m in members], (x,), repeats=3, baselines=False)
+    assert plain.capture is None and "whole-plan capture" not in plain.to_text()
+
+
+def test_capture_text_names_one_graph_or_each_run():
+    from stagewise.executor.report import capture_text
+
+    assert capture_text([{"stages": ["s0", "s1", "s2"], "mode": "graph", "reason": ""}]) == "one CUDA graph (s0-s2)"
+    assert capture_text([{"stages": ["s0"], "mode": "graph", "reason": ""},
+                         {"stages": ["s1"], "mode": "eager", "reason": "nonzero makes the host wait"}]) == (
+        "1 CUDA graph: graph s0 · eager s1 (nonzero makes the host wait)")

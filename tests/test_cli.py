@@ -395,3 +395,12 @@ def test_damaged_plan_files_are_plan_file_errors(mlp_plan, capsys, case):
     code, _, err = run_cli(capsys, "show", mlp_plan)
     assert_one_line_error(code, err, "show", str(mlp_plan), *words)
     assert "unexpected" not in err
+
+
+def test_plan_capture_flag_sets_whole_plan_capture(tmp_path, capsys):
+    out_path = tmp_path / "plan.json"
+    code, out, _ = run_cli(capsys, "plan", MLP, "-n", 2, "--capture", "-o", out_path)
+    assert code == 0 and "whole-plan capture on GPU" in out
+    assert planner.Plan.load(out_path).capture
+    code, out, _ = run_cli(capsys, "plan", MLP, "-n", 2, "-o", out_path)
+    assert code == 0 and "whole-plan capture" not in out and not planner.Plan.load(out_path).capture

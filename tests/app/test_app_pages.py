@@ -254,6 +254,19 @@ def test_n_and_input_mode_are_undoable_edits(at):
     assert plan_of(at).input_mode("x").value == "shared" and plan_of(at).n_members == 4
 
 
+def test_precision_and_whole_plan_capture_are_undoable_edits_shown_on_the_plan_page(at):
+    model_page(at)
+    at.selectbox(key="plan_dtype").set_value("bfloat16").run()
+    at.checkbox(key="plan_capture").check().run()
+    assert plan_of(at).dtype == "bfloat16" and plan_of(at).capture
+    at.switch_page("views/plan.py").run()
+    assert any("precision bfloat16 · whole-plan capture on GPU" in m.value for m in at.markdown)
+    button(at, "Undo").click().run()
+    assert plan_of(at).dtype == "bfloat16" and not plan_of(at).capture
+    button(at, "Undo").click().run()
+    assert plan_of(at).dtype == "float32"
+
+
 # -- Export, autosave, Profile ----------------------------------------------------------------
 
 
@@ -442,6 +455,14 @@ def test_adopt_applies_the_report_on_screen_with_its_profile(at):
     at.radio(key="shown_n").set_value(16).run()
     button(at, "Adopt the autotuned plan for N = 16").click().run()
     assert plan_of(at).n_members == 16 and plan_of(at).profile["n_members"] == 16
+
+
+def test_the_profile_page_says_how_a_captured_plan_replayed(at):
+    result = _tuned_report(at, 8, "wide")
+    result["report"]["capture"] = [{"stages": ["s0"], "mode": "graph", "reason": ""}]
+    at.session_state["profile_result"] = [result]
+    at.switch_page("views/profile.py").run()
+    assert "Whole-plan capture: one CUDA graph (s0)" in texts(at.caption)
 
 
 def test_time_overlay_marks_stages_the_report_did_not_measure(at):
