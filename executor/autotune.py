@@ -24,7 +24,9 @@ scaled_dot_product_attention, nn.GRU and nn.LSTM (no vmap batching rule on
 CPU), nn.MultiheadAttention and nn.TransformerEncoderLayer / TransformerEncoder
 (which vmap runs only through its slow per-member fallback) still run batched.
 Finally the per-stage plan races the whole model as one stage (merged/compile,
-merged/wide, merged/vmap, merged/loop) and, where whole-plan capture can run (a
+merged/wide, merged/vmap, merged/loop; on a GPU also merged/compile/<mode> for the
+torch.compile modes max-autotune-no-cudagraphs and reduce-overhead, the mode kept
+as a "[compile: mode=...]" tag) and, where whole-plan capture can run (a
 GPU), itself captured as CUDA graphs (plan.capture, "per-stage/whole-plan graph",
 captured on redrawn inputs first so the checked call is a replay), each built
 from its plan and checked end to end.
@@ -52,6 +54,7 @@ from stagewise.executor.candidates import (Progress, advance, conv_form_of_label
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
+from stagewise.executor.strategies.compiled import COMPILE_MODES, compile_mode_of, with_compile_mode
 from stagewise.executor.strategies.wide import conv_form_of, wide_conv_forms, with_conv_form
 from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repeats, describe_error, peak_memory_bytes
 from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, loop_outputs, member_inputs
@@ -340,7 +343,8 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     return best, found
 
 
-def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[set[Strategy]]) -> list[Plan]:
+def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[set[Strategy]],
+                        device: torch.device = torch.device("cpu")) -> list[Plan]:
     """The whole model as one stage, with each strategy that could run it.
 
     Per-stage choices cannot see what fusing across stage boundaries gains (one
@@ -364,9 +368,19 @@ def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[se
     for strategy in strategies:
         if allowed is None or strategy in allowed:
             options = with_conv_form(StageOptions(strategy=strategy), form if strategy is Strategy.WIDE else "")
-            stage = Stage(id="s0", nodes=nodes, mode=mode, reason=reason, options=options)
-            out.append(plan.with_stages([stage]))
+            # on a GPU the whole model compiled also with autotuned kernels, and with CUDA graphs (cudagraph trees)
+            modes = COMPILE_MODES if strategy is Strategy.COMPILE and device.type == "cuda" else ("",)
+            for m in modes:
+                stage = Stage(id="s0", nodes=nodes, mode=mode, reason=reason, options=with_compile_mode(options, m))
+                out.append(plan.with_stages([stage]))
     return out
+
+
+def _merged_label(p: Plan) -> str:
+    """"merged/compile", "merged/compile/reduce-overhead", "merged/wide", ..."""
+    options = p.stages[0].options
+    mode = compile_mode_of(options) if options.strategy is Strategy.COMPILE else ""
+    return f"merged/{options.strategy.value}" + (f"/{mode}" if mode else "")
 
 
 def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,
@@ -384,7 +398,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     """
     example = member_inputs(plan, inputs, 0)
     plan = plan.with_capture(False) if plan.capture else plan
-    alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names, allowed)
+    alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names, allowed,
+                                       device)
     # the per-stage plan replayed as CUDA graphs (executor.capture): one launch per run of capturable stages
     captured = [(WHOLE_GRAPH, plan.with_capture(True))] if capture_backend(device) is not None else []
     if not alternatives and not captured:
@@ -394,8 +409,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     cands: Cands = {}
     plans = {"per-stage": plan}
     results = []
-    for label, p in [("per-stage", plan)] + captured + [(f"merged/{a.stages[0].options.strategy.value}", a) for a in alternatives]:
-        if label == "merged/compile" and (not budget.compile or stage_ms < COMPILE_MIN_MS):
+    for label, p in [("per-stage", plan)] + captured + [(_merged_label(a), a) for a in alternatives]:
+        if label.startswith("merged/compile") and (not budget.compile or stage_ms < COMPILE_MIN_MS):
             why = "the autotune budget skips torch.compile" if not budget.compile else f"the plan takes {stage_ms:.3f} ms, under {COMPILE_MIN_MS} ms"
             results.append(StrategyResult(label, ok=False, error=f"not tried: {why}"))
             continue
@@ -412,7 +427,7 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
         results.append(res)
         if call is not None:
             cands[label] = (res, call)
-    chosen = race(cands, device, repeats, warmup, budget, {k for k in cands if k == "merged/compile"})
+    chosen = race(cands, device, repeats, warmup, budget, {k for k in cands if k.startswith("merged/compile")})
     if chosen is None:
         return plan, None, False
     summary = "; whole plan (min/median ms): " + _measured(results)
@@ -421,7 +436,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
         return best.with_stages([replace(s, options=replace(s.options, note=s.options.note + summary)) for s in best.stages]), None, True
     (stage,) = best.stages
     note = f"autotune merged all stages and chose {stage.options.strategy.value}" + summary
-    options = with_conv_form(replace(stage.options, note=note), conv_form_of(stage.options))
+    options = with_compile_mode(with_conv_form(replace(stage.options, note=note), conv_form_of(stage.options)),
+                                compile_mode_of(stage.options))
     return best.with_stages([replace(stage, options=options)]), results, True
 
 

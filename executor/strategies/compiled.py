@@ -15,14 +15,18 @@ of hiding it in a median. Input/output format as VmapRunner (N-first).
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import types
+from dataclasses import replace
 from typing import Callable
 
 import torch
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten
 
+from stagewise.planner.errors import ExecutionError, PlanFileError
+from stagewise.planner.plan import StageOptions
 from stagewise.executor.stages import VmapRunner
 from stagewise.executor.values import signature
 
@@ -31,7 +35,30 @@ MAX_SIGNATURES = 8  # compiled specialisations kept per stage (dynamo's own reco
 _serial = itertools.count()
 
 
-def compile_fresh(fn: Callable, name: str) -> Callable:
+# torch.compile modes a compile stage may use, recorded in the stage's options as a "[compile: mode=...]" note tag
+# (like wide's conv form): "" is torch's default; "max-autotune-no-cudagraphs" autotunes GEMM/conv kernels;
+# "reduce-overhead" adds CUDA graphs (torch's cudagraph trees: GPU only; outputs are cloned out of the graph's memory)
+COMPILE_MODES = ("", "max-autotune-no-cudagraphs", "reduce-overhead")
+_MODE_TAG = re.compile(r"\[compile: mode=([a-z-]+)\]")
+
+
+def compile_mode_of(options: StageOptions) -> str:
+    """The torch.compile mode recorded in a stage's options ("" = default); PlanFileError for an unknown one."""
+    found = _MODE_TAG.search(options.note)
+    mode = found.group(1) if found else ""
+    if mode not in COMPILE_MODES:
+        raise PlanFileError(f"unknown compile mode {mode!r} in the stage options; use one of "
+                            f"{', '.join(m for m in COMPILE_MODES if m)} or remove the [compile: mode=...] tag from the note")
+    return mode
+
+
+def with_compile_mode(options: StageOptions, mode: str) -> StageOptions:
+    """`options` with torch.compile `mode` recorded as a note tag ("" removes it)."""
+    note = _MODE_TAG.sub("", options.note).rstrip()
+    return replace(options, note=f"{note} [compile: mode={mode}]".lstrip() if mode else note)
+
+
+def compile_fresh(fn: Callable, name: str, mode: str = "") -> Callable:
     """torch.compile of `fn` through a wrapper with a code object of its own.
 
     Dynamo caches compiled graphs per code object and stops compiling one after
@@ -44,6 +71,8 @@ def compile_fresh(fn: Callable, name: str) -> Callable:
 
     code = call.__code__.replace(co_name=f"{name}_{next(_serial)}")
     wrapper = types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+    if mode and BACKEND == "inductor":  # modes are inductor's (tests' aot_eager backend takes none)
+        return torch.compile(wrapper, backend=BACKEND, dynamic=False, mode=mode)
     return torch.compile(wrapper, backend=BACKEND, dynamic=False)
 
 
@@ -62,6 +91,13 @@ class CompileRunner(VmapRunner):
         self._tensors_only = tensors_only
         self._compiled: dict[tuple, tuple[Callable, dict]] = {}  # signature -> (compiled fn, recorded output structure)
         self.compile_seconds = 0.0
+        self.mode = compile_mode_of(self.program.stage.options)
+        if self.mode == "reduce-overhead":
+            if not all(t.is_cuda for t in self.stacked.values()):
+                raise ExecutionError(f"stage {self.program.stage.id}: compile mode reduce-overhead adds CUDA graphs and "
+                                     "needs the stage on a CUDA device; use the default mode on CPU")
+            for t in self.stacked.values():  # the stacked state stays where it is: no copy into graph buffers per call
+                torch._dynamo.mark_static_address(t)
 
     def run(self, args: list) -> list:
         inputs, dims, per_member = self._vmap_args(args)
@@ -79,7 +115,8 @@ class CompileRunner(VmapRunner):
             meta = dict(self._meta)
             start = time.perf_counter()
             fn = compile_fresh(vmap(self._tensors_only, in_dims=(0, dims), randomness="error",
-                                    chunk_size=self.program.stage.options.chunk_size), f"stage_{self.program.stage.id}")
+                                    chunk_size=self.program.stage.options.chunk_size), f"stage_{self.program.stage.id}",
+                               self.mode)
             fn(self.stacked, inputs)
             first = time.perf_counter() - start
             start = time.perf_counter()
@@ -89,4 +126,6 @@ class CompileRunner(VmapRunner):
         else:
             fn, meta = entry
             tensors = fn(self.stacked, inputs)
+        if self.mode == "reduce-overhead":  # the graph's memory: the next replay overwrites it
+            tensors = tuple(t.clone() for t in tensors)
         return self._rebuild(tensors, meta)
