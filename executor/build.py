@@ -318,6 +318,9 @@ class BatchedModule(nn.Module):
         super().train(mode)
         for m in self.stage_modules:
             m.train(mode)
+        for r in self.runners:  # loop stages call per-member shallow copies of their stage (bound_loop): the flag too
+            for bound in getattr(r, "_bound", ()):
+                bound.train(mode)
         return self
 
     def _check_trainable(self) -> None:

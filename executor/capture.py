@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.errors import ExecutionError
 from stagewise.executor.stages import VmapRunner
-from stagewise.executor.values import Batched, PerMember, tagged as _tagged, untagged as _untagged
+from stagewise.executor.values import Batched, PerMember, as_batched, tagged as _tagged, untagged as _untagged
 
 DEFAULT_MAX_SIGNATURES = 8
 WARMUP_CALLS = 2  # lazy initialisation and cuBLAS/cuDNN workspace choices happen outside the graph
@@ -110,6 +110,37 @@ class HostSyncDetector(TorchDispatchMode):
                                    or _to_host(func, args, kwargs)):
             self.found = str(func.overloadpacket).replace("aten.", "")
         return func(*args, **kwargs)
+
+
+class _KeepBeforeWrite(TorchDispatchMode):
+    """Runs ops unchanged; before the first op that writes into one of `tensors` (by storage), keeps a copy of it,
+    so that runs made only to warm up, capture or detect can be undone (`restore`)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.by_storage = {t.untyped_storage().data_ptr(): t for t in tensors if t.numel()}
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for i, a in enumerate(func._schema.arguments):
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                x = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+                if isinstance(x, torch.Tensor):
+                    ptr = x.untyped_storage().data_ptr()
+                    t = self.by_storage.get(ptr)
+                    if t is not None and ptr not in self.kept:
+                        self.kept[ptr] = (t, t.detach().clone())
+        return func(*args, **kwargs)
+
+    def restore(self) -> bool:
+        """Put back what was written; whether anything was."""
+        with torch.no_grad():
+            for t, saved in self.kept.values():
+                t.copy_(saved)
+        return bool(self.kept)
 
 
 def host_sync_in(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -170,6 +201,7 @@ class _Graph:
     static_inputs: list  # flat: tensors are the static buffers, other leaves are baked in
     static_out: Any
     state_key: tuple
+    pinned: frozenset = frozenset()  # positions of state tensors (or views of them) the graph reads as themselves
 
 
 @dataclass
@@ -182,6 +214,7 @@ class _Run:
     reason: str = ""
     graphs: dict = None  # signature of the run's inputs -> _Graph
     numbers: frozenset = frozenset()  # inputs only vmapped stages read: per-member floats enter them as a [N] tensor
+    written: tuple = ()  # inputs a stage of the run writes in place
 
     @property
     def stage_ids(self) -> list[str]:
@@ -197,12 +230,16 @@ def _state_tensors(ens: nn.Module) -> list[torch.Tensor]:
 
 def _signature(flat: list, host_scalars: bool = False) -> tuple:
     """What a graph bakes in: each tensor's shape, dtype, device and strides, and every other value itself.
-    `host_scalars`: a 0-d CPU tensor's value too (a CUDA kernel takes it as a number at launch: the graph keeps
-    the value of capture time, so another value needs another graph)."""
+    `host_scalars`: a CPU tensor's value too (a CUDA kernel takes a 0-d one as a number at launch, and work on CPU
+    tensors is not in the graph at all: a replay hands out what it made at capture time), so another value needs
+    another graph."""
     out = []
     for x in flat:
         if isinstance(x, torch.Tensor):
-            scalar = x.item() if host_scalars and x.dim() == 0 and x.device.type == "cpu" else None
+            scalar = None
+            if host_scalars and x.device.type == "cpu":
+                scalar = x.item() if x.dim() == 0 else (
+                    x.dtype, x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             out.append((tuple(x.shape), x.dtype, x.device, x.stride(), scalar))
         else:
             try:
@@ -226,8 +263,9 @@ def _run_of(steps: list, i: int, j: int, read_after: Callable[[int], set], reaso
         inputs += [name for name in step[2] if name not in made and name not in inputs]
         made |= set(step[3]) | (set(step[2]) if step[4] else set())  # inputs written in place are new values too
     numbers = {name for name in inputs if all(isinstance(step[1], VmapRunner) for step in chunk if name in step[2])}
+    written = tuple(name for name in inputs if any(step[4] and name in step[2] for step in chunk))
     return _Run(chunk, tuple(inputs), tuple(sorted(made & read_after(j))), eager=reason is not None,
-                reason=reason or "", graphs={}, numbers=frozenset(numbers))
+                reason=reason or "", graphs={}, numbers=frozenset(numbers), written=written)
 
 
 def _runs_of(steps: list, eager: dict[int, str], read_after: Callable[[int], set]) -> list[_Run]:
@@ -261,6 +299,12 @@ class CapturedPlan(nn.Module):
         self._state = _state_tensors(ens)
         self._params = [t for t in self._state if isinstance(t, nn.Parameter)]
         self._tensors_of = getattr(ens, "_stacked", None)  # BatchedModule replaces this dict when .to() replaces tensors
+        self._state_ids = {id(t) for t in self._state}
+        self._steps_of = ens._steps  # BatchedModule re-makes its steps (new runners) after .to() or new storage
+        in_place = {name for step in ens._steps if step[4] for name in step[2]}
+        # per_member model inputs a stage writes in place: the plan writes into the caller's tensor (the loop does too)
+        self._written_inputs = [i for i, (name, per_member) in enumerate(zip(ens._input_names, ens._per_member_at))
+                                if per_member and name in in_place]
         self._runs: list[_Run] | None = None  # None: the whole plan is one graph
         self.captures = 0  # how many graphs were captured (a re-capture counts again)
 
@@ -293,9 +337,13 @@ class CapturedPlan(nn.Module):
         if getattr(self.ens, "_stacked", None) is not self._tensors_of:  # `.to()` replaced the state tensors
             self._state, self._tensors_of = _state_tensors(self.ens), getattr(self.ens, "_stacked", None)
             self._params = [t for t in self._state if isinstance(t, nn.Parameter)]
+            self._state_ids = {id(t) for t in self._state}
             self._graphs.clear()
             for run in self._runs or []:
                 run.graphs.clear()
+        if getattr(self.ens, "_storage", None):  # `p.data = ...` under a loop stage: the module re-makes its runners
+            self.ens._follow_new_storage()
+        self._follow_steps()
         if self._runs is None:
             out = self._whole(inputs)
         if self._runs is not None:  # the whole plan did not capture (now or earlier): its runs
@@ -303,6 +351,30 @@ class CapturedPlan(nn.Module):
         if self.clone_outputs:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         return out
+
+    def _follow_steps(self) -> None:
+        """New runners (after `.to()`, new storage under a loop stage, runners assigned): graphs and runs captured
+        with the old ones would replay stale state (a loop stage's per-member views of the old storage)."""
+        steps = self.ens._steps
+        if steps is self._steps_of:
+            return
+        self._steps_of = steps
+        self._graphs.clear()
+        if self._runs is not None:
+            inside = self._inside()
+            at = {id(step): k for k, step in enumerate(self._steps)}
+            for run in self._runs:
+                run.steps = [inside[at[id(step)]] for step in run.steps]
+                run.graphs.clear()
+            self._steps = inside
+
+    def _plan_writes_into(self, x: Any) -> bool:
+        """Whether the plan, run stage by stage, writes a per_member input `x` in place into the caller's tensor
+        (not into the copy bind_inputs casts to a low precision, or as_batched makes of an expanded tensor)."""
+        low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(getattr(self.ens.plan, "dtype", None))
+        if not isinstance(x, torch.Tensor) or (low is not None and x.is_floating_point() and x.dtype != low):
+            return False
+        return not (x.dim() and x.shape[0] > 1 and x.stride(0) == 0)
 
     # --- the whole plan as one graph ---------------------------------------------------------------
 
@@ -330,6 +402,13 @@ class CapturedPlan(nn.Module):
             if isinstance(static, torch.Tensor):
                 static.copy_(x, non_blocking=True)
         g.replay()
+        if self._written_inputs:  # the graph wrote into its static copies: hand the writes on as the plan does
+            offsets = [0]
+            for x in inputs:
+                offsets.append(offsets[-1] + len(tree_flatten(x)[0]))
+            for i in self._written_inputs:
+                if self._plan_writes_into(inputs[i]):
+                    inputs[i].copy_(g.static_inputs[offsets[i]])
         return g.static_out
 
     def _inside(self) -> list:
@@ -350,10 +429,12 @@ class CapturedPlan(nn.Module):
         buffers = list(self.ens.buffers())
         saved = [b.detach().clone() for b in buffers]
         versions = [p._version for p in self._params]
+        params = _KeepBeforeWrite(self._params)  # the warm-up writes what the capture would (a parameter forward updates)
 
         def warmup() -> None:
-            for _ in range(WARMUP_CALLS):
-                run()
+            with params:
+                for _ in range(WARMUP_CALLS):
+                    run()
 
         try:
             replay, out = self.backend.capture(run, warmup)
@@ -366,6 +447,7 @@ class CapturedPlan(nn.Module):
                 for b, s in zip(buffers, saved):
                     if b.shape == s.shape:
                         b.copy_(s)
+            params.restore()  # also when the capture failed: falling back must start from the state of this call
         if any(p._version != v for p, v in zip(self._params, versions)):
             raise NotCapturableError("forward() updates parameters in place, which a captured graph would repeat "
                                  "unseen; run the batched module itself")
@@ -387,13 +469,17 @@ class CapturedPlan(nn.Module):
 
         buffers = list(ens.buffers())
         saved = [b.detach().clone() for b in buffers]
+        params = _KeepBeforeWrite(self._params)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), params:
                 ens.run_stages(*inputs, run=detect)
         finally:
             with torch.no_grad():
                 for b, s in zip(buffers, saved):
                     b.copy_(s)
+            if params.restore():
+                raise NotCapturableError("forward() updates parameters in place, which a captured graph would repeat "
+                                         "unseen; run the batched module itself")
         read = [set(step[2]) for step in steps]
         outputs = {name for name, _ in ens._output_leaves if name is not None}
 
@@ -412,13 +498,21 @@ class CapturedPlan(nn.Module):
                 self.ens._run_steps(env, run.steps)
                 i += 1
                 continue
-            flat, spec = tree_flatten([_tagged(self._numbers_as_tensor(env[name]) if name in run.numbers else env[name])
-                                       for name in run.inputs])
-            key = (spec, _signature(flat, self._host_scalars))
+            for name in run.written:  # where the plan writes (as _run_steps does): state stays itself, a Shared gets a copy
+                env[name] = as_batched(env[name], self.ens.n_members, self._device())
+            values = [_tagged(self._numbers_as_tensor(env[name]) if name in run.numbers else env[name]) for name in run.inputs]
+            flat, spec = tree_flatten(values)
+            # state tensors (handed on by an earlier stage) and views of them enter the graph as themselves: a copy
+            # would take the run's in-place updates away from the module's state
+            pinned = frozenset(k for k, x in enumerate(flat) if isinstance(x, torch.Tensor)
+                               and (id(x) in self._state_ids or (x._base is not None and id(x._base) in self._state_ids)))
+            key = (spec, _signature(flat, self._host_scalars),
+                   tuple((k, id(flat[k]._base if flat[k]._base is not None else flat[k]), flat[k].storage_offset())
+                         for k in sorted(pinned)))
             g = run.graphs.get(key)
             if g is None or g.state_key != self._run_state_key():
                 try:
-                    g = self._capture_run(run, flat, spec, key)
+                    g = self._capture_run(run, flat, spec, key, pinned)
                 except _NotCapturable as e:  # the detector missed something: split the run, or run the stage eagerly
                     self._runs[i:i + 1] = self._split_run(run, str(e))
                     if not any(not r.eager for r in self._runs):
@@ -426,11 +520,20 @@ class CapturedPlan(nn.Module):
                                              + "; ".join(f"stage {r.stage_ids[0]}: {r.reason}" for r in self._runs)
                                              + "): run the batched module itself") from e
                     continue
-            for static, x in zip(g.static_inputs, flat):
-                if isinstance(static, torch.Tensor):
+            for k, (static, x) in enumerate(zip(g.static_inputs, flat)):
+                if isinstance(static, torch.Tensor) and k not in g.pinned:
                     static.copy_(x, non_blocking=True)
             g.replay()
-            env.update({name: _untagged(v) for name, v in g.static_out.items()})
+            if run.written:  # the graph wrote into its static copies: into the values themselves, as the plan does
+                at = 0
+                for name, value in zip(run.inputs, values):
+                    count = len(tree_flatten(value)[0])
+                    if name in run.written:
+                        for k in range(at, at + count):
+                            if isinstance(flat[k], torch.Tensor) and k not in g.pinned:
+                                flat[k].copy_(g.static_inputs[k])
+                    at += count
+            env.update({name: _untagged(v) for name, v in g.static_out.items() if name not in run.written})
             i += 1
 
     def _numbers_as_tensor(self, value: Any) -> Any:
@@ -442,8 +545,11 @@ class CapturedPlan(nn.Module):
             return Batched(torch.tensor(value.values, dtype=torch.get_default_dtype(), device=device))
         return value
 
-    def _capture_run(self, run: _Run, flat: list, spec: Any, key: tuple) -> _Graph:
-        static_inputs = _static_copy(flat)
+    def _device(self) -> torch.device:
+        return next(iter(self.ens.stacked_state.values())).device
+
+    def _capture_run(self, run: _Run, flat: list, spec: Any, key: tuple, pinned: frozenset = frozenset()) -> _Graph:
+        static_inputs = [x if k in pinned else s for k, (x, s) in enumerate(zip(flat, _static_copy(flat)))]
         values = [_untagged(t) for t in tree_unflatten(static_inputs, spec)]
 
         def once() -> dict:
@@ -452,7 +558,7 @@ class CapturedPlan(nn.Module):
             return {name: _tagged(local[name]) for name in run.outputs}
 
         replay, out = self._capture(once)
-        return self._keep(run.graphs, key, _Graph(replay, static_inputs, out, self._run_state_key()))
+        return self._keep(run.graphs, key, _Graph(replay, static_inputs, out, self._run_state_key(), pinned))
 
     def _split_run(self, run: _Run, reason: str) -> list[_Run]:
         """A run whose capture failed: one run per stage, or the stage eager when it was alone."""

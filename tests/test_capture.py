@@ -505,7 +505,7 @@ def test_a_host_scalar_is_part_of_a_cuda_graph_signature():
     a, b = [torch.tensor(0.5)], [torch.tensor(0.7)]
     assert _signature(a, host_scalars=True) != _signature(b, host_scalars=True)  # baked in at launch: a new graph
     assert _signature(a) == _signature(b)  # ReplayBackend reads it each time
-    assert _signature([torch.ones(3)], True) == _signature([torch.zeros(3)], True)
+    assert _signature([torch.ones(3, device="meta")], True) == _signature([torch.zeros(3, device="meta")], True)
 
 
 def test_whole_plan_capture_runs_cuda_graph_stages_inside_its_own_graph(replayed_stages):
