@@ -309,11 +309,10 @@ class CapturedPlan(nn.Module):
         self.captures = 0  # how many graphs were captured (a re-capture counts again)
 
     def _state_key(self) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in self._state)
-
-    def _run_state_key(self) -> tuple:
-        """For runs: the storages, and the parameters' versions (buffers that eager stages update in place every
-        call move their version counter, and a replay reads their storage anyway)."""
+        """When a graph must be captured again: the state's storages (a graph reads those of capture time), and the
+        parameters' versions (an optimizer step: re-captured to be safe). Not the buffers' versions: forward's own
+        updates, eager stages' and the put-back after every capture move them, and a replay reads their storage
+        anyway (keying on them re-captured at every switch between two signatures of a model with buffers)."""
         return tuple(t.data_ptr() for t in self._state) + tuple(p._version for p in self._params)
 
     def _check_mode(self) -> None:
@@ -510,7 +509,7 @@ class CapturedPlan(nn.Module):
                    tuple((k, id(flat[k]._base if flat[k]._base is not None else flat[k]), flat[k].storage_offset())
                          for k in sorted(pinned)))
             g = run.graphs.get(key)
-            if g is None or g.state_key != self._run_state_key():
+            if g is None or g.state_key != self._state_key():
                 try:
                     g = self._capture_run(run, flat, spec, key, pinned)
                 except _NotCapturable as e:  # the detector missed something: split the run, or run the stage eagerly
@@ -558,7 +557,7 @@ class CapturedPlan(nn.Module):
             return {name: _tagged(local[name]) for name in run.outputs}
 
         replay, out = self._capture(once)
-        return self._keep(run.graphs, key, _Graph(replay, static_inputs, out, self._run_state_key(), pinned))
+        return self._keep(run.graphs, key, _Graph(replay, static_inputs, out, self._state_key(), pinned))
 
     def _split_run(self, run: _Run, reason: str) -> list[_Run]:
         """A run whose capture failed: one run per stage, or the stage eager when it was alone."""

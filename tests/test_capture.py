@@ -543,3 +543,30 @@ def test_capture_text_names_one_graph_or_each_run():
     assert capture_text([{"stages": ["s0"], "mode": "graph", "reason": ""},
                          {"stages": ["s1"], "mode": "eager", "reason": "nonzero makes the host wait"}]) == (
         "1 CUDA graph: graph s0 · eager s1 (nonzero makes the host wait)")
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.fc(x)).relu()
+
+
+def test_switching_between_two_signatures_of_a_model_with_buffers_replays_both():
+    """was: every capture puts the buffers back (moving their version counters), and graphs were keyed on those
+    counters, so each switch of signature captured again, forever."""
+    torch.manual_seed(0)
+    members = [Normed() for _ in range(N)]
+    for m in members:
+        m.bn.running_mean.normal_()
+        m.bn.running_var.uniform_(0.5, 2.0)
+    ref = [m.eval() for m in copy.deepcopy(members)]
+    plan = planner.propose(planner.trace(members[0], (torch.randn(5, 8),)), n_members=N)
+    cap = capture(executor.build(plan, members).eval(), backend=ReplayBackend())
+    with torch.no_grad():
+        for batch in (5, 3, 5, 3, 5, 3):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    assert cap.captures == 2

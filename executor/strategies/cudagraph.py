@@ -84,7 +84,7 @@ class CudaGraphRunner(Runner):
         if self.backend_class is CudaGraphBackend and any(
                 isinstance(x, torch.Tensor) and not x.is_cuda for x in tree_flatten([_tree(a) for a in static_args])[0]):
             raise ExecutionError(f"stage {self.program.stage.id}: not capturable: an input is not on the GPU; {CPU_REFUSAL}")
-        state = [t for t in self.stacked.values() if not isinstance(t, torch.nn.Parameter)]
+        state = list({id(t): t for t in self.stacked.values()}.values())  # a parameter forward updates too
         saved = [t.detach().clone() for t in state]
 
         def warmup() -> None:
@@ -103,7 +103,8 @@ class CudaGraphRunner(Runner):
         finally:  # the warm-up (and a ReplayBackend's capture run) updated the stage's buffers: put them back
             with torch.no_grad():
                 for t, v in zip(state, saved):
-                    t.copy_(v)
+                    if not torch.equal(t, v):  # a copy would move the version counter for nothing
+                        t.copy_(v)
         self._replay = replay
         self._static_in = [x for x in tree_flatten([_tree(a) for a in static_args])[0] if isinstance(x, torch.Tensor)]
         self._static_out = static_out  # tagged trees (values.tagged): the graph's output tensors
