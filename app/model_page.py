@@ -82,34 +82,29 @@ def _set_n() -> None:
     state.commit(f"N = {n}", h.present.with_n_members(n))
 
 
-def _set_input_mode(name: str) -> None:
+def _plan_edit(what: str, edit, label: str) -> None:
+    """Apply `edit(plan)` to the present plan as one undoable step named `label` (errors shown, the plan kept)."""
     h = state.history()
     if h is None:
         return
-    mode = st.session_state.get(f"input_mode_{name}")
-    result = state.guarded("input mode", lambda: h.present.with_input_modes({name: mode}))
+    result = state.guarded(what, lambda: edit(h.present))
     if result is not None:
-        state.commit(f"input {name}: {mode}", result)
+        state.commit(label, result)
+
+
+def _set_input_mode(name: str) -> None:
+    mode = st.session_state.get(f"input_mode_{name}")
+    _plan_edit("input mode", lambda p: p.with_input_modes({name: mode}), f"input {name}: {mode}")
 
 
 def _set_dtype() -> None:
-    h = state.history()
-    if h is None:
-        return
     dtype = st.session_state.get("plan_dtype")
-    result = state.guarded("precision", lambda: planner.set_dtype(h.present, dtype))
-    if result is not None:
-        state.commit(f"precision {dtype}", result)
+    _plan_edit("precision", lambda p: planner.set_dtype(p, dtype), f"precision {dtype}")
 
 
 def _set_capture() -> None:
-    h = state.history()
-    if h is None:
-        return
     on = bool(st.session_state.get("plan_capture"))
-    result = state.guarded("whole-plan capture", lambda: planner.set_capture(h.present, on))
-    if result is not None:
-        state.commit(f"whole-plan capture {'on' if on else 'off'}", result)
+    _plan_edit("whole-plan capture", lambda p: planner.set_capture(p, on), f"whole-plan capture {'on' if on else 'off'}")
 
 
 def source_ui() -> None:
