@@ -85,32 +85,56 @@ def loop_outputs(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]
         return [m(*member_inputs(plan, inputs, i)) for i, m in enumerate(members)]
 
 
-def compare(name: str, got: Any, want: Any, rtol: float) -> list[ErrorRow]:
-    """Rows comparing two pytrees leaf by leaf (non-tensor leaves must be equal)."""
+def compare(name: str, got: Any, want: Any, rtol: float, n_members: int | None = None) -> list[ErrorRow]:
+    """Rows comparing two pytrees leaf by leaf (non-tensor leaves must be equal).
+
+    Floating leaves: normwise relative error at most `rtol`; with `n_members`, a leaf whose dim 0 is the
+    member axis is measured member by member (each member's error over its own scale; the row has the
+    worst), so a member whose outputs are small next to another's is checked too. Integer and bool
+    leaves (ids, argmax, masks) must be equal: a tolerance would pass a wrong id among large ids.
+    """
     g_leaves, _ = tree_flatten(got)
     w_leaves, _ = tree_flatten(want)
     if len(g_leaves) != len(w_leaves):
-        return [ErrorRow(name, float("inf"), float("inf"), False)]
+        return [ErrorRow(f"{name}: {len(g_leaves)} leaves vs {len(w_leaves)}", float("inf"), float("inf"), False)]
     rows = []
     for k, (g, w) in enumerate(zip(g_leaves, w_leaves)):
         label = name if len(g_leaves) == 1 else f"{name}[{k}]"
         if isinstance(w, torch.Tensor) or isinstance(g, torch.Tensor):
-            g_t = torch.as_tensor(g).detach().double().cpu()
-            w_t = torch.as_tensor(w).detach().double().cpu()
+            g_t, w_t = torch.as_tensor(g).detach().cpu(), torch.as_tensor(w).detach().cpu()
             if g_t.shape != w_t.shape:
                 rows.append(ErrorRow(f"{label} shape {list(g_t.shape)} vs {list(w_t.shape)}", float("inf"), float("inf"), False))
                 continue
             if g_t.numel() == 0:
                 rows.append(ErrorRow(label, 0.0, 0.0, True))
                 continue
-            abs_err = (g_t - w_t).abs().max().item()
-            scale = w_t.abs().max().item()
-            rel = abs_err / scale if scale > 0 else abs_err
-            rows.append(ErrorRow(label, abs_err, rel, bool(rel <= rtol)))
+            rows.append(_tensor_row(label, g_t, w_t, rtol, n_members))
         else:
             same = g == w or (isinstance(w, float) and abs(g - w) <= rtol * max(abs(w), 1e-30))
             rows.append(ErrorRow(label, 0.0 if same else float("inf"), 0.0 if same else float("inf"), bool(same)))
     return rows
+
+
+def _tensor_row(label: str, g: torch.Tensor, w: torch.Tensor, rtol: float, n_members: int | None) -> ErrorRow:
+    exact = not (g.is_floating_point() or g.is_complex()) and not (w.is_floating_point() or w.is_complex())
+    if exact:  # in int64, not double: ids above 2**53 stay distinct
+        g, w = g.to(torch.int64), w.to(torch.int64)
+    else:  # complex stays complex (double() would drop the imaginary part)
+        kind = torch.complex128 if g.is_complex() or w.is_complex() else torch.float64
+        g, w = g.to(kind), w.to(kind)
+    diff = (g - w).abs()
+    # the same NaN or the same infinity in both is agreement, not an error (inf - inf is nan)
+    diff = torch.where((g == w) | (torch.isnan(g) & torch.isnan(w)), torch.zeros_like(diff), diff.to(torch.float64))
+    scale = w.abs().to(torch.float64).nan_to_num(nan=0.0, posinf=0.0)
+    per_member = n_members is not None and g.dim() >= 1 and g.shape[0] == n_members and n_members > 1
+    if per_member:
+        errs, scales = diff.reshape(n_members, -1).amax(1), scale.reshape(n_members, -1).amax(1)
+    else:
+        errs, scales = diff.reshape(1, -1).amax(1), scale.reshape(1, -1).amax(1)
+    rels = torch.where(scales > 0, errs / torch.where(scales > 0, scales, torch.ones_like(scales)), errs)
+    abs_err, rel = errs.max().item(), rels.max().item()  # max propagates nan: a nan anywhere is a mismatch
+    ok = abs_err == 0 if exact else bool(rel <= rtol)
+    return ErrorRow(label, abs_err, rel, ok)
 
 
 def _loop_reference(column: list, got: Any) -> Any:
@@ -126,9 +150,15 @@ def _compare_outputs(report: VerifyReport, got: Any, want: list[Any], suffix: st
     """Add one row per output leaf: the batched output against the members' outputs stacked N-first."""
     want_stacked = [tree_flatten(w)[0] for w in want]
     got_leaves = tree_flatten(got)[0]
+    if any(len(w) != len(got_leaves) for w in want_stacked):  # an output the batched module dropped or added
+        counts = sorted({len(w) for w in want_stacked})
+        report.outputs.append(ErrorRow(f"out{suffix}: {len(got_leaves)} output leaves, the loop returns {counts}",
+                                       float("inf"), float("inf"), False))
+        return
     for k, g in enumerate(got_leaves):
         ref = _loop_reference([w[k] for w in want_stacked], g)
-        report.outputs.extend(compare((f"out[{k}]" if len(got_leaves) > 1 else "out") + suffix, g, ref, report.rtol))
+        report.outputs.extend(compare((f"out[{k}]" if len(got_leaves) > 1 else "out") + suffix, g, ref, report.rtol,
+                                      n_members=len(want)))
 
 
 def _buffers(members: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
