@@ -241,7 +241,32 @@ class ShardedModule(nn.Module):
                 if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != len(self.member_indices)):
                     raise DistributedError(f"gather: an output of shape {list(x.shape)} has no member axis of {len(self.member_indices)}; "
                                            "pass the outputs of forward()")
+        self._same_layout_on_every_rank(leaves, spec, "gather")
         return tree_unflatten([self._gather_tensor(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+    def _same_layout_on_every_rank(self, leaves: list, spec, what: str) -> None:
+        """DistributedError on every rank unless every rank's outputs have one structure, the same shapes after the
+        member axis and dtypes, and the same non-tensor values. Each rank traced its own members: a number a rank's
+        members agree on (returned as one plain value, or baked into a size) may differ from another rank's, and
+        gloo moves bytes: a [2, 4] slice gathered beside a [4, 2] one would be read in the wrong shape. Collective."""
+        mine = (str(spec), [("tensor", tuple(x.shape[1:]), str(x.dtype)) if isinstance(x, torch.Tensor) else ("value", x)
+                            for x in leaves])
+        got: list[Any] = [None] * self._world
+        with collective_guard(f"comparing the outputs' layout before {what}"):
+            dist.all_gather_object(got, mine, group=self._member_group)
+        for r, theirs in enumerate(got):
+            if theirs[0] != mine[0] or len(theirs[1]) != len(mine[1]):
+                raise DistributedError(f"{what}: the outputs of member rank {r} have another structure than member rank 0's; "
+                                       "every rank must pass the outputs of its forward()")
+            for k, (a, b) in enumerate(zip(got[0][1], theirs[1])):
+                if a != b:
+                    shown = lambda v: (f"a tensor [k, {', '.join(map(str, v[1]))}] {v[2]}" if v[0] == "tensor"  # noqa: E731
+                                       else f"the value {v[1]!r}")
+                    raise DistributedError(
+                        f"{what}: output leaf {k} is {shown(a)} on member rank 0 (members {self._slices[0].start}-"
+                        f"{self._slices[0].stop - 1}) but {shown(b)} on member rank {r} (members {self._slices[r].start}-"
+                        f"{self._slices[r].stop - 1}): the members differ in a value their outputs depend on, which one "
+                        "process refuses at build; give the members one value, or make it a tensor buffer (per-member state)")
 
     def _gather_tensor(self, x: torch.Tensor) -> torch.Tensor:
         most = max(len(s) for s in self._slices)  # gloo's all_gather needs one size: pad, then cut
@@ -259,6 +284,7 @@ class ShardedModule(nn.Module):
             bad = [list(x.shape) for x in leaves if isinstance(x, torch.Tensor) and not x.is_floating_point()]
             if bad:
                 raise DistributedError(f"mean: output(s) of shape {bad} are not floating point; use gather() for them")
+        self._same_layout_on_every_rank(leaves, spec, "mean")
         result = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
