@@ -209,6 +209,147 @@ def test_members_equal_to_each_other_still_match():
     assert executor.verify(_plan(members, (x,)), members, (x,)).ok
 
 
+
+
+# ---- member weights out of a trained batched module ----------------------------------------------------------
+
+class SweepTied(nn.Module):
+    """A sweep (a per-member Python scale, lifted into per-member state), tied weights, BatchNorm statistics."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+        nn.init.uniform_(self.bn.bias, -0.5, 0.5)
+        self.scale = scale
+
+    def forward(self, t):
+        return self.head(self.bn(self.emb(t).mean(1)) * self.scale)
+
+
+def test_saved_member_weights_of_a_trained_sweep_load_into_the_members_and_answer_like_the_loop(tmp_path):
+    from safetensors.torch import load_file
+
+    scales = (0.5, 1.0, 2.0)
+    members = _seeded(lambda i: SweepTied(scales[i]), 3)
+    t = torch.randint(0, 20, (3, 6, 5), generator=torch.Generator().manual_seed(1))
+    plan = _plan(members, (t[0],), "per_member")
+    ens = executor.build(plan, copy.deepcopy(members)).train()
+    loop = [copy.deepcopy(m).train() for m in members]
+    lrs = [0.05, 0.1, 0.2]
+    opt = executor.StackedSGD(ens.parameters(), 3, lr=lrs, momentum=0.9)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m, lr in zip(loop, lrs)]
+    for _ in range(2):
+        opt.zero_grad()
+        (ens(t) ** 2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(loop, opts)):
+            o.zero_grad()
+            (m(t[i]) ** 2).mean().backward()
+            o.step()
+    paths = executor.save_member_weights(ens, tmp_path)
+    for i, path in enumerate(paths):
+        fresh = SweepTied(scales[i])
+        fresh.load_state_dict(load_file(str(path)))
+        assert fresh.head.weight is fresh.emb.weight
+        for k, v in loop[i].state_dict().items():
+            torch.testing.assert_close(fresh.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            torch.testing.assert_close(fresh.eval()(t[i]), loop[i].eval()(t[i]), rtol=1e-5, atol=1e-6)
+
+
+# ---- members that differ in a leaf module's setting (closed, or opened), in eval and training -------------
+
+class Holder(nn.Module):
+    def __init__(self, mod: nn.Module):
+        super().__init__()
+        self.m = mod
+
+    def forward(self, x):
+        return self.m(x)
+
+
+def _enc(**kw):
+    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, **kw)
+
+
+@pytest.mark.parametrize("first, other, shape, train, opened", [
+    (lambda: nn.Conv2d(3, 4, 3), lambda: nn.Conv2d(3, 4, 3, stride=2), (2, 3, 8, 8), False, ()),
+    (lambda: nn.Conv2d(3, 4, 3, padding=1), lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (2, 3, 8, 8), False, ()),
+    (lambda: nn.BatchNorm2d(3), lambda: nn.BatchNorm2d(3, momentum=0.5), (2, 3, 8, 8), True, ()),
+    (lambda: nn.GELU(), lambda: nn.GELU(approximate="tanh"), (2, 8), False, ()),
+    (lambda: nn.Embedding(10, 4, padding_idx=0), lambda: nn.Embedding(10, 4, padding_idx=3), (2, 5), True, ()),
+    (lambda: nn.LayerNorm(8), lambda: nn.LayerNorm(8, eps=1.0), (2, 8), False, ("m",)),
+    (lambda: _enc(), lambda: _enc(norm_first=True), (2, 5, 8), False, ("m",)),
+    (lambda: _enc(), lambda: _enc(activation="gelu"), (2, 5, 8), False, ("m",)),
+], ids=["conv_stride", "conv_padding_mode", "bn_momentum_train", "gelu_approximate", "embedding_padding_idx_train",
+        "layernorm_eps_opened", "encoder_norm_first_opened", "encoder_activation_opened"])
+def test_members_that_differ_in_a_leaf_setting_are_refused(first, other, shape, train, opened):
+    torch.manual_seed(0)
+    members = [Holder(first()).train(train), Holder(other()).train(train)]
+    x = torch.randint(0, 10, shape) if len(shape) == 2 and "Embedding" in type(members[0].m).__name__ else torch.randn(*shape)
+    plan = planner.propose(planner.trace(members[0], (x,), open_modules=list(opened)), 2)
+    with pytest.raises(planner.StagewiseError, match="members differ|another graph"):
+        executor.build(plan, members)
+
+
+# ---- plan files edited by hand: a correct answer or a clear error ------------------------------------------
+
+def _edited(plan, edit):
+    d = json.loads(plan.dumps())
+    edit(d)
+    return planner.Plan.loads(json.dumps(d))
+
+
+def _set_all(key, value):
+    def edit(d):
+        for st in d["stages"]:
+            st["options"][key] = value
+    return edit
+
+
+def _move_last_node_of_s0_to_s1(d):
+    d["stages"][1]["nodes"].insert(0, d["stages"][0]["nodes"].pop())
+
+
+def _first_node_into_last_stage(d):
+    d["stages"][-1]["nodes"].append(d["stages"][0]["nodes"].pop(0))
+
+
+def _flip_inputs(d):
+    for i in d["inputs"]:
+        i["mode"] = "per_member"
+
+
+@pytest.mark.parametrize("edit, error", [
+    (lambda d: d["stages"].reverse(), None),
+    (_move_last_node_of_s0_to_s1, None),
+    (_set_all("chunk_size", 7), None),
+    (_set_all("chunk_size", 2), None),
+    (_flip_inputs, None),
+    (_set_all("strategy", "wide"), "item"),  # the .item() stage cannot run batched: named, not answered
+    (_first_node_into_last_stage, "not convex"),
+    (_set_all("chunk_size", 0), "chunk_size"),
+    (_set_all("strategy", "fast"), "unknown strategy"),
+], ids=["reordered", "node_moved", "chunk_over_n", "chunk_2", "inputs_per_member", "wide_on_item", "not_convex",
+        "chunk_0", "unknown_strategy"])
+def test_hand_edited_plans_match_the_loop_or_fail_clearly(edit, error):
+    from conftest import load_sample
+
+    src, graph = load_sample("data_dependent")  # batched | .item() | batched | branch | batched
+    plan = planner.propose(graph, 3)
+    if error is None:
+        edited = _edited(plan, edit)
+        report = executor.verify(edited, src.members(3), executor.batched_inputs(edited, src.example_inputs))
+        assert report.ok, report.to_text()
+        return
+    with pytest.raises(planner.StagewiseError, match=error):
+        edited = _edited(plan, edit)
+        executor.verify(edited, src.members(3), executor.batched_inputs(edited, src.example_inputs))
+
+
 # ---- the member axis over ranks (gloo on CPU, 127.0.0.1): one job of 2 ranks, N=3 (slices 0-1 and 2) -------
 
 JOB_LIMIT_S = 120
