@@ -43,15 +43,26 @@ LOW_PRECISION = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _TF32:
-    """TF32 matmuls and convolutions (and float32 matmul precision "high") inside, restored after."""
+    """TF32 matmuls and convolutions (and float32 matmul precision "high") inside, restored after. Where the
+    caller set torch's newer per-backend `fp32_precision` flags so that the legacy ones cannot be read (torch
+    raises on a mix), the newer flags are set and restored instead."""
 
     def __enter__(self):
-        self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+        try:
+            self.saved = ("legacy", torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                          torch.get_float32_matmul_precision())
+        except RuntimeError:  # "mix of the legacy and new APIs": only the new ones may be used now
+            self.saved = ("new", torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+            torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
+            return
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         torch.set_float32_matmul_precision("high")
 
     def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision = self.saved
+        if self.saved[0] == "new":
+            torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = self.saved[1:]
+            return
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision = self.saved[1:]
         torch.set_float32_matmul_precision(precision)
 
 

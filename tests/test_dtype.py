@@ -170,3 +170,19 @@ def test_tf32_scope_turns_tf32_on_only_for_tf32_plans_on_cuda_and_puts_it_back()
             assert torch.backends.cuda.matmul.allow_tf32 == before[0]
     after = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
     assert after == before
+
+
+def test_tf32_scope_works_where_the_caller_used_torchs_newer_precision_flags():
+    from stagewise.executor.build import tf32_scope
+
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = (matmul.fp32_precision, conv.fp32_precision)
+    try:
+        matmul.fp32_precision, conv.fp32_precision = "tf32", "ieee"
+        with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+            torch.backends.cuda.matmul.allow_tf32  # noqa: B018 -- what torch refuses to read after such a mix
+        with tf32_scope("tf32", torch.device("cuda")):
+            assert (matmul.fp32_precision, conv.fp32_precision) == ("tf32", "tf32")
+        assert (matmul.fp32_precision, conv.fp32_precision) == ("tf32", "ieee")
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = saved
