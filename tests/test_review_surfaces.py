@@ -628,3 +628,22 @@ def _rank_main(rank: int, world: int, port: int, out: Path) -> None:
 
 if __name__ == "__main__":
     _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+
+
+def test_profile_and_autotune_error_measure_has_no_holes():
+    """was: max_rel_error (profile and autotune's check of every candidate) let a finite value pass where the loop
+    had NaN, gave integer outputs a tolerance, and dropped the imaginary part of complex outputs."""
+    import math
+
+    from stagewise.executor.candidates import max_rel_error
+
+    want = torch.tensor([[1.0, float("nan")], [2.0, 3.0]])
+    assert max_rel_error(torch.tensor([[1.0, 5.0], [2.0, 3.0]]), want) == math.inf
+    assert max_rel_error(want.clone(), want) == 0.0
+    ids = torch.tensor([[30000, 2], [3, 4]])
+    assert max_rel_error(ids + torch.tensor([[1, 0], [0, 0]]), ids) == math.inf  # 3e-5 relative: still wrong
+    assert max_rel_error(ids.clone(), ids) == 0.0 and max_rel_error(ids.float(), ids) == math.inf
+    z = torch.tensor([[1 + 1j, 2j]])
+    assert max_rel_error(z.conj(), z) > 1 and max_rel_error(z.clone(), z) == 0.0
+    inf = torch.tensor([[float("inf"), 1.0]])
+    assert max_rel_error(-inf, inf) == math.inf and max_rel_error(inf.clone(), inf) == 0.0
