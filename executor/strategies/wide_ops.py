@@ -215,11 +215,14 @@ def sdpa(args: tuple, kwargs: dict, n: int, training: bool = False) -> Any:
     if bound.get("dropout_p", 0.0):
         return None  # dropout needs a random stream per member
     q, k, v = (bound.pop(x) for x in ("query", "key", "value"))
-    rank = max(x.rank if is_nf(x) else x.dim() for x in (q, k, v))
-    q_t, k_t, v_t = (_lift(x, rank, n) for x in (q, k, v))
     mask = bound.get("attn_mask")
+    # one member's operands broadcast right-aligned: every batched one (the mask too) is lifted to the
+    # common per-member rank, so the member axis lines up with the member axis (a per-member [N, L, S]
+    # mask beside [N, B, H, L, D] queries would otherwise pair members with heads or batch rows)
+    rank = max(x.rank if is_nf(x) else x.dim() for x in (q, k, v, mask) if x is not None)
+    q_t, k_t, v_t = (_lift(x, rank, n) for x in (q, k, v))
     if is_nf(mask):
-        bound["attn_mask"] = _lift(mask, mask.rank, n)
+        bound["attn_mask"] = _lift(mask, rank, n)
     if mask is None and q_t.dim() > 4:
         # PyTorch's fused CPU kernel takes 4-D inputs only (5-D goes to the slower math path):
         # fold the member axis into the batch axis, [N, B, H, S, D] -> [N*B, H, S, D] (a view here)
