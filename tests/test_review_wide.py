@@ -544,3 +544,14 @@ def test_sdpa_per_member_mask_of_lower_rank_pairs_members_with_members(mask_shap
     make = seeded_member(lambda: SDPA(mask_rank=len(mask_shape)))
     calls = [(torch.randn(N, N, 4, E), torch.randn(N, *mask_shape)) for _ in range(2)]
     check(make, calls, "per_member", rtol=1e-4)
+
+
+# --- nn.Embedding (no wide rule: vmap of the module inside the wide stage) -------------------------------------
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("kw", [dict(padding_idx=0), dict(max_norm=1.0), dict(scale_grad_by_freq=True)], ids=str)
+def test_embedding_options_eval_and_gradients(kw, mode):
+    make = seeded_member(lambda: Wrap(nn.Embedding(10, 4, **kw)))
+    calls = inputs(mode, ((2, 3), (3, 4)), kind="int")
+    check(make, calls, mode)
+    check(make, calls, mode, train=True, grads=True)
