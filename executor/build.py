@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from pathlib import Path
 import dataclasses
 import warnings
@@ -87,6 +88,11 @@ def capture_backend(device: torch.device) -> Any:
     if CAPTURE_BACKEND is not None:
         return CAPTURE_BACKEND()
     return CudaGraphBackend() if device.type == "cuda" and torch.cuda.is_available() else None
+
+
+# torch's words for a failure the inputs likely caused (their shape, dtype or values): only then is a stage's
+# failure reported as InputError with shape advice
+_INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -461,6 +467,8 @@ class BatchedModule(nn.Module):
         model inputs (most likely their shape or dtype), else `e` itself."""
         read = [n for n in program.input_names if n in self._input_names]
         if not read or e.__cause__ is None or isinstance(e.__cause__, StagewiseError):
+            return e
+        if not _INPUT_TROUBLE.search(str(e.__cause__)):  # e.g. no batching rule for a module's configuration
             return e
         return InputError(f"{e}. The stage reads model input(s) {read}; check they are shaped like example_inputs() "
                           "(per_member ones with a leading [N] axis)")

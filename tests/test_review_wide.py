@@ -555,3 +555,29 @@ def test_embedding_options_eval_and_gradients(kw, mode):
     calls = inputs(mode, ((2, 3), (3, 4)), kind="int")
     check(make, calls, mode)
     check(make, calls, mode, train=True, grads=True)
+
+
+def test_a_configuration_without_a_batching_rule_is_not_blamed_on_the_inputs():
+    """was: every failure of a stage fed by model inputs became InputError with shape advice, also when the inputs
+    were right and the module's configuration (a bidirectional GRU under wide) was the problem."""
+    import warnings
+
+    class BiGRU(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.g = nn.GRU(4, 4, bidirectional=True, batch_first=True)
+
+        def forward(self, x):
+            return self.g(x)[0]
+
+    members = [BiGRU() for _ in range(3)]
+    x = torch.randn(2, 5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(members[0], (x,))
+        plan = planner.propose(graph, 3)
+        for s in plan.stages:
+            plan = planner.set_options(plan, graph, s.id, strategy="wide")
+        with pytest.raises(planner.ExecutionError, match="Batching rule not implemented") as info:
+            executor.build(plan, members)(x)
+    assert not isinstance(info.value, planner.InputError)
