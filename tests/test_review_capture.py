@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise import executor, planner
 from stagewise.executor.capture import NotCapturableError, ReplayBackend, _signature, capture
-from stagewise.planner.errors import ExecutionError
 
 build_module = importlib.import_module("stagewise.executor.build")
 N = 3
@@ -103,8 +101,11 @@ def test_new_storage_under_a_loop_stage_is_seen(make):
     """Was wrong: the graph (or the runs) kept the old runners, whose per-member views read the old storage."""
     members, ref, plan = members_and_plan(make, torch.randn(5, 8), exclude=("b",))
     ens = executor.build(plan, members).eval()
-    cap = capture(ens, backend=ReplayBackend())
-    x = torch.randn(5, 8)
+    new_storage_is_seen(capture(ens, backend=ReplayBackend()), ens, ref, torch.randn(5, 8))
+
+
+def new_storage_is_seen(cap, ens, ref, x):
+    """Replays match the loop before and (twice) after every weight gets new storage (`p.data = ...`)."""
     with torch.no_grad():
         assert_leaves_close(cap(x), loop(ref, x))
         for p in ens.parameters():
@@ -414,17 +415,7 @@ def test_cuda_graph_sees_new_storage_under_a_loop_stage(exclude):
     members, ref, plan = members_and_plan(SyncThenLinears, torch.randn(5, 8), exclude=exclude)
     ref = [m.cuda() for m in ref]
     ens = executor.build(plan, members, device="cuda").eval()
-    cap = capture(ens)
-    x = torch.randn(5, 8).cuda()
-    with torch.no_grad():
-        assert_leaves_close(cap(x), loop(ref, x))
-        for p in ens.parameters():
-            p.data = p.data * 2
-        for m in ref:
-            for p in m.parameters():
-                p.data = p.data * 2
-        for _ in range(2):
-            assert_leaves_close(cap(x), loop(ref, x))
+    new_storage_is_seen(capture(ens), ens, ref, torch.randn(5, 8).cuda())
 
 
 @pytest.mark.gpu
