@@ -7,9 +7,9 @@ stagewise plan, and the floor (one member on N x the batch). Ratios come from th
 one run. Results go to benchmarks/results/<device>.json and .md with the machine
 and library versions; the Markdown table is also printed.
 
-Training rows (TRAINING): one `executor.profile(..., train=True)` per workload times a training
-step (forward + backward + Adam step, loss = mean square of the outputs) of the proposed plan with
-one executor.StackedAdam, of the member loop with N torch.optim.Adam, and of the torch.func recipe
+Training rows (TRAINING): one `executor.profile(..., train=True, autotune=True)` per workload
+chooses each stage's strategy by its forward + backward time and times a training step (forward +
+backward + Adam step, loss = mean square of the outputs) of that plan with one executor.StackedAdam, of the member loop with N torch.optim.Adam, and of the torch.func recipe
 (vmap(grad) over stacked parameters + one foreach Adam), each checked by its gradients against the
 loop's; the table gives samples/s (N members x the batch per step).
 """
@@ -96,28 +96,27 @@ def run_workload(w: Workload, device: str, repeats: int | None) -> executor.Prof
     return report
 
 
-def run_training(w: Workload, device: str, repeats: int | None,
-                 tuned: dict | None) -> tuple[executor.ProfileReport, executor.ProfileReport | None, int]:
-    """Training profiles: (the auto plan with the baselines, the proposed plan alone or None, samples per step).
+def run_training(w: Workload, device: str, repeats: int | None) -> tuple[executor.ProfileReport, executor.ProfileReport | None, int]:
+    """Training profiles: (the training-autotuned plan with the baselines, the proposed plan alone or None, samples per step).
 
-    The auto plan is `tuned` (the plan this run's inference autotune chose for the workload) when
-    given, else the proposed plan; a tuned plan's step is timed again as proposed, without baselines."""
+    The auto plan is what `executor.profile(..., train=True, autotune=True)` chooses from the proposed plan (each
+    stage's strategy by forward + backward time, gradients checked against the loop); when it differs from the
+    proposed plan, the proposed plan's step is timed again, without baselines."""
     src = planner.load_model_file(w.path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = planner.trace(src.model, src.example_inputs)
         proposed = planner.propose(graph, w.n, w.input_mode, model=w.model)
-        auto = planner.Plan.from_json(tuned, source="the autotuned plan") if tuned else proposed
         members = src.members(w.n)
         inputs = executor.batched_inputs(proposed, src.example_inputs)
 
         def progress(done: int, total: int, label: str) -> None:
             print(f"\r  [{done:>2}/{total}] {label:<48}", end="", file=sys.stderr, flush=True)
 
-        report = executor.profile(auto, members, inputs, device=device, repeats=repeats, train=True, optimizer="adam",
-                                  progress=progress)
+        report = executor.profile(proposed, members, inputs, device=device, repeats=repeats, train=True, optimizer="adam",
+                                  autotune=True, progress=progress)
         plain = None
-        if tuned and auto.stages != proposed.stages:
+        if planner.Plan.from_json(report.plan, source="the autotuned plan").stages != proposed.stages:
             plain = executor.profile(proposed, members, inputs, device=device, repeats=repeats, train=True, optimizer="adam",
                                      baselines=False, progress=progress)
     print(file=sys.stderr)
@@ -139,7 +138,7 @@ def training_row_of(w: Workload, r: executor.ProfileReport, samples: int, stat: 
         "loop_ms": times.get("loop"), "torch_func_ms": times.get("torch.func"), "stagewise_ms": stagewise,
         "loop_samples_per_s": per_s(times.get("loop")), "torch_func_samples_per_s": per_s(times.get("torch.func")),
         "stagewise_samples_per_s": per_s(stagewise), "best_other": best_name,
-        "auto_is": "the inference-autotuned plan" if proposed is not None or r.autotuned else "the proposed plan",
+        "auto_is": "the training-autotuned plan" if r.autotuned else "the proposed plan",
         "proposed_ms": _ms(proposed.end_to_end, stat) if proposed is not None else stagewise,
         "proposed_strategies": " ".join(f"{s.id}:{s.strategy}" for s in proposed.stages) if proposed is not None else None,
         "ratio_vs_best": (ways[best_name] / stagewise) if best_name and stagewise else None,  # >1: stagewise is faster
@@ -157,8 +156,8 @@ def training_markdown(rows: list[dict], stat: str) -> list[str]:
              f"Forward + backward + Adam step of all N members (loss = mean square of the outputs, summed over members), "
              f"the {stat} of the round-robin samples; samples/s = N x the batch / step time. *loop*: N models with N "
              "torch.optim.Adam; *torch.func*: vmap(grad) over stacked parameters + one foreach torch.optim.Adam; "
-             "*stagewise auto*: the strategies the forward autotune chose for the workload (this run's, or --tuned-from's; "
-             "the proposed plan when there is none), with one executor.StackedAdam, timed in the same run as loop and torch.func; "
+             "*stagewise auto*: the strategies autotune(train=True) chose by forward + backward time, with one "
+             "executor.StackedAdam, timed in the same run as loop and torch.func; "
              "*proposed*: the proposed plan (vmap stages, loops where vmap has no rule), timed in a run of its own. "
              "Every way's gradients are checked against the loop's. "
              "*ratio* = the faster of loop / torch.func divided by stagewise auto (>1: stagewise faster).", "",
@@ -288,8 +287,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave glibc's malloc as it is (default: keep freed memory, see keep_freed_memory)")
     ap.add_argument("--training", choices=["yes", "no", "only"], default="yes",
                     help="the training rows too (default), not at all, or only them")
-    ap.add_argument("--tuned-from", default=None, metavar="RESULTS_JSON",
-                    help="with --training only: train the plans an earlier run's autotune chose (its results JSON, reports.<workload>.plan)")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -304,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     workloads = [w for w in WORKLOADS if not args.only or args.only.lower() in w.name.lower()]
     rows, reports, train_rows, train_reports = [], {}, [], {}
-    tuned_from = json.loads(Path(args.tuned_from).read_text())["reports"] if args.tuned_from else {}
     for w in workloads if args.training != "only" else []:
         print(f"{w.name}", file=sys.stderr)
         report = run_workload(w, args.device, args.repeats)
@@ -312,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row_of(w, report, args.stat))
     for w in [w for w in workloads if w.name in TRAINING] if args.training != "no" else []:
         print(f"training: {w.name}", file=sys.stderr)
-        report, proposed, samples = run_training(w, args.device, args.repeats, (reports.get(w.name) or tuned_from.get(w.name) or {}).get("plan"))
+        report, proposed, samples = run_training(w, args.device, args.repeats)
         train_reports[w.name] = report.to_json()
         train_rows.append(training_row_of(w, report, samples, args.stat, proposed))
     dev = executor.resolve_device(args.device)
