@@ -54,7 +54,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.errors import ExecutionError
 from stagewise.executor.stages import VmapRunner
-from stagewise.executor.values import Batched, PerMember, as_batched, tagged as _tagged, untagged as _untagged
+from stagewise.executor.values import (Batched, PerMember, as_batched, number_dtype, tagged as _tagged,
+                                      untagged as _untagged)
 
 DEFAULT_MAX_SIGNATURES = 8
 WARMUP_CALLS = 2  # lazy initialisation and cuBLAS/cuDNN workspace choices happen outside the graph
@@ -499,7 +500,9 @@ class CapturedPlan(nn.Module):
                 continue
             for name in run.written:  # where the plan writes (as _run_steps does): state stays itself, a Shared gets a copy
                 env[name] = as_batched(env[name], self.ens.n_members, self._device())
-            values = [_tagged(self._numbers_as_tensor(env[name]) if name in run.numbers else env[name]) for name in run.inputs]
+            beside = [env[name] for name in run.inputs if name not in run.numbers]
+            values = [_tagged(self._numbers_as_tensor(env[name], beside) if name in run.numbers else env[name])
+                      for name in run.inputs]
             flat, spec = tree_flatten(values)
             # state tensors (handed on by an earlier stage) and views of them enter the graph as themselves: a copy
             # would take the run's in-place updates away from the module's state
@@ -535,13 +538,15 @@ class CapturedPlan(nn.Module):
             env.update({name: _untagged(v) for name, v in g.static_out.items() if name not in run.written})
             i += 1
 
-    def _numbers_as_tensor(self, value: Any) -> Any:
+    def _numbers_as_tensor(self, value: Any, beside: list) -> Any:
         """Per-member floats (an eager stage's `.item()`, new every call) as one [N] tensor on the plan's device: a
         graph input like any other, where a Python number would be baked into the graph and force a capture per
-        call. Only for inputs that vmapped stages alone read (vmap turns such numbers into this tensor itself)."""
+        call. Only for inputs that vmapped stages alone read (vmap turns such numbers into this tensor itself).
+        Its dtype is the one the loop computes such a float in beside the module's state and the run's other
+        inputs (`beside`; values.number_dtype): float64 in a float64 model, where float32 would drop digits.
+        Ints and bools stay as they are (the run's stages stack them as int64 / bool, as the plan does)."""
         if isinstance(value, PerMember) and value.values and all(type(x) is float for x in value.values):
-            device = next(iter(self.ens.stacked_state.values())).device
-            return Batched(torch.tensor(value.values, dtype=torch.get_default_dtype(), device=device))
+            return Batched(torch.tensor(value.values, dtype=number_dtype(self._state, *beside), device=self._device()))
         return value
 
     def _device(self) -> torch.device:

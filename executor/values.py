@@ -39,6 +39,40 @@ def stage_device(device: torch.device | None) -> Iterator[None]:
 set_stage_device = _stage_device.set
 reset_stage_device = _stage_device.reset
 
+# what the running stage computes with (its state tensors, its boundary values), looked at only when per-member
+# Python floats become a tensor (see number_dtype); set per call as cheaply as the device above
+_number_context: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("number_context", default=None)
+set_number_context = _number_context.set
+reset_number_context = _number_context.reset
+
+
+def number_dtype(*trees: Any) -> torch.dtype:
+    """The dtype per-member Python floats take as one [N] tensor beside the tensors in `trees` (tensors, boundary
+    values, pytrees of either): float64 when any floating one is float64, else torch's default dtype.
+
+    A Python float is a double. Beside a float64 tensor the loop computes in double, so the numbers must stay
+    float64 (as float32 they lose digits: a silent precision loss); beside float32 ones the loop rounds the
+    number to float32 anyway, and a float64 [N] tensor would turn a 0-d float32 result float64."""
+    for tree in trees:
+        if _is_tensor(tree):
+            leaves = [tree]
+        elif isinstance(tree, dict):
+            leaves = list(tree.values())
+        else:
+            leaves = tree_flatten(_tree_of(tree) if isinstance(tree, (Shared, Batched, PerMember)) else tree)[0]
+        for x in leaves:
+            if isinstance(x, (Shared, Batched, PerMember)):
+                if number_dtype(x) is torch.float64:
+                    return torch.float64
+            elif _is_tensor(x) and x.dtype is torch.float64:
+                return torch.float64
+    return torch.get_default_dtype()
+
+
+def _float_dtype() -> torch.dtype:
+    context = _number_context.get()
+    return number_dtype(*context) if context is not None else torch.get_default_dtype()
+
 
 @dataclass(frozen=True)
 class Shared:
@@ -59,15 +93,16 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def batched_arg(v, device: torch.device | None = None) -> tuple[Any, Any]:
-    """(argument, in_dims) for passing a boundary value into vmap; per-member numbers become tensors on `device`."""
+def batched_arg(v, device: torch.device | None = None, float_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """(argument, in_dims) for passing a boundary value into vmap; per-member numbers become tensors on `device`
+    (floats as `float_dtype`, see stack_member_values)."""
     if isinstance(v, Shared):
         return v.value, None
     if isinstance(v, Batched):
         if _is_tensor(v.tree):  # the common case, without a pytree walk per call
             return v.tree, 0
         return v.tree, tree_map(lambda x: 0 if _is_tensor(x) else None, v.tree)
-    return stack_member_values(v.values, device)
+    return stack_member_values(v.values, device, float_dtype)
 
 
 def _tree_of(v: Any) -> Any:
@@ -98,13 +133,16 @@ def signature(tree: Any) -> tuple:
                              for x in leaves)
 
 
-def stack_member_values(values: list, device: torch.device | str | None = None) -> tuple[Any, Any]:
+def stack_member_values(values: list, device: torch.device | str | None = None,
+                        float_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """Turn N per-member values into one tree with N-first tensors (and its in_dims).
 
     Per-member Python numbers become one [N] tensor on `device` (the device of the
     stage that reads them: a CPU tensor there fails under vmap on CUDA); when None,
     on the device of the stage running now (stage_device), else of the values' own
-    tensors, else the CPU.
+    tensors, else the CPU. Ints stay int64 and bools bool; floats become `float_dtype`,
+    when None the number_dtype of the stage running now (set_number_context), else
+    torch's default dtype.
     """
     if values and all(_is_tensor(v) for v in values):  # the common case (a loop stage's tensors), without pytree walks
         return torch.stack(values), 0
@@ -124,7 +162,9 @@ def stack_member_values(values: list, device: torch.device | str | None = None) 
             leaves.append(first)
             dims.append(None)
         elif isinstance(first, (bool, int, float)):
-            leaves.append(torch.tensor(column, device=device))  # per-member numbers: a [N] tensor, a 0-d scalar per member
+            # per-member numbers: a [N] tensor, a 0-d scalar per member (floats at the precision the loop computes in)
+            floats = any(isinstance(c, float) for c in column)
+            leaves.append(torch.tensor(column, device=device, dtype=(float_dtype or _float_dtype()) if floats else None))
             dims.append(0)
         else:
             raise ExecutionError(f"members produced different {type(first).__name__} values at a stage boundary; keep their consumers in a loop stage")
