@@ -49,8 +49,9 @@ from stagewise.planner.errors import ExecutionError
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from stagewise.executor.build import BatchedModule, build, capture_backend, resolve_device, tf32_scope
-from stagewise.executor.candidates import (Progress, advance, conv_form_of_label, make_runner, loop_reference, max_rel_error,
-                                           members_on, on_device, stage_inputs, strategy_label, time_candidates, try_strategy)
+from stagewise.executor.candidates import (Progress, StateSnapshot, advance, conv_form_of_label, make_runner, loop_reference,
+                                           max_rel_error, on_device, private_members, stage_inputs, state_kept, strategy_label,
+                                           time_candidates, try_strategy)
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
@@ -206,6 +207,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
     whether the slow ones (compile, cuda_graph) are worth building; then the race (Budget).
     """
     stage = program.stage
+    start = StateSnapshot(runner.stacked.values())  # forward may update buffers: each candidate starts where the loop did
     reference, ref, check = loop_reference(program, runner, fresh)
     results: list[StrategyResult] = []
     working: Cands = {}
@@ -218,6 +220,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
             progress(done, total, f"{stage.id}: {label}")
 
         def make():
+            start.restore()
             r = make_runner(program, runner, strategy, chunk, form)
             runners[label] = r
             return lambda: r(fresh())
@@ -262,6 +265,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
             res.compile_s = getattr(runners.get(label), "compile_seconds", res.compile_s) if label == "compile" else res.compile_s
         alive = racing
     chosen = race(alive, device, repeats, warmup, budget, timed=True, pool=working)
+    start.restore()  # the timing runs moved it; the caller's advance() runs the chosen once from here
     if chosen is None:  # even the loop failed (e.g. injected faults everywhere): keep the loop's outputs
         return results, StrategyResult("loop", ok=False, error="no strategy worked"), ref, reference
     return results, chosen, outputs[chosen.strategy], runners[chosen.strategy]
@@ -285,9 +289,10 @@ def is_oom_text(error: str) -> bool:
 
 def tuning_start(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], dev: torch.device,
                  allowed: Optional[set[Strategy]]) -> tuple[tuple, list[nn.Module], Any, dict, int]:
-    """(inputs and members on `dev`, the plan's batched module, its bound inputs, the number of candidates)."""
+    """(inputs on `dev`, private copies of the members there, the plan's batched module, its bound inputs,
+    the number of candidates). The caller's members are never run (see candidates.private_members)."""
     inputs = on_device(tuple(inputs), dev)
-    members = members_on(list(members), dev)
+    members = private_members(list(members), dev)
     module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
     total = sum(len(candidate_strategies(p, dev, allowed)) for p in module.programs)
     return inputs, members, module, module.bind_inputs(inputs), total
@@ -307,6 +312,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     spend = budget_of(budget)
     allowed = {Strategy(s) for s in strategies} if strategies is not None else None
     inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
+    start = StateSnapshot(module.stacked_state.values())  # the tuned runners' state before any stage ran
     done = 0
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
@@ -335,10 +341,11 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
         progress(total, total, "comparing with one merged stage")
     with torch.no_grad():
         best, merged_results, checked = _best_of_merged(per_stage, members, inputs, dev, allowed, repeats, warmup, spend, stage_ms,
-                                                        made)
+                                                        made, start)
     if merged_results is not None:  # one merged stage won: its candidates are whole plans
         found = {"s0": merged_results, **{f"per-stage {k}": v for k, v in found.items()}}
     if not checked:  # the whole-plan comparison built `best` from its plan and checked it already
+        start.restore()
         _check_end_to_end(best, members, inputs, dev, made)
     return best, found
 
@@ -386,26 +393,34 @@ def _merged_label(p: Plan) -> str:
 def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,
                     allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
                     budget: Budget = BUDGETS["default"], stage_ms: float = math.inf,
-                    made: Optional[dict[str, Runner]] = None) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
+                    made: Optional[dict[str, Runner]] = None,
+                    made_state: Optional[StateSnapshot] = None) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
     """The per-stage plan, or one merged stage if that is faster end to end and matches the loop.
 
     Every alternative (the per-stage plan too) is built afresh from its plan and checked
     against the member loop end to end; the per-stage plan runs the runners tuning made
     (`made`, see build_reusing), so its compiled stages are not compiled again. merged/compile is left out where the budget skips
     compile or the per-stage plan takes under COMPILE_MIN_MS (`stage_ms`: its stages' times).
+    `members` are autotune's private copies at their starting state (kept there: the loop runs under
+    state_kept); `made_state` puts the reused runners' state back to where tuning started, before each
+    candidate that reuses them is built and after a whole-plan graph's capture call, so every candidate
+    is checked from the state the loop started from.
     Returns (plan, the whole-plan candidates if the merged stage won, else None, whether the
     returned plan was checked end to end here).
     """
     example = member_inputs(plan, inputs, 0)
     plan = plan.with_capture(False) if plan.capture else plan
-    alternatives = merged_alternatives(plan, retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names, allowed,
-                                       device)
+    with state_kept(members):  # an export retrace may run forward
+        order = retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names
+    alternatives = merged_alternatives(plan, order, allowed, device)
     # the per-stage plan replayed as CUDA graphs (executor.capture): one launch per run of capturable stages
     captured = [(WHOLE_GRAPH, plan.with_capture(True))] if capture_backend(device) is not None else []
     if not alternatives and not captured:
         return plan, None, False
-    want = stack_outputs(loop_outputs(plan, members, inputs))
+    with state_kept(members):
+        want = stack_outputs(loop_outputs(plan, members, inputs))
     check = lambda out: max_rel_error(out, want)  # noqa: E731
+    reset = made_state.restore if made_state is not None else (lambda: None)
     cands: Cands = {}
     plans = {"per-stage": plan}
     results = []
@@ -419,9 +434,14 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
         other = _redrawn(inputs) if label == WHOLE_GRAPH else None
 
         def make(p=p, reuse=reuse, other=other):
+            if reuse:
+                reset()
             m = build_reusing(p, members, inputs, device, reuse)
             if other is not None:
+                own = StateSnapshot(m.stacked_state.values())
                 m(*other)  # a whole-plan graph is captured on other values: the checked call is a replay on `inputs`
+                own.restore()  # that call updated the buffers (warm-ups too, in the reused runners' state): back to the start
+                reset()
             return lambda: m(*inputs)
         res, call, _ = try_strategy(label, "whole", make, check, device, rtol=DTYPE_RTOL[plan.dtype])
         results.append(res)
@@ -477,7 +497,8 @@ def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, d
     module = build_reusing(plan, members, inputs, device, made or {})
     with torch.no_grad():
         got = module(*inputs)
-    want = stack_outputs(loop_outputs(plan, members, inputs))
+    with state_kept(members):
+        want = stack_outputs(loop_outputs(plan, members, inputs))
     err = max_rel_error(got, want)
     if not err <= DTYPE_RTOL[plan.dtype]:
         raise ExecutionError(f"autotune: the tuned plan differs from the member loop (max rel err {err:.2e}) although each stage matched; "

@@ -4,19 +4,27 @@ A candidate runs on the stage's real inputs (the outputs of the stages before
 it); its outputs are compared with the stage's member loop (normwise, worst
 member); out of memory and wrong results become a failed StrategyResult, never
 an exception. Working candidates are timed round-robin, with peak memory.
+
+State: candidates of a stage share its stacked state, and a forward that
+updates buffers (BatchNorm in training mode, a call counter) moves it on every
+run. StateSnapshot puts it back, so that each candidate is checked from the
+state the loop reference started from; private_members keeps the caller's
+members out of it altogether.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from stagewise.planner.errors import MemberError
 from stagewise.planner.plan import StageOptions, Strategy
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
@@ -192,6 +200,57 @@ def time_candidates(cands: dict[str, tuple[StrategyResult, Callable]], device: t
 def on_device(x: Any, device: torch.device) -> Any:
     """Tensors of a pytree moved to `device`."""
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
+
+
+class StateSnapshot:
+    """The values some state tensors hold now; `restore()` writes them back in place.
+
+    Only tensors whose values changed are written (an unchanged one keeps its version counter,
+    which whole-plan capture keys parameters on). A tensor reachable twice (tied) is saved once.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+        with torch.no_grad():
+            self._saved = [(t, t.detach().clone()) for t in unique.values()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, value in self._saved:
+                if not torch.equal(t, value):
+                    t.copy_(value)
+
+
+def member_tensors(members: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer of `members`."""
+    return [t for m in members for t in [*m.parameters(), *m.buffers()]]
+
+
+@contextlib.contextmanager
+def state_kept(members: Sequence[nn.Module]) -> Iterator[None]:
+    """Run the block (the member loop, a retrace) and put the members' parameters and buffers back after it."""
+    snapshot = StateSnapshot(member_tensors(members))
+    try:
+        yield
+    finally:
+        snapshot.restore()
+
+
+def private_members(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
+    """Copies of `members` on `device` to run as the loop reference and build candidates from: the caller's
+    modules are never run, so forward's buffer updates (BatchNorm statistics, counters) never reach them.
+    MemberError for a member torch cannot copy."""
+    out = []
+    for i, m in enumerate(members):
+        try:
+            out.append(copy.deepcopy(m).to(device))
+        except Exception as e:  # e.g. the old nn.utils.weight_norm's derived weight
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise MemberError(f"member {i} cannot be copied ({type(e).__name__}: {first}); autotune runs private copies "
+                              "so that it never changes your members. Models using torch.nn.utils.weight_norm can use "
+                              "torch.nn.utils.parametrizations.weight_norm instead; otherwise make the module "
+                              "deep-copyable") from e
+    return out
 
 
 def members_on(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
