@@ -12,9 +12,15 @@ timed again with the full sample budget; the fastest by minimum time wins (the
 minimum is the estimate least disturbed by other processes; medians are
 reported too). The measured times go into each stage's `options.note`.
 
-Candidates: batched stages try vmap, wide, loop, compile (skipped for stages
-under COMPILE_MIN_MS, where it cannot pay, and by the "quick" budget) and
-cuda_graph on CUDA; vmap that runs out of memory is retried with chunk_size
+Candidates (stage_candidates): batched stages try vmap, wide, loop, compile
+(skipped for stages under COMPILE_MIN_MS, where it cannot pay, and by the
+"quick" budget) and cuda_graph on CUDA. On CUDA compile is tried in each
+torch.compile mode (stage_compile_modes: "compile", then
+"compile/max-autotune-no-cudagraphs" and "compile/reduce-overhead", each checked
+against the loop like any candidate, left out where the default mode failed);
+the chosen mode is kept as a "[compile: mode=...]" tag in the stage's note, which
+executor.build honours. On CPU compile runs in the default mode only (see
+Budget.compile_modes). vmap that runs out of memory is retried with chunk_size
 N/2, N/4, ... A stage with convolutions tries wide in each conv form
 (wide_layers.CONV_FORMS: "wide" is the device's default form, "wide/conv=bmm"
 etc. the others); the chosen form is recorded in the stage's options (a
@@ -28,8 +34,14 @@ merged/wide, merged/vmap, merged/loop; on a GPU also merged/compile/<mode> for t
 torch.compile modes max-autotune-no-cudagraphs and reduce-overhead, the mode kept
 as a "[compile: mode=...]" tag) and, where whole-plan capture can run (a
 GPU), itself captured as CUDA graphs (plan.capture, "per-stage/whole-plan graph",
-captured on redrawn inputs first so the checked call is a replay), each built
-from its plan and checked end to end.
+captured on redrawn inputs first so the checked call is a replay; a reduce-overhead
+stage compiled in the default mode inside it), each built from its plan and
+checked end to end.
+
+Side effects: the caller's members are never run (autotune runs private copies),
+and every candidate is checked from the state the loop reference started from (a
+forward that updates buffers moves it on every run; candidates.StateSnapshot puts
+it back).
 
 The planner cannot import the executor, so autotuning lives here:
 `executor.autotune(plan, members, inputs)` (or `executor.profile(..., autotune=True)`),
@@ -49,9 +61,9 @@ from stagewise.planner.errors import ExecutionError
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from stagewise.executor.build import BatchedModule, build, capture_backend, resolve_device, tf32_scope
-from stagewise.executor.candidates import (Progress, StateSnapshot, advance, conv_form_of_label, make_runner, loop_reference,
-                                           max_rel_error, on_device, private_members, stage_inputs, state_kept, strategy_label,
-                                           time_candidates, try_strategy)
+from stagewise.executor.candidates import (Progress, StateSnapshot, advance, compile_mode_of_label, conv_form_of_label, make_runner,
+                                           loop_reference, max_rel_error, on_device, private_members, stage_inputs, state_kept,
+                                           strategy_label, time_candidates, try_strategy)
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
@@ -88,6 +100,31 @@ def candidate_strategies(program: StageProgram, device: torch.device, allowed: O
     return [s for s in found if allowed is None or s in allowed]
 
 
+def stage_compile_modes(device: torch.device, budget: "Budget | None" = None) -> tuple[str, ...]:
+    """The torch.compile modes autotune tries for a compile candidate on `device` ("" = torch's default first).
+
+    CUDA: every mode of compiled.COMPILE_MODES (max-autotune-no-cudagraphs autotunes GEMM/conv kernels,
+    reduce-overhead adds CUDA graphs). CPU: the default only, unless `budget.compile_modes` asks for more
+    (reduce-overhead never: it needs CUDA).
+    """
+    modes = budget.compile_modes if budget is not None and budget.compile_modes is not None else (
+        COMPILE_MODES if device.type == "cuda" else ("",))
+    return tuple(m for m in modes if device.type == "cuda" or m != "reduce-overhead")
+
+
+def stage_candidates(program: StageProgram, device: torch.device, allowed: Optional[set[Strategy]] = None,
+                     budget: "Budget | None" = None) -> list[tuple[Strategy, str]]:
+    """(strategy, compile mode) pairs a stage's race starts from on `device`: candidate_strategies with
+    compile once per stage_compile_modes. Label each with strategy_label(strategy, None, compile_mode=mode).
+    Nothing is run here; chunked vmap and wide's conv forms are added while racing, and the slow ones
+    (compile, cuda_graph) are pruned by the stage's eager time and the budget (see _tune_stage)."""
+    out = []
+    for strategy in candidate_strategies(program, device, allowed):
+        modes = stage_compile_modes(device, budget) if strategy is Strategy.COMPILE else ("",)
+        out += [(strategy, mode) for mode in modes]
+    return out
+
+
 def _measured(results: list[StrategyResult], unit: str = "") -> str:
     """'wide 1.1/1.2 ms, vmap 1.9/2.0 ms +0.4s compile; loop failed (...)': fastest first, min/median."""
     ok = sorted((r for r in results if r.ok and r.time), key=lambda r: r.time.min_ms)
@@ -119,6 +156,10 @@ class Budget:
     quick_repeats: int = 3  # samples per candidate in a pruning round (3: the p90 is the slowest of three)
     round_s: float = SAMPLE_BUDGET_S  # a final round aims at this much wall time per candidate
     compile: bool = True  # try torch.compile candidates (seconds each: per stage and the merged model)
+    # torch.compile modes tried wherever compile is (compiled.COMPILE_MODES; "" = torch's default). None: per device,
+    # every mode on CUDA, the default only on CPU (reduce-overhead needs CUDA; max-autotune-no-cudagraphs compiles for
+    # minutes on CPU for little). reduce-overhead is left out off CUDA whatever this says.
+    compile_modes: Optional[tuple[str, ...]] = None
 
 
 BUDGETS = {
@@ -214,14 +255,14 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
     outputs: dict[str, Any] = {}
     runners: dict[str, Runner] = {}
 
-    def attempt(strategy: Strategy, chunk: Optional[int] = None, form: str = "") -> StrategyResult:
-        label = strategy_label(strategy, chunk, form)
+    def attempt(strategy: Strategy, chunk: Optional[int] = None, form: str = "", mode: str = "") -> StrategyResult:
+        label = strategy_label(strategy, chunk, form, mode)
         if progress is not None:
             progress(done, total, f"{stage.id}: {label}")
 
         def make():
             start.restore()
-            r = make_runner(program, runner, strategy, chunk, form)
+            r = make_runner(program, runner, strategy, chunk, form, mode)
             runners[label] = r
             return lambda: r(fresh())
 
@@ -232,8 +273,8 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
             working[label], outputs[label] = (res, call), out
         return res
 
-    candidates = candidate_strategies(program, device, allowed)
-    for strategy in [s for s in candidates if s in EAGER]:
+    candidates = stage_candidates(program, device, allowed, budget)
+    for strategy in [s for s, _ in candidates if s in EAGER]:
         res = attempt(strategy)
         if strategy is Strategy.VMAP and not res.ok and is_oom_text(res.error):
             chunk = n // 2
@@ -245,24 +286,36 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
     _timing_round(dict(working), device, repeats, warmup, budget, set(), final=False)
     alive = _survivors(working, budget)
     best_eager = min((r.time.min_ms for r, _ in alive.values()), default=math.inf)
-    slow = [s for s in candidates if s not in EAGER]
+    slow = [(s, m) for s, m in candidates if s not in EAGER]
+    label_of = lambda s, m: strategy_label(s, None, compile_mode=m)  # noqa: E731
+
+    def skip(kept: list, why: str) -> list:
+        results.extend(StrategyResult(label_of(s, m), ok=False, error=f"not tried: {why}") for s, m in slow if (s, m) not in kept)
+        return kept
+
     if slow and best_eager < COMPILE_MIN_MS:
-        for s in slow:
-            results.append(StrategyResult(s.value, ok=False, error=f"not tried: the stage takes {best_eager:.3f} ms, under {COMPILE_MIN_MS} ms"))
-        slow = []
-    if Strategy.COMPILE in slow and not budget.compile:
-        results.append(StrategyResult("compile", ok=False, error="not tried: the autotune budget skips torch.compile"))
-        slow.remove(Strategy.COMPILE)
+        slow = skip([], f"the stage takes {best_eager:.3f} ms, under {COMPILE_MIN_MS} ms")
+    if not budget.compile:
+        slow = skip([(s, m) for s, m in slow if s is not Strategy.COMPILE], "the autotune budget skips torch.compile")
     late: Cands = {}
-    for strategy in slow:
+    default_compile: Optional[StrategyResult] = None
+    for strategy, mode in slow:
+        if strategy is Strategy.COMPILE and mode and default_compile is not None and not default_compile.ok:
+            # the other modes lower the same graph through the same compiler: each would fail alike, seconds apiece
+            results.append(StrategyResult(label_of(strategy, mode), ok=False,
+                                          error=f"not tried: compile failed in its default mode ({default_compile.error[:80]})"))
+            continue
         before = set(working)
-        attempt(strategy)
+        res = attempt(strategy, mode=mode)
+        if strategy is Strategy.COMPILE and not mode:
+            default_compile = res
         late.update({k: v for k, v in working.items() if k not in before})
     if late:  # the newcomers and the eager survivors in one round-robin, so load changes between rounds cannot decide
         racing = {**alive, **late}
         _timing_round(racing, device, repeats, warmup, budget, set(late), final=False)
         for label, (res, _) in late.items():
-            res.compile_s = getattr(runners.get(label), "compile_seconds", res.compile_s) if label == "compile" else res.compile_s
+            if label.startswith(Strategy.COMPILE.value):
+                res.compile_s = getattr(runners.get(label), "compile_seconds", res.compile_s)
         alive = racing
     chosen = race(alive, device, repeats, warmup, budget, timed=True, pool=working)
     start.restore()  # the timing runs moved it; the caller's advance() runs the chosen once from here
@@ -288,13 +341,13 @@ def is_oom_text(error: str) -> bool:
 
 
 def tuning_start(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], dev: torch.device,
-                 allowed: Optional[set[Strategy]]) -> tuple[tuple, list[nn.Module], Any, dict, int]:
+                 allowed: Optional[set[Strategy]], budget: Optional[Budget] = None) -> tuple[tuple, list[nn.Module], Any, dict, int]:
     """(inputs on `dev`, private copies of the members there, the plan's batched module, its bound inputs,
     the number of candidates). The caller's members are never run (see candidates.private_members)."""
     inputs = on_device(tuple(inputs), dev)
     members = private_members(list(members), dev)
     module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
-    total = sum(len(candidate_strategies(p, dev, allowed)) for p in module.programs)
+    total = sum(len(stage_candidates(p, dev, allowed, budget)) for p in module.programs)
     return inputs, members, module, module.bind_inputs(inputs), total
 
 
@@ -311,7 +364,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     n = plan.n_members
     spend = budget_of(budget)
     allowed = {Strategy(s) for s in strategies} if strategies is not None else None
-    inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
+    inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed, spend)
     start = StateSnapshot(module.stacked_state.values())  # the tuned runners' state before any stage ran
     done = 0
     tuned: list[Stage] = []
@@ -323,7 +376,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
             fresh = stage_inputs(program, env, n)
             results, chosen, out, chosen_runner = _tune_stage(program, runner, fresh, n, dev, allowed, repeats, warmup,
                                                               progress, done, total, DTYPE_RTOL[plan.dtype], spend)
-            done += len(candidate_strategies(program, dev, allowed))
+            done += len(stage_candidates(program, dev, allowed, spend))
             found[program.stage.id] = results
             advance(program, env, fresh, out, chosen_runner)
             if chosen.ok:
@@ -335,7 +388,9 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
                 continue
             strategy = Strategy(chosen.strategy.split("/")[0])
             options = StageOptions(strategy=strategy, chunk_size=chosen.chunk_size, note=_note(results, chosen))
-            tuned.append(replace(stage, options=with_conv_form(options, conv_form_of_label(chosen.strategy))))
+            options = with_compile_mode(with_conv_form(options, conv_form_of_label(chosen.strategy)),
+                                        compile_mode_of_label(chosen.strategy))
+            tuned.append(replace(stage, options=options))
     per_stage = plan.with_stages(tuned)
     if progress is not None:
         progress(total, total, "comparing with one merged stage")
@@ -351,13 +406,14 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
 
 
 def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[set[Strategy]],
-                        device: torch.device = torch.device("cpu")) -> list[Plan]:
+                        device: torch.device = torch.device("cpu"), budget: Optional[Budget] = None) -> list[Plan]:
     """The whole model as one stage, with each strategy that could run it.
 
     Per-stage choices cannot see what fusing across stage boundaries gains (one
     compiled graph instead of several) or what boundaries cost; these
     alternatives let the end-to-end measurement decide. They include the plain
     member loop, so a tuned plan is never knowingly slower than not batching.
+    compile comes once per stage_compile_modes(device, budget).
     """
     if len(plan.stages) < 2:
         return []  # one stage: its own candidates already were these
@@ -376,11 +432,26 @@ def merged_alternatives(plan: Plan, graph_order: list[str], allowed: Optional[se
         if allowed is None or strategy in allowed:
             options = with_conv_form(StageOptions(strategy=strategy), form if strategy is Strategy.WIDE else "")
             # on a GPU the whole model compiled also with autotuned kernels, and with CUDA graphs (cudagraph trees)
-            modes = COMPILE_MODES if strategy is Strategy.COMPILE and device.type == "cuda" else ("",)
+            modes = stage_compile_modes(device, budget) if strategy is Strategy.COMPILE else ("",)
             for m in modes:
                 stage = Stage(id="s0", nodes=nodes, mode=mode, reason=reason, options=with_compile_mode(options, m))
                 out.append(plan.with_stages([stage]))
     return out
+
+
+def whole_plan_graph(plan: Plan) -> Plan:
+    """The per-stage plan as the whole-plan graph candidate (plan.capture). A stage compiled with mode
+    reduce-overhead replays CUDA graphs of its own (torch's cudagraph trees), which cannot be recorded
+    inside another graph's capture: in this candidate it is compiled in the default mode, its kernels
+    captured with the rest (what reduce-overhead's graphs would have saved, the one graph saves)."""
+    def default_mode(options: StageOptions) -> StageOptions:
+        options = with_compile_mode(options, "")
+        return replace(options, note=options.note + " (default mode inside the whole-plan graph)")
+
+    stages = [replace(s, options=default_mode(s.options))
+              if s.options.strategy is Strategy.COMPILE and compile_mode_of(s.options) == "reduce-overhead" else s
+              for s in plan.stages]
+    return plan.with_stages(stages).with_capture(True)
 
 
 def _merged_label(p: Plan) -> str:
@@ -412,9 +483,9 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     plan = plan.with_capture(False) if plan.capture else plan
     with state_kept(members):  # an export retrace may run forward
         order = retrace(members[0], plan.tracer, example, opened=plan.opened_modules).node_names
-    alternatives = merged_alternatives(plan, order, allowed, device)
+    alternatives = merged_alternatives(plan, order, allowed, device, budget)
     # the per-stage plan replayed as CUDA graphs (executor.capture): one launch per run of capturable stages
-    captured = [(WHOLE_GRAPH, plan.with_capture(True))] if capture_backend(device) is not None else []
+    captured = [(WHOLE_GRAPH, whole_plan_graph(plan))] if capture_backend(device) is not None else []
     if not alternatives and not captured:
         return plan, None, False
     with state_kept(members):
@@ -471,8 +542,9 @@ def _redrawn(inputs: tuple) -> tuple:
 
 
 def _same_kernels(a: StageOptions, b: StageOptions) -> bool:
-    """Whether two stage options make the same runner (strategy, chunk size, wide's conv form)."""
-    return a.strategy is b.strategy and a.chunk_size == b.chunk_size and conv_form_of(a) == conv_form_of(b)
+    """Whether two stage options make the same runner (strategy, chunk size, wide's conv form, compile's mode)."""
+    return (a.strategy is b.strategy and a.chunk_size == b.chunk_size and conv_form_of(a) == conv_form_of(b)
+            and compile_mode_of(a) == compile_mode_of(b))
 
 
 def build_reusing(plan: Plan, members: Sequence[nn.Module], inputs: tuple, device: torch.device,

@@ -28,6 +28,7 @@ from stagewise.planner.errors import MemberError
 from stagewise.planner.plan import StageOptions, Strategy
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
+from stagewise.executor.strategies.compiled import with_compile_mode
 from stagewise.executor.strategies.wide import with_conv_form
 from stagewise.executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
 from stagewise.executor.values import Batched, as_batched, n_first
@@ -78,10 +79,11 @@ def _nfirst_all(values: list, n: int) -> list:
 
 # --- running one strategy ------------------------------------------------------------------
 
-def strategy_label(strategy: Strategy, chunk_size: Optional[int], conv_form: str = "") -> str:
-    """"vmap", "vmap/chunk=4", "wide/conv=bmm": a candidate's name in results and notes."""
+def strategy_label(strategy: Strategy, chunk_size: Optional[int], conv_form: str = "", compile_mode: str = "") -> str:
+    """"vmap", "vmap/chunk=4", "wide/conv=bmm", "compile/reduce-overhead": a candidate's name in results and notes."""
     return (strategy.value + (f"/chunk={chunk_size}" if chunk_size and strategy is Strategy.VMAP else "")
-            + (f"/conv={conv_form}" if conv_form and strategy is Strategy.WIDE else ""))
+            + (f"/conv={conv_form}" if conv_form and strategy is Strategy.WIDE else "")
+            + (f"/{compile_mode}" if compile_mode and strategy is Strategy.COMPILE else ""))
 
 
 def conv_form_of_label(label: str) -> str:
@@ -89,11 +91,19 @@ def conv_form_of_label(label: str) -> str:
     return label.partition("/conv=")[2]
 
 
+def compile_mode_of_label(label: str) -> str:
+    """The torch.compile mode a stage candidate's label names ("compile/reduce-overhead" -> "reduce-overhead"; "" for none)."""
+    strategy, _, mode = label.partition("/")
+    return mode if strategy == Strategy.COMPILE.value else ""
+
+
 def make_runner(program: StageProgram, base: Runner, strategy: Strategy, chunk_size: Optional[int] = None,
-                conv_form: str = "") -> Runner:
-    """A runner of `strategy` for the stage `base` runs, sharing base's stacked state (`conv_form`: wide's)."""
-    options = with_conv_form(StageOptions(strategy=strategy, chunk_size=chunk_size, note=program.stage.options.note),
-                             conv_form if strategy is Strategy.WIDE else "")
+                conv_form: str = "", compile_mode: str = "") -> Runner:
+    """A runner of `strategy` for the stage `base` runs, sharing base's stacked state (`conv_form`: wide's,
+    `compile_mode`: compile's torch.compile mode; the stage's own tags for either are replaced)."""
+    options = StageOptions(strategy=strategy, chunk_size=chunk_size, note=program.stage.options.note)
+    options = with_compile_mode(with_conv_form(options, conv_form if strategy is Strategy.WIDE else ""),
+                                compile_mode if strategy is Strategy.COMPILE else "")
     prog = replace(program, stage=replace(program.stage, options=options))
     return RUNNERS[strategy](prog, base.n_members, base.stacked, base.member_states)
 
