@@ -45,6 +45,7 @@ from stagewise import executor, planner
 from stagewise.executor import baselines
 from stagewise.executor.candidates import max_rel_error
 from stagewise.executor.profile import device_name
+from stagewise.executor.strategies.compiled import compile_mode_of
 from stagewise.executor.timing import describe_error
 from stagewise.executor.verify import DTYPE_RTOL, member_inputs
 from stagewise.planner.plan import InputMode
@@ -255,7 +256,9 @@ def way_setups(plan: planner.Plan, members: list, inputs: tuple, dev: torch.devi
 
     def auto():
         tuned = executor.autotune(splan, members, inputs, device=dev, repeats=cfg.tune_repeats, strategies=cfg.tune_strategies)
-        info["strategies"] = " ".join(f"{s.id}:{s.options.strategy.value}" for s in tuned.stages)
+        # a compile stage's torch.compile mode too ("s0:compile/reduce-overhead"), as autotune labels its candidates
+        info["strategies"] = " ".join(f"{s.id}:{s.options.strategy.value}" + (f"/{m}" if (m := compile_mode_of(s.options)) else "")
+                                      for s in tuned.stages)
         info["tuned_plan"] = tuned.to_json()
         m = executor.build(tuned, members, example_inputs=example, device=dev)
         info["auto_module"] = m
