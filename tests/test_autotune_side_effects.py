@@ -105,6 +105,21 @@ def test_autotune_leaves_the_members_and_their_buffers_as_they_were(cls, train):
     _matches_the_loop(tuned, start, x, train)
 
 
+def test_with_per_member_inputs_too():
+    members = _members(Normed, True)
+    x = torch.randn(N, 6, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x[0],))
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    before, start = _state(members), copy.deepcopy(members)
+    tuned, _ = _tune(plan, members, x)
+    _assert_same_state(before, members)
+    ens = executor.build(tuned, copy.deepcopy(start)).train(True)
+    ref = copy.deepcopy(start)
+    with torch.no_grad():
+        for call in range(3):
+            torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(ref)]), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("cls, train", CASES)
 def test_every_candidate_is_checked_from_the_state_the_loop_started_from(cls, train):
     """The member loop itself is a candidate: judged against the loop from one starting state it must match,
