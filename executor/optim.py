@@ -24,6 +24,12 @@ Where the hyper-parameters live (``opt.param_groups[g]``):
   writes the scalar ``group["lr"]``, so a schedule that is proportional to the base lr (StepLR,
   MultiStepLR, ExponentialLR, LambdaLR, LinearLR, CosineAnnealingLR with ``eta_min=0``, ...)
   gives every member exactly ``base_lr_i * f(t)``, as if each member had its own torch scheduler.
+  Equal per-member values are stored as the scalar (``member_lr`` all 1), and then *every* torch
+  scheduler acts as on one torch optimizer. Where the members' lrs differ, a torch scheduler that
+  is not proportional (CosineAnnealingLR / CosineAnnealingWarmRestarts with ``eta_min != 0``,
+  OneCycleLR, CyclicLR, SWALR, ReduceLROnPlateau whose min_lr floor or eps would act on a member
+  differently, a scheduler class we do not know) is refused with an OptimizerError when it writes
+  the lr (see ``_MemberGroup``); momentum/betas these schedulers write as floats become [N] vectors.
 - ``"momentum"``, ``"dampening"``, ``"weight_decay"``, ``"eps"``: float64 tensors ``[N]``;
   ``"betas"``: a tuple of two float64 tensors ``[N]``. Flags (``nesterov``, ``maximize``,
   ``amsgrad``) are shared by all members.
@@ -43,13 +49,13 @@ exactly like a fresh ``torch.optim.Adam``).
 
 Also here:
 
-- ``clip_grad_norm_per_member_(params, max_norm, n_members, norm_type=2.0)``: each member's grads
+- ``clip_grad_norm_per_member_(params, max_norm, n_members, norm_type=2.0, error_if_nonfinite=False)``: each member's grads
   clipped by its own total norm (over all its slices of all params), like
   ``torch.nn.utils.clip_grad_norm_`` run on each member separately; returns the ``[N]`` norms.
 - ``StackedStepLR`` / ``StackedCosineLR``: per-member schedules (every schedule parameter may be a
   scalar or length N). They compute torch's ``StepLR`` / ``CosineAnnealingLR`` in closed form per
   member and write ``group["member_lr"]`` in place; torch schedulers write the shared scale
-  ``group["lr"]``, so one of each composes by multiplication (``eta_min`` is then scaled too).
+  ``group["lr"]``, so one of each composes by multiplication with a proportional torch scheduler.
 
 Cost. A step is a fixed sequence of calls whatever N is (measured by tests/test_optim.py with a
 TorchDispatchMode, 4 parameters: SGD with nesterov 16 non-view aten calls, Adam 32, AdamW 34, for
@@ -64,6 +70,7 @@ Imports nothing of ours except planner.errors.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -152,7 +159,25 @@ class _StackedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a group as torch does, then check its params' member axis and turn its hyper-parameters into [N] tensors."""
         super().add_param_group(param_group)
+        self.param_groups[-1] = self._watched(self.param_groups[-1])
         self._normalise(self.param_groups[-1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, param_groups) and n_members: a deepcopy or pickle steps like the original."""
+        return {**super().__getstate__(), "n_members": self.n_members}
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's load_state_dict, deepcopy and unpickling install new group dicts: watch them too."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("_nonzero_cache", {})
+        self.param_groups = [self._watched(g) for g in self.param_groups]
+
+    def _watched(self, group: dict) -> "_MemberGroup":
+        """``group`` as a _MemberGroup: values torch's lr schedulers write into it are checked (see _MemberGroup)."""
+        ranges = dict(self._RANGES)
+        if "betas" in self.defaults:
+            ranges["betas"] = (0.0, 1.0, True)
+        return _MemberGroup(group, owner=type(self).__name__, n=self.n_members, ranges=ranges)
 
     def _normalise(self, group: dict) -> None:
         """Validate the stacked params and hyper-parameters of ``group`` in place."""
@@ -167,22 +192,16 @@ class _StackedOptimizer(torch.optim.Optimizer):
         device = group["params"][0].device if group["params"] else torch.device("cpu")
         if "member_lr" not in group:  # fresh from the user: split lr into shared scale x member vector
             lr = _member_vector(owner, "lr", group["lr"], n, device)
-            per_member = not (isinstance(group["lr"], (int, float)) or
-                              (isinstance(group["lr"], torch.Tensor) and group["lr"].dim() == 0))
+            # equal values are one lr: stored as the scalar, every torch scheduler then acts as on one optimizer
+            per_member = bool((lr != lr[0]).any())
             group["member_lr"] = lr if per_member else torch.ones_like(lr)
             group["lr"] = 1.0 if per_member else float(lr[0])
         _check_range(owner, "lr", _member_vector(owner, "lr", group["lr"], n, device), 0.0)
         group["member_lr"] = _check_range(owner, "lr", _member_vector(owner, "lr", group["member_lr"], n, device), 0.0)
-        for name, (low, high, high_open) in self._RANGES.items():
-            group[name] = _check_range(owner, name, _member_vector(owner, name, group[name], n, device),
-                                       low, high, high_open)
+        for name, bounds in self._RANGES.items():
+            dict.__setitem__(group, name, _hyper_vector(owner, name, group[name], n, device, bounds))
         if "betas" in group:
-            betas = group["betas"]
-            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-                raise OptimizerError(f"{owner}: betas={betas!r} is not a pair; pass (beta1, beta2), "
-                                     f"each a scalar or one value per member")
-            group["betas"] = tuple(_check_range(owner, f"betas[{k}]", _member_vector(owner, f"betas[{k}]", b, n, device),
-                                                0.0, 1.0) for k, b in enumerate(betas))
+            dict.__setitem__(group, "betas", _hyper_vector(owner, "betas", group["betas"], n, device, (0.0, 1.0, True)))
         self._check_group(group)
 
     def _check_group(self, group: dict) -> None:
@@ -293,6 +312,119 @@ class _StackedOptimizer(torch.optim.Optimizer):
         return t.to(device=like.device, dtype=like.dtype)
 
 
+def _hyper_vector(owner: str, name: str, value: Any, n: int, device: torch.device,
+                  bounds: tuple[float, float | None, bool]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A hyper-parameter as validated [n] tensor(s): ``betas`` a pair of them, the others one."""
+    low, high, high_open = bounds
+    if name != "betas":
+        return _check_range(owner, name, _member_vector(owner, name, value, n, device), low, high, high_open)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise OptimizerError(f"{owner}: betas={value!r} is not a pair; pass (beta1, beta2), "
+                             f"each a scalar or one value per member")
+    return tuple(_check_range(owner, f"betas[{k}]", _member_vector(owner, f"betas[{k}]", b, n, device), low, high, high_open)
+                 for k, b in enumerate(value))
+
+
+# --- torch's lr schedulers on a stacked optimizer ----------------------------------------------
+
+_LRS = torch.optim.lr_scheduler
+# torch schedulers whose lr is the base lr times a factor of the epoch alone (or restores it): on the shared
+# scale group["lr"] they give member i base_i * f(t), what member i's own scheduler gives it
+_PROPORTIONAL = (_LRS.StepLR, _LRS.MultiStepLR, _LRS.ConstantLR, _LRS.LinearLR, _LRS.ExponentialLR, _LRS.PolynomialLR,
+                 _LRS.LambdaLR, _LRS.MultiplicativeLR, _LRS.SequentialLR, _LRS.ChainedScheduler)
+_PROPORTIONAL_AT_ETA_MIN_0 = (_LRS.CosineAnnealingLR, _LRS.CosineAnnealingWarmRestarts)
+
+
+def _writing_scheduler() -> Any:
+    """The torch lr scheduler whose code is writing a param group's "lr" right now, or None (our own code, the user)."""
+    frame = sys._getframe(3)  # past this function, _MemberGroup._check_lr and __setitem__
+    for _ in range(4):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, _LRS.LRScheduler):
+            return owner
+        if isinstance(owner, _StackedOptimizer):
+            return None
+        frame = frame.f_back
+    return None
+
+
+def _scheduler_problem(scheduler: Any, group: dict, old: float, new: float) -> str | None:
+    """Why ``scheduler`` writing the shared scale ``old -> new`` does not give each member what its own scheduler
+    would (member lrs differ), or None."""
+    kind = type(scheduler)
+    if kind in _PROPORTIONAL:
+        return None
+    if kind in _PROPORTIONAL_AT_ETA_MIN_0:
+        if scheduler.eta_min == 0:
+            return None
+        return (f"{kind.__name__}(eta_min={scheduler.eta_min:g}) anneals towards an absolute lr, so on the shared scale it "
+                f"gives member i lr_i * (eta_min + ...) instead of eta_min + (lr_i - eta_min) * ...; "
+                f"use executor.StackedCosineLR(opt, T_max, eta_min=...) for per-member cosine annealing, or eta_min=0")
+    if kind is _LRS.ReduceLROnPlateau:
+        idx = next(i for i, g in enumerate(scheduler.optimizer.param_groups) if g is group)
+        floor = scheduler.min_lrs[idx] if idx < len(scheduler.min_lrs) else 0.0
+        member = [old * float(m) for m in group["member_lr"]]
+        for i, lr in enumerate(member):
+            own = max(lr * scheduler.factor, floor)
+            if not lr - own > scheduler.eps or not math.isclose(new * float(group["member_lr"][i]), own, rel_tol=1e-9):
+                return (f"ReduceLROnPlateau(min_lr={floor:g}, eps={scheduler.eps:g}) would leave member {i}'s lr at "
+                        f"{(own if lr - own > scheduler.eps else lr):g} where the shared scale gives it "
+                        f"{new * float(group['member_lr'][i]):g} (its min_lr floor and eps apply to each member's own lr); "
+                        f"use min_lr=0 with lrs well above eps, or give every member the same lr")
+        return None
+    return (f"{kind.__name__} is not known to scale each member's base lr by one factor (OneCycleLR, CyclicLR and "
+            f"SWALR write absolute lrs: N separate ones would give every member the same lr, whatever its own); "
+            f"express the schedule as a factor with torch.optim.lr_scheduler.LambdaLR (it multiplies each member's "
+            f"own lr), or give every member the same lr")
+
+
+class _MemberGroup(dict):
+    """A param group of a stacked optimizer (a dict, as torch's schedulers and state_dict expect).
+
+    torch's lr schedulers write plain values into it. A momentum or betas written as a Python float
+    (OneCycleLR, CyclicLR cycling momentum) becomes an [N] vector, validated: every member's own
+    scheduler would write that same value. An ``"lr"`` written by a scheduler is the shared scale;
+    where the members' lrs differ (``member_lr`` not all 1) a scheduler that is not proportional to
+    each member's base lr is refused with an OptimizerError naming it and the fix: on the shared
+    scale it would give member i ``lr_i * f`` where its own scheduler gives it something else.
+    """
+
+    def __init__(self, group: dict, *, owner: str, n: int, ranges: dict):
+        super().__init__(group)
+        self.owner, self.n, self.ranges = owner, n, ranges
+
+    def __reduce__(self):
+        """Pickle and deepcopy rebuild it whole (item by item, __setitem__ would run before owner/n/ranges exist)."""
+        return _rebuild_member_group, (dict(self), self.owner, self.n, self.ranges)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self.ranges and "member_lr" in self:
+            value = _hyper_vector(self.owner, key, value, self.n, self["member_lr"].device, self.ranges[key])
+        elif key == "lr" and "member_lr" in self:
+            self._check_lr(value)
+        super().__setitem__(key, value)
+
+    def _check_lr(self, value: Any) -> None:
+        """Refuse an lr that is not one number, or one a non-proportional scheduler writes while member lrs differ."""
+        if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            raise OptimizerError(f"{self.owner}: param_groups[...]['lr'] = {value!r}: group['lr'] is the scale shared by "
+                                 f"all members; set per-member lrs with opt.set_hyperparameter('lr', values)")
+        if not bool((self["member_lr"] != 1).any()):
+            return  # every member has lr = the scale itself: any scheduler acts as on one torch optimizer
+        scheduler = _writing_scheduler()
+        if scheduler is None:
+            return
+        problem = _scheduler_problem(scheduler, self, float(self["lr"]), float(value))
+        if problem is not None:
+            raise OptimizerError(f"{self.owner} with per-member lrs {(self['lr'] * self['member_lr']).tolist()}: {problem}")
+
+
+def _rebuild_member_group(items: dict, owner: str, n: int, ranges: dict) -> _MemberGroup:
+    return _MemberGroup(items, owner=owner, n=n, ranges=ranges)
+
+
 def _clone_value(v: Any) -> Any:
     """A copy of a param-group value that is a tensor or a tuple of tensors; other values as they are."""
     if isinstance(v, torch.Tensor):
@@ -311,7 +443,8 @@ class StackedSGD(_StackedOptimizer):
     dampening, weight_decay, nesterov, maximize (flags shared by all members).
     Raises: OptimizerError for a bad value, or nesterov with a member whose momentum is 0 or
     dampening is not 0 (torch refuses that too).
-    A member whose momentum is 0 gets plain SGD (its dampening is ignored, as in torch).
+    A member whose momentum is 0 gets plain SGD (its dampening is ignored, as in torch); when its
+    momentum later becomes non-zero its first momentum step is ``buf = grad``, as torch's fresh buffer.
     """
 
     _RANGES = {"momentum": (0.0, None, True), "dampening": (-math.inf, None, True), "weight_decay": (0.0, None, True)}
@@ -337,6 +470,20 @@ class StackedSGD(_StackedOptimizer):
                 buf = self.state.get(p, {}).get("momentum_buffer")
                 if buf is not None:
                     buf[i].zero_()
+
+    @staticmethod
+    def _momentum_started(group: dict, momentum: torch.Tensor) -> torch.Tensor | None:
+        """[N] bool: members whose momentum was 0 at the last step and is not now (None when there are none).
+        Compared only when the momentum tensor changed since the last step (no device sync per step)."""
+        seen = getattr(group, "momentum_seen", None)
+        started = None
+        if seen is not None and (seen[0] is not momentum or seen[1] != momentum._version):
+            started = (seen[2] == 0) & (momentum != 0)
+            started = started.to(group["params"][0].device) if bool(started.any()) else None
+        if seen is None or started is not None or seen[0] is not momentum or seen[1] != momentum._version:
+            if isinstance(group, _MemberGroup):
+                group.momentum_seen = (momentum, momentum._version, momentum.clone())
+        return started
 
     def _step_group(self, group, params, grads):
         lr = self._coef(-group["lr"] * group["member_lr"], params[0])
@@ -368,6 +515,10 @@ class StackedSGD(_StackedOptimizer):
         if old_bufs:
             torch._foreach_mul_(old_bufs, _views(m, old_bufs))
             torch._foreach_addcmul_(old_bufs, old_grads, _views(one_minus_d, old_bufs))
+            started = self._momentum_started(group, momentum)
+            if started is not None:  # torch keeps no buffer at momentum 0: its first step with momentum is buf = grad
+                for buf, g in zip(old_bufs, old_grads):
+                    buf.copy_(torch.where(started.view((-1,) + (1,) * (buf.dim() - 1)), g, buf))
         if group["nesterov"]:
             return torch._foreach_addcmul(grads, bufs, _views(m, bufs))
         return bufs
@@ -473,7 +624,8 @@ class StackedAdamW(StackedAdam):
 
 @torch.no_grad()
 def clip_grad_norm_per_member_(params: Iterable[torch.Tensor] | torch.Tensor, max_norm, n_members: int,
-                               norm_type: float = 2.0) -> torch.Tensor:
+                               norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                               foreach: bool | None = None) -> torch.Tensor:
     """Clip each member's gradients by that member's total norm, in place.
 
     Args: params: stacked ``[N, ...]`` tensors (those without a grad are skipped); max_norm: scalar
@@ -481,7 +633,10 @@ def clip_grad_norm_per_member_(params: Iterable[torch.Tensor] | torch.Tensor, ma
     Returns: float32 tensor [N], each member's total gradient norm before clipping (over all its
     slices of all params), as ``torch.nn.utils.clip_grad_norm_`` returns for one model.
     Member ``i``'s grads are multiplied by ``min(1, max_norm[i] / (norm[i] + 1e-6))``, exactly torch's rule.
-    Raises: OptimizerError for a bad max_norm or a grad without the member axis.
+    error_if_nonfinite: as torch's, per member: raise (before any grad is changed) where some member's
+    norm is nan or inf; foreach: accepted for torch's signature (the clip is always a few foreach calls).
+    Raises: OptimizerError for a bad max_norm, a grad without the member axis, or (error_if_nonfinite)
+    a member whose norm is not finite.
     """
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     grads = [p.grad for p in params if p.grad is not None]
@@ -498,6 +653,12 @@ def clip_grad_norm_per_member_(params: Iterable[torch.Tensor] | torch.Tensor, ma
     norm_type = float(norm_type)
     per_param = [torch.linalg.vector_norm(g.reshape(n_members, -1), norm_type, dim=1) for g in grads]  # P x [N]
     norms = torch.linalg.vector_norm(torch.stack(per_param), norm_type, dim=0)                          # [N]
+    if error_if_nonfinite and not bool(torch.isfinite(norms).all()):
+        bad = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+        raise OptimizerError(f"clip_grad_norm_per_member_: the total norm of order {norm_type:g} of member(s) {bad}'s "
+                             f"gradients is {[norms[i].item() for i in bad]}, so they cannot be clipped; find where the "
+                             f"nan/inf comes from, or pass error_if_nonfinite=False to scale them by it anyway "
+                             f"(torch's behaviour: those members' grads become nan, the others are clipped as usual)")
     coef = torch.clamp(limit / (norms + 1e-6), max=1.0)
     torch._foreach_mul_(grads, _views(coef.to(dtype), grads))
     return norms
