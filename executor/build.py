@@ -22,7 +22,8 @@ from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatte
 from stagewise.planner import budget
 from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
-from stagewise.planner.graph import ModelGraph, fingerprint_lines, retrace
+from stagewise.planner.graph import (ModelGraph, fingerprint_lines, global_hooks_present, global_hooks_refusal,
+                                      registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage
 from stagewise.planner.validate import stage_graph, validate
@@ -501,6 +502,8 @@ class BatchedModule(nn.Module):
         inputs a stage reading them cannot take (wrong shape); ExecutionError when a
         later stage fails.
         """
+        if global_hooks_present():  # four dict truthiness tests; torch's own watching hooks pass below
+            self._refuse_global_hooks()
         captured = self.__dict__["_captured"]
         if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
             try:
@@ -512,6 +515,12 @@ class BatchedModule(nn.Module):
         if self.plan.dtype == "float32":  # the common case, straight to the stages (run_stages casts for the others)
             return self._run_plain(*inputs)[0]
         return self.run_stages(*inputs)[0]
+
+    def _refuse_global_hooks(self) -> None:
+        """ExecutionError naming the global module hooks registered since build (see planner.graph.global_hooks)."""
+        refusal = global_hooks_refusal("the batched module")
+        if refusal:
+            raise ExecutionError(refusal)
 
     def _records_grad(self) -> bool:
         return any(p.requires_grad for p in self._stacked.values())
@@ -539,10 +548,20 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         model: both fingerprints and the first difference; or a plan that breaks the
         invariants), TraceError (members[0] cannot be traced again with the plan's
         tracer, or an old export plan file without input shapes and no example_inputs), DeviceError,
-        MemoryBudgetError (the stacked state, N x one member's, would not fit on `device`; before stacking).
+        MemoryBudgetError (the stacked state, N x one member's, would not fit on `device`; before stacking),
+        MemberError for global module hooks (torch.nn.modules.module.register_module_forward_hook, ...): the
+        member loop fires them on every module call, the batched module cannot (its forward refuses them too).
     """
+    refusal = global_hooks_refusal("the batched module")
+    if refusal:
+        raise MemberError(refusal)
+    with registration_hooks_off():  # the members went through them; the modules made here from them must not
+        return _build(plan, list(members), example_inputs, device, check_memory)
+
+
+def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, device: str | torch.device | None,
+           check_memory: bool) -> BatchedModule:
     dev = resolve_device(device)
-    members = list(members)
     if len(members) != plan.n_members:
         raise MemberError(
             f"the plan is for {plan.n_members} members but {len(members)} were given; "

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.planner.errors import MemberError
-from stagewise.planner.graph import ModelGraph, hook_configs, hooks_refusal, plain_attributes, retrace
+from stagewise.planner.graph import PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal, plain_attributes, retrace
 
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
 
@@ -56,13 +56,32 @@ class _Difference:
     values: list  # one per member
 
 
+def callable_identity(f: Any) -> str:
+    """A callable attribute as a trace sees it: its name, plus the plain values it closes over or has as defaults
+    (`lambda x: x * scale` with a scale per member is one name but another graph per member)."""
+    name = getattr(f, "__module__", "") + "." + getattr(f, "__qualname__", repr(f))
+    func = getattr(f, "__func__", f)
+    captured = [c.cell_contents for c in getattr(func, "__closure__", None) or () if _has_contents(c)]
+    captured += list(getattr(func, "__defaults__", None) or ()) + list((getattr(func, "__kwdefaults__", None) or {}).values())
+    plain = [repr(v) for v in captured if isinstance(v, PLAIN_TYPES) or isinstance(v, (tuple, list))]
+    return f"{name}({', '.join(plain)})" if plain else name
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned after the function was made)
+        return False
+    return True
+
+
 def config_signature(member: nn.Module) -> tuple:
     """What a trace can bake in, per member: plain attributes, module classes, training flags, attribute callables."""
     callables = {}
     for path, mod in member.named_modules():
         for k, v in vars(mod).items():
             if not k.startswith("_") and callable(v) and not isinstance(v, nn.Module):
-                callables[f"{path}.{k}"] = getattr(v, "__qualname__", repr(v))
+                callables[f"{path}.{k}"] = callable_identity(v)
     modules = tuple((p, type(m).__qualname__, m.training) for p, m in member.named_modules())
     return tuple(sorted(plain_attributes(member).items(), key=str)), modules, tuple(sorted(callables.items()))
 
@@ -90,7 +109,7 @@ def _module_config(mod: nn.Module) -> dict:
     for path, sub in mod.named_modules():
         for k, v in vars(sub).items():
             if not k.startswith("_") and callable(v) and not isinstance(v, nn.Module):
-                config[f"{path}.{k}" if path else k] = getattr(v, "__module__", "") + "." + getattr(v, "__qualname__", repr(v))
+                config[f"{path}.{k}" if path else k] = callable_identity(v)
     config[MODULES_KEY] = tuple((p, type(m).__qualname__) for p, m in mod.named_modules() if p)
     return config
 

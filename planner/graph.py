@@ -8,18 +8,24 @@ from `nn_module_stack`. The tracer used and why the first one failed are kept.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import inspect
 import io
 import logging
+import pickle
 import re
 import sys
+import sysconfig
+import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import networkx as nx
 import torch
 import torch.fx
+import torch.nn.modules.module as torch_module
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -146,7 +152,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     takes the branch the default takes, and their placeholders are removed.
     """
     fixed = _defaults_not_given(model, given)
-    with _grad_mode_watch() as turned_off, _RandomWatch() as random_drawn:
+    with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn:
         if opened:
             gm = symbolic_trace_opening(model, opened, fixed or None)
         else:
@@ -159,7 +165,8 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     if turned_off:
         # `with torch.no_grad():` / `torch.set_grad_enabled(False)` in forward() ran at trace time and left
         # no node: the graph would record gradients the model never makes (torch.export records the region)
-        raise TraceError("forward() turns gradients off (torch.no_grad() / set_grad_enabled(False)), which torch.fx cannot record")
+        raise TraceError("forward() turns gradients off (torch.no_grad() / set_grad_enabled(False) / torch.inference_mode()), "
+                         "which torch.fx cannot record")
     if fixed:
         _drop_concrete_placeholders(gm, fixed)
     return gm
@@ -206,6 +213,298 @@ class _RandomWatch(torch.overrides.TorchFunctionMode):
         if func in RANDOM_OPS and not any(isinstance(a, torch.fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
             self.calls.add(getattr(func, "__name__", str(func)))
         return func(*args, **kwargs)
+
+
+# --- state the trace cannot see: Python-level random draws and clocks ---------------------------------------
+# fx and torch.export run forward()'s Python once: `random.random()`, `np.random.rand()`, `time.time()` are
+# evaluated at trace time and their value is baked into the graph, while the member loop draws (reads) anew
+# on every call. Such reads are watched while tracing and refused (HostStateError), never traced.
+
+_NOT_DRAWS = frozenset({"seed", "getstate", "setstate", "get_state", "set_state", "default_rng", "get_bit_generator",
+                        "set_bit_generator"})
+_CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+           "process_time", "process_time_ns", "thread_time", "thread_time_ns")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+class HostStateError(TraceError):
+    """forward() reads Python-level random numbers or a clock, which a trace freezes into one constant."""
+
+
+def _watched_functions() -> dict[int, tuple[Any, str]]:
+    """id(function) -> (function, label) for the draws of `random` and `numpy.random` and the clocks of `time`."""
+    import random
+    import time
+    found = {}
+    for name in random.__all__:
+        f = getattr(random, name, None)
+        if callable(f) and not isinstance(f, type) and name not in _NOT_DRAWS:
+            found[id(f)] = (f, f"random.{name}")
+    for name in _CLOCKS:
+        if hasattr(time, name):
+            found[id(getattr(time, name))] = (getattr(time, name), f"time.{name}")
+    np_random = getattr(sys.modules.get("numpy"), "random", None)  # only when the model's code imported numpy
+    if np_random is not None:
+        legacy = np_random.mtrand._rand  # the global RandomState behind np.random.rand, np.random.normal, ...
+        for name in dir(np_random):
+            f = getattr(np_random, name, None)
+            if getattr(f, "__self__", None) is legacy and name not in _NOT_DRAWS and not name.startswith("_"):
+                found[id(f)] = (f, f"numpy.random.{name}")
+    return found
+
+
+def _rng_state(rng: Any) -> Any:
+    """A comparable snapshot of a random generator's state, or None when `rng` is not one."""
+    import random
+    if isinstance(rng, random.Random):
+        return rng.getstate()
+    np_random = getattr(sys.modules.get("numpy"), "random", None)
+    if np_random is not None and isinstance(rng, (np_random.Generator, np_random.RandomState, np_random.BitGenerator)):
+        bits = rng if isinstance(rng, np_random.BitGenerator) else getattr(rng, "bit_generator", None) or rng._bit_generator
+        return pickle.dumps(bits.state)
+    return None
+
+
+def _from_model_code(frame: Any) -> bool:
+    """Whether `frame` runs the model's code: not torch's, not stagewise's and not the standard library's
+    (torch.export times itself with time.perf_counter; logging stamps its records)."""
+    module = str(frame.f_globals.get("__name__", ""))
+    if module == "torch" or module.startswith(("torch.", "stagewise.", "functorch.")):
+        return False
+    filename = frame.f_code.co_filename
+    return not (filename.startswith(_STDLIB) and "-packages" not in filename)
+
+
+class _HostStateWatch:
+    """While inside: the watched functions (module attributes, and names the model's modules imported with
+    `from random import random`) record calls made by the model's code on this thread; random generators held by
+    the model's modules or their Python modules, and the global ones, are compared before and after.
+    `reads`: sorted labels of what was read."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.calls: set[str] = set()
+
+    def _wrap(self, f: Any, label: str) -> Any:
+        owner = threading.get_ident()
+        calls = self.calls
+
+        def watched(*args, **kwargs):
+            if threading.get_ident() == owner and _from_model_code(sys._getframe(1)):
+                calls.add(label)
+            return f(*args, **kwargs)
+        return watched
+
+    def _namespaces(self) -> list[dict]:
+        """The globals of the Python modules defining the model's classes (where `from random import random` lands)."""
+        names = {type(m).__module__ for m in self.model.modules()}
+        return [vars(sys.modules[n]) for n in sorted(names) if n in sys.modules and not n.startswith("torch.")]
+
+    def __enter__(self) -> "_HostStateWatch":
+        import random
+        import time
+        watched = _watched_functions()
+        owners = [vars(random), vars(time)]
+        np_random = getattr(sys.modules.get("numpy"), "random", None)
+        if np_random is not None:
+            owners.append(vars(np_random))
+        namespaces = self._namespaces()
+        self.patched = []
+        for space in owners + namespaces:
+            for name, value in list(space.items()):
+                hit = watched.get(id(value))
+                if hit is not None and hit[0] is value:
+                    self.patched.append((space, name, value))
+                    space[name] = self._wrap(value, hit[1])
+        # generators the watch cannot wrap (a random.Random or numpy Generator held by a module, the global
+        # states reached through a helper module's `from random import ...`): compared before and after
+        rngs = {"random": random._inst}
+        if np_random is not None:
+            rngs["numpy.random"] = np_random.mtrand._rand
+        for path, mod in self.model.named_modules():
+            for k, v in vars(mod).items():
+                rngs.setdefault(f"{path + '.' if path else ''}{k}", v)
+        for space in namespaces:
+            for k, v in space.items():
+                rngs.setdefault(f"{space.get('__name__', '?')}.{k}", v)
+        self.states = {}
+        for label, rng in rngs.items():
+            state = _rng_state(rng)
+            if state is not None:
+                self.states[label] = (rng, state)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for space, name, value in reversed(self.patched):
+            space[name] = value
+        for label, (rng, state) in self.states.items():
+            named = any(c.startswith(f"{label}.") for c in self.calls)  # a wrapped call already names it
+            if _rng_state(rng) != state and not named:
+                self.calls.add(f"{label} (a {type(rng).__module__}.{type(rng).__qualname__}: its state moved)")
+
+    def refusal(self) -> HostStateError | None:
+        """The error naming what forward() read, or None when it read nothing watched."""
+        if not self.calls:
+            return None
+        shown = ", ".join(sorted(self.calls)[:4])
+        clocks = all(c.startswith("time.") for c in self.calls)
+        what = "reads the clock" if clocks else "draws Python-level random numbers"
+        fix = ("read the clock outside forward() and pass the value in as an input" if clocks else
+               "draw with torch on a tensor instead (torch.rand((), device=x.device) < self.p, "
+               "x * torch.empty((), device=x.device).uniform_(0.5, 1.5)), which the trace records and each member draws itself")
+        return HostStateError(
+            f"{type(self.model).__name__}.forward() {what} ({shown}): torch.fx and torch.export run that Python once "
+            f"while tracing and bake its value into the graph as a constant, so every call of every member would reuse "
+            f"it where the member loop reads a new one each call. Fix: {fix}")
+
+
+@contextlib.contextmanager
+def _host_state_refused(model: nn.Module):
+    """Raise HostStateError after the block when the model's code read a watched random draw or clock inside it
+    (that refusal wins over an error the block raised: it is the reason the model cannot be traced faithfully)."""
+    watch = _HostStateWatch(model)
+    try:
+        with watch:
+            yield
+    finally:
+        error = watch.refusal()
+        if error is not None:
+            raise error from None
+
+
+class _InferenceModeAsNoGrad:
+    """Stands in for torch._C._InferenceMode while tracing: neither fx nor torch.export records
+    `torch.inference_mode()` (the batched module would compute gradients the members never make), but both
+    see torch.no_grad(), whose region gives the same values and no gradients (fx then falls back to export)."""
+
+    def __init__(self, mode: bool):
+        self.inner = torch.no_grad() if mode else contextlib.nullcontext()
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _inference_mode_as_no_grad():
+    original = torch._C._InferenceMode
+    torch._C._InferenceMode = _InferenceModeAsNoGrad
+    try:
+        yield
+    finally:
+        torch._C._InferenceMode = original
+
+
+# --- global module hooks ---------------------------------------------------------------------------------------
+
+_GLOBAL_CALL_HOOKS = {  # torch.nn.modules.module's tables -> the function that fills them
+    "_global_forward_pre_hooks": "register_module_forward_pre_hook",
+    "_global_forward_hooks": "register_module_forward_hook",
+    "_global_backward_pre_hooks": "register_module_full_backward_pre_hook",
+    "_global_backward_hooks": "register_module_full_backward_hook",
+}
+_GLOBAL_REGISTRATION_HOOKS = ("_global_buffer_registration_hooks", "_global_module_registration_hooks",
+                              "_global_parameter_registration_hooks")
+
+
+def _torch_owned(hook: Any) -> bool:
+    """torch's own global hooks (FlopCounterMode's module tracker): they only watch."""
+    f = getattr(hook, "func", hook)
+    return str(getattr(f, "__module__", "")).startswith("torch.")
+
+
+def global_hooks() -> dict[str, str]:
+    """Hooks registered for every module's call ("register_module_forward_hook" -> the hook's name), torch's own left out."""
+    found = {}
+    for table, api in _GLOBAL_CALL_HOOKS.items():
+        for hook in getattr(torch_module, table, {}).values():
+            if not _torch_owned(hook):
+                found.setdefault(api, getattr(hook, "__qualname__", type(hook).__name__))
+    return found
+
+
+def global_hooks_refusal(who: str) -> str | None:
+    """The message refusing global module hooks for `who` (what would run without them), or None when there are none."""
+    hooks = global_hooks()
+    if not hooks:
+        return None
+    shown = ", ".join(f"torch.nn.modules.module.{api}: {name}" for api, name in hooks.items())
+    return (f"global module hooks are registered ({shown}): the member loop fires them on every call of every module of "
+            f"every member, but {who} never calls the members' modules (it would fire them on itself once with N-first "
+            "values, and inside stages on vmap-internal values). Remove them (handle.remove()) while planning and running "
+            "the batched module, or register a hook on the batched module itself for its N-first outputs")
+
+
+def global_hooks_present() -> bool:
+    """The per-call check: any global call hook at all (four dict truthiness tests); global_hooks() says whose."""
+    m = torch_module
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks
+                or m._global_backward_hooks)
+
+
+@contextlib.contextmanager
+def registration_hooks_off():
+    """Global buffer / module / parameter registration hooks held back inside. The members went through them when
+    they were made; the modules stagewise makes from them (traced graphs, stacked state) must not go through them
+    again (a hook that returns a changed tensor would change the stacked state; one that records would record ours)."""
+    held = {}
+    for table in _GLOBAL_REGISTRATION_HOOKS:
+        hooks = getattr(torch_module, table, None)
+        if hooks:
+            held[table] = dict(hooks)
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for table, hooks in held.items():
+            getattr(torch_module, table).update(hooks)
+
+
+def _closes_over_state(f: Any) -> str:
+    """What a plain function closes over that a deepcopy of its module would not follow ("a module (Net)", "a tensor"), or ""."""
+    for cell in getattr(f, "__closure__", None) or () if isinstance(f, types.FunctionType) else ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, nn.Module):
+            return f"a module ({type(v).__name__})"
+        if isinstance(v, torch.Tensor):
+            return "a tensor"
+    return ""
+
+
+def call_override_refusal(model: nn.Module, who: str) -> str | None:
+    """The message refusing a forward replaced on a module instance, a user class overriding __call__, or a function
+    attribute closing over a module or tensor (a deepcopy keeps reading the original's), or None.
+
+    fx traces type(root).forward (an instance's forward is ignored) and neither tracer runs a root's __call__; a
+    replaced forward that closes over a member's own modules would read member 0's weights for every member."""
+    for path, mod in model.named_modules():
+        where = f"{who}'s submodule {path} ({type(mod).__name__})" if path else \
+            (who if who == type(mod).__name__ else f"{who} ({type(mod).__name__})")
+        replaced = [k for k in ("forward", "__call__") if k in vars(mod)]
+        if replaced:
+            return (f"{where} has {replaced[0]} replaced on the instance (m.{replaced[0]} = ...; a wrapper such as "
+                    "accelerate's or torch.compile's): torch.fx traces the class's forward() and ignores it, and a "
+                    "replacement that closes over the member's own modules would run member 0's weights for every member. "
+                    "Put the code in a subclass's forward() and build the members from it, or remove the replacement "
+                    f"(del m.{replaced[0]}; for torch.compile pass the module before compiling)")
+        for k, f in vars(mod).items():
+            held = _closes_over_state(f)
+            if held:
+                return (f"{where}'s attribute {k!r} is a function that closes over {held}: stagewise traces and runs "
+                        "copies of the members, and a copied module keeps the same function, which goes on reading the "
+                        "original's weights (every member would read member 0's, and no gradient reaches the copy). "
+                        "Make it a method (def f(self, x): ...) and keep `self.f = self.f_method` if needed, or an nn.Module")
+        call = type(mod).__call__
+        if call is not nn.Module.__call__ and not str(getattr(call, "__module__", "")).startswith("torch."):
+            return (f"{where} overrides __call__ ({type(mod).__qualname__}.__call__): the traced graph "
+                    "runs forward() only, so what __call__ adds around it would be dropped or run twice. "
+                    "Move that code into forward()")
+    return None
 
 
 def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
@@ -262,10 +561,10 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     args = tuple(example_inputs)
     auto = tree_map(lambda v: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None, args)
     try:
-        with _quiet_on_failure():
+        with _quiet_on_failure(), _inference_mode_as_no_grad():
             ep = torch.export.export(model, args, dynamic_shapes=auto, strict=False)
     except Exception:  # export raises many types; the static export below reports its own failure
-        with _quiet_on_failure():
+        with _quiet_on_failure(), _inference_mode_as_no_grad():
             ep = torch.export.export(model, args, strict=False)
     gm = ep.module()
     gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
@@ -352,25 +651,26 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         traced graph does not run on the example inputs, or an open_modules name matches no module.
     """
     example_inputs = tuple(example_inputs)
-    refusal = hooks_refusal(model, type(model).__name__)
+    refusal = hooks_refusal(model, type(model).__name__) or global_hooks_refusal("the batched module")
     if refusal:
         raise TraceError(refusal)
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
-    gm, tracer, note = fx_or_export(model, example_inputs, opened)
-    changed = before.restore_if_changed(model)
-    if changed and tracer == "fx" and not changed.attributes:
-        # fx ran forward() on the real module: an in-place update of real state happened
-        # at trace time and is missing from the graph. export records such updates as nodes.
-        try:
-            gm = _export(model, example_inputs)
-        except Exception as e:
-            raise TraceError(
-                f"forward() updates {changed.describe()} in place, which torch.fx cannot record, and torch.export "
-                f"failed ({type(e).__name__}: {_first_line(e)}); move the update out of forward() or make it exportable"
-            ) from None
-        tracer, note = "export", f"forward() updates {changed.describe()} in place, which torch.fx cannot record; traced with torch.export"
+    with registration_hooks_off(), _host_state_refused(model):
+        gm, tracer, note = fx_or_export(model, example_inputs, opened)
         changed = before.restore_if_changed(model)
+        if changed and tracer == "fx" and not changed.attributes:
+            # fx ran forward() on the real module: an in-place update of real state happened
+            # at trace time and is missing from the graph. export records such updates as nodes.
+            try:
+                gm = _export(model, example_inputs)
+            except Exception as e:
+                raise TraceError(
+                    f"forward() updates {changed.describe()} in place, which torch.fx cannot record, and torch.export "
+                    f"failed ({type(e).__name__}: {_first_line(e)}); move the update out of forward() or make it exportable"
+                ) from None
+            tracer, note = "export", f"forward() updates {changed.describe()} in place, which torch.fx cannot record; traced with torch.export"
+            changed = before.restore_if_changed(model)
     if changed:
         raise TraceError(
             f"forward() changes {changed.describe()} while it is traced, and the traced graph cannot repeat that per member; "
@@ -397,6 +697,12 @@ def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_n
     `opened`: the plan's opened_modules, traced inside again (and part of the fingerprint).
     """
     opened = resolve_open_modules(model, opened)
+    with registration_hooks_off(), _host_state_refused(model):
+        return _retrace(model, tracer, example_inputs, input_names, opened)
+
+
+def _retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_names: Sequence[str] | None,
+             opened: Sequence[str]) -> ModelGraph:
     if tracer == "fx":
         given = input_names if input_names is not None else len(example_inputs or ())
         try:
@@ -480,11 +786,13 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     return edges
 
 
-PLAIN_TYPES = (bool, int, float, str, type(None))
+PLAIN_TYPES = (bool, int, float, str, type(None), enum.Enum)
+_CONFIG_DEPTH, _CONFIG_ITEMS = 3, 256  # how deep and how wide config dicts and objects are read
 
 
 def plain_attributes(model: nn.Module) -> dict[str, Any]:
-    """Python-number/string attributes of every submodule ("act.negative_slope": 0.1), private ones and `training` left out.
+    """Python-number/string/enum attributes of every submodule ("act.negative_slope": 0.1), private ones and `training`
+    left out, and those inside config dicts and plain objects the modules hold ("cfg['act']": "gelu", "config.scale": 2.0).
 
     These are what tracing bakes into the graph as constants. Tuples and lists of
     plain values count as plain.
@@ -492,11 +800,33 @@ def plain_attributes(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path, mod in model.named_modules():
         for k, v in vars(mod).items():
-            if k.startswith("_") or k == "training":
-                continue
-            if isinstance(v, PLAIN_TYPES) or (isinstance(v, (tuple, list)) and all(isinstance(x, PLAIN_TYPES) for x in v)):
-                out[f"{path}.{k}" if path else k] = v
+            if not k.startswith("_") and k != "training":
+                _collect_plain(f"{path}.{k}" if path else k, v, out, _CONFIG_DEPTH, set())
     return out
+
+
+def _is_plain(v: Any) -> bool:
+    return isinstance(v, PLAIN_TYPES) or (isinstance(v, (tuple, list)) and all(isinstance(x, PLAIN_TYPES) for x in v))
+
+
+def _collect_plain(key: str, v: Any, out: dict[str, Any], depth: int, seen: set[int]) -> None:
+    """Plain `v` as out[key]; a config dict's or plain object's plain entries as out[key['k']] / out[key.k], `depth` levels down."""
+    if _is_plain(v):
+        out[key] = v
+        return
+    if depth == 0 or id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type, types.ModuleType)) or callable(v):
+        return
+    if isinstance(v, dict):
+        items = [(f"{key}[{k!r}]", x) for k, x in v.items() if isinstance(k, (str, int)) and not str(k).startswith("_")]
+    elif hasattr(v, "__dict__"):  # a config object: a dataclass, a Namespace, a transformers config
+        items = [(f"{key}.{k}", x) for k, x in vars(v).items() if not k.startswith("_")]
+    else:
+        return
+    if len(items) > _CONFIG_ITEMS:
+        return
+    seen = seen | {id(v)}
+    for k, x in items:
+        _collect_plain(k, x, out, depth - 1, seen)
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -540,12 +870,16 @@ def hook_configs(model: nn.Module) -> tuple:
 
 
 def hooks_refusal(model: nn.Module, who: str) -> str | None:
-    """The message refusing `model`'s hooks (module_hooks) or torch.jit-scripted submodules, or None when it has neither."""
+    """The message refusing `model`'s hooks (module_hooks), torch.jit-scripted submodules, or a forward / __call__
+    the trace cannot see (call_override_refusal), or None when it has none of them."""
     scripted = [path for path, mod in model.named_modules() if path and isinstance(mod, torch.jit.ScriptModule)]
     if scripted:
         return (f"{who} holds torch.jit-scripted submodule(s) {', '.join(repr(p) for p in scripted[:3])}: a scripted module "
                 "runs its own compiled copy of the weights, so each member's weights cannot be put in for it "
                 "(every member would run member 0's); build the members from the plain nn.Modules, without torch.jit.script")
+    overridden = call_override_refusal(model, who)
+    if overridden:
+        return overridden
     hooks = module_hooks(model)
     if not hooks:
         return None
