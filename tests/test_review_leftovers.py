@@ -92,3 +92,38 @@ def test_number_dtype_follows_the_tensors_beside_the_numbers():
     assert stack_member_values([1, 2])[0].dtype == torch.int64  # ints stay ints
     assert stack_member_values([True, False])[0].dtype == torch.bool  # bools stay bools
     assert stack_member_values([1.5, 2.5])[0].dtype == torch.get_default_dtype()  # no stage running: as before
+
+
+# --- 2. a sparse embedding under wide -------------------------------------------------------------------------
+
+def _all_wide(plan):
+    from dataclasses import replace
+
+    from stagewise.planner.plan import StageOptions, Strategy
+    return plan.with_stages([replace(s, options=StageOptions(strategy=Strategy.WIDE)) for s in plan.stages])
+
+
+class SparseEmbedding(nn.Module):
+    def __init__(self, functional=False):
+        super().__init__()
+        self.e, self.l, self.functional = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2), functional
+
+    def forward(self, x):
+        h = nn.functional.embedding(x, self.e.weight, sparse=True) if self.functional else self.e(x)
+        return self.l(h)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_sparse_embedding_under_wide_answers_inference_and_refuses_its_gradient_by_name(functional):
+    """Was torch's bare RuntimeError "reshape is not implemented for sparse tensors" from backward()."""
+    torch.manual_seed(0)
+    members = [SparseEmbedding(functional) for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randint(0, 10, (2, 3))
+    plan = _all_wide(planner.propose(planner.trace(members[0], (x,)), n_members=N))
+    for train in (False, True):
+        ens = executor.build(plan, members).train(train)
+        got = ens(x)  # the forward runs with gradients enabled too (inference without no_grad)
+        torch.testing.assert_close(got.detach(), torch.stack([m(x) for m in ref]).detach(), rtol=1e-6, atol=1e-6)
+        with pytest.raises(planner.ExecutionError, match=r"embedding \w+ has sparse=True.*sparse=False"):
+            got.pow(2).sum().backward()
