@@ -172,6 +172,54 @@ def test_scalar_hyperparameters_match_torch_defaults():
     assert pair.opt.param_groups[0]["lr"] == 3e-3  # a scalar lr stays the torch-visible group["lr"]
 
 
+@pytest.mark.parametrize("opt_name", ["adam", "adamw", "amsgrad", "maximize"])
+@pytest.mark.parametrize("equal_lists", [False, True])
+def test_members_alike_step_as_torch_call_for_call(opt_name, equal_lists):
+    """Every member with the same hyper-parameters and step count: the step is torch's own foreach
+    Adam on Python scalars (no [N] coefficient tensors), so each member moves as its torch.optim run
+    does, to the last bit or within an ulp of it (vectorised and tail lanes may round differently)."""
+    n = 3
+    torch_cls = torch.optim.AdamW if opt_name == "adamw" else torch.optim.Adam
+    stacked_cls = StackedAdamW if opt_name == "adamw" else StackedAdam
+    kw = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, amsgrad=opt_name == "amsgrad",
+              maximize=opt_name == "maximize")
+    stacked_kw = dict(kw, lr=[3e-3] * n, betas=([0.8] * n, [0.99] * n), eps=[1e-6] * n) if equal_lists else kw
+    pair = Pair("mlp", n, torch_cls, lambda i: kw, stacked_cls, stacked_kw)
+    for _ in range(4):
+        pair.step()
+        assert pair.error() <= 1e-6
+    counted = OpCounter()
+    pair.backward(*member_batch("mlp", n, 9))
+    with counted:
+        pair.opt.step()
+    assert "_local_scalar_dense" not in counted.ops, "the alike path reads nothing from the device per step"
+    assert not any(op in counted.ops for op in ("eq", "all", "stack", "pow")), counted.ops  # no [N] coefficient math
+
+
+def test_member_counts_apart_take_the_per_member_path_without_reading_each_step():
+    """After reset_member the step counts differ: the per-member formulas, and still no device read per step."""
+    n = 3
+    pair = Pair("mlp", n, torch.optim.Adam, lambda i: dict(lr=1e-2), StackedAdam, dict(lr=1e-2))
+    pair.step()
+    pair.opt.reset_member(2)
+    pair.torch_opts[2] = torch.optim.Adam(pair.models[2].parameters(), lr=1e-2)
+    reads = []
+    for _ in range(3):
+        x, y = member_batch("mlp", n, pair.steps)
+        for i, (m, opt) in enumerate(zip(pair.models, pair.torch_opts)):
+            opt.zero_grad()
+            loss_fn(m(x[i]), y[i]).backward()
+            opt.step()
+        pair.backward(x, y)
+        with OpCounter() as counted:
+            pair.opt.step()
+        pair.steps += 1
+        reads.append(counted.ops.count("_local_scalar_dense"))
+        assert pair.error() <= TOL
+    assert reads[1:] == [0, 0], reads  # the counts are read once after the reset, then followed
+    assert "stack" in counted.ops  # the per-member bias corrections
+
+
 @pytest.mark.parametrize("n", NS)
 def test_lr_sweep_of_identical_members(n):
     """A sweep: the same initial weights, only lr differs; each member follows its own torch run."""
