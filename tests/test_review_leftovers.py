@@ -127,3 +127,50 @@ def test_sparse_embedding_under_wide_answers_inference_and_refuses_its_gradient_
         torch.testing.assert_close(got.detach(), torch.stack([m(x) for m in ref]).detach(), rtol=1e-6, atol=1e-6)
         with pytest.raises(planner.ExecutionError, match=r"embedding \w+ has sparse=True.*sparse=False"):
             got.pow(2).sum().backward()
+
+
+# --- 3. is_causal=True without a mask under wide ----------------------------------------------------------------
+
+class CausalNoMask(nn.Module):
+    """`kind` "mha" / "layer" / "encoder", called with is_causal=True and no attn_mask (batch_first)."""
+
+    def __init__(self, kind, kpm, need_weights):
+        super().__init__()
+        layer = lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)  # noqa: E731
+        self.m = {"mha": lambda: nn.MultiheadAttention(8, 2, batch_first=True), "layer": layer,
+                  "encoder": lambda: nn.TransformerEncoder(layer(), 2, enable_nested_tensor=False)}[kind]()
+        self.kind, self.kpm, self.need_weights = kind, kpm, need_weights
+
+    def forward(self, x, pad):
+        pad = pad if self.kpm else None
+        if self.kind == "mha":
+            return self.m(x, x, x, key_padding_mask=pad, need_weights=self.need_weights, is_causal=True)
+        return self.m(x, src_key_padding_mask=pad, is_causal=True)
+
+
+CAUSAL_CASES = [("mha", kpm, nw) for kpm in (False, True) for nw in (False, True)] + [
+    (kind, kpm, True) for kind in ("layer", "encoder") for kpm in (False, True)]
+
+
+@pytest.mark.parametrize("kind,kpm,need_weights", CAUSAL_CASES)
+def test_causal_hint_without_mask_under_wide_is_what_the_loop_does(kind, kpm, need_weights):
+    """torch ignores the hint on its inference fast path (eval, batch_first, no gradients) and raises elsewhere.
+    Was: with gradients enabled wide answered where the loop raises; need_weights=False failed inside vmap."""
+    torch.manual_seed(0)
+    members = [CausalNoMask(kind, kpm, need_weights).eval() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x, pad = torch.randn(2, 5, 8), torch.zeros(2, 5, dtype=torch.bool)
+    pad[0, -2:] = True
+    with torch.no_grad():
+        plan = _all_wide(planner.propose(planner.trace(members[0], (x, pad)), n_members=N))
+        ens = executor.build(plan, members).eval()
+        for batch in (2, 3):
+            x, pad = torch.randn(batch, 5, 8), torch.zeros(batch, 5, dtype=torch.bool)
+            pad[0, -1] = True
+            got, want = ens(x, pad), loop(ref, x, pad)
+            for a, b in zip(tree_flatten(got)[0], tree_flatten(want)[0]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="Need attn_mask"):
+        ref[0](x, pad)  # with gradients enabled the loop raises
+    with pytest.raises(planner.ExecutionError, match="is_causal=True and no attn_mask.*generate_square_subsequent_mask"):
+        ens(x, pad)

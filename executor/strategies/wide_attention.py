@@ -10,7 +10,9 @@ member) become one additive float mask, as torch.nn.functional.multi_head_attent
 The encoder layer composes that with two batched Linears and per-member LayerNorm affines.
 
 Refused (the rule returns None, the WideRunner falls back): unbatched encoder inputs, dropout while
-training, add_bias_kv / add_zero_attn, activations other than ReLU/GELU/tanh/SiLU. Where torch's
+training, add_bias_kv / add_zero_attn, activations other than ReLU/GELU/tanh/SiLU. is_causal=True without a
+mask is plain attention where torch's fast path runs (which ignores the hint) and an ExecutionError elsewhere
+(where torch raises). Where torch's
 TransformerEncoder would run a key-padding-masked batch as a nested tensor (eval, no grad), its
 output has zeros at the padded positions: mirrored (masked attention, then those positions zeroed).
 """
@@ -30,6 +32,11 @@ FULLY_MASKED = ("a query row of nn.MultiheadAttention has every key masked out: 
                 "path (eval, batch_first self-attention, bool masks) and 0 on its slow path, so a batched answer could "
                 "differ from the member loop's; exclude this stage (it then runs as the loop) or keep at least one key "
                 "unmasked per row")
+
+CAUSAL_WITHOUT_MASK = ("nn.MultiheadAttention is called with is_causal=True and no attn_mask: torch raises 'Need attn_mask "
+                       "if specifying the is_causal hint' here (only its inference fast path, batch_first self-attention "
+                       "in eval without gradients, runs, and ignores the hint), so the member loop fails too; pass the "
+                       "mask itself, attn_mask=nn.Transformer.generate_square_subsequent_mask(L), with is_causal=True")
 
 MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
 LAYER_ARGS = ("src", "src_mask", "src_key_padding_mask", "is_causal")
@@ -86,6 +93,8 @@ def multihead_attention(module: nn.Module, state: dict, args: tuple, kwargs: dic
     batch_first = module.batch_first and rank == 3
     kpm = bound.get("key_padding_mask")
     if rank == 2:  # unbatched: a batch of one, seq-first ([L, E] -> [L, 1, E]), as torch does
+        if bound.get("is_causal") and bound.get("attn_mask") is None:
+            raise ExecutionError(CAUSAL_WITHOUT_MASK)  # torch's fast path takes batched inputs only
         q, k, v = _unbatched(q, k, v)
         if kpm is not None:
             kpm = NFirst(kpm.t.unsqueeze(1)) if is_nf(kpm) else kpm.unsqueeze(0)
@@ -113,11 +122,14 @@ def attention(module: nn.Module, state: dict, query: Any, key: Any, value: Any, 
               fully_masked_ok: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Batched multi-head attention core: query/key/value NFirst [N, *, E] or shared [*, E] with * = (B, L)
     if batch_first else (L, B). Returns (out [N, *, E], weights [N, B, (heads,) L, S] or None), or
-    (None, None) where it refuses (is_causal without a mask, as torch raises; masks torch refuses). Raises
-    ExecutionError for a fully masked row where torch's fast path (NaN) and slow path (0) disagree, unless
-    `fully_masked_ok` (the encoder's nested-tensor mirror, where torch drops the padded positions)."""
+    (None, None) where it refuses (masks torch refuses). Raises ExecutionError for a fully masked row where
+    torch's fast path (NaN) and slow path (0) disagree, unless `fully_masked_ok` (the encoder's nested-tensor
+    mirror, where torch drops the padded positions), and for is_causal without a mask where torch raises (off
+    its fast path; on it torch ignores the hint: plain attention here too)."""
     if is_causal and attn_mask is None:
-        return None, None
+        if not _fast_path_taken(module, state, query, key, value, batch_first, key_padding_mask):
+            raise ExecutionError(CAUSAL_WITHOUT_MASK)
+        is_causal = False
     dtype = (query.t if is_nf(query) else query).dtype
     masks = [m.t if is_nf(m) else m for m in (key_padding_mask, attn_mask) if m is not None]
     if any(m.dtype != torch.bool and m.dtype != dtype for m in masks):
@@ -149,6 +161,23 @@ def attention(module: nn.Module, state: dict, query: Any, key: Any, value: Any, 
     o = o.reshape(n, *((batch, tgt) if batch_first else (tgt, batch)), e)
     out = gemm(NFirst(o), relaid(state["out_proj.weight"], "bmm"), _nf(state.get("out_proj.bias")), n)
     return out, weights
+
+
+def _fast_path_taken(module: nn.Module, state: dict, query: Any, key: Any, value: Any, batch_first: bool,
+                     key_padding_mask: Any) -> bool:
+    """Whether torch's MultiheadAttention takes its fast path (torch._native_multi_head_attention) for a batched
+    call, which ignores is_causal where no attn_mask is given; off it, torch raises for such a call. The same
+    conditions as MultiheadAttention.forward, the stacked `state` standing for the module's own tensors."""
+    tensors = [x.t if is_nf(x) else x for x in (query, key, value)] + [
+        state.get(k) for k in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")]
+    kpm = key_padding_mask.t if is_nf(key_padding_mask) else key_padding_mask
+    dtype = tensors[0].dtype
+    return (torch.backends.mha.get_fastpath_enabled() and batch_first and query is key and key is value
+            and not module.training and module.num_heads % 2 == 0 and module._qkv_same_embed_dim
+            and module.bias_k is None and module.bias_v is None and not module.add_zero_attn
+            and tensors[3] is not None and tensors[4] is not None and tensors[3].dtype == tensors[4].dtype == dtype
+            and (kpm is None or not torch.is_floating_point(kpm)) and not torch.is_autocast_enabled()
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
 
 
 def _fast_path_possible(module: nn.Module, query: Any, key: Any, value: Any, batch_first: bool, need_weights: bool) -> bool:
