@@ -1,0 +1,189 @@
+"""What in a model's modules the batched module cannot repeat per member, and the messages refusing it.
+
+Hooks on the model's modules (`module_hooks`; torch's state-driven weight_norm / spectral_norm hooks are
+left out and compared as settings, `hook_configs`), torch.jit-scripted submodules, a forward replaced on an
+instance, a class overriding __call__ and function attributes closing over a module or tensor
+(`call_override_refusal`), gathered by `hooks_refusal`; global module hooks (`global_hooks_refusal`,
+`global_hooks_present`), and global registration hooks held back while stagewise makes its own modules
+(`registration_hooks_off`). Checked at trace (planner.graph), build and call (executor).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+import torch
+import torch.nn.modules.module as torch_module
+from torch import nn
+
+
+# --- global module hooks ---------------------------------------------------------------------------------------
+
+_GLOBAL_CALL_HOOKS = {  # torch.nn.modules.module's tables -> the function that fills them
+    "_global_forward_pre_hooks": "register_module_forward_pre_hook",
+    "_global_forward_hooks": "register_module_forward_hook",
+    "_global_backward_pre_hooks": "register_module_full_backward_pre_hook",
+    "_global_backward_hooks": "register_module_full_backward_hook",
+}
+_GLOBAL_REGISTRATION_HOOKS = ("_global_buffer_registration_hooks", "_global_module_registration_hooks",
+                              "_global_parameter_registration_hooks")
+
+
+def _torch_owned(hook: Any) -> bool:
+    """torch's own global hooks (FlopCounterMode's module tracker): they only watch."""
+    f = getattr(hook, "func", hook)
+    return str(getattr(f, "__module__", "")).startswith("torch.")
+
+
+def global_hooks() -> dict[str, str]:
+    """Hooks registered for every module's call ("register_module_forward_hook" -> the hook's name), torch's own left out."""
+    found = {}
+    for table, api in _GLOBAL_CALL_HOOKS.items():
+        for hook in getattr(torch_module, table, {}).values():
+            if not _torch_owned(hook):
+                found.setdefault(api, getattr(hook, "__qualname__", type(hook).__name__))
+    return found
+
+
+def global_hooks_refusal(who: str) -> str | None:
+    """The message refusing global module hooks for `who` (what would run without them), or None when there are none."""
+    hooks = global_hooks()
+    if not hooks:
+        return None
+    shown = ", ".join(f"torch.nn.modules.module.{api}: {name}" for api, name in hooks.items())
+    return (f"global module hooks are registered ({shown}): the member loop fires them on every call of every module of "
+            f"every member, but {who} never calls the members' modules (it would fire them on itself once with N-first "
+            "values, and inside stages on vmap-internal values). Remove them (handle.remove()) while planning and running "
+            "the batched module, or register a hook on the batched module itself for its N-first outputs")
+
+
+def global_hooks_present() -> bool:
+    """The per-call check: any global call hook at all (four dict truthiness tests); global_hooks() says whose."""
+    m = torch_module
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks
+                or m._global_backward_hooks)
+
+
+@contextlib.contextmanager
+def registration_hooks_off():
+    """Global buffer / module / parameter registration hooks held back inside. The members went through them when
+    they were made; the modules stagewise makes from them (traced graphs, stacked state) must not go through them
+    again (a hook that returns a changed tensor would change the stacked state; one that records would record ours)."""
+    held = {}
+    for table in _GLOBAL_REGISTRATION_HOOKS:
+        hooks = getattr(torch_module, table, None)
+        if hooks:
+            held[table] = dict(hooks)
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for table, hooks in held.items():
+            getattr(torch_module, table).update(hooks)
+
+
+def _closes_over_state(f: Any) -> str:
+    """What a plain function closes over that a deepcopy of its module would not follow ("a module (Net)", "a tensor"), or ""."""
+    for cell in getattr(f, "__closure__", None) or () if isinstance(f, types.FunctionType) else ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, nn.Module):
+            return f"a module ({type(v).__name__})"
+        if isinstance(v, torch.Tensor):
+            return "a tensor"
+    return ""
+
+
+def call_override_refusal(model: nn.Module, who: str) -> str | None:
+    """The message refusing a forward replaced on a module instance, a user class overriding __call__, or a function
+    attribute closing over a module or tensor (a deepcopy keeps reading the original's), or None.
+
+    fx traces type(root).forward (an instance's forward is ignored) and neither tracer runs a root's __call__; a
+    replaced forward that closes over a member's own modules would read member 0's weights for every member."""
+    for path, mod in model.named_modules():
+        where = f"{who}'s submodule {path} ({type(mod).__name__})" if path else \
+            (who if who == type(mod).__name__ else f"{who} ({type(mod).__name__})")
+        replaced = [k for k in ("forward", "__call__") if k in vars(mod)]
+        if replaced:
+            return (f"{where} has {replaced[0]} replaced on the instance (m.{replaced[0]} = ...; a wrapper such as "
+                    "accelerate's or torch.compile's): torch.fx traces the class's forward() and ignores it, and a "
+                    "replacement that closes over the member's own modules would run member 0's weights for every member. "
+                    "Put the code in a subclass's forward() and build the members from it, or remove the replacement "
+                    f"(del m.{replaced[0]}; for torch.compile pass the module before compiling)")
+        for k, f in vars(mod).items():
+            held = _closes_over_state(f)
+            if held:
+                return (f"{where}'s attribute {k!r} is a function that closes over {held}: stagewise traces and runs "
+                        "copies of the members, and a copied module keeps the same function, which goes on reading the "
+                        "original's weights (every member would read member 0's, and no gradient reaches the copy). "
+                        "Make it a method (def f(self, x): ...) and keep `self.f = self.f_method` if needed, or an nn.Module")
+        call = type(mod).__call__
+        if call is not nn.Module.__call__ and not str(getattr(call, "__module__", "")).startswith("torch."):
+            return (f"{where} overrides __call__ ({type(mod).__qualname__}.__call__): the traced graph "
+                    "runs forward() only, so what __call__ adds around it would be dropped or run twice. "
+                    "Move that code into forward()")
+    return None
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _state_driven_hook_types() -> tuple[type, ...]:
+    """torch's own hooks that compute from the module's state alone (the old weight_norm / spectral_norm):
+    a leaf module's hooks run with the module in every strategy that calls it, so these give each member its own."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    return SpectralNorm, WeightNorm
+
+
+def module_hooks(model: nn.Module) -> dict[str, str]:
+    """Hooks the batched module cannot repeat per member: "path (kind)" -> what the hook is.
+
+    A hook on the root module never reaches a traced graph (fx traces forward(), not the call); a hook
+    on a submodule runs member 0's function (its closure, its captures) for every member, or is traced into
+    the graph with member 0's values. torch's own state-driven weight_norm / spectral_norm hooks are left
+    out below the root (their config is compared like any other attribute, see hook_configs)."""
+    state_driven = _state_driven_hook_types()
+    found = {}
+    for path, mod in model.named_modules():
+        for table in _HOOK_TABLES:
+            for hook in getattr(mod, table, {}).values():
+                if path and isinstance(hook, state_driven):
+                    continue
+                if not path and str(getattr(hook, "__module__", "")).startswith("torch.export."):
+                    continue  # a loaded torch.export archive's own input check and state sync (the trace keeps the check)
+                kind = table.strip("_").replace("_hooks", " hook").replace("_", " ")
+                found[f"{path or type(model).__name__} ({kind})"] = getattr(hook, "__qualname__", type(hook).__name__)
+    return found
+
+
+def hook_configs(model: nn.Module) -> tuple:
+    """The state-driven hooks module_hooks leaves out, with their settings (members must agree on them)."""
+    state_driven = _state_driven_hook_types()
+    return tuple((path, table, type(h).__name__, tuple(sorted((k, repr(v)) for k, v in vars(h).items())))
+                 for path, mod in model.named_modules() for table in _HOOK_TABLES
+                 for h in getattr(mod, table, {}).values() if isinstance(h, state_driven))
+
+
+def hooks_refusal(model: nn.Module, who: str) -> str | None:
+    """The message refusing `model`'s hooks (module_hooks), torch.jit-scripted submodules, or a forward / __call__
+    the trace cannot see (call_override_refusal), or None when it has none of them."""
+    scripted = [path for path, mod in model.named_modules() if path and isinstance(mod, torch.jit.ScriptModule)]
+    if scripted:
+        return (f"{who} holds torch.jit-scripted submodule(s) {', '.join(repr(p) for p in scripted[:3])}: a scripted module "
+                "runs its own compiled copy of the weights, so each member's weights cannot be put in for it "
+                "(every member would run member 0's); build the members from the plain nn.Modules, without torch.jit.script")
+    overridden = call_override_refusal(model, who)
+    if overridden:
+        return overridden
+    hooks = module_hooks(model)
+    if not hooks:
+        return None
+    shown = ", ".join(f"{k}: {v}" for k, v in list(hooks.items())[:3])
+    return (f"{who} has module hooks ({shown}{', ...' if len(hooks) > 3 else ''}) that a traced graph cannot run per member: "
+            "a hook on the model itself is never traced, and one on a submodule would run member 0's hook for every member. "
+            "Remove the hooks before planning (handle.remove()) and put what they do into forward(), or run the hooks' "
+            "work on the batched module's outputs")

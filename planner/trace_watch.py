@@ -1,0 +1,249 @@
+"""What watches a trace and refuses what it cannot record (planner.graph runs fx and torch.export inside these).
+
+fx and torch.export run forward()'s Python once, on the real module. Watched while they do:
+grad mode turned off (`_grad_mode_watch`: torch.no_grad / set_grad_enabled(False) leave no fx node),
+torch random ops on concrete values (`RANDOM_OPS`, `_RandomWatch`: fx bakes the draw in as a constant),
+Python-level random draws and clock reads (`_HostStateWatch`, `_host_state_refused`: random, numpy.random,
+generators the model holds, time; refused with HostStateError), and torch.inference_mode(), traced as a
+no_grad region (`_inference_mode_as_no_grad`).
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import sys
+import sysconfig
+import threading
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from stagewise.planner.errors import TraceError
+
+
+@contextlib.contextmanager
+def _grad_mode_watch():
+    """Yields a list that gets an entry each time grad mode is turned off while inside (torch.no_grad,
+    set_grad_enabled(False): both go through torch._C._set_grad_enabled)."""
+    calls: list[bool] = []
+    original = torch._C._set_grad_enabled
+
+    def watched(mode: bool) -> None:
+        if not mode:
+            calls.append(mode)
+        original(mode)
+
+    torch._C._set_grad_enabled = watched
+    try:
+        yield calls
+    finally:
+        torch._C._set_grad_enabled = original
+
+
+RANDOM_OPS = frozenset({
+    torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.bernoulli, torch.normal, torch.multinomial, torch.poisson,
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.bernoulli, torch.Tensor.random_,
+    torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+    torch.Tensor.multinomial, torch.nn.functional.dropout, torch.dropout,
+})
+
+
+class _RandomWatch(torch.overrides.TorchFunctionMode):
+    """Records random ops that run on concrete values while fx traces (`calls`: their names); ops on fx proxies
+    are recorded in the graph and are not listed."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in RANDOM_OPS and not any(isinstance(a, torch.fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+            self.calls.add(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+# --- state the trace cannot see: Python-level random draws and clocks ---------------------------------------
+# fx and torch.export run forward()'s Python once: `random.random()`, `np.random.rand()`, `time.time()` are
+# evaluated at trace time and their value is baked into the graph, while the member loop draws (reads) anew
+# on every call. Such reads are watched while tracing and refused (HostStateError), never traced.
+
+_NOT_DRAWS = frozenset({"seed", "getstate", "setstate", "get_state", "set_state", "default_rng", "get_bit_generator",
+                        "set_bit_generator"})
+_CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+           "process_time", "process_time_ns", "thread_time", "thread_time_ns")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+class HostStateError(TraceError):
+    """forward() reads Python-level random numbers or a clock, which a trace freezes into one constant."""
+
+
+def _watched_functions() -> dict[int, tuple[Any, str]]:
+    """id(function) -> (function, label) for the draws of `random` and `numpy.random` and the clocks of `time`."""
+    import random
+    import time
+    found = {}
+    for name in random.__all__:
+        f = getattr(random, name, None)
+        if callable(f) and not isinstance(f, type) and name not in _NOT_DRAWS:
+            found[id(f)] = (f, f"random.{name}")
+    for name in _CLOCKS:
+        if hasattr(time, name):
+            found[id(getattr(time, name))] = (getattr(time, name), f"time.{name}")
+    np_random = getattr(sys.modules.get("numpy"), "random", None)  # only when the model's code imported numpy
+    if np_random is not None:
+        legacy = np_random.mtrand._rand  # the global RandomState behind np.random.rand, np.random.normal, ...
+        for name in dir(np_random):
+            f = getattr(np_random, name, None)
+            if getattr(f, "__self__", None) is legacy and name not in _NOT_DRAWS and not name.startswith("_"):
+                found[id(f)] = (f, f"numpy.random.{name}")
+    return found
+
+
+def _rng_state(rng: Any) -> Any:
+    """A comparable snapshot of a random generator's state, or None when `rng` is not one."""
+    import random
+    if isinstance(rng, random.Random):
+        return rng.getstate()
+    np_random = getattr(sys.modules.get("numpy"), "random", None)
+    if np_random is not None and isinstance(rng, (np_random.Generator, np_random.RandomState, np_random.BitGenerator)):
+        bits = rng if isinstance(rng, np_random.BitGenerator) else getattr(rng, "bit_generator", None) or rng._bit_generator
+        return pickle.dumps(bits.state)
+    return None
+
+
+def _from_model_code(frame: Any) -> bool:
+    """Whether `frame` runs the model's code: not torch's, not stagewise's and not the standard library's
+    (torch.export times itself with time.perf_counter; logging stamps its records)."""
+    module = str(frame.f_globals.get("__name__", ""))
+    if module == "torch" or module.startswith(("torch.", "stagewise.", "functorch.")):
+        return False
+    filename = frame.f_code.co_filename
+    return not (filename.startswith(_STDLIB) and "-packages" not in filename)
+
+
+class _HostStateWatch:
+    """While inside: the watched functions (module attributes, and names the model's modules imported with
+    `from random import random`) record calls made by the model's code on this thread; random generators held by
+    the model's modules or their Python modules, and the global ones, are compared before and after.
+    `reads`: sorted labels of what was read."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.calls: set[str] = set()
+
+    def _wrap(self, f: Any, label: str) -> Any:
+        owner = threading.get_ident()
+        calls = self.calls
+
+        def watched(*args, **kwargs):
+            if threading.get_ident() == owner and _from_model_code(sys._getframe(1)):
+                calls.add(label)
+            return f(*args, **kwargs)
+        return watched
+
+    def _namespaces(self) -> list[dict]:
+        """The globals of the Python modules defining the model's classes (where `from random import random` lands)."""
+        names = {type(m).__module__ for m in self.model.modules()}
+        return [vars(sys.modules[n]) for n in sorted(names) if n in sys.modules and not n.startswith("torch.")]
+
+    def __enter__(self) -> "_HostStateWatch":
+        import random
+        import time
+        watched = _watched_functions()
+        owners = [vars(random), vars(time)]
+        np_random = getattr(sys.modules.get("numpy"), "random", None)
+        if np_random is not None:
+            owners.append(vars(np_random))
+        namespaces = self._namespaces()
+        self.patched = []
+        for space in owners + namespaces:
+            for name, value in list(space.items()):
+                hit = watched.get(id(value))
+                if hit is not None and hit[0] is value:
+                    self.patched.append((space, name, value))
+                    space[name] = self._wrap(value, hit[1])
+        # generators the watch cannot wrap (a random.Random or numpy Generator held by a module, the global
+        # states reached through a helper module's `from random import ...`): compared before and after
+        rngs = {"random": random._inst}
+        if np_random is not None:
+            rngs["numpy.random"] = np_random.mtrand._rand
+        for path, mod in self.model.named_modules():
+            for k, v in vars(mod).items():
+                rngs.setdefault(f"{path + '.' if path else ''}{k}", v)
+        for space in namespaces:
+            for k, v in space.items():
+                rngs.setdefault(f"{space.get('__name__', '?')}.{k}", v)
+        self.states = {}
+        for label, rng in rngs.items():
+            state = _rng_state(rng)
+            if state is not None:
+                self.states[label] = (rng, state)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for space, name, value in reversed(self.patched):
+            space[name] = value
+        for label, (rng, state) in self.states.items():
+            named = any(c.startswith(f"{label}.") for c in self.calls)  # a wrapped call already names it
+            if _rng_state(rng) != state and not named:
+                self.calls.add(f"{label} (a {type(rng).__module__}.{type(rng).__qualname__}: its state moved)")
+
+    def refusal(self) -> HostStateError | None:
+        """The error naming what forward() read, or None when it read nothing watched."""
+        if not self.calls:
+            return None
+        shown = ", ".join(sorted(self.calls)[:4])
+        clocks = all(c.startswith("time.") for c in self.calls)
+        what = "reads the clock" if clocks else "draws Python-level random numbers"
+        fix = ("read the clock outside forward() and pass the value in as an input" if clocks else
+               "draw with torch on a tensor instead (torch.rand((), device=x.device) < self.p, "
+               "x * torch.empty((), device=x.device).uniform_(0.5, 1.5)), which the trace records and each member draws itself")
+        return HostStateError(
+            f"{type(self.model).__name__}.forward() {what} ({shown}): torch.fx and torch.export run that Python once "
+            f"while tracing and bake its value into the graph as a constant, so every call of every member would reuse "
+            f"it where the member loop reads a new one each call. Fix: {fix}")
+
+
+@contextlib.contextmanager
+def _host_state_refused(model: nn.Module):
+    """Raise HostStateError after the block when the model's code read a watched random draw or clock inside it
+    (that refusal wins over an error the block raised: it is the reason the model cannot be traced faithfully)."""
+    watch = _HostStateWatch(model)
+    try:
+        with watch:
+            yield
+    finally:
+        error = watch.refusal()
+        if error is not None:
+            raise error from None
+
+
+class _InferenceModeAsNoGrad:
+    """Stands in for torch._C._InferenceMode while tracing: neither fx nor torch.export records
+    `torch.inference_mode()` (the batched module would compute gradients the members never make), but both
+    see torch.no_grad(), whose region gives the same values and no gradients (fx then falls back to export)."""
+
+    def __init__(self, mode: bool):
+        self.inner = torch.no_grad() if mode else contextlib.nullcontext()
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _inference_mode_as_no_grad():
+    original = torch._C._InferenceMode
+    torch._C._InferenceMode = _InferenceModeAsNoGrad
+    try:
+        yield
+    finally:
+        torch._C._InferenceMode = original

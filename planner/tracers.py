@@ -1,0 +1,144 @@
+"""How each tracer is called and its graph cleaned up (planner.graph picks the tracer and watches the run).
+
+torch.fx: the forward() parameters the given inputs leave out are fixed to their defaults
+(`_defaults_not_given`) and fx's placeholders for them removed (`_drop_concrete_placeholders`).
+torch.export (`_export`): non-strict, every dim offered as dynamic (static when that fails), quiet
+unless it succeeds; the symbol ranges are kept, the input-guard node dropped and sym_size reads made size() calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import sys
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from stagewise.planner.trace_watch import _inference_mode_as_no_grad
+
+
+def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
+    """forward() parameters with a default that `given` (a count or names) does not supply -> their defaults."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a forward without a readable signature: trace it as it is
+        return {}
+    named = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if isinstance(given, int):
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            return {}  # forward(x, *rest, ...): extra positionals go to *rest, nothing to fix
+        names = {p.name for p in named[:given]}
+    else:
+        names = set(given)
+    return {p.name: p.default for p in named if p.name not in names and p.default is not p.empty}
+
+
+def _drop_concrete_placeholders(gm: torch.fx.GraphModule, fixed: dict[str, Any]) -> None:
+    """Remove fx's placeholders for `concrete_args` (`mask_1`) and the value checks that are their only users."""
+    prefixes = tuple(f"{name}_" for name in fixed)
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and str(n.target).startswith(prefixes)]:
+        users = _all_users(node)
+        if all(u.op == "call_function" for u in users):  # only fx's `eq`/`_assert` specialisation checks
+            for u in reversed(users):
+                gm.graph.erase_node(u)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _all_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every node that depends on `node`, in graph order."""
+    seen: dict[torch.fx.Node, None] = {}
+    todo = list(node.users)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen[n] = None
+            todo.extend(n.users)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
+    """torch.export's graph of `model` (non-strict, quiet unless it succeeds), without the input-guard node.
+
+    Every dim of every tensor input is offered to export as dynamic (Dim.AUTO):
+    dims the model does not specialise stay symbolic, so the plan accepts other
+    batch sizes and sequence lengths; dims it does specialise (a loop over
+    x.shape[1]) stay fixed. A model that fails that way is exported static.
+    The symbol ranges go to gm.meta["stagewise_ranges"], the guard function stays
+    as gm._guards_fn (planner.inputs records and checks what they say).
+    """
+    args = tuple(example_inputs)
+    auto = tree_map(lambda v: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None, args)
+    try:
+        with _quiet_on_failure(), _inference_mode_as_no_grad():
+            ep = torch.export.export(model, args, dynamic_shapes=auto, strict=False)
+    except Exception:  # export raises many types; the static export below reports its own failure
+        with _quiet_on_failure(), _inference_mode_as_no_grad():
+            ep = torch.export.export(model, args, strict=False)
+    gm = ep.module()
+    gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
+    _drop_guard_nodes(gm)
+    _sizes_as_methods(gm)
+    return gm
+
+
+_SYM_QUERIES = {"aten::sym_size.int": "size", "aten::sym_numel": "numel", "aten::sym_stride.int": "stride"}
+
+
+def _sizes_as_methods(gm: torch.fx.GraphModule) -> None:
+    """`aten.sym_size.int(x, 0)` -> `x.size(0)` (same value): vmap has no rule for the aten op, but a
+    batched tensor's size() is one member's size. Dynamic dims put these reads in the graph."""
+    changed = False
+    for node in gm.graph.nodes:
+        method = _SYM_QUERIES.get(getattr(node.target, "name", lambda: "")()) if node.op == "call_function" else None
+        if method:
+            node.op, node.target, changed = "call_method", method, True
+    if changed:
+        gm.recompile()
+
+
+def _range_of(vr) -> tuple[int, int | None]:
+    """A sympy value range as (min, max or None for unbounded)."""
+    lo, hi = _finite_int(vr.lower), _finite_int(vr.upper)
+    return max(lo or 0, 0), hi
+
+
+def _finite_int(v) -> int | None:
+    """int(v) for a finite sympy bound, None for +-infinity (torch's int_oo)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_on_failure():
+    """Hold back what torch.export prints; show it only if export succeeds.
+
+    A failed export prints its partial graph to stderr and logs warnings; our
+    TraceError already says why, and a CLI user should see one line, not a dump.
+    """
+    held = io.StringIO()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        logging.disable(previous)
+    sys.stderr.write(held.getvalue())  # reached only on success
+
+
+def _drop_guard_nodes(gm: torch.fx.GraphModule) -> None:
+    """Remove export's input-guard call (it re-checks shapes we check ourselves, and is not batchable)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
