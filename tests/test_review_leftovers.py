@@ -174,3 +174,50 @@ def test_causal_hint_without_mask_under_wide_is_what_the_loop_does(kind, kpm, ne
         ref[0](x, pad)  # with gradients enabled the loop raises
     with pytest.raises(planner.ExecutionError, match="is_causal=True and no attn_mask.*generate_square_subsequent_mask"):
         ens(x, pad)
+
+
+# --- 4. a shared model input written in place by forward -----------------------------------------------------
+
+class WritesSharedInput(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.how = nn.Linear(4, 4), how
+
+    def forward(self, x):
+        if self.how == "add_":
+            x.add_(1)
+        elif self.how == "iadd":
+            x += 1  # fx traces this as an out-of-place add: the graph does not show the write at all
+        else:
+            x.view(-1).mul_(2)
+        return self.fc(x)
+
+
+@pytest.mark.xfail(strict=True, reason="silent wrong answer until executor.build refuses an in-place write into a "
+                   "shared model input (the loop writes the caller's tensor once per member: member i sees i writes "
+                   "before its own; the batched module writes a per-member copy); see the leftovers report")
+@pytest.mark.parametrize("how", ["add_", "iadd", "view_mul_"])
+def test_a_shared_input_written_in_place_is_refused_naming_the_fix(how):
+    torch.manual_seed(0)
+    members = [WritesSharedInput(how) for _ in range(N)]
+    x = torch.randn(2, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x.clone(),)), n_members=N)
+    with pytest.raises(planner.StagewiseError, match=r"shared input .*in place.*clone"):
+        executor.build(plan, members)(x)
+
+
+@pytest.mark.parametrize("how", ["add_", "view_mul_"])
+def test_a_per_member_input_written_in_place_matches_the_loop(how):
+    """The defensible alternative the refusal points to: per_member inputs (each member its own row)."""
+    torch.manual_seed(0)
+    members = [WritesSharedInput(how) for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(N, 2, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x[0].clone(),)), n_members=N,
+                           input_mode="per_member")
+    a, b = x.clone(), x.clone()
+    with torch.no_grad():
+        got = executor.build(plan, members)(a)
+        want = torch.stack([m(b[i]) for i, m in enumerate(ref)])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a, b)  # the caller's rows written as the loop writes them
