@@ -158,6 +158,7 @@ class CudaGraphBackend:
 
     def __init__(self) -> None:
         self.pool = None
+        self.pool_bytes = 0  # device memory the graphs' private pool took (held while they live; no allocator peak shows it)
 
     def capture(self, fn: Callable[[], Any], warmup: Callable[[], None]) -> tuple[Callable[[], None], Any]:
         side = torch.cuda.Stream()
@@ -166,8 +167,10 @@ class CudaGraphBackend:
             warmup()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved()  # a private pool takes segments of its own: they are its size
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
+        self.pool_bytes += max(0, torch.cuda.memory_reserved() - reserved)
         self.pool = graph.pool()
         return graph.replay, out
 

@@ -227,6 +227,8 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
         if loop_call is not None:
             cands["loop"] = (loop_res, loop_call)
     time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
+    if res.ok and res.peak_mem_bytes is not None:  # a cuda_graph stage's pool, taken at capture, is in use at every call
+        res.peak_mem_bytes += getattr(runner, "graph_pool_bytes", 0)
     if strategy is Strategy.COMPILE and res.ok:
         res.compile_s = getattr(runner, "compile_seconds", res.compile_s)
     # a failed strategy's consumers go on with the loop's outputs

@@ -221,3 +221,35 @@ def test_a_per_member_input_written_in_place_matches_the_loop(how):
         want = torch.stack([m(b[i]) for i, m in enumerate(ref)])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(a, b)  # the caller's rows written as the loop writes them
+
+
+# --- 5. the profiler counts a cuda_graph stage's graph pool -------------------------------------------------
+
+POOL = 64 << 20
+
+
+class PoolOfKnownSize(ReplayBackend):
+    """ReplayBackend that reports a graph pool as CudaGraphBackend measures one (its segments' size)."""
+
+    def __init__(self):
+        self.pool_bytes = POOL
+
+
+@pytest.mark.parametrize("backend, counted", [(PoolOfKnownSize, True), (ReplayBackend, False)])
+def test_profile_counts_a_cuda_graph_stages_pool_in_its_peak(monkeypatch, backend, counted):
+    """A replay allocates nothing in the graph's pool, so the allocator peak around a call missed the pool."""
+    from stagewise.executor.strategies.cudagraph import CudaGraphRunner
+
+    monkeypatch.setattr(CudaGraphRunner, "backend_class", backend)
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval() for _ in range(N)]
+    x = torch.randn(5, 8)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, n_members=N)
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, strategy="cuda_graph")
+    with torch.no_grad():
+        report = executor.profile(plan, members, (x,), device="cpu", repeats=2, warmup=1, baselines=False)
+    peaks = [st.result.peak_mem_bytes for st in report.stages if st.strategy == "cuda_graph"]
+    assert peaks and all(p is not None for p in peaks)
+    assert all((p >= POOL) == counted for p in peaks)
