@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from stagewise import executor, planner
+from stagewise.planner.errors import ExecutionError
 from stagewise.executor.autotune import candidate_strategies, tune
 from stagewise.executor.strategies import WideRunner, wide_rule_gaps
 from stagewise.executor.strategies.wide_attention import encoder, encoder_layer, multihead_attention
@@ -349,8 +350,11 @@ def test_rules_refuse_inputs_they_do_not_mirror():
     layer = nn.TransformerEncoderLayer(E, HEADS, 16, batch_first=True).eval()
     state = stacked([layer] * 3)
     assert encoder_layer(layer, state, (NFirst(torch.randn(3, 4, E)),), {}, 3) is None  # unbatched
+    mha = nn.MultiheadAttention(E, HEADS, batch_first=False).eval()  # off torch's fast path, torch raises: so does wide
+    xs = NFirst(torch.randn(3, 4, B, E))
+    with pytest.raises(ExecutionError, match="is_causal=True and no attn_mask"):
+        multihead_attention(mha, stacked([mha] * 3), (xs, xs, xs), {"is_causal": True}, 3)
     mha = nn.MultiheadAttention(E, HEADS, batch_first=True).eval()
-    assert multihead_attention(mha, stacked([mha] * 3), (x, x, x), {"is_causal": True}, 3) is None  # torch raises
     assert multihead_attention(mha, stacked([mha] * 3), (x, x, x), {"no_such_arg": 1}, 3) is None
     rnn = nn.LSTM(H_IN, HID)
     assert lstm(rnn, stacked([rnn] * 3), (NFirst(torch.randn(3, 4, B, H_IN)),), {"other": 1}, 3) is None
