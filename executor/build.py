@@ -6,9 +6,13 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import copy
+import functools
 import re
+import sys
+import types
 from pathlib import Path
 import dataclasses
 import warnings
@@ -157,6 +161,24 @@ def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> di
     return stacked
 
 
+def check_same_requires_grad(members: Sequence[nn.Module]) -> None:
+    """MemberError naming the first member that freezes other parameters than member 0: a stacked parameter
+    has one requires_grad for all members (member 0's would be trained, or frozen, for every member)."""
+    ref = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
+    for i, m in enumerate(members[1:], start=1):
+        differ = [(k, p.requires_grad) for k, p in m.named_parameters(remove_duplicate=False) if k in ref and ref[k] != p.requires_grad]
+        if differ:
+            frozen = [k for k, rg in differ if not rg]
+            trained = [k for k, rg in differ if rg]
+            what = "; ".join(part for part in (
+                f"member {i} freezes {frozen[:3]}{' ...' if len(frozen) > 3 else ''} (requires_grad=False), which member 0 trains" if frozen else "",
+                f"member {i} trains {trained[:3]}{' ...' if len(trained) > 3 else ''}, which member 0 freezes (requires_grad=False)" if trained else "",
+            ) if part)
+            raise MemberError(f"{what}: a stacked parameter has one requires_grad for all members, so it would be trained or frozen "
+                              "for every member alike. Freeze the same parameters in every member (p.requires_grad_(False) on each), "
+                              "or build the members that differ here as separate modules")
+
+
 def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
     """Names of trainable parameters that two members hold as one tensor. Stacked, each member gets its own
     copy: forward is the same, but training would update the copies apart where the loop updates one tensor."""
@@ -233,6 +255,161 @@ def tree_tensor(tree: nn.Module, name: str) -> torch.Tensor:
     return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
 
 
+# --- forward() reading self.training ------------------------------------------------------------
+# A Python branch on `self.training` (or `F.dropout(x, p, self.training)`) in a traced forward is decided
+# when it is traced: the graph holds one branch. Leaf modules (nn.Dropout, nn.BatchNorm*) stay call_module
+# nodes under fx and follow .train()/.eval() at run time; torch.export traces inside them, so there their
+# flag is decided at trace time too. build() traces a copy of member 0 in the other mode as well: where the
+# graphs differ, the module refuses that mode (train(), eval(), a call with the flag set by hand).
+
+
+def _code_reads_training(code: types.CodeType) -> bool:
+    """Whether `code` (or a function nested in it) names an attribute or string `training`."""
+    if "training" in code.co_names or "training" in code.co_consts:
+        return True
+    return any(isinstance(c, types.CodeType) and _code_reads_training(c) for c in code.co_consts)
+
+
+def _all_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _all_names(c)
+    return names
+
+
+def _is_user_code(module_name: str | None) -> bool:
+    """Whether a Python module name is neither torch's nor the standard library's (where no forward of ours hides)."""
+    root = (module_name or "").partition(".")[0]
+    return root not in ("torch", "builtins") and root not in sys.stdlib_module_names
+
+
+def reads_training(model: nn.Module, tracer: str = "export", opened: Sequence[str] = ()) -> bool:
+    """Whether Python code that may run in `model`'s traced forward reads a `training` flag: the methods of
+    every traced submodule's classes (under export torch's own too: Dropout, BatchNorm read it; under fx its
+    leaves are not traced unless `opened`), functions held on the modules, and the user functions, classes,
+    modules and tables of functions those reach by global name. Only a filter: False skips tracing the model
+    again in the other mode (see mode_bound); when in doubt it says True."""
+    leaf = torch.fx.Tracer().is_leaf_module
+    todo: list[Any] = []
+    for path, mod in model.named_modules():
+        if tracer == "fx" and path not in opened and leaf(mod, path):
+            continue  # a call_module node: it reads its flag when it runs
+        todo.append(type(mod))
+        todo.extend(v for v in vars(mod).values() if callable(v) and not isinstance(v, nn.Module))
+    seen: set[int] = set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is nn.Module or obj is object:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            if issubclass(obj, torch.fx.GraphModule):
+                return True  # generated code: trace it again rather than read it
+            todo.extend(obj.__mro__[1:])
+            for v in vars(obj).values():
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                if isinstance(v, property):
+                    todo.extend(f for f in (v.fget, v.fset) if f is not None)
+                elif isinstance(v, (types.FunctionType, type)):
+                    todo.append(v)
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__func__)
+        elif isinstance(obj, functools.partial):
+            todo.append(obj.func)
+        elif isinstance(obj, types.FunctionType):
+            if _code_reads_training(obj.__code__):
+                return True
+            todo.extend(c.cell_contents for c in obj.__closure__ or () if _cell_is_code(c))
+            names = _all_names(obj.__code__)
+            for name in names:  # the user's helpers it calls by global name, `helper(...)` or `utils.helper(...)`
+                v = obj.__globals__.get(name, getattr(builtins, name, None))
+                if isinstance(v, types.ModuleType) and _is_user_code(v.__name__):
+                    todo.extend(getattr(v, n) for n in names if isinstance(getattr(v, n, None), (types.FunctionType, type)))
+                elif isinstance(v, (dict, list, tuple)):  # a registry of activations or blocks: ACTS[self.kind](x)
+                    todo.extend(f for f in (v.values() if isinstance(v, dict) else v)
+                                if isinstance(f, (types.FunctionType, type, functools.partial)) and _is_user_code(getattr(f, "__module__", None)))
+                elif isinstance(v, (types.FunctionType, type, functools.partial)) and _is_user_code(getattr(v, "__module__", None)):
+                    todo.append(v)
+        elif callable(obj) and not isinstance(obj, (types.BuiltinFunctionType, torch.Tensor)):
+            todo.append(type(obj))  # a callable object: its class's __call__
+    return False
+
+
+def _cell_is_code(cell: Any) -> bool:
+    try:
+        v = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return isinstance(v, (types.FunctionType, type, functools.partial))
+
+
+def _mode_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """What decides a trace's behaviour beyond member state: its code, line by line, and the constants it reads."""
+    consts = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) not in state_names:
+            obj: Any = gm
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part, None)
+            if not isinstance(obj, nn.Module):
+                consts[str(node.target)] = obj
+    return gm.code.strip().splitlines(), consts
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and (a.device.type == "meta" or torch.equal(a.detach(), b.detach())))
+    try:
+        return bool(a == b)
+    except Exception:  # an object without a plain ==: only itself is itself
+        return a is b
+
+
+def _mode_difference(traced: tuple[list[str], dict[str, Any]], other: tuple[list[str], dict[str, Any]]) -> str | None:
+    """None when two traces are the same program, else a few words on the first difference."""
+    (lines_a, consts_a), (lines_b, consts_b) = traced, other
+    for a, b in zip(lines_a + ["<end>"], lines_b + ["<end>"]):
+        if a != b:
+            return f"`{a.strip()[:100]}` became `{b.strip()[:100]}`"
+    for k in consts_a.keys() | consts_b.keys():
+        if k not in consts_a or k not in consts_b or not _same_constant(consts_a[k], consts_b[k]):
+            return f"the constant {k!r} differs"
+    return None
+
+
+_MODE_NAME = {True: "training", False: "eval"}
+
+
+def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> dict[bool, str]:
+    """The modes (True = training) in which `private` (a copy of member 0, traced as `graph`) traces to another
+    program than `graph`, each with the first difference (or why it cannot be traced in that mode)."""
+    modes = [m.training for m in private.modules()]
+    wanted = [mode for mode in (True, False) if any(t != mode for t in modes)]  # all modules in `mode` already: graph itself
+    if not wanted or not reads_training(private, plan.tracer, plan.opened_modules):
+        return {}
+    state = {k for k, _ in private.named_parameters(remove_duplicate=False)} | {k for k, _ in private.named_buffers(remove_duplicate=False)}
+    traced = _mode_text(graph.gm, state)
+    names = [i.name for i in plan.inputs]
+    bound = {}
+    for mode in wanted:
+        # the other mode's trace may run Python that changes attributes: on a copy, sharing the parameters and buffers
+        # (a trace does not write them: fx holds proxies, export fakes)
+        other = copy.deepcopy(private, {id(t): t for t in [*private.parameters(), *private.buffers()]})
+        other.train(mode)
+        try:
+            g = retrace(other, plan.tracer, example, names, plan.opened_modules)
+        except StagewiseError as e:  # e.g. a random draw only the training branch makes
+            bound[mode] = f"in {_MODE_NAME[mode]} mode it cannot be traced ({str(e).splitlines()[0][:300]})"
+            continue
+        difference = _mode_difference(traced, _mode_text(g.gm, state))
+        if difference is not None:
+            bound[mode] = f"in {_MODE_NAME[mode]} mode it traces to another graph ({difference})"
+    return bound
+
+
 class BatchedModule(nn.Module):
     """N members run as one module, stage by stage. forward(*inputs) -> N-first outputs."""
 
@@ -278,6 +455,34 @@ class BatchedModule(nn.Module):
                                 if gm_nodes[name].op == "get_attr" and str(gm_nodes[name].target) in keys] for p in self.programs]
         self._build_runners()
         self._make_captured()
+        # modes this module cannot be switched to (True = training) -> why: forward() reads self.training (see mode_bound)
+        self._mode_bound: dict[bool, str] = {}
+        self._traced_modes = ""  # the members' modes when built, in words
+        self._mode_refused: tuple[bool, ...] = ()  # values of the training flag a call refuses (one attribute read per call)
+
+    def set_mode_bound(self, bound: dict[bool, str], member: nn.Module) -> None:
+        """Refuse the modes in `bound` (True = training; value: how the graph differs there) from now on;
+        `member`: the member the graph was traced from, in the modes it was traced in."""
+        modes = {m.training for m in member.modules()}
+        self._mode_bound = dict(bound)
+        self._traced_modes = f"{_MODE_NAME[member.training]} mode" if len(modes) == 1 else "a mix of training and eval modes"
+        # a call in the root's traced mode runs the traced graph as traced, whatever train() would make of it
+        self._mode_refused = tuple(mode for mode in bound if mode != member.training)
+
+    def _mode_refusal(self, mode: bool, how: str) -> ExecutionError:
+        wanted = _MODE_NAME[mode]
+        to = ("to train, call .train() on the model before planner.trace and on every member before executor.build, and keep "
+              "this module for evaluation" if mode else
+              "to evaluate, build a separate module from members in eval mode (.eval() before planner.trace and executor.build), "
+              "and keep this module for training")
+        export = (" (torch.export, which traced this plan, fixes the mode of Dropout and BatchNorm layers too)"
+                  if self.plan.tracer == "export" else "")
+        return ExecutionError(
+            f"forward() depends on self.training{export}: this module was built from members in {self._traced_modes}, and "
+            f"{self._mode_bound[mode]}, so {how} would run the traced graph where the member loop runs the {wanted}-mode one; {to}")
+
+    def _mode_refused_now(self) -> ExecutionError:
+        return self._mode_refusal(self.training, f"a call with the training flag set to {self.training} (without .train()/.eval())")
 
     def _make_captured(self) -> None:
         """The plan's whole-plan capture (plan.capture) for the state's device, or None (CPU, or capture off)."""
@@ -332,7 +537,10 @@ class BatchedModule(nn.Module):
         return self
 
     def train(self, mode: bool = True) -> "BatchedModule":
-        """Training mode for every stage: dropout draws a mask per member, BatchNorm updates each member's statistics."""
+        """Training mode for every stage: dropout draws a mask per member, BatchNorm updates each member's statistics.
+        ExecutionError for a mode whose graph differs from the traced one (forward() branches on self.training)."""
+        if mode in self.__dict__.get("_mode_bound", ()):
+            raise self._mode_refusal(mode, f".train({mode})" if mode else ".eval()")
         super().train(mode)
         for m in self.stage_modules:
             m.train(mode)
@@ -478,6 +686,8 @@ class BatchedModule(nn.Module):
         """Run all stages at plan.dtype; returns (N-first outputs, boundary values by node name if `keep`,
         those in the plan's dtype). Floating inputs cast in, floating outputs cast back to the caller's
         dtype (that of its first floating input; float32 when it passes none)."""
+        if self.training in self._mode_refused:
+            raise self._mode_refused_now()
         dtype = LOW_PRECISION.get(self.plan.dtype)
         if dtype is None:
             tf32 = self.plan.dtype == "tf32" and any(t.is_cuda for t in self._stacked.values())
@@ -504,6 +714,8 @@ class BatchedModule(nn.Module):
         """
         if global_hooks_present():  # four dict truthiness tests; torch's own watching hooks pass below
             self._refuse_global_hooks()
+        if self.training in self._mode_refused:  # the flag set by hand (train() refuses before it sets it)
+            raise self._mode_refused_now()
         captured = self.__dict__["_captured"]
         if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
             try:
@@ -587,6 +799,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             f"({_first_difference(plan, graph)}); the plan was made for another model: re-plan with `stagewise plan`"
         )
     validate(plan, graph)
+    check_same_requires_grad(members)
+    bound = mode_bound(private, graph, plan, example)  # before the graph is edited below (lifted constants)
     register_output_dataclasses(graph.gm)
     stacked = stack_member_state(members, dev)
     # a sweep's members differ in numbers the trace baked in: give each member its own (or refuse)
@@ -595,6 +809,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     stacked.update({k: v.to(dev) for k, v in per_member.items()})
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+    module.set_mode_bound(bound, private)
     module.__dict__["_shared_across"] = shared_across_members(members)
     module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in

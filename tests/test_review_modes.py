@@ -1,0 +1,398 @@
+"""Modes and freezing: what a member decides by its flags, against the plain loop over the members.
+
+A Python branch on `self.training` (or F.dropout / F.batch_norm given it) is decided when forward() is
+traced; a batched module built from an eval-mode trace ran the eval branch after .train() (0.3-0.5 off the
+loop), one from a training-mode trace the training branch after .eval(). It now refuses the other mode,
+naming the fix. Leaf Dropout / BatchNorm (fx call_module nodes) still follow .train() / .eval().
+Members that freeze different parameters trained (or froze) member 0's choice for all; now refused at build.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise import executor, planner
+from stagewise.executor.optim import StackedSGD
+from stagewise.planner.errors import ExecutionError, MemberError
+
+N = 3
+
+
+def make(cls, training: bool, n: int = N, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [cls().train(training) for _ in range(n)]
+
+
+def build(members, x, input_mode="shared"):
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, n_members=len(members), input_mode=input_mode)
+    return executor.build(plan, [copy.deepcopy(m) for m in members]), plan
+
+
+def loop(members, x, training: bool) -> torch.Tensor:
+    return torch.stack([m.train(training)(x) for m in members])
+
+
+# --- the models: each reads self.training somewhere the trace decides -----------------------------
+
+class RootBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        x = self.fc(x)
+        if self.training:  # deterministic "noise": the loop's result is known exactly in both modes
+            x = x + 0.5 * x.sin()
+        return x
+
+
+class FunctionalDropout(nn.Module):
+    """Same graph structure in both modes (the fingerprint cannot tell): only a kwarg differs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), 0.5, training=self.training)
+
+
+class MyNorm(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(d))
+        self.register_buffer("var", torch.ones(d))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.mean, self.var, training=self.training, momentum=0.1)
+
+
+class FunctionalBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.norm = MyNorm()
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.fc(x) * (2.0 if self.training else 1.0)
+
+
+class SubmoduleBranch(nn.Module):
+    """The branch sits in a non-leaf submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Scaled()
+        self.out = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.block(x)))
+
+
+def _noisy(module, x):
+    """A helper elsewhere reading the module's flag (not in a method)."""
+    return x + 0.25 * x.cos() if module.training else x
+
+
+class HelperBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return _noisy(self, self.fc(x))
+
+
+class Leaves(nn.Module):
+    """Leaf modules only: fx keeps them as call_module nodes, which follow .train() / .eval()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(self.bn(self.fc(x)))
+
+
+class LeavesExport(Leaves):
+    """fx cannot trace `range(x.shape[0])`: torch.export traces it, inside BatchNorm too."""
+
+    def forward(self, x):
+        for _ in range(x.shape[0]):
+            pass
+        return self.drop(self.bn(self.fc(x)))
+
+
+class PlainExport(nn.Module):
+    """An export plan whose code reads no training flag: both modes run the one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        for _ in range(x.shape[0]):
+            pass
+        return torch.tanh(self.fc(x))
+
+
+class StochasticDepth(nn.Module):
+    """The training branch draws a Python-level coin fx cannot record: training mode cannot be traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        if self.training and random.random() < 0.5:
+            return x
+        return self.fc(x)
+
+
+BRANCHING = [RootBranch, FunctionalDropout, FunctionalBatchNorm, SubmoduleBranch, HelperBranch]
+
+
+@pytest.mark.parametrize("cls", BRANCHING, ids=lambda c: c.__name__)
+def test_eval_trace_refuses_train_and_names_the_fix(cls):
+    """Was: .train() ran the eval branch, 0.3-0.5 off the loop in training mode, no error."""
+    x = torch.randn(5, 6)
+    members = make(cls, training=False)
+    ens, _ = build(members, x)
+    torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, False), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"self\.training.*eval mode.*\.train\(\) on the model before planner\.trace"):
+        ens.train()
+    assert not ens.training  # nothing changed: still usable for evaluation
+    torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, False), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [RootBranch, FunctionalBatchNorm, SubmoduleBranch, HelperBranch], ids=lambda c: c.__name__)
+def test_train_trace_trains_like_the_loop_and_refuses_eval(cls):
+    """Was: .eval() ran the training branch, 0.4 off the loop. In its own mode it still equals the loop, step after step."""
+    x = torch.randn(5, 6)
+    members = make(cls, training=True)
+    ens, _ = build(members, x)
+    ref = copy.deepcopy(members)
+    opt = StackedSGD(ens.parameters(), N, lr=0.1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in ref]
+    for _ in range(3):
+        out = ens(x)
+        want = loop(ref, x, True)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        opt.zero_grad()
+        (out ** 2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+        for o in opts:
+            o.zero_grad()
+        (want ** 2).mean(dim=(1, 2)).sum().backward()  # the loop's own outputs: its forward ran once, like ens's
+        for o in opts:
+            o.step()
+    for i, state in enumerate(ens.member_state_dicts()):
+        for k, v in ref[i].state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"self\.training.*training mode.*separate module from members in eval mode"):
+        ens.eval()
+    assert ens.training
+
+
+def test_the_flag_set_by_hand_is_refused_at_the_call():
+    """`ens.training = True` skips train(): the call itself checks the flag (the loop would run the other branch)."""
+    x = torch.randn(5, 6)
+    ens, _ = build(make(RootBranch, training=False), x)
+    ens.training = True
+    with pytest.raises(ExecutionError, match=r"training flag set to True"):
+        ens(x)
+    with pytest.raises(ExecutionError, match=r"training flag set to True"):
+        ens.run_stages(x)
+    ens.training = False
+    ens(x)
+
+
+def test_a_parent_module_switching_modes_reaches_the_refusal():
+    x = torch.randn(5, 6)
+    ens, _ = build(make(RootBranch, training=False), x)
+    parent = nn.Sequential(ens)
+    with pytest.raises(ExecutionError, match=r"self\.training"):
+        parent.train()
+
+
+def test_a_training_branch_that_cannot_be_traced_refuses_training_with_the_reason():
+    x = torch.randn(5, 6)
+    ens, _ = build(make(StochasticDepth, training=False), x)
+    with pytest.raises(ExecutionError, match=r"in training mode it cannot be traced"):
+        ens.train()
+
+
+@pytest.mark.parametrize("traced_in", [False, True])
+def test_leaf_dropout_and_batchnorm_follow_the_mode_either_way(traced_in):
+    """fx call_module leaves read their flag at run time: both modes equal the loop, whatever the trace's mode."""
+    x = torch.randn(5, 6)
+    members = make(Leaves, training=traced_in)
+    for mode in (True, False, True):
+        ens, _ = build(members, x)
+        ens.train(mode)
+        ref = copy.deepcopy(members)
+        torch.testing.assert_close(ens(x), loop(ref, x, mode), rtol=1e-5, atol=1e-6)
+        for i, state in enumerate(ens.member_state_dicts()):  # BatchNorm's running statistics per member
+            torch.testing.assert_close(state["bn.running_mean"], ref[i].bn.running_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_export_plan_with_batchnorm_refuses_the_other_mode():
+    """torch.export traces inside BatchNorm: an eval trace's .train() was 1.4 off the loop."""
+    x = torch.randn(5, 6)
+    members = make(LeavesExport, training=False)
+    ens, plan = build(members, x)
+    assert plan.tracer == "export"
+    torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, False), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"torch\.export.*BatchNorm.*eval mode"):
+        ens.train()
+
+
+def test_export_plan_reading_no_flag_switches_modes_freely():
+    x = torch.randn(5, 6)
+    members = make(PlainExport, training=False)
+    ens, plan = build(members, x)
+    assert plan.tracer == "export"
+    for mode in (True, False):
+        ens.train(mode)
+        torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, mode), rtol=1e-5, atol=1e-6)
+
+
+def _noisy_act(module, x):
+    return torch.relu(x) + (0.1 * x if module.training else 0.0)
+
+
+ACTS = {"noisy": _noisy_act}
+
+
+class RegistryBranch(nn.Module):
+    """The flag is read by a function found through a table of activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.kind = "noisy"
+
+    def forward(self, x):
+        return ACTS[self.kind](self, self.fc(x))
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_reads_training_finds_the_patterns():
+    """The filter that spares a second trace: False only where no traced code names `training`."""
+    from stagewise.executor.build import reads_training
+    assert not reads_training(PlainExport()) and not reads_training(Two(), "fx")
+    for cls in BRANCHING + [Leaves, StochasticDepth, RegistryBranch, Attention]:
+        assert reads_training(cls()), cls.__name__  # export traces inside every module
+    for cls in BRANCHING + [StochasticDepth, RegistryBranch]:
+        assert reads_training(cls(), "fx"), cls.__name__
+    assert not reads_training(Leaves(), "fx") and not reads_training(Attention(), "fx")  # fx leaves read it at run time
+    assert reads_training(Attention(), "fx", ["attn"])  # opened: traced inside
+
+
+def test_a_function_from_a_table_reading_the_flag_is_found():
+    x = torch.randn(5, 6)
+    ens, _ = build(make(RegistryBranch, training=False), x)
+    with pytest.raises(ExecutionError, match=r"self\.training"):
+        ens.train()
+
+
+def test_an_opened_module_reading_the_flag_refuses_the_other_mode():
+    """Opened, nn.MultiheadAttention is traced inside: its dropout's `training=self.training` is fixed by the trace."""
+    x = torch.randn(2, 5, 6)
+    members = make(Attention, training=False)
+    graph = planner.trace(members[0], (x,), open_modules=["attn"])
+    plan = planner.propose(graph, n_members=N, input_mode="shared")
+    ens = executor.build(plan, [copy.deepcopy(m) for m in members])
+    torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, False), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"self\.training"):
+        ens.train()
+
+
+# --- members that freeze different parameters ------------------------------------------------------
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("frozen_member", [1, 0])
+def test_members_freezing_different_parameters_are_refused(frozen_member):
+    """Was: member 0's requires_grad for all (member 1's frozen fc1.weight trained, 6e-2 off after steps; or
+    member 0's frozen one frozen for every member)."""
+    x = torch.randn(5, 6)
+    members = make(Two, training=False)
+    members[frozen_member].fc1.weight.requires_grad_(False)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, n_members=N, input_mode="shared")
+    with pytest.raises(MemberError, match=r"(?i)member 1 (freezes|trains) \['fc1\.weight'\].*freeze the same parameters in every member"):
+        executor.build(plan, members)
+
+
+def test_members_freezing_the_same_parameters_train_like_the_loop():
+    x = torch.randn(5, 6)
+    members = make(Two, training=True)
+    for m in members:
+        m.fc1.weight.requires_grad_(False)
+    ens, _ = build(members, x)
+    assert not ens.stacked_state["fc1.weight"].requires_grad
+    opt = StackedSGD([p for p in ens.parameters() if p.requires_grad], N, lr=0.1)
+    ref = copy.deepcopy(members)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in ref]
+    for _ in range(3):
+        opt.zero_grad()
+        (ens(x) ** 2).mean(dim=(1, 2)).sum().backward()
+        opt.step()
+        for m, o in zip(ref, opts):
+            o.zero_grad()
+            (m(x) ** 2).mean().backward()
+            o.step()
+    for i, state in enumerate(ens.member_state_dicts()):
+        for k, v in ref[i].state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_members_in_mixed_modes_run_as_built_and_refuse_only_what_differs():
+    """Root in training, the branching block in eval: the graph as built equals the members as they are; train()
+    would flip the block's branch (refused); eval() leaves the root's own code alone (allowed)."""
+    x = torch.randn(5, 6)
+    members = make(SubmoduleBranch, training=True)
+    for m in members:
+        m.block.eval()
+    ens, _ = build(members, x)
+    assert ens.training
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in copy.deepcopy(members)]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"a mix of training and eval modes.*in training mode it traces to another graph"):
+        ens.train()
+    ens.eval()
+    torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, False), rtol=1e-5, atol=1e-6)
