@@ -304,8 +304,8 @@ def reads_training(model: nn.Module, tracer: str = "export", opened: Sequence[st
             continue
         seen.add(id(obj))
         if isinstance(obj, type):
-            if issubclass(obj, torch.fx.GraphModule):
-                return True  # generated code: trace it again rather than read it
+            if issubclass(obj, torch.fx.GraphModule) or (issubclass(obj, nn.Module) and ("train" in vars(obj) or "eval" in vars(obj))):
+                return True  # generated code, or a train() of its own that may set other flags forward() reads: trace again
             todo.extend(obj.__mro__[1:])
             for v in vars(obj).values():
                 if isinstance(v, (staticmethod, classmethod)):
@@ -478,7 +478,7 @@ class BatchedModule(nn.Module):
         export = (" (torch.export, which traced this plan, fixes the mode of Dropout and BatchNorm layers too)"
                   if self.plan.tracer == "export" else "")
         return ExecutionError(
-            f"forward() depends on self.training{export}: this module was built from members in {self._traced_modes}, and "
+            f"forward() depends on self.training (or on what train()/eval() set){export}: this module was built from members in {self._traced_modes}, and "
             f"{self._mode_bound[mode]}, so {how} would run the traced graph where the member loop runs the {wanted}-mode one; {to}")
 
     def _mode_refused_now(self) -> ExecutionError:

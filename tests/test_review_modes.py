@@ -302,6 +302,33 @@ class Attention(nn.Module):
         return self.attn(x, x, x, need_weights=False)[0]
 
 
+class OwnTrain(nn.Module):
+    """train() of its own sets a flag forward() reads: no `training` in forward's code."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.noisy = False
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.noisy = mode
+        return self
+
+    def forward(self, x):
+        x = self.fc(x)
+        return x + 0.5 * x.sin() if self.noisy else x
+
+
+def test_a_flag_set_by_its_own_train_method_is_found():
+    x = torch.randn(5, 6)
+    members = make(OwnTrain, training=False)
+    ens, _ = build(members, x)
+    torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, False), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"in training mode it traces to another graph"):
+        ens.train()
+
+
 def test_reads_training_finds_the_patterns():
     """The filter that spares a second trace: False only where no traced code names `training`."""
     from stagewise.executor.build import reads_training
