@@ -558,5 +558,6 @@ def test_training_members_that_share_a_parameter_is_refused_inference_is_not():
     with pytest.raises(planner.ExecutionError, match=r"share the trainable parameter.*fc1\.weight.*deepcopy"):
         ens(x)
     shared.requires_grad_(False)
+    members[0].fc1.weight.requires_grad_(False)  # every member freezes fc1.weight (members that differ are refused)
     ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
     ens(x).sum().backward()  # frozen in the members: nothing to update apart
