@@ -27,7 +27,8 @@ from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value,
-                                       reset_stage_device, set_stage_device)
+                                       reset_number_context, reset_stage_device, set_number_context,
+                                       set_stage_device)
 
 
 @dataclass
@@ -150,6 +151,7 @@ class Runner:
 
     def __call__(self, args: list) -> list:
         token = set_stage_device(self.device_for(args))  # numbers made into tensors anywhere in the run land here
+        numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
         try:
             return self.run(args)
         except ExecutionError:
@@ -162,6 +164,7 @@ class Runner:
                 f"stage inputs were {shapes}. Check the input shapes, or exclude the stage to run it as a loop"
             ) from e
         finally:
+            reset_number_context(numbers)
             reset_stage_device(token)
 
 

@@ -73,8 +73,6 @@ def test_item_floats_between_captured_runs_keep_the_loops_precision(dtype):
     assert {"graph", "eager"} <= {e["mode"] for e in cap.layout()}
 
 
-@pytest.mark.xfail(strict=True, reason="the module itself needs executor/stages.py's Runner.__call__ to set "
-                   "values.set_number_context((self.stacked, args)); remove this mark when it does")
 def test_item_floats_into_a_vmapped_stage_keep_float64():
     x = torch.randn(5, 8, dtype=torch.float64)
     members, ref, plan = _members(ScaleByItem, torch.float64, x)
