@@ -17,6 +17,7 @@ import contextlib
 import copy
 import math
 import time
+import weakref
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -224,10 +225,12 @@ class StateSnapshot:
         with torch.no_grad():
             self._saved = [(t, t.detach().clone()) for t in unique.values()]
 
-    def restore(self) -> None:
+    def restore(self, only: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """Write the saved values back; `only`: just these of the saved tensors (one stage's state)."""
+        keep = None if only is None else {id(t) for t in only}
         with torch.no_grad():
             for t, value in self._saved:
-                if not torch.equal(t, value):
+                if (keep is None or id(t) in keep) and not torch.equal(t, value):
                     t.copy_(value)
 
 
@@ -246,21 +249,39 @@ def state_kept(members: Sequence[nn.Module]) -> Iterator[None]:
         snapshot.restore()
 
 
-def private_members(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
-    """Copies of `members` on `device` to run as the loop reference and build candidates from: the caller's
-    modules are never run, so forward's buffer updates (BatchNorm statistics, counters) never reach them.
-    MemberError for a member torch cannot copy."""
+_PRIVATE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # copies private_members made (never a caller's module)
+
+
+def private_members(members: Sequence[nn.Module], device: Optional[torch.device], who: str = "autotune") -> list[nn.Module]:
+    """Copies of `members` on `device` (None: where each is) to run as the loop reference and build candidates
+    from: the caller's modules are never run, so forward's buffer updates (BatchNorm statistics, counters)
+    and attributes it sets never reach them. Members that are already such copies on `device` are returned
+    as they are (profile hands its copies on to autotune: one copy per call, not two). `who` names the
+    caller in the error. MemberError for a member torch cannot copy."""
     out = []
     for i, m in enumerate(members):
+        if m in _PRIVATE and _on(m, device):
+            out.append(m)
+            continue
         try:
-            out.append(copy.deepcopy(m).to(device))
+            c = copy.deepcopy(m)
+            c = c.to(device) if device is not None else c
         except Exception as e:  # e.g. the old nn.utils.weight_norm's derived weight
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise MemberError(f"member {i} cannot be copied ({type(e).__name__}: {first}); autotune runs private copies "
+            raise MemberError(f"member {i} cannot be copied ({type(e).__name__}: {first}); {who} runs private copies "
                               "so that it never changes your members. Models using torch.nn.utils.weight_norm can use "
                               "torch.nn.utils.parametrizations.weight_norm instead; otherwise make the module "
                               "deep-copyable") from e
+        _PRIVATE.add(c)
+        out.append(c)
     return out
+
+
+def _on(m: nn.Module, device: Optional[torch.device]) -> bool:
+    """Whether `m`'s state is on `device` ("cuda" without an index matches any CUDA device)."""
+    t = next(iter([*m.parameters(), *m.buffers()]), None)
+    return (device is None or t is None
+            or (t.device.type == device.type and (device.index is None or t.device.index == device.index)))
 
 
 def members_on(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:

@@ -7,6 +7,14 @@ the loop's (normwise, worst member), then timed (median and spread after
 warm-up), with peak memory and FLOP/s. A stage whose strategy fails (an
 exception, out of memory, a wrong result) is marked failed and the profile goes
 on with the loop's outputs. End to end and the baselines are timed round-robin.
+
+State: the caller's members are never run. The profile runs private copies
+(candidates.private_members, made once per call and handed on to autotune), and
+a forward that updates buffers (BatchNorm in training mode, a call counter)
+moves the state on every run, so the batched module's state is saved once
+(StateSnapshot) and put back before each checked run: every stage's strategy,
+its loop, the plan end to end and each baseline are checked from the state the
+loop reference started from.
 """
 from __future__ import annotations
 
@@ -25,8 +33,9 @@ from stagewise.planner.plan import Plan, Strategy
 from stagewise.executor import baselines as whole
 from stagewise.executor.autotune import tune
 from stagewise.executor.build import BatchedModule, build, resolve_device, tf32_scope
-from stagewise.executor.candidates import (Progress, advance, make_runner, loop_reference, max_rel_error, members_on, on_device,
-                                 stage_inputs, strategy_label, time_candidates, try_strategy)
+from stagewise.executor.candidates import (Progress, StateSnapshot, advance, make_runner, loop_reference, max_rel_error,
+                                           member_tensors, on_device, private_members, stage_inputs, state_kept, strategy_label,
+                                           time_candidates, try_strategy)
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.timing import native_stderr_silenced
@@ -128,7 +137,10 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     Returns:
         ProfileReport (JSON round trip with to_json/from_json, text table with to_text).
     Raises:
-        DeviceError, MemberError, PlanMismatchError, InputError as executor.build does.
+        DeviceError, MemberError, PlanMismatchError, InputError as executor.build does; MemberError
+        for a member that cannot be deep-copied.
+    Side effects: none on `members`: the profile runs private copies of them (one copy of their
+    state for the call), so buffers a forward updates, BatchNorm statistics included, stay as they were.
     """
     warmup = 2 if warmup is None else warmup
     if train:
@@ -140,7 +152,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     started = time.perf_counter()
     dev = resolve_device(device)
     inputs = on_device(tuple(inputs), dev)
-    members = members_on(list(members), dev)
+    members = private_members(list(members), dev, "profile")  # the caller's modules are never run
     ticks = Ticks(progress, len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0)
                    + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}
@@ -149,12 +161,16 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
                                 budget=budget)
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=dev)
-    flops = stage_flops(plan, members[0], example)
+    with state_kept(members[:1]):  # a torch.export trace may run forward
+        flops = stage_flops(plan, members[0], example)
     env = module.bind_inputs(inputs)
+    start = StateSnapshot(module.stacked_state.values())  # every check starts from the state the loop starts from
     with torch.no_grad(), tf32_scope(plan.dtype, dev):
         stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                 candidates.get(program.stage.id, []), DTYPE_RTOL[plan.dtype])
+                                 candidates.get(program.stage.id, []), DTYPE_RTOL[plan.dtype], start)
                   for program, runner in zip(module.programs, module.runners)]
+        start.restore()  # the stages' runs moved it; the end-to-end check runs the whole plan from the start
+        del start
         whole_results = _profile_whole(plan, module, members, inputs, dev, stages, repeats, warmup, ticks,
                                        baselines=baselines, compile_baseline=compile_baseline, floor=floor)
         end_to_end = whole_results.pop("stagewise")
@@ -208,22 +224,36 @@ class Ticks:
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.device, repeats: Optional[int], warmup: int,
-                   ticks: Ticks, flops: int, candidates: list[StrategyResult], rtol: float = DEFAULT_RTOL) -> StageProfile:
-    """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`."""
+                   ticks: Ticks, flops: int, candidates: list[StrategyResult], rtol: float = DEFAULT_RTOL,
+                   start: Optional[StateSnapshot] = None) -> StageProfile:
+    """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`.
+    `start`: the module's state before any run; the stage's part of it is put back before the loop
+    reference and before each candidate, so that a forward updating buffers is checked from one state."""
     stage, n = program.stage, runner.n_members
     strategy = stage.options.strategy
     label = strategy_label(strategy, stage.options.chunk_size)
     ticks(f"stage {stage.id} ({label})")
     fresh = stage_inputs(program, env, n)
+    own = list(runner.stacked.values())
+    reset = (lambda: start.restore(own)) if start is not None else (lambda: None)
+    reset()
     reference, ref, check = loop_reference(program, runner, fresh)
-    res, call, out = try_strategy(label, stage.id, lambda: (lambda: runner(fresh())), check, dev, rtol=rtol)
+
+    def from_start(run: Callable[[], Callable[[], Any]]) -> Callable[[], Callable[[], Any]]:
+        def make():
+            reset()
+            return run()
+        return make
+
+    res, call, out = try_strategy(label, stage.id, from_start(lambda: (lambda: runner(fresh()))), check, dev, rtol=rtol)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
     if label == "loop":
         loop_res = res
     else:  # the stage's own loop strategy on the same inputs, for the speedup column
         loop_res, loop_call, _ = try_strategy(
-            "loop", stage.id, lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(fresh())), check, dev, rtol=rtol)
+            "loop", stage.id, from_start(lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(fresh()))), check, dev,
+            rtol=rtol)
         if loop_call is not None:
             cands["loop"] = (loop_res, loop_call)
     time_candidates(cands, dev, repeats, warmup, {label} if strategy in (Strategy.COMPILE, Strategy.CUDA_GRAPH) else set())
@@ -240,8 +270,11 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
 def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tuple, dev: torch.device,
                    stages: list[StageProfile], repeats: Optional[int], warmup: int, ticks: Ticks, *,
                    baselines: bool, compile_baseline: bool, floor: bool) -> dict[str, StrategyResult]:
-    """The plan end to end ("stagewise") and the whole-model baselines, checked, then timed round-robin."""
+    """The plan end to end ("stagewise") and the whole-model baselines, checked, then timed round-robin.
+    `module` is at the state the members (profile's copies) hold; the members are put back there before
+    each baseline is built and checked, since the loop reference and the loop baseline move them."""
     ticks("end to end and baselines")
+    kept = StateSnapshot(member_tensors(members))
     ref_out = whole.stack_outputs(whole.loop(plan, members, inputs)())
     builders: dict[str, Callable[[], Callable]] = {}
     if all(s.result.ok for s in stages):
@@ -262,7 +295,7 @@ def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tup
                 ticks(f"baseline {name}")
             check = None if name in ("loop", "floor") else (lambda out: max_rel_error(out, ref_out))
             rtol = DTYPE_RTOL[plan.dtype] if name == "stagewise" else DEFAULT_RTOL  # the baselines run in float32
-            res, call, _ = try_strategy(name, "whole", make, check, dev, rtol=rtol)
+            res, call, _ = try_strategy(name, "whole", lambda make=make: (kept.restore(), make())[1], check, dev, rtol=rtol)
             if name == "loop" and res.ok:
                 res.max_rel_err = 0.0  # the reference itself
             results[name] = res

@@ -21,6 +21,10 @@ of the stages before it, float ones made leaves that require grad), surrogate lo
 float outputs, `torch.autograd.grad` for its parameters and those inputs; the plan's strategy and
 the stage's member loop, their gradients compared. No optimizer step per stage. A stage that writes
 into its inputs in place has only its parameters differentiated.
+
+State: as executor.profile, the caller's members are never run (private copies, made once per call),
+and the batched module's state is put back before each checked run (stage candidates, the loop's,
+the training step end to end), so a forward that updates buffers is checked from one starting state.
 """
 from __future__ import annotations
 
@@ -36,8 +40,8 @@ from stagewise.planner.errors import ExecutionError, StagewiseError
 from stagewise.planner.plan import Plan, Strategy
 from stagewise.executor.autotune_train import tune_training
 from stagewise.executor.build import BatchedModule, build, resolve_device
-from stagewise.executor.candidates import (advance, loop_reference, max_rel_error, members_on, on_device, stage_inputs, strategy_label,
-                                 time_candidates, try_strategy)
+from stagewise.executor.candidates import (StateSnapshot, advance, loop_reference, max_rel_error, on_device, private_members,
+                                           stage_inputs, state_kept, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.optim import StackedAdam, StackedSGD
 from stagewise.executor.profile import Ticks, device_name, stage_flops, write_chrome_trace
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
@@ -178,7 +182,7 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     started = time.perf_counter()
     dev = resolve_device(device)
     inputs = on_device(tuple(inputs), dev)
-    members = members_on(list(members), dev)
+    members = private_members(list(members), dev, "profile")  # the caller's modules are never run
     ticks = Ticks(progress, len(plan.stages) + 2 + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}
     notes = []
@@ -187,10 +191,14 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
                                          warmup=warmup, budget=budget)
         notes.append("autotune chose each stage's strategy by its forward + backward time (training-capable strategies only)")
     example = member_inputs(plan, inputs, 0)
-    module = build(plan, [copy.deepcopy(m) for m in members], example_inputs=example, device=dev)
+    module = build(plan, members, example_inputs=example, device=dev)  # stacks copies of the members' state
     module.train()
-    flops = {k: 3 * v for k, v in stage_flops(plan, members[0], example).items()}  # backward ~ 2x the forward
-    stages = _profile_stages(module, inputs, dev, repeats, warmup, ticks, flops, candidates)
+    with state_kept(members[:1]):  # a torch.export trace may run forward
+        flops = {k: 3 * v for k, v in stage_flops(plan, members[0], example).items()}  # backward ~ 2x the forward
+    start = StateSnapshot(module.stacked_state.values())  # every check starts from the state the loop starts from
+    stages = _profile_stages(module, inputs, dev, repeats, warmup, ticks, flops, candidates, start)
+    start.restore()  # the stages' runs moved it: the training step end to end is checked from the start
+    del start
     end_to_end, base = _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, baselines, optimizer, lr, notes)
     trace_file = None
     if trace_path:
@@ -263,28 +271,33 @@ def _concat(grads: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> to
 # --- per stage ---------------------------------------------------------------------------------------
 
 def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, ticks, flops: dict,
-                    candidates: dict) -> list[StageProfile]:
+                    candidates: dict, start: Optional[StateSnapshot] = None) -> list[StageProfile]:
     env = module.bind_inputs(inputs)
     out = []
     for program, runner in zip(module.programs, module.runners):
         out.append(_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                  candidates.get(program.stage.id, [])))
+                                  candidates.get(program.stage.id, []), start))
     return out
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeats, warmup, ticks, flops: int,
-                   candidates: list[StrategyResult]) -> StageProfile:
-    """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`."""
+                   candidates: list[StrategyResult], start: Optional[StateSnapshot] = None) -> StageProfile:
+    """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`.
+    `start`: the module's state before any run; the stage's part of it is put back before each checked run."""
     stage, n = program.stage, runner.n_members
     strategy = stage.options.strategy
     label = strategy_label(strategy, stage.options.chunk_size)
     ticks(f"stage {stage.id} forward + backward ({label})")
     fresh = stage_inputs(program, env, n)
+    own = list(runner.stacked.values())
+    reset = (lambda: start.restore(own)) if start is not None else (lambda: None)
     reference = LoopRunner(program, n, runner.stacked, runner.member_states)
     loop_call = fwd_bwd(program, reference, fresh, n)
+    reset()
     ref_grads = loop_call()
     check = grads_check(ref_grads, n)
-    res, call, _ = try_strategy(label, stage.id, lambda: fwd_bwd(program, runner, fresh, n), check, dev, rtol=GRAD_RTOL)
+    res, call, _ = try_strategy(label, stage.id, lambda: (reset(), fwd_bwd(program, runner, fresh, n))[1], check, dev,
+                                rtol=GRAD_RTOL)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
     if label == "loop":
@@ -294,7 +307,9 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeat
         cands["loop"] = (loop_res, loop_call)
     time_candidates(cands, dev, repeats, warmup, {label} if strategy is Strategy.COMPILE else set())
     with torch.no_grad():  # the next stages' inputs: this stage's forward outputs (the loop's if it failed)
+        reset()
         _, ref_out, _ = loop_reference(program, runner, fresh)
+        reset()
         out = runner(fresh()) if res.ok else ref_out
         advance(program, env, fresh, out, runner if res.ok else reference)
     return StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes), flops=flops,

@@ -202,12 +202,17 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             `notes`. Any other failure of the batched module there is a mismatch.
     Returns:
         VerifyReport with max abs/rel error per output leaf and per stage-boundary value.
-        The members are left as they were: buffer updates made in forward() are undone.
+    Raises:
+        MemberError for a member that cannot be deep-copied, and what executor.build raises.
+    Side effects: none on `members`: the loop and the traces run private copies of them, where they
+    are (one copy of their state for the call), so buffers and attributes forward() updates stay as they were.
     """
+    from stagewise.executor.candidates import private_members  # candidates imports this module
+
     if not isinstance(calls, int) or calls < 1:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}")
     rtol = DTYPE_RTOL[plan.dtype] if rtol is None else rtol
-    members = list(members)
+    members = private_members(list(members), None, "verify")  # the caller's modules are never run
     inputs = tuple(inputs)
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=device)
