@@ -34,6 +34,10 @@ Rules, each one a way a replay could otherwise answer wrongly without a word:
   stages eager between them. A run whose capture still fails is split stage by stage.
   `cap.layout()` says which stages replay in which graph and why the others run eagerly;
   when no stage can be captured, the call raises ExecutionError naming the reasons.
+- **Stages with CUDA graphs of their own** (compile in mode reduce-overhead, the `[compile:
+  mode=reduce-overhead]` tag): a graph cannot be recorded inside another graph's capture, so
+  such a stage is known to run eagerly from its options, before anything is captured: the plan
+  starts as runs around it (it replays its own graphs between them), as above.
 
 `backend` is the capture mechanism: `CudaGraphBackend` on CUDA (the default). Tests on
 machines without a GPU pass `ReplayBackend`, which keeps the same static-buffer
@@ -53,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.errors import ExecutionError
+from stagewise.planner.plan import Strategy
 from stagewise.executor.stages import VmapRunner
 from stagewise.executor.values import (Batched, PerMember, as_batched, number_dtype, tagged as _tagged,
                                       untagged as _untagged)
@@ -64,6 +69,20 @@ WARMUP_CALLS = 2  # lazy initialisation and cuBLAS/cuDNN workspace choices happe
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+OWN_GRAPHS = "reduce-overhead compile records its own CUDA graphs (one cannot be recorded inside another's capture)"
+
+
+def eager_reason(program: Any) -> str | None:
+    """Why a stage must run outside every captured graph, known from its options before anything runs (None: it
+    may be captured; host syncs are found by running it, see CapturedPlan._split)."""
+    from stagewise.executor.strategies.compiled import compile_mode_of  # the strategies package imports this module
+
+    options = program.stage.options
+    if options.strategy is Strategy.COMPILE and compile_mode_of(options) == "reduce-overhead":
+        return OWN_GRAPHS
+    return None
 
 
 class _NotCapturable(Exception):
@@ -310,6 +329,8 @@ class CapturedPlan(nn.Module):
         self._written_inputs = [i for i, (name, per_member) in enumerate(zip(ens._input_names, ens._per_member_at))
                                 if per_member and name in in_place]
         self._runs: list[_Run] | None = None  # None: the whole plan is one graph
+        # why stages must run outside every graph, read from their options (compile mode reduce-overhead)
+        self._known_eager = [r for r in (eager_reason(step[0]) for step in ens._steps) if r is not None]
         self.captures = 0  # how many graphs were captured (a re-capture counts again)
 
     def _state_key(self) -> tuple:
@@ -382,6 +403,9 @@ class CapturedPlan(nn.Module):
     # --- the whole plan as one graph ---------------------------------------------------------------
 
     def _whole(self, inputs: tuple) -> Any:
+        if self._known_eager:  # never captured whole: start from the runs around the stages that cannot be inside a graph
+            self._runs = self._runs_or_refusal(inputs, self._known_eager[0])
+            return None
         flat, spec = tree_flatten(list(inputs))
         key = (spec, _signature(flat, self._host_scalars))
         g = self._graphs.get(key)
@@ -392,13 +416,7 @@ class CapturedPlan(nn.Module):
             try:
                 replay, out = self._capture(lambda: self.ens.run_stages(*args, run=lambda env: self.ens._run_steps(env, steps))[0])
             except _NotCapturable as e:
-                runs = self._split(inputs)
-                if all(r.eager for r in runs):
-                    raise NotCapturableError(
-                        f"no stage of the plan can be captured in a CUDA graph ({e}; "
-                        + "; ".join(f"stage {r.stage_ids[0]}: {r.reason}" for r in runs)
-                        + "): run the batched module itself") from e
-                self._runs = runs
+                self._runs = self._runs_or_refusal(inputs, str(e))
                 return None
             g = self._keep(self._graphs, key, _Graph(replay, static_inputs, out, self._state_key()))
         for static, x in zip(g.static_inputs, flat):
@@ -413,6 +431,15 @@ class CapturedPlan(nn.Module):
                 if self._plan_writes_into(inputs[i]):
                     inputs[i].copy_(g.static_inputs[offsets[i]])
         return g.static_out
+
+    def _runs_or_refusal(self, inputs: tuple, why: str) -> list[_Run]:
+        """The plan split into runs (see _split); NotCapturableError when every stage must run eagerly."""
+        runs = self._split(inputs)
+        if all(r.eager for r in runs):
+            raise NotCapturableError(f"no stage of the plan can be captured in a CUDA graph ({why}; "
+                                     + "; ".join(f"stage {r.stage_ids[0]}: {r.reason}" for r in runs)
+                                     + "): run the batched module itself")
+        return runs
 
     def _inside(self) -> list:
         """The module's steps as a capture runs them: a stage with a graph of its own (the cuda_graph strategy)
@@ -459,13 +486,17 @@ class CapturedPlan(nn.Module):
     # --- runs of capturable stages -----------------------------------------------------------------
 
     def _split(self, inputs: tuple) -> list[_Run]:
-        """The plan's steps as runs: each step run once (eagerly, state put back after) under the host-sync detector."""
+        """The plan's steps as runs: each step run once (eagerly, state put back after) under the host-sync detector;
+        a step eager_reason names runs eagerly for that reason (and plainly here: nothing to detect)."""
         ens, steps = self.ens, self._inside()
         self._steps = steps
-        eager: dict[int, str] = {}
+        eager: dict[int, str] = {i: r for i, r in enumerate(eager_reason(step[0]) for step in steps) if r is not None}
 
         def detect(env: dict) -> None:
             for i, step in enumerate(steps):
+                if i in eager:
+                    ens._run_steps(env, [step])
+                    continue
                 found = host_sync_in(lambda: ens._run_steps(env, [step]))[1]
                 if found is not None:
                     eager[i] = f"{found} makes the host wait for the device"

@@ -6,13 +6,14 @@ fixed output tensors, state restored after the capture run); the `gpu` tests cap
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from stagewise import executor, planner
-from stagewise.executor.capture import ReplayBackend, capture
+from stagewise.executor.capture import OWN_GRAPHS, ReplayBackend, capture
 from stagewise.planner.errors import ExecutionError
 
 from test_silent_mismatch import CountCalls, RunningMean
@@ -570,3 +571,151 @@ def test_switching_between_two_signatures_of_a_model_with_buffers_replays_both()
             x = torch.randn(batch, 8)
             torch.testing.assert_close(cap(x), loop(ref, x), rtol=1e-5, atol=1e-6)
     assert cap.captures == 2
+
+
+# --- a stage compiled in mode reduce-overhead (CUDA graphs of its own) ------------------------------------------------
+
+class OwnGraphsBackend(ReplayBackend):
+    """ReplayBackend that refuses, as a CUDA capture would, when a reduce-overhead stage runs inside the capture
+    (`inside` is set while capturing; the stand-in stage's runner raises when it runs then)."""
+
+    inside = False
+
+    def capture(self, fn, warmup):
+        OwnGraphsBackend.inside = True
+        try:
+            return super().capture(fn, warmup)
+        finally:
+            OwnGraphsBackend.inside = False
+
+
+@pytest.fixture
+def reduce_overhead_on_cpu(monkeypatch):
+    """Compile stages tagged reduce-overhead build on CPU (the CUDA refusal skipped: compiled in the default mode with
+    the aot_eager backend; the plan keeps the tag, which is what capture reads) and raise if run inside a capture."""
+    from dataclasses import replace
+
+    from stagewise.executor.strategies import compiled
+    from stagewise.executor.strategies.compiled import compile_mode_of, with_compile_mode
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    real_init, real_run = compiled.CompileRunner.__init__, compiled.CompileRunner.run
+
+    def init(self, program, *args, **kwargs):
+        self.own_graphs = compile_mode_of(program.stage.options) == "reduce-overhead"
+        plain = replace(program, stage=replace(program.stage, options=with_compile_mode(program.stage.options, "")))
+        real_init(self, plain, *args, **kwargs)
+
+    def run(self, args):
+        if self.own_graphs and OwnGraphsBackend.inside:
+            raise RuntimeError("CUDA graph trees: cannot record a graph while another stream capture is under way")
+        return real_run(self, args)
+
+    monkeypatch.setattr(compiled.CompileRunner, "__init__", init)
+    monkeypatch.setattr(compiled.CompileRunner, "run", run)
+    monkeypatch.setattr(build_module, "CAPTURE_BACKEND", OwnGraphsBackend)
+
+
+def _reduce_overhead_plan(members, x, device="cpu"):
+    """MLP split into s0 (fc1), s1 (act), s2 (fc2); s1 compiled in mode reduce-overhead; whole-plan capture on."""
+    from stagewise.executor.strategies.compiled import with_compile_mode
+
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n_members=N)
+    plan = planner.split(plan, graph, plan.stages[0].id, "act")
+    plan = planner.split(plan, graph, plan.stages[-1].id, "fc2")
+    ro = with_compile_mode(planner.StageOptions(strategy=planner.Strategy.COMPILE, note="by hand"), "reduce-overhead")
+    stages = [s.__class__(**{**s.__dict__, "options": ro}) if s.id == "s1" else s for s in plan.stages]
+    return planner.set_capture(plan.with_stages(stages))
+
+
+def test_eager_reason_names_reduce_overhead_stages_only():
+    from stagewise.executor.capture import OWN_GRAPHS, eager_reason
+    from stagewise.executor.strategies.compiled import with_compile_mode
+
+    class Program:
+        def __init__(self, options):
+            self.stage = planner.Stage("s0", ("fc1",), planner.StageMode.BATCHED, "", options)
+
+    compile_ = planner.StageOptions(strategy=planner.Strategy.COMPILE)
+    assert eager_reason(Program(with_compile_mode(compile_, "reduce-overhead"))) == OWN_GRAPHS
+    assert "reduce-overhead compile records its own CUDA graphs" in OWN_GRAPHS
+    assert eager_reason(Program(compile_)) is None
+    assert eager_reason(Program(with_compile_mode(compile_, "max-autotune-no-cudagraphs"))) is None
+    assert eager_reason(Program(planner.StageOptions())) is None
+
+
+def test_a_reduce_overhead_stage_runs_eagerly_between_captured_runs(reduce_overhead_on_cpu):
+    """A hand-made plan asking for whole-plan capture and a reduce-overhead stage: the stage is never run inside a
+    capture; it runs eagerly between the graphs of the stages either side, and layout() says why."""
+    torch.manual_seed(0)
+    members = [MLP().eval() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(5, 8)
+    ens = executor.build(_reduce_overhead_plan(members, x), members).eval()
+    cap = ens.__dict__["_captured"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "cannot capture, running stage by stage" fallback
+        with torch.no_grad():
+            for batch in (5, 5, 7, 5):
+                x = torch.randn(batch, 8)
+                torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    assert ens.__dict__["_captured"] is cap
+    assert cap.layout() == [
+        {"stages": ["s0"], "mode": "graph", "reason": ""},
+        {"stages": ["s1"], "mode": "eager", "reason": OWN_GRAPHS},
+        {"stages": ["s2"], "mode": "graph", "reason": ""}]
+    from stagewise.executor.report import capture_text
+
+    assert capture_text(cap.layout()) == f"2 CUDA graphs: graph s0 · eager s1 ({OWN_GRAPHS}) · graph s2"
+
+
+def test_profile_of_a_capture_plan_with_a_reduce_overhead_stage_shows_it_eager(reduce_overhead_on_cpu):
+    torch.manual_seed(0)
+    members = [MLP().eval() for _ in range(N)]
+    x = torch.randn(5, 8)
+    report = executor.profile(_reduce_overhead_plan(members, x), members, (x,), repeats=2, warmup=1, baselines=False)
+    assert report.end_to_end.ok, report.end_to_end.error
+    assert [e["mode"] for e in report.capture] == ["graph", "eager", "graph"]
+    assert "eager s1 (reduce-overhead compile records its own CUDA graphs" in report.to_text()
+
+
+def test_a_capture_plan_of_reduce_overhead_stages_only_runs_stage_by_stage_with_a_warning(reduce_overhead_on_cpu):
+    from stagewise.executor.strategies.compiled import with_compile_mode
+
+    torch.manual_seed(0)
+    members = [MLP().eval() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    ro = with_compile_mode(planner.StageOptions(strategy=planner.Strategy.COMPILE), "reduce-overhead")
+    plan = planner.set_capture(plan.with_stages([s.__class__(**{**s.__dict__, "options": ro}) for s in plan.stages]))
+    ens = executor.build(plan, members).eval()
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="reduce-overhead compile records its own CUDA graphs"):
+        torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), loop(ref, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_whole_plan_capture_with_a_reduce_overhead_stage_matches_the_loop():
+    """On a GPU for real: the reduce-overhead stage replays torch's own CUDA graphs between the plan's graphs."""
+    torch.manual_seed(0)
+    members = [MLP().cuda().eval() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(5, 8, device="cuda")
+    ens = executor.build(_reduce_overhead_plan(members, x), members, device="cuda").eval()
+    outs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with torch.no_grad():
+            for batch in (5, 5, 7, 5, 7):
+                x = torch.randn(batch, 8, device="cuda")
+                out = ens(x)
+                outs.append((x, out))
+                torch.testing.assert_close(out, loop(ref, x), rtol=1e-4, atol=1e-5)
+    for x, out in outs:  # earlier outputs are still theirs
+        torch.testing.assert_close(out, loop(ref, x), rtol=1e-4, atol=1e-5)
+    cap = ens.__dict__["_captured"]
+    assert cap is not None and [e["mode"] for e in cap.layout()] == ["graph", "eager", "graph"]
+    assert cap.layout()[1]["reason"] == OWN_GRAPHS
