@@ -34,7 +34,7 @@ from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
 from stagewise.planner.snapshot import PLAIN_TYPES, StateSnapshot, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
-    RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _RandomWatch)
+    RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch)
 from stagewise.planner.tracers import _defaults_not_given, _drop_concrete_placeholders, _export
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
@@ -153,7 +153,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     takes the branch the default takes, and their placeholders are removed.
     """
     fixed = _defaults_not_given(model, given)
-    with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn:
+    with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, _input_writes_recorded():
         if opened:
             gm = symbolic_trace_opening(model, opened, fixed or None)
         else:

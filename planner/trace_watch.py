@@ -4,12 +4,14 @@ fx and torch.export run forward()'s Python once, on the real module. Watched whi
 grad mode turned off (`_grad_mode_watch`: torch.no_grad / set_grad_enabled(False) leave no fx node),
 torch random ops on concrete values (`RANDOM_OPS`, `_RandomWatch`: fx bakes the draw in as a constant),
 Python-level random draws and clock reads (`_HostStateWatch`, `_host_state_refused`: random, numpy.random,
-generators the model holds, time; refused with HostStateError), and torch.inference_mode(), traced as a
-no_grad region (`_inference_mode_as_no_grad`).
+generators the model holds, time; refused with HostStateError), torch.inference_mode(), traced as a
+no_grad region (`_inference_mode_as_no_grad`), and augmented assignments to a model input (`x += 1`, which fx
+records as an out-of-place `x + 1`; `_input_writes_recorded` records the write).
 """
 from __future__ import annotations
 
 import contextlib
+import operator
 import pickle
 import sys
 import sysconfig
@@ -21,6 +23,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from stagewise.planner.capability import alias_chain
 from stagewise.planner.errors import TraceError
 
 
@@ -247,3 +250,34 @@ def _inference_mode_as_no_grad():
         yield
     finally:
         torch._C._InferenceMode = original
+
+
+# the augmented assignments torch.fx.Proxy has no method for: Python falls back to `x = x + y`, which the graph records
+_AUGMENTED = {"__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
+              "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
+              "__ipow__": operator.ipow, "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor}
+
+
+def _augmented(op: Any) -> Any:
+    def augmented(self: torch.fx.Proxy, other: Any) -> Any:
+        if alias_chain(self.node)[-1].op != "placeholder":
+            return NotImplemented  # an intermediate value: `h += y` traces as `h + y` as before (nobody else sees h)
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    return augmented
+
+
+@contextlib.contextmanager
+def _input_writes_recorded():
+    """While inside, fx records `x += y` on a model input (or a view of one) as operator.iadd, an in-place node:
+    at run time forward() writes the caller's tensor there, which the default out-of-place `x + y` hides."""
+    saved = {name: vars(torch.fx.Proxy).get(name) for name in _AUGMENTED}
+    for name, op in _AUGMENTED.items():
+        setattr(torch.fx.Proxy, name, _augmented(op))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            if method is None:
+                delattr(torch.fx.Proxy, name)
+            else:
+                setattr(torch.fx.Proxy, name, method)
