@@ -68,10 +68,69 @@ class StageProgram:
             state += _state_of(gm, node, state_keys)
         outputs = [n for n in stage.nodes if users_outside.get(n)]
         g.output(tuple(env[n] for n in outputs))
-        module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
         shown = ", ".join(stage.nodes[:4]) + (", ..." if len(stage.nodes) > 4 else "")
+        guard_sparse_embeddings(gm, g, f"{stage.id} ({shown})")
+        module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
                             writes_in_place=any(is_inplace(n) for n in g.nodes))
+
+
+# where each embedding function takes `sparse` positionally
+_SPARSE_AT = {torch.nn.functional.embedding: 6, torch.nn.functional.embedding_bag: 7,
+              torch.ops.aten.embedding.default: 4, torch.embedding: 4}
+
+
+def makes_sparse_grad(gm: torch.nn.Module, node: torch.fx.Node) -> bool:
+    """Whether `node` makes a sparse gradient for an embedding weight: nn.Embedding / nn.EmbeddingBag with
+    sparse=True, F.embedding / F.embedding_bag / aten.embedding called with sparse=True."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        return isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse
+    at = _SPARSE_AT.get(node.target) if node.op == "call_function" else None
+    return at is not None and bool(node.kwargs.get("sparse", node.args[at] if len(node.args) > at else False))
+
+
+class _SparseGradRefused(torch.autograd.Function):
+    """Identity whose backward raises ExecutionError (the message given): put after an embedding with sparse=True."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, message: str) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.message = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        raise ExecutionError(ctx.message)
+
+
+def refuse_sparse_grad(out: Any, message: str) -> Any:
+    """`out` (an embedding's output), made to refuse a backward by name. Its indices carry no gradient, so a
+    backward reaches it only where its weight records one (a frozen weight: no autograd node, nothing refused)."""
+    if isinstance(out, torch.Tensor) and torch.is_grad_enabled():
+        return _SparseGradRefused.apply(out, message)
+    return out
+
+
+def guard_sparse_embeddings(gm: torch.nn.Module, g: torch.fx.Graph, describe: str) -> None:
+    """After each embedding with sparse=True in `g` (a stage's graph over `gm`'s modules), a node that raises
+    ExecutionError naming it when a backward would reach its weight: a member's sparse gradient cannot go into
+    the stacked [N, ...] weight (vmap: no sparse reshape; the loop: no sparse select_backward), which raised
+    torch's bare error from backward(). The forward is unchanged (inference needs no gradient)."""
+    for node in list(g.nodes):
+        if not makes_sparse_grad(gm, node):
+            continue
+        message = (f"stage {describe}: embedding {node.name} has sparse=True, and its sparse gradient cannot be batched "
+                   "across members (torch has no sparse reshape under vmap, nor a sparse select_backward for the "
+                   "stacked weight): build the members' embeddings with sparse=False (the same gradient values, dense), "
+                   "or train the members one by one")
+        with g.inserting_after(node):
+            guard = g.call_function(refuse_sparse_grad, (node, message))
+        node.replace_all_uses_with(guard, delete_user_cb=lambda user: user is not guard)
 
 
 def _state_of(gm: torch.fx.GraphModule, node: torch.fx.Node, state_keys: set[str]) -> list[str]:

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from stagewise.planner.errors import ExecutionError, PlanFileError
 from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageOptions
-from stagewise.executor.stages import Runner, StageProgram
+from stagewise.executor.stages import Runner, StageProgram, makes_sparse_grad
 from stagewise.executor.strategies import wide_ops
 from stagewise.executor.strategies.wide_layers import (CONV_FORMS, ELEMENTWISE_MODULES, conv, conv_forms,
                                                        inplace_activation, module_rule)
@@ -364,29 +364,8 @@ def _is_random(node: torch.fx.Node) -> bool:
 
 
 def _sparse_embeddings(gm: torch.fx.GraphModule) -> set[str]:
-    """Nodes that make a sparse gradient for an embedding weight: nn.Embedding / nn.EmbeddingBag with sparse=True,
-    and F.embedding / F.embedding_bag / aten.embedding called with sparse=True."""
-    found = set()
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            mod = gm.get_submodule(node.target)
-            if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse:
-                found.add(node.name)
-        elif node.op == "call_function" and _sparse_call(node):
-            found.add(node.name)
-    return found
-
-
-# where each embedding function takes `sparse` positionally
-_SPARSE_AT = {torch.nn.functional.embedding: 6, torch.nn.functional.embedding_bag: 7,
-              torch.ops.aten.embedding.default: 4, torch.embedding: 4}
-
-
-def _sparse_call(node: torch.fx.Node) -> bool:
-    at = _SPARSE_AT.get(node.target)
-    if at is None:
-        return False
-    return bool(node.kwargs.get("sparse", node.args[at] if len(node.args) > at else False))
+    """Nodes that make a sparse gradient for an embedding weight (stages.makes_sparse_grad)."""
+    return {node.name for node in gm.graph.nodes if makes_sparse_grad(gm, node)}
 
 
 def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[str]]:
