@@ -10,6 +10,13 @@ worst member) before anything is timed. Only strategies that carry gradients are
 candidates (cuda_graph is inference-only; compile runs eager in training mode, so
 it would only repeat vmap). Gradients are checked in eval() mode, where every way
 draws the same (no) dropout masks, and timed in train() mode, as training runs.
+
+A module whose forward() reads self.training refuses the mode it was not traced in
+(executor.build): it is checked and timed in the mode it was traced in. Traced in
+training mode, the loop and each candidate then run from one seed: a stage without
+random ops gives the loop's gradients exactly; one with dropout draws its masks in
+another order under vmap and wide (the same distribution, other values), fails the
+check and keeps the member loop, which draws as the reference does.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Plan, Stage, StageOptions, Strategy
 from stagewise.executor.autotune import Budget, _note, budget_of, candidate_strategies, race, tuning_start
 from stagewise.executor.build import resolve_device
@@ -28,6 +36,26 @@ from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import LoopRunner
 
 TRAINING_CANDIDATES = (Strategy.VMAP, Strategy.WIDE, Strategy.LOOP)
+
+
+def _set_mode(module: nn.Module, training: bool) -> bool:
+    """module.train(training), or where it refuses that mode (forward() reads self.training and was traced in the
+    other one, see executor.build) the mode it is in. Returns whether the module is in `training` mode now."""
+    try:
+        module.train(training)
+    except ExecutionError:
+        pass
+    return module.training == training
+
+
+def _seeded(call: Any, device: torch.device) -> Any:
+    """`call` run from one seed, the random streams put back afterwards: the loop and a candidate draw alike
+    wherever they draw in the same order."""
+    def seeded() -> Any:
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return call()
+    return seeded
 
 
 def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
@@ -47,8 +75,9 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
         stage = program.stage
         fresh = stage_inputs(program, env, n)
         reference = LoopRunner(program, n, runner.stacked, runner.member_states)
-        module.eval()
-        check = grads_check(fwd_bwd(program, reference, fresh, n)(), n)
+        in_eval = _set_mode(module, False)  # the check: no dropout masks, so every way must give the loop's gradients
+        checked = (lambda call: call) if in_eval else (lambda call: _seeded(call, dev))
+        check = grads_check(checked(fwd_bwd(program, reference, fresh, n))(), n)
         results: list[StrategyResult] = []
         working: dict[str, tuple[StrategyResult, Any]] = {}
         for strategy in candidate_strategies(program, dev, allowed):
@@ -58,15 +87,15 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
             candidate = make_runner(program, runner, strategy)
             if not candidate.trainable:
                 continue
-            module.eval()  # the check: no dropout masks, so every way must give the loop's gradients
-            res, call, _ = try_strategy(strategy.value, stage.id, lambda c=candidate: fwd_bwd(program, c, fresh, n), check, dev,
-                                        rtol=GRAD_RTOL)
+            _set_mode(module, False)
+            res, call, _ = try_strategy(strategy.value, stage.id, lambda c=candidate: checked(fwd_bwd(program, c, fresh, n)),
+                                        check, dev, rtol=GRAD_RTOL)
             results.append(res)
             if call is not None:
-                working[strategy.value] = (res, call)
-        module.train()  # timed as training runs
+                working[strategy.value] = (res, call if in_eval else fwd_bwd(program, candidate, fresh, n))
+        _set_mode(module, True)  # timed as training runs
         chosen = race(working, dev, repeats, warmup, spend)  # successive halving, as for inference (autotune.Budget)
-        module.eval()
+        _set_mode(module, False)
         found[stage.id] = results
         with torch.no_grad():  # the next stages' inputs: this stage's forward outputs with the chosen strategy
             _, ref_out, _ = loop_reference(program, runner, fresh)
