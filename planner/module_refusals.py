@@ -106,6 +106,8 @@ def call_override_refusal(model: nn.Module, who: str) -> str | None:
     for path, mod in model.named_modules():
         where = f"{who}'s submodule {path} ({type(mod).__name__})" if path else \
             (who if who == type(mod).__name__ else f"{who} ({type(mod).__name__})")
+        if type(mod).__module__.startswith("torch.export."):
+            continue  # a loaded torch.export archive's own guard module (torch wraps its forward; the trace keeps the check)
         replaced = [k for k in ("forward", "__call__") if k in vars(mod)]
         if replaced:
             return (f"{where} has {replaced[0]} replaced on the instance (m.{replaced[0]} = ...; a wrapper such as "
