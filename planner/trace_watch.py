@@ -27,23 +27,32 @@ from stagewise.planner.capability import alias_chain
 from stagewise.planner.errors import TraceError
 
 
+# The watches here replace process-wide functions (torch._C._set_grad_enabled, torch._C._InferenceMode, torch.fx.Proxy's
+# augmented assignments, the functions of random / numpy.random / time) and put them back on the way out. Two threads
+# tracing at once (the UI runs each session in a thread) would put them back out of order and leave one watch installed
+# for good: one trace at a time holds this lock (re-entrant: the watches nest), and each records its own thread only.
+_PATCHING = threading.RLock()
+
+
 @contextlib.contextmanager
 def _grad_mode_watch():
     """Yields a list that gets an entry each time grad mode is turned off while inside (torch.no_grad,
     set_grad_enabled(False): both go through torch._C._set_grad_enabled)."""
     calls: list[bool] = []
-    original = torch._C._set_grad_enabled
+    owner = threading.get_ident()
+    with _PATCHING:
+        original = torch._C._set_grad_enabled
 
-    def watched(mode: bool) -> None:
-        if not mode:
-            calls.append(mode)
-        original(mode)
+        def watched(mode: bool) -> None:
+            if not mode and threading.get_ident() == owner:  # another thread's no_grad is not forward()'s
+                calls.append(mode)
+            original(mode)
 
-    torch._C._set_grad_enabled = watched
-    try:
-        yield calls
-    finally:
-        torch._C._set_grad_enabled = original
+        try:
+            torch._C._set_grad_enabled = watched
+            yield calls
+        finally:
+            torch._C._set_grad_enabled = original
 
 
 RANDOM_OPS = frozenset({
@@ -156,6 +165,16 @@ class _HostStateWatch:
         return [vars(sys.modules[n]) for n in sorted(names) if n in sys.modules and not n.startswith("torch.")]
 
     def __enter__(self) -> "_HostStateWatch":
+        _PATCHING.acquire()
+        self.patched = []
+        try:
+            self._enter()
+        except BaseException:  # a failure or Ctrl-C half way: nothing stays patched, the lock is let go
+            self._restore()
+            raise
+        return self
+
+    def _enter(self) -> None:
         import random
         import time
         watched = _watched_functions()
@@ -164,7 +183,6 @@ class _HostStateWatch:
         if np_random is not None:
             owners.append(vars(np_random))
         namespaces = self._namespaces()
-        self.patched = []
         for space in owners + namespaces:
             for name, value in list(space.items()):
                 hit = watched.get(id(value))
@@ -187,11 +205,17 @@ class _HostStateWatch:
             state = _rng_state(rng)
             if state is not None:
                 self.states[label] = (rng, state)
-        return self
+
+    def _restore(self) -> None:
+        """Put the wrapped functions back and let the lock go."""
+        try:
+            for space, name, value in reversed(self.patched):
+                space[name] = value
+        finally:
+            _PATCHING.release()
 
     def __exit__(self, *exc) -> None:
-        for space, name, value in reversed(self.patched):
-            space[name] = value
+        self._restore()
         for label, (rng, state) in self.states.items():
             named = any(c.startswith(f"{label}.") for c in self.calls)  # a wrapped call already names it
             if _rng_state(rng) != state and not named:
@@ -244,12 +268,18 @@ class _InferenceModeAsNoGrad:
 
 @contextlib.contextmanager
 def _inference_mode_as_no_grad():
-    original = torch._C._InferenceMode
-    torch._C._InferenceMode = _InferenceModeAsNoGrad
-    try:
-        yield
-    finally:
-        torch._C._InferenceMode = original
+    owner = threading.get_ident()
+    with _PATCHING:
+        original = torch._C._InferenceMode
+
+        def stand_in(mode: bool) -> Any:  # other threads keep torch's inference mode
+            return _InferenceModeAsNoGrad(mode) if threading.get_ident() == owner else original(mode)
+
+        try:
+            torch._C._InferenceMode = stand_in
+            yield
+        finally:
+            torch._C._InferenceMode = original
 
 
 # the augmented assignments torch.fx.Proxy has no method for: Python falls back to `x = x + y`, which the graph records
@@ -258,9 +288,9 @@ _AUGMENTED = {"__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": 
               "__ipow__": operator.ipow, "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor}
 
 
-def _augmented(op: Any) -> Any:
+def _augmented(op: Any, owner: int) -> Any:
     def augmented(self: torch.fx.Proxy, other: Any) -> Any:
-        if alias_chain(self.node)[-1].op != "placeholder":
+        if threading.get_ident() != owner or alias_chain(self.node)[-1].op != "placeholder":
             return NotImplemented  # an intermediate value: `h += y` traces as `h + y` as before (nobody else sees h)
         return self.tracer.create_proxy("call_function", op, (self, other), {})
     return augmented
@@ -270,14 +300,17 @@ def _augmented(op: Any) -> Any:
 def _input_writes_recorded():
     """While inside, fx records `x += y` on a model input (or a view of one) as operator.iadd, an in-place node:
     at run time forward() writes the caller's tensor there, which the default out-of-place `x + y` hides."""
-    saved = {name: vars(torch.fx.Proxy).get(name) for name in _AUGMENTED}
-    for name, op in _AUGMENTED.items():
-        setattr(torch.fx.Proxy, name, _augmented(op))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            if method is None:
-                delattr(torch.fx.Proxy, name)
-            else:
-                setattr(torch.fx.Proxy, name, method)
+    owner = threading.get_ident()
+    with _PATCHING:
+        saved = {name: vars(torch.fx.Proxy).get(name) for name in _AUGMENTED}
+        try:
+            for name, op in _AUGMENTED.items():
+                setattr(torch.fx.Proxy, name, _augmented(op, owner))
+            yield
+        finally:
+            for name, method in saved.items():
+                if method is None:
+                    if name in vars(torch.fx.Proxy):
+                        delattr(torch.fx.Proxy, name)
+                else:
+                    setattr(torch.fx.Proxy, name, method)

@@ -344,3 +344,43 @@ def test_a_function_attribute_closing_over_the_module_is_refused():
     """was: the traced copy's lambda read the original member 0's `alpha` (as a constant: every member, no gradient)"""
     with pytest.raises(planner.TraceError, match=r"attribute 'gate' is a function that closes over a module.*Make it a method"):
         planner.trace(ClosureOverSelf(), (X,))
+
+
+def test_trace_watches_leave_nothing_patched_after_concurrent_traces_or_a_failed_start(monkeypatch):
+    """The watches replace process-wide functions while tracing: two threads tracing at once, or a failure while a
+    watch starts, must leave torch, random and time as they were (and another thread's no_grad is not forward()'s)."""
+    import threading
+
+    from stagewise.planner import trace_watch
+
+    originals = (random.random, time.time, torch._C._set_grad_enabled, torch._C._InferenceMode)
+
+    def traces():
+        for _ in range(30):
+            with trace_watch._host_state_refused(Net()), trace_watch._grad_mode_watch(), \
+                    trace_watch._inference_mode_as_no_grad(), trace_watch._input_writes_recorded():
+                time.sleep(0.0005)
+
+    threads = [threading.Thread(target=traces) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (random.random, time.time, torch._C._set_grad_enabled, torch._C._InferenceMode) == originals
+    assert "__iadd__" not in vars(torch.fx.Proxy)
+
+    with trace_watch._grad_mode_watch() as turned_off:
+        other = threading.Thread(target=lambda: torch.set_grad_enabled(False))
+        other.start()
+        other.join()
+    assert not turned_off
+
+    def interrupted(rng):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trace_watch, "_rng_state", interrupted)  # after the functions are wrapped
+    with pytest.raises(KeyboardInterrupt):
+        with trace_watch._HostStateWatch(Net()):
+            pass
+    assert random.random is originals[0] and time.time is originals[1]
+    assert trace_watch._PATCHING.acquire(blocking=False)
+    trace_watch._PATCHING.release()
