@@ -282,12 +282,3 @@ def _on(m: nn.Module, device: Optional[torch.device]) -> bool:
     t = next(iter([*m.parameters(), *m.buffers()]), None)
     return (device is None or t is None
             or (t.device.type == device.type and (device.index is None or t.device.index == device.index)))
-
-
-def members_on(members: Sequence[nn.Module], device: torch.device) -> list[nn.Module]:
-    """Members on `device`, copying (never moving) the caller's modules."""
-    out = []
-    for m in members:
-        p = next(iter(list(m.parameters()) + list(m.buffers())), None)
-        out.append(m if p is None or p.device == device else copy.deepcopy(m).to(device))
-    return out
