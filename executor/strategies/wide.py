@@ -35,10 +35,10 @@ import torch.fx
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from stagewise.planner.errors import ExecutionError, PlanFileError
+from stagewise.planner.errors import PlanFileError
 from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageOptions
-from stagewise.executor.stages import Runner, StageProgram, makes_sparse_grad
+from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_ops
 from stagewise.executor.strategies.wide_layers import (CONV_FORMS, ELEMENTWISE_MODULES, conv, conv_forms,
                                                        inplace_activation, module_rule)
@@ -148,7 +148,6 @@ class WideRunner(Runner):
                 value = self.stacked.get(str(node.target))
                 self._calls[node.name] = (NFirst(value) if value is not None else _attr(gm, str(node.target)),)
 
-        self._sparse = _sparse_embeddings(gm)  # embedding nodes that make sparse gradients
         self._fused = _sibling_linears(gm, self.stacked)  # first node of a group -> the group's node names
         self._pending: dict[str, Any] = {}
         self._program = self._compile_program(gm)
@@ -194,8 +193,6 @@ class WideRunner(Runner):
                     skip.add(fused_act)
             elif node.op == "call_module" and isinstance(self._calls[node.name][0], ELEMENTWISE_MODULES):
                 steps.append(self._elementwise_step(node))
-            elif node.name in self._sparse:
-                steps.append(self._sparse_step(node, self._generic_step(node)))
             else:
                 steps.append(self._generic_step(node))
         return consts, placeholders, steps, tuple(outputs) if isinstance(outputs, (list, tuple)) else (outputs,)
@@ -296,27 +293,6 @@ class WideRunner(Runner):
             step(env)
         return [_unbind(env[v.name] if isinstance(v, torch.fx.Node) else v, n) for v in outputs]
 
-    def _sparse_step(self, node: torch.fx.Node, step: Callable[[dict], None]) -> Callable[[dict], None]:
-        """`step` for an embedding with sparse=True: the forward runs (inference needs no gradient), and a backward
-        through it raises naming the embedding, where it raised torch's bare "reshape is not implemented for
-        sparse tensors" (a sparse gradient cannot be made for the members at once; no strategy makes one)."""
-        name, stage = node.name, self.program.describe
-
-        def refuse(grad: torch.Tensor) -> None:
-            raise ExecutionError(
-                f"stage {stage}: embedding {name} has sparse=True, and its sparse gradient cannot be batched across "
-                "members (torch has no sparse reshape under vmap): build the members' embeddings with sparse=False "
-                "(the same gradient values, dense), or train the members one by one")
-
-        def sparse_step(env: dict) -> None:
-            step(env)
-            out = env[name]
-            t = out.t if type(out) is NFirst else out
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(refuse)
-
-        return sparse_step
-
     def _call(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
         n = self.n_members
         entry = self._calls[node.name]
@@ -361,11 +337,6 @@ def _is_random(node: torch.fx.Node) -> bool:
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags
     return target in RANDOM_OPS
-
-
-def _sparse_embeddings(gm: torch.fx.GraphModule) -> set[str]:
-    """Nodes that make a sparse gradient for an embedding weight (stages.makes_sparse_grad)."""
-    return {node.name for node in gm.graph.nodes if makes_sparse_grad(gm, node)}
 
 
 def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[str]]:
