@@ -781,7 +781,8 @@ class BatchedModule(nn.Module):
 
         Raises InputError for the wrong number of inputs, a missing member axis, or
         inputs a stage reading them cannot take (wrong shape); ExecutionError when a
-        later stage fails.
+        later stage fails, for global module hooks registered since build, or for a
+        training flag set by hand to a mode forward() was not traced in (see mode_bound).
         """
         if global_hooks_present():  # four dict truthiness tests; torch's own watching hooks pass below
             self._refuse_global_hooks()
@@ -833,7 +834,9 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         tracer, or an old export plan file without input shapes and no example_inputs), DeviceError,
         MemoryBudgetError (the stacked state, N x one member's, would not fit on `device`; before stacking),
         MemberError for global module hooks (torch.nn.modules.module.register_module_forward_hook, ...): the
-        member loop fires them on every module call, the batched module cannot (its forward refuses them too).
+        member loop fires them on every module call, the batched module cannot (its forward refuses them too),
+        or for members that freeze different parameters (check_same_requires_grad); InputError for a model input
+        forward() writes in place where the batched module cannot repeat the loop's writes (check_input_writes).
     """
     refusal = global_hooks_refusal("the batched module")
     if refusal:
