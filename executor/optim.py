@@ -207,6 +207,8 @@ class _StackedOptimizer(torch.optim.Optimizer):
             group["member_lr"] = lr if per_member else torch.ones_like(lr)
             group["lr"] = 1.0 if per_member else float(lr[0])
         _check_range(owner, "lr", _member_vector(owner, "lr", group["lr"], n, device), 0.0)
+        if isinstance(group["lr"], torch.Tensor):  # a loaded tensor scale: a float, so every write is checked
+            dict.__setitem__(group, "lr", float(group["lr"]))
         group["member_lr"] = _check_range(owner, "lr", _member_vector(owner, "lr", group["member_lr"], n, device), 0.0)
         for name, bounds in self._RANGES.items():
             dict.__setitem__(group, name, _hyper_vector(owner, name, group[name], n, device, bounds))
@@ -429,6 +431,8 @@ class _MemberGroup(dict):
             value = _hyper_vector(self.owner, key, value, self.n, self["member_lr"].device, self.ranges[key])
         elif key == "lr" and "member_lr" in self:
             self._check_lr(value)
+            # kept a Python float: torch's schedulers fill_() a tensor lr in place, past this check
+            value = float(value)
         super().__setitem__(key, value)
 
     def _check_lr(self, value: Any) -> None:

@@ -93,6 +93,21 @@ def test_non_proportional_schedulers_with_per_member_lrs_are_refused(make_sched,
         make_sched(opt)
 
 
+def test_a_tensor_scale_does_not_slip_past_the_scheduler_check():
+    """torch's schedulers fill_() a tensor lr in place, past __setitem__: the scale is kept a float, so they cannot."""
+    opt = StackedSGD([torch.zeros(N, 2, requires_grad=True)], N, lr=LRS, momentum=0.9)
+    opt.param_groups[0]["lr"] = torch.tensor(1.0)
+    assert type(opt.param_groups[0]["lr"]) is float
+    with pytest.raises(OptimizerError, match=r"per-member lrs.*LambdaLR"):
+        S.OneCycleLR(opt, max_lr=0.2, total_steps=10)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(1.0)  # a state dict saved with a tensor scale
+    opt.load_state_dict(sd)
+    assert type(opt.param_groups[0]["lr"]) is float
+    with pytest.raises(OptimizerError, match=r"per-member lrs.*StackedCosineLR"):
+        S.CosineAnnealingLR(opt, 5, eta_min=0.01)
+
+
 def test_reduce_lr_on_plateau_with_per_member_lrs_matches_or_is_refused():
     ps, opt, members, opts = stacked_pair(lambda ps: StackedSGD(ps, N, lr=LRS), lambda m, i: torch.optim.SGD(m, lr=LRS[i]))
     scheds = [S.ReduceLROnPlateau(o, patience=0, factor=0.5) for o in [opt] + opts]
