@@ -40,7 +40,7 @@ checked end to end.
 
 Side effects: the caller's members are never run (autotune runs private copies),
 and every candidate is checked from the state the loop reference started from (a
-forward that updates buffers moves it on every run; candidates.StateSnapshot puts
+forward that updates buffers moves it on every run; candidates.SavedTensors puts
 it back).
 
 The planner cannot import the executor, so autotuning lives here:
@@ -61,7 +61,7 @@ from stagewise.planner.errors import ExecutionError
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from stagewise.executor.build import BatchedModule, build, capture_backend, resolve_device, tf32_scope
-from stagewise.executor.candidates import (Progress, StateSnapshot, advance, compile_mode_of_label, conv_form_of_label, make_runner,
+from stagewise.executor.candidates import (Progress, SavedTensors, advance, compile_mode_of_label, conv_form_of_label, make_runner,
                                            loop_reference, max_rel_error, on_device, private_members, stage_inputs, state_kept,
                                            strategy_label, time_candidates, try_strategy)
 from stagewise.executor.report import StrategyResult
@@ -248,7 +248,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
     whether the slow ones (compile, cuda_graph) are worth building; then the race (Budget).
     """
     stage = program.stage
-    start = StateSnapshot(runner.stacked.values())  # forward may update buffers: each candidate starts where the loop did
+    start = SavedTensors(runner.stacked.values())  # forward may update buffers: each candidate starts where the loop did
     reference, ref, check = loop_reference(program, runner, fresh)
     results: list[StrategyResult] = []
     working: Cands = {}
@@ -365,7 +365,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     spend = budget_of(budget)
     allowed = {Strategy(s) for s in strategies} if strategies is not None else None
     inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed, spend)
-    start = StateSnapshot(module.stacked_state.values())  # the tuned runners' state before any stage ran
+    start = SavedTensors(module.stacked_state.values())  # the tuned runners' state before any stage ran
     done = 0
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
@@ -465,7 +465,7 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
                     allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
                     budget: Budget = BUDGETS["default"], stage_ms: float = math.inf,
                     made: Optional[dict[str, Runner]] = None,
-                    made_state: Optional[StateSnapshot] = None) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
+                    made_state: Optional[SavedTensors] = None) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
     """The per-stage plan, or one merged stage if that is faster end to end and matches the loop.
 
     Every alternative (the per-stage plan too) is built afresh from its plan and checked
@@ -509,7 +509,7 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
                 reset()
             m = build_reusing(p, members, inputs, device, reuse)
             if other is not None:
-                own = StateSnapshot(m.stacked_state.values())
+                own = SavedTensors(m.stacked_state.values())
                 m(*other)  # a whole-plan graph is captured on other values: the checked call is a replay on `inputs`
                 own.restore()  # that call updated the buffers (warm-ups too, in the reused runners' state): back to the start
                 reset()

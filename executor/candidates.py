@@ -7,7 +7,7 @@ an exception. Working candidates are timed round-robin, with peak memory.
 
 State: candidates of a stage share its stacked state, and a forward that
 updates buffers (BatchNorm in training mode, a call counter) moves it on every
-run. StateSnapshot puts it back, so that each candidate is checked from the
+run. SavedTensors puts it back, so that each candidate is checked from the
 state the loop reference started from; private_members keeps the caller's
 members out of it altogether.
 """
@@ -213,7 +213,7 @@ def on_device(x: Any, device: torch.device) -> Any:
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, x)
 
 
-class StateSnapshot:
+class SavedTensors:
     """The values some state tensors hold now; `restore()` writes them back in place.
 
     Only tensors whose values changed are written (an unchanged one keeps its version counter,
@@ -242,7 +242,7 @@ def member_tensors(members: Sequence[nn.Module]) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def state_kept(members: Sequence[nn.Module]) -> Iterator[None]:
     """Run the block (the member loop, a retrace) and put the members' parameters and buffers back after it."""
-    snapshot = StateSnapshot(member_tensors(members))
+    snapshot = SavedTensors(member_tensors(members))
     try:
         yield
     finally:

@@ -12,7 +12,7 @@ State: the caller's members are never run. The profile runs private copies
 (candidates.private_members, made once per call and handed on to autotune), and
 a forward that updates buffers (BatchNorm in training mode, a call counter)
 moves the state on every run, so the batched module's state is saved once
-(StateSnapshot) and put back before each checked run: every stage's strategy,
+(SavedTensors) and put back before each checked run: every stage's strategy,
 its loop, the plan end to end and each baseline are checked from the state the
 loop reference started from.
 """
@@ -33,7 +33,7 @@ from stagewise.planner.plan import Plan, Strategy
 from stagewise.executor import baselines as whole
 from stagewise.executor.autotune import tune
 from stagewise.executor.build import BatchedModule, build, resolve_device, tf32_scope
-from stagewise.executor.candidates import (Progress, StateSnapshot, advance, make_runner, loop_reference, max_rel_error,
+from stagewise.executor.candidates import (Progress, SavedTensors, advance, make_runner, loop_reference, max_rel_error,
                                            member_tensors, on_device, private_members, stage_inputs, state_kept, strategy_label,
                                            time_candidates, try_strategy)
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
@@ -164,7 +164,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     with state_kept(members[:1]):  # a torch.export trace may run forward
         flops = stage_flops(plan, members[0], example)
     env = module.bind_inputs(inputs)
-    start = StateSnapshot(module.stacked_state.values())  # every check starts from the state the loop starts from
+    start = SavedTensors(module.stacked_state.values())  # every check starts from the state the loop starts from
     with torch.no_grad(), tf32_scope(plan.dtype, dev):
         stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
                                  candidates.get(program.stage.id, []), DTYPE_RTOL[plan.dtype], start)
@@ -225,7 +225,7 @@ class Ticks:
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.device, repeats: Optional[int], warmup: int,
                    ticks: Ticks, flops: int, candidates: list[StrategyResult], rtol: float = DEFAULT_RTOL,
-                   start: Optional[StateSnapshot] = None) -> StageProfile:
+                   start: Optional[SavedTensors] = None) -> StageProfile:
     """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`.
     `start`: the module's state before any run; the stage's part of it is put back before the loop
     reference and before each candidate, so that a forward updating buffers is checked from one state."""
@@ -274,7 +274,7 @@ def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tup
     `module` is at the state the members (profile's copies) hold; the members are put back there before
     each baseline is built and checked, since the loop reference and the loop baseline move them."""
     ticks("end to end and baselines")
-    kept = StateSnapshot(member_tensors(members))
+    kept = SavedTensors(member_tensors(members))
     ref_out = whole.stack_outputs(whole.loop(plan, members, inputs)())
     builders: dict[str, Callable[[], Callable]] = {}
     if all(s.result.ok for s in stages):

@@ -40,7 +40,7 @@ from stagewise.planner.errors import ExecutionError, StagewiseError
 from stagewise.planner.plan import Plan, Strategy
 from stagewise.executor.autotune_train import tune_training
 from stagewise.executor.build import BatchedModule, build, resolve_device
-from stagewise.executor.candidates import (StateSnapshot, advance, loop_reference, max_rel_error, on_device, private_members,
+from stagewise.executor.candidates import (SavedTensors, advance, loop_reference, max_rel_error, on_device, private_members,
                                            stage_inputs, state_kept, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.optim import StackedAdam, StackedSGD
 from stagewise.executor.profile import Ticks, device_name, stage_flops, write_chrome_trace
@@ -195,7 +195,7 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     module.train()
     with state_kept(members[:1]):  # a torch.export trace may run forward
         flops = {k: 3 * v for k, v in stage_flops(plan, members[0], example).items()}  # backward ~ 2x the forward
-    start = StateSnapshot(module.stacked_state.values())  # every check starts from the state the loop starts from
+    start = SavedTensors(module.stacked_state.values())  # every check starts from the state the loop starts from
     stages = _profile_stages(module, inputs, dev, repeats, warmup, ticks, flops, candidates, start)
     start.restore()  # the stages' runs moved it: the training step end to end is checked from the start
     del start
@@ -271,7 +271,7 @@ def _concat(grads: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> to
 # --- per stage ---------------------------------------------------------------------------------------
 
 def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, ticks, flops: dict,
-                    candidates: dict, start: Optional[StateSnapshot] = None) -> list[StageProfile]:
+                    candidates: dict, start: Optional[SavedTensors] = None) -> list[StageProfile]:
     env = module.bind_inputs(inputs)
     out = []
     for program, runner in zip(module.programs, module.runners):
@@ -281,7 +281,7 @@ def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, 
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeats, warmup, ticks, flops: int,
-                   candidates: list[StrategyResult], start: Optional[StateSnapshot] = None) -> StageProfile:
+                   candidates: list[StrategyResult], start: Optional[SavedTensors] = None) -> StageProfile:
     """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`.
     `start`: the module's state before any run; the stage's part of it is put back before each checked run."""
     stage, n = program.stage, runner.n_members
