@@ -36,7 +36,7 @@ from stagewise.planner.validate import stage_graph, validate
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
-from stagewise.executor.values import Batched, Shared, as_batched, n_first
+from stagewise.executor.values import Batched, Shared, as_batched, n_first, reset_call_number_context, set_call_number_context
 
 
 # Precision (plan.dtype). Cast once, not autocast: the stacked floating state (parameters and buffers,
@@ -706,11 +706,17 @@ class BatchedModule(nn.Module):
         if self._storage:
             self._follow_new_storage()
         env = self.bind_inputs(inputs)
-        if run is None:
-            self._run_steps(env, self._steps)
-        else:
-            run(env)
-        return self._outputs(env), (env if keep else {})
+        # per-member floats stacked where no stage's tensors tell their precision (a stage holding no floating tensor,
+        # the outputs) follow the whole call's: float64 in a float64 model, as the loop's doubles (values._float_dtype)
+        numbers = set_call_number_context((self._stacked, *env.values()))  # the state and the inputs alone
+        try:
+            if run is None:
+                self._run_steps(env, self._steps)
+            else:
+                run(env)
+            return self._outputs(env), (env if keep else {})
+        finally:
+            reset_call_number_context(numbers)
 
     def _run_steps(self, env: dict[str, Any], steps: list) -> None:
         """Run `steps` (a slice of the flat program) on the boundary values in `env`, adding their outputs to it."""

@@ -40,10 +40,16 @@ set_stage_device = _stage_device.set
 reset_stage_device = _stage_device.reset
 
 # what the running stage computes with (its state tensors, its boundary values), looked at only when per-member
-# Python floats become a tensor (see number_dtype); set per call as cheaply as the device above
+# Python floats become a tensor (see number_dtype); set per stage call as cheaply as the device above
 _number_context: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("number_context", default=None)
 set_number_context = _number_context.set
 reset_number_context = _number_context.reset
+# the same for the whole forward call (the module's stacked state, its bound inputs; BatchedModule._run_plain), for
+# floats stacked where no stage's tensors tell: a stage holding no floating tensor (only numbers come in), the
+# model's outputs (stacked after the last stage)
+_call_number_context: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("call_number_context", default=None)
+set_call_number_context = _call_number_context.set
+reset_call_number_context = _call_number_context.reset
 
 
 def number_dtype(*trees: Any) -> torch.dtype:
@@ -53,6 +59,12 @@ def number_dtype(*trees: Any) -> torch.dtype:
     A Python float is a double. Beside a float64 tensor the loop computes in double, so the numbers must stay
     float64 (as float32 they lose digits: a silent precision loss); beside float32 ones the loop rounds the
     number to float32 anyway, and a float64 [N] tensor would turn a 0-d float32 result float64."""
+    return _floating_dtype(trees) or torch.get_default_dtype()
+
+
+def _floating_dtype(trees: tuple) -> torch.dtype | None:
+    """number_dtype of `trees`, or None when they hold no floating tensor (nothing to follow)."""
+    found = None
     for tree in trees:
         if _is_tensor(tree):
             leaves = [tree]
@@ -61,17 +73,23 @@ def number_dtype(*trees: Any) -> torch.dtype:
         else:
             leaves = tree_flatten(_tree_of(tree) if isinstance(tree, (Shared, Batched, PerMember)) else tree)[0]
         for x in leaves:
-            if isinstance(x, (Shared, Batched, PerMember)):
-                if number_dtype(x) is torch.float64:
-                    return torch.float64
-            elif _is_tensor(x) and x.dtype is torch.float64:
-                return torch.float64
-    return torch.get_default_dtype()
+            dtype = _floating_dtype((x,)) if isinstance(x, (Shared, Batched, PerMember)) else \
+                x.dtype if _is_tensor(x) and x.is_floating_point() else None
+            if dtype is torch.float64:
+                return dtype
+            if dtype is not None:
+                found = torch.get_default_dtype()
+    return found
 
 
 def _float_dtype() -> torch.dtype:
-    context = _number_context.get()
-    return number_dtype(*context) if context is not None else torch.get_default_dtype()
+    """The dtype of per-member floats stacked now: the running stage's number_dtype, else (that stage holds no
+    floating tensor, or none runs) the forward call's, else torch's default dtype."""
+    for context in (_number_context.get(), _call_number_context.get()):
+        dtype = _floating_dtype(context) if context is not None else None
+        if dtype is not None:
+            return dtype
+    return torch.get_default_dtype()
 
 
 @dataclass(frozen=True)
@@ -141,8 +159,8 @@ def stack_member_values(values: list, device: torch.device | str | None = None,
     stage that reads them: a CPU tensor there fails under vmap on CUDA); when None,
     on the device of the stage running now (stage_device), else of the values' own
     tensors, else the CPU. Ints stay int64 and bools bool; floats become `float_dtype`,
-    when None the number_dtype of the stage running now (set_number_context), else
-    torch's default dtype.
+    when None the number_dtype of the stage running now (set_number_context), else of
+    the forward call running now (set_call_number_context), else torch's default dtype.
     """
     if values and all(_is_tensor(v) for v in values):  # the common case (a loop stage's tensors), without pytree walks
         return torch.stack(values), 0

@@ -81,6 +81,43 @@ def test_item_floats_into_a_vmapped_stage_keep_float64():
         assert_same(ens(x), loop(ref, x), rtol=1e-12, atol=1e-12)
 
 
+class ItemOutputs(nn.Module):
+    """Per-member floats as outputs (stacked after the last stage) and into a stage that holds no tensor at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h.sum().item(), h.abs().max().item() / 3.0  # the division: a stage fed the float alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_item_float_outputs_and_a_stage_fed_floats_alone_keep_the_models_precision(dtype):
+    """Was wrong (float64): both came back a float32 [N] tensor, ~1e-8 off the loop's doubles (no stage's
+    tensors told their precision). A float32 model's stay float32, as before."""
+    x = torch.randn(5, 8, dtype=dtype)
+    members, ref, plan = _members(ItemOutputs, dtype, x)
+    fed_alone = [s for s in plan.stages if s.nodes == ("truediv",)]
+    assert fed_alone and fed_alone[0].mode.value == "batched"  # the case under test: a vmapped stage without state
+    ens = executor.build(plan, members).eval()
+    with torch.no_grad():
+        got, (_, env) = ens(x), ens.run_stages(x, keep=True)
+        captured = capture(executor.build(plan, members).eval(), backend=ReplayBackend())
+        got_captured = [captured(x) for _ in range(2)][-1]  # the floats enter the replayed run as a tensor
+        assert {"graph", "eager"} <= {e["mode"] for e in captured.layout()}
+        want = [m(x) for m in ref]
+    assert env["truediv"].tree.dtype == dtype  # the stage's own result, before it becomes an output
+    for k, g in enumerate([*got, *got_captured]):
+        k %= 2
+        assert g.dtype == dtype and g.shape == (N,)
+        w = torch.tensor([o[k] for o in want], dtype=torch.float64)  # the loop's Python floats
+        tol = dict(rtol=1e-15, atol=1e-15) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g.double(), w, **tol)
+    assert stack_member_values([1.5, 2.5])[0].dtype == torch.get_default_dtype()  # after the call: as before
+
+
 def test_number_dtype_follows_the_tensors_beside_the_numbers():
     f32, f64 = torch.zeros(2), torch.zeros(2, dtype=torch.float64)
     assert number_dtype([f32], {"w": f32}) == torch.get_default_dtype()
