@@ -6,13 +6,9 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 """
 from __future__ import annotations
 
-import builtins
 import contextlib
 import copy
-import functools
 import re
-import sys
-import types
 from pathlib import Path
 import dataclasses
 import warnings
@@ -29,12 +25,16 @@ from stagewise.planner.errors import DeviceError, ExecutionError, InputError, Me
 from stagewise.planner.graph import (ModelGraph, fingerprint_lines, global_hooks_present, global_hooks_refusal,
                                       registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
-from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.plan import InputMode, Plan, Stage
-from stagewise.planner.snapshot import StateSnapshot
 from stagewise.planner.validate import stage_graph, validate
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
+# moved out of this module; still importable from here (tests patch stack_member_state on it)
+from stagewise.executor.input_writes import check_input_writes
+from stagewise.executor.members import check_same_requires_grad, shared_across_members, stack_member_state, state_tree, tree_tensor
+from stagewise.executor.members import member_state, tied_names  # noqa: F401
+from stagewise.executor.modes import _MODE_NAME, mode_bound
+from stagewise.executor.modes import reads_training  # noqa: F401
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
 from stagewise.executor.values import Batched, Shared, as_batched, n_first, reset_call_number_context, set_call_number_context
 
@@ -110,90 +110,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def member_state(member: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers of one member by dotted name, every name of a tied tensor included.
-
-    A tensor reachable under several names (an embedding tied to the output head)
-    appears once per name, as the same object: a stage reading `head.weight` must
-    receive this member's tensor even when `emb.weight` is read by another stage.
-    """
-    named = list(member.named_parameters(remove_duplicate=False)) + list(member.named_buffers(remove_duplicate=False))
-    return dict(named)
-
-
-def tied_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Alias name -> first name, for tensors of `state` reachable under several names."""
-    first: dict[int, str] = {}
-    alias = {}
-    for k, t in state.items():
-        owner = first.setdefault(id(t), k)
-        if owner != k:
-            alias[k] = owner
-    return alias
-
-
-def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
-    """Stack member state into [N, ...] tensors; MemberError names the first mismatching member and key.
-
-    Names tied to one tensor in every member share one stacked tensor (the aliasing
-    is kept, so an in-place update reaches every stage that reads it).
-    """
-    states = [member_state(m) for m in members]
-    ref = states[0]
-    for i, st in enumerate(states[1:], start=1):
-        if st.keys() != ref.keys():
-            missing = sorted(ref.keys() - st.keys())
-            extra = sorted(st.keys() - ref.keys())
-            raise MemberError(f"member {i} does not match member 0: missing {missing[:3]}, unexpected {extra[:3]}; all members must share one architecture")
-        for k, t in st.items():
-            if t.shape != ref[k].shape or t.dtype != ref[k].dtype:
-                raise MemberError(
-                    f"member {i} has {k} of shape {list(t.shape)} {t.dtype}, member 0 has {list(ref[k].shape)} {ref[k].dtype}; "
-                    "all members must share one architecture"
-                )
-    ties = [tied_names(st) for st in states]
-    shared_ties = {k: v for k, v in ties[0].items() if all(t.get(k) == v for t in ties[1:])}
-    stacked: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for k in ref:
-            if k in shared_ties:
-                stacked[k] = stacked[shared_ties[k]]
-            else:
-                stacked[k] = torch.stack([st[k].detach() for st in states]).to(device)
-    return stacked
-
-
-def check_same_requires_grad(members: Sequence[nn.Module]) -> None:
-    """MemberError naming the first member that freezes other parameters than member 0: a stacked parameter
-    has one requires_grad for all members (member 0's would be trained, or frozen, for every member)."""
-    ref = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
-    for i, m in enumerate(members[1:], start=1):
-        differ = [(k, p.requires_grad) for k, p in m.named_parameters(remove_duplicate=False) if k in ref and ref[k] != p.requires_grad]
-        if differ:
-            frozen = [k for k, rg in differ if not rg]
-            trained = [k for k, rg in differ if rg]
-            what = "; ".join(part for part in (
-                f"member {i} freezes {frozen[:3]}{' ...' if len(frozen) > 3 else ''} (requires_grad=False), which member 0 trains" if frozen else "",
-                f"member {i} trains {trained[:3]}{' ...' if len(trained) > 3 else ''}, which member 0 freezes (requires_grad=False)" if trained else "",
-            ) if part)
-            raise MemberError(f"{what}: a stacked parameter has one requires_grad for all members, so it would be trained or frozen "
-                              "for every member alike. Freeze the same parameters in every member (p.requires_grad_(False) on each), "
-                              "or build the members that differ here as separate modules")
-
-
-def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
-    """Names of trainable parameters that two members hold as one tensor. Stacked, each member gets its own
-    copy: forward is the same, but training would update the copies apart where the loop updates one tensor."""
-    seen: dict[int, int] = {}
-    shared = []
-    for i, m in enumerate(members):
-        for name, p in m.named_parameters():
-            owner = seen.setdefault(id(p), i)
-            if owner != i and p.requires_grad and name not in shared:
-                shared.append(name)
-    return shared
-
-
 def _first_difference(plan: Plan, graph: ModelGraph) -> str:
     planned = [n for s in plan.stages for n in s.nodes]
     have = set(graph.compute_nodes)
@@ -223,262 +139,6 @@ def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
     """The plan's stages in dependency order (a hand-edited plan file may list them in any order)."""
     index = {s.id: i for i, s in enumerate(plan.stages)}
     return [plan.stage(sid) for sid in nx.lexicographical_topological_sort(stage_graph(plan, graph), key=index.__getitem__)]
-
-
-def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persistent: set[str]) -> nn.Module:
-    """Stacked member state as a module tree mirroring one member's: `tree.fc1.weight` is [N, *fc1.weight.shape].
-
-    Names in `params` become nn.Parameters (requires_grad as given; a tied tensor is one Parameter
-    under each of its names); the rest are buffers, in the state_dict when in `persistent`.
-    """
-    root = nn.Module()
-    as_param: dict[int, nn.Parameter] = {}
-    for name, t in stacked.items():
-        owner = root
-        *path, leaf = name.split(".")
-        for part in path:
-            if part not in owner._modules:
-                owner.add_module(part, nn.Module())
-            owner = owner._modules[part]
-        if name in params:
-            p = as_param.get(id(t))
-            if p is None:
-                p = as_param[id(t)] = nn.Parameter(t, requires_grad=params[name])
-            owner.register_parameter(leaf, p)
-        else:
-            owner.register_buffer(leaf, t, persistent=name in persistent)
-    return root
-
-
-def tree_tensor(tree: nn.Module, name: str) -> torch.Tensor:
-    """The tensor `state_tree` registered under dotted `name`."""
-    path, _, leaf = name.rpartition(".")
-    owner = tree.get_submodule(path) if path else tree
-    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
-
-
-# --- forward() reading self.training ------------------------------------------------------------
-# A Python branch on `self.training` (or `F.dropout(x, p, self.training)`) in a traced forward is decided
-# when it is traced: the graph holds one branch. Leaf modules (nn.Dropout, nn.BatchNorm*) stay call_module
-# nodes under fx and follow .train()/.eval() at run time; torch.export traces inside them, so there their
-# flag is decided at trace time too. build() traces a copy of member 0 in the other mode as well: where the
-# graphs differ, the module refuses that mode (train(), eval(), a call with the flag set by hand).
-
-
-def _code_reads_training(code: types.CodeType) -> bool:
-    """Whether `code` (or a function nested in it) names an attribute or string `training`."""
-    if "training" in code.co_names or "training" in code.co_consts:
-        return True
-    return any(isinstance(c, types.CodeType) and _code_reads_training(c) for c in code.co_consts)
-
-
-def _all_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _all_names(c)
-    return names
-
-
-def _is_user_code(module_name: str | None) -> bool:
-    """Whether a Python module name is neither torch's nor the standard library's (where no forward of ours hides)."""
-    root = (module_name or "").partition(".")[0]
-    return root not in ("torch", "builtins") and root not in sys.stdlib_module_names
-
-
-def reads_training(model: nn.Module, tracer: str = "export", opened: Sequence[str] = ()) -> bool:
-    """Whether Python code that may run in `model`'s traced forward reads a `training` flag: the methods of
-    every traced submodule's classes (under export torch's own too: Dropout, BatchNorm read it; under fx its
-    leaves are not traced unless `opened`), functions held on the modules, and the user functions, classes,
-    modules and tables of functions those reach by global name. Only a filter: False skips tracing the model
-    again in the other mode (see mode_bound); when in doubt it says True."""
-    leaf = torch.fx.Tracer().is_leaf_module
-    todo: list[Any] = []
-    for path, mod in model.named_modules():
-        if tracer == "fx" and path not in opened and leaf(mod, path):
-            continue  # a call_module node: it reads its flag when it runs
-        todo.append(type(mod))
-        todo.extend(v for v in vars(mod).values() if callable(v) and not isinstance(v, nn.Module))
-    seen: set[int] = set()
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or obj is nn.Module or obj is object:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, type):
-            if issubclass(obj, torch.fx.GraphModule) or (issubclass(obj, nn.Module) and ("train" in vars(obj) or "eval" in vars(obj))):
-                return True  # generated code, or a train() of its own that may set other flags forward() reads: trace again
-            todo.extend(obj.__mro__[1:])
-            for v in vars(obj).values():
-                if isinstance(v, (staticmethod, classmethod)):
-                    v = v.__func__
-                if isinstance(v, property):
-                    todo.extend(f for f in (v.fget, v.fset) if f is not None)
-                elif isinstance(v, (types.FunctionType, type)):
-                    todo.append(v)
-        elif isinstance(obj, types.MethodType):
-            todo.append(obj.__func__)
-        elif isinstance(obj, functools.partial):
-            todo.append(obj.func)
-        elif isinstance(obj, types.FunctionType):
-            if _code_reads_training(obj.__code__):
-                return True
-            todo.extend(c.cell_contents for c in obj.__closure__ or () if _cell_is_code(c))
-            names = _all_names(obj.__code__)
-            for name in names:  # the user's helpers it calls by global name, `helper(...)` or `utils.helper(...)`
-                v = obj.__globals__.get(name, getattr(builtins, name, None))
-                if isinstance(v, types.ModuleType) and _is_user_code(v.__name__):
-                    todo.extend(getattr(v, n) for n in names if isinstance(getattr(v, n, None), (types.FunctionType, type)))
-                elif isinstance(v, (dict, list, tuple)):  # a registry of activations or blocks: ACTS[self.kind](x)
-                    todo.extend(f for f in (v.values() if isinstance(v, dict) else v)
-                                if isinstance(f, (types.FunctionType, type, functools.partial)) and _is_user_code(getattr(f, "__module__", None)))
-                elif isinstance(v, (types.FunctionType, type, functools.partial)) and _is_user_code(getattr(v, "__module__", None)):
-                    todo.append(v)
-        elif callable(obj) and not isinstance(obj, (types.BuiltinFunctionType, torch.Tensor)):
-            todo.append(type(obj))  # a callable object: its class's __call__
-    return False
-
-
-def _cell_is_code(cell: Any) -> bool:
-    try:
-        v = cell.cell_contents
-    except ValueError:  # an empty cell
-        return False
-    return isinstance(v, (types.FunctionType, type, functools.partial))
-
-
-def _mode_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[str], dict[str, Any]]:
-    """What decides a trace's behaviour beyond member state: its code, line by line, and the constants it reads."""
-    consts = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and str(node.target) not in state_names:
-            obj: Any = gm
-            for part in str(node.target).split("."):
-                obj = getattr(obj, part, None)
-            if not isinstance(obj, nn.Module):
-                consts[str(node.target)] = obj
-    return gm.code.strip().splitlines(), consts
-
-
-def _same_constant(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                and (a.device.type == "meta" or torch.equal(a.detach(), b.detach())))
-    try:
-        return bool(a == b)
-    except Exception:  # an object without a plain ==: only itself is itself
-        return a is b
-
-
-def _mode_difference(traced: tuple[list[str], dict[str, Any]], other: tuple[list[str], dict[str, Any]]) -> str | None:
-    """None when two traces are the same program, else a few words on the first difference."""
-    (lines_a, consts_a), (lines_b, consts_b) = traced, other
-    for a, b in zip(lines_a + ["<end>"], lines_b + ["<end>"]):
-        if a != b:
-            return f"`{a.strip()[:100]}` became `{b.strip()[:100]}`"
-    for k in consts_a.keys() | consts_b.keys():
-        if k not in consts_a or k not in consts_b or not _same_constant(consts_a[k], consts_b[k]):
-            return f"the constant {k!r} differs"
-    return None
-
-
-_MODE_NAME = {True: "training", False: "eval"}
-
-
-def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> dict[bool, str]:
-    """The modes (True = training) in which `private` (a copy of member 0, traced as `graph`) traces to another
-    program than `graph`, each with the first difference (or why it cannot be traced in that mode)."""
-    modes = [m.training for m in private.modules()]
-    wanted = [mode for mode in (True, False) if any(t != mode for t in modes)]  # all modules in `mode` already: graph itself
-    if not wanted or not reads_training(private, plan.tracer, plan.opened_modules):
-        return {}
-    state = {k for k, _ in private.named_parameters(remove_duplicate=False)} | {k for k, _ in private.named_buffers(remove_duplicate=False)}
-    traced = _mode_text(graph.gm, state)
-    names = [i.name for i in plan.inputs]
-    bound = {}
-    for mode in wanted:
-        # the other mode's trace may run Python that changes attributes: on a copy, sharing the parameters and buffers
-        # (a trace does not write them: fx holds proxies, export fakes)
-        other = copy.deepcopy(private, {id(t): t for t in [*private.parameters(), *private.buffers()]})
-        other.train(mode)
-        try:
-            g = retrace(other, plan.tracer, example, names, plan.opened_modules)
-        except StagewiseError as e:  # e.g. a random draw only the training branch makes
-            bound[mode] = f"in {_MODE_NAME[mode]} mode it cannot be traced ({str(e).splitlines()[0][:300]})"
-            continue
-        difference = _mode_difference(traced, _mode_text(g.gm, state))
-        if difference is not None:
-            bound[mode] = f"in {_MODE_NAME[mode]} mode it traces to another graph ({difference})"
-    return bound
-
-
-def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
-    """The value `node` writes in place (`x.add_()`, `x += 1` as export records it, F.relu(x, inplace=True),
-    nn.ReLU(inplace=True)(x)), or None."""
-    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-    if first is None:
-        return None
-    if is_inplace(node) or (node.op == "call_function" and node.kwargs.get("inplace") is True):
-        return first
-    if node.op == "call_module" and getattr(gm.get_submodule(str(node.target)), "inplace", False) is True:
-        return first
-    return None
-
-
-def _shared_write_refusal(where: str, name: str) -> InputError:
-    return InputError(
-        f"{where} writes the shared input {name!r} in place: the member loop writes the caller's tensor once per member "
-        f"(member i sees i writes before its own), which one batched call cannot repeat; clone the input in forward() "
-        f"({name} = {name}.clone()) or give it per_member (planner.propose(..., input_mode='per_member'))")
-
-
-def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> None:
-    """InputError for a model input forward() writes in place where the batched module cannot do what the loop does.
-
-    A shared input written in place is refused: the loop writes the caller's tensor N times, each member
-    seeing the writes of the members before it. The graph shows most writes (`x.add_`, a view's `mul_`,
-    an in-place module); torch.fx records `x += 1` as an out-of-place add, so `private` (a copy of member 0,
-    its state and the random generators restored afterwards) also runs once on copies of `example` and an
-    input whose version counter moved was written. A per_member input written where the graph does not show
-    it is refused too (the batched module would leave the caller's rows unwritten); one the graph shows is fine.
-    A model that cannot run on the (zero) example inputs skips the run; the graph's writes are still refused.
-    """
-    names = list(graph.input_names)
-    shared = {n for n in names if plan.input_mode(n) is not InputMode.PER_MEMBER}
-    shown = set()
-    for node in graph.gm.graph.nodes:
-        written = _written_in_place(graph.gm, node)
-        root = alias_chain(written)[-1] if written is not None else None
-        if root is not None and root.op == "placeholder":
-            if root.name in shared:
-                raise _shared_write_refusal(f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)})",
-                                            root.name)
-            shown.add(root.name)
-    if example is None or not any(isinstance(x, torch.Tensor) for x in example):
-        return
-    state = next(iter([*private.parameters(), *private.buffers()]), None)
-    device = state.device if state is not None else torch.device("cpu")
-    copies = tuple(x.detach().clone().to(device) if isinstance(x, torch.Tensor) else x for x in example)
-    versions = [x._version if isinstance(x, torch.Tensor) else None for x in copies]
-    snapshot = StateSnapshot.take(private)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            private(*copies)
-    except Exception:  # noqa: BLE001 - a probe on zeros (a model that needs real inputs); the graph scan above stands
-        return
-    finally:
-        snapshot.restore_if_changed(private)
-    for name, x, v in zip(names, copies, versions):
-        if v is None or x._version == v:
-            continue
-        if name in shared:
-            raise _shared_write_refusal("forward()", name)
-        if name not in shown:
-            raise InputError(
-                f"forward() writes the per_member input {name!r} in place in a way the {plan.tracer} trace does not record "
-                f"(torch.fx records `{name} += ...` as an out-of-place add), so the batched module would leave the caller's "
-                f"tensor unwritten where the member loop writes it; write {name} = {name} + ... (no write), or "
-                f"{name}.add_(...) (a write the trace records)")
 
 
 class BatchedModule(nn.Module):

@@ -1,0 +1,81 @@
+"""executor.input_writes: refuse model inputs forward() writes in place where one batched call cannot do
+what the member loop does (check_input_writes)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stagewise.planner.capability import alias_chain, is_inplace
+from stagewise.planner.errors import InputError
+from stagewise.planner.graph import ModelGraph
+from stagewise.planner.plan import InputMode, Plan
+from stagewise.planner.snapshot import StateSnapshot
+
+
+def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The value `node` writes in place (`x.add_()`, `x += 1` as export records it, F.relu(x, inplace=True),
+    nn.ReLU(inplace=True)(x)), or None."""
+    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if first is None:
+        return None
+    if is_inplace(node) or (node.op == "call_function" and node.kwargs.get("inplace") is True):
+        return first
+    if node.op == "call_module" and getattr(gm.get_submodule(str(node.target)), "inplace", False) is True:
+        return first
+    return None
+
+
+def _shared_write_refusal(where: str, name: str) -> InputError:
+    return InputError(
+        f"{where} writes the shared input {name!r} in place: the member loop writes the caller's tensor once per member "
+        f"(member i sees i writes before its own), which one batched call cannot repeat; clone the input in forward() "
+        f"({name} = {name}.clone()) or give it per_member (planner.propose(..., input_mode='per_member'))")
+
+
+def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> None:
+    """InputError for a model input forward() writes in place where the batched module cannot do what the loop does.
+
+    A shared input written in place is refused: the loop writes the caller's tensor N times, each member
+    seeing the writes of the members before it. The graph shows most writes (`x.add_`, a view's `mul_`,
+    an in-place module); torch.fx records `x += 1` as an out-of-place add, so `private` (a copy of member 0,
+    its state and the random generators restored afterwards) also runs once on copies of `example` and an
+    input whose version counter moved was written. A per_member input written where the graph does not show
+    it is refused too (the batched module would leave the caller's rows unwritten); one the graph shows is fine.
+    A model that cannot run on the (zero) example inputs skips the run; the graph's writes are still refused.
+    """
+    names = list(graph.input_names)
+    shared = {n for n in names if plan.input_mode(n) is not InputMode.PER_MEMBER}
+    shown = set()
+    for node in graph.gm.graph.nodes:
+        written = _written_in_place(graph.gm, node)
+        root = alias_chain(written)[-1] if written is not None else None
+        if root is not None and root.op == "placeholder":
+            if root.name in shared:
+                raise _shared_write_refusal(f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)})",
+                                            root.name)
+            shown.add(root.name)
+    if example is None or not any(isinstance(x, torch.Tensor) for x in example):
+        return
+    state = next(iter([*private.parameters(), *private.buffers()]), None)
+    device = state.device if state is not None else torch.device("cpu")
+    copies = tuple(x.detach().clone().to(device) if isinstance(x, torch.Tensor) else x for x in example)
+    versions = [x._version if isinstance(x, torch.Tensor) else None for x in copies]
+    snapshot = StateSnapshot.take(private)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            private(*copies)
+    except Exception:  # noqa: BLE001 - a probe on zeros (a model that needs real inputs); the graph scan above stands
+        return
+    finally:
+        snapshot.restore_if_changed(private)
+    for name, x, v in zip(names, copies, versions):
+        if v is None or x._version == v:
+            continue
+        if name in shared:
+            raise _shared_write_refusal("forward()", name)
+        if name not in shown:
+            raise InputError(
+                f"forward() writes the per_member input {name!r} in place in a way the {plan.tracer} trace does not record "
+                f"(torch.fx records `{name} += ...` as an out-of-place add), so the batched module would leave the caller's "
+                f"tensor unwritten where the member loop writes it; write {name} = {name} + ... (no write), or "
+                f"{name}.add_(...) (a write the trace records)")

@@ -1,0 +1,129 @@
+"""executor.members: the members' state as one stacked state.
+
+Each member's parameters and buffers by dotted name (tied names kept), stacked into [N, ...] tensors, the
+checks that members can be stacked (same architecture, same frozen parameters, no trainable tensor shared
+between members), and the module tree that holds the stacked tensors under one member's names.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from stagewise.planner.errors import MemberError
+
+
+def member_state(member: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers of one member by dotted name, every name of a tied tensor included.
+
+    A tensor reachable under several names (an embedding tied to the output head)
+    appears once per name, as the same object: a stage reading `head.weight` must
+    receive this member's tensor even when `emb.weight` is read by another stage.
+    """
+    named = list(member.named_parameters(remove_duplicate=False)) + list(member.named_buffers(remove_duplicate=False))
+    return dict(named)
+
+
+def tied_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Alias name -> first name, for tensors of `state` reachable under several names."""
+    first: dict[int, str] = {}
+    alias = {}
+    for k, t in state.items():
+        owner = first.setdefault(id(t), k)
+        if owner != k:
+            alias[k] = owner
+    return alias
+
+
+def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> dict[str, torch.Tensor]:
+    """Stack member state into [N, ...] tensors; MemberError names the first mismatching member and key.
+
+    Names tied to one tensor in every member share one stacked tensor (the aliasing
+    is kept, so an in-place update reaches every stage that reads it).
+    """
+    states = [member_state(m) for m in members]
+    ref = states[0]
+    for i, st in enumerate(states[1:], start=1):
+        if st.keys() != ref.keys():
+            missing = sorted(ref.keys() - st.keys())
+            extra = sorted(st.keys() - ref.keys())
+            raise MemberError(f"member {i} does not match member 0: missing {missing[:3]}, unexpected {extra[:3]}; all members must share one architecture")
+        for k, t in st.items():
+            if t.shape != ref[k].shape or t.dtype != ref[k].dtype:
+                raise MemberError(
+                    f"member {i} has {k} of shape {list(t.shape)} {t.dtype}, member 0 has {list(ref[k].shape)} {ref[k].dtype}; "
+                    "all members must share one architecture"
+                )
+    ties = [tied_names(st) for st in states]
+    shared_ties = {k: v for k, v in ties[0].items() if all(t.get(k) == v for t in ties[1:])}
+    stacked: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for k in ref:
+            if k in shared_ties:
+                stacked[k] = stacked[shared_ties[k]]
+            else:
+                stacked[k] = torch.stack([st[k].detach() for st in states]).to(device)
+    return stacked
+
+
+def check_same_requires_grad(members: Sequence[nn.Module]) -> None:
+    """MemberError naming the first member that freezes other parameters than member 0: a stacked parameter
+    has one requires_grad for all members (member 0's would be trained, or frozen, for every member)."""
+    ref = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
+    for i, m in enumerate(members[1:], start=1):
+        differ = [(k, p.requires_grad) for k, p in m.named_parameters(remove_duplicate=False) if k in ref and ref[k] != p.requires_grad]
+        if differ:
+            frozen = [k for k, rg in differ if not rg]
+            trained = [k for k, rg in differ if rg]
+            what = "; ".join(part for part in (
+                f"member {i} freezes {frozen[:3]}{' ...' if len(frozen) > 3 else ''} (requires_grad=False), which member 0 trains" if frozen else "",
+                f"member {i} trains {trained[:3]}{' ...' if len(trained) > 3 else ''}, which member 0 freezes (requires_grad=False)" if trained else "",
+            ) if part)
+            raise MemberError(f"{what}: a stacked parameter has one requires_grad for all members, so it would be trained or frozen "
+                              "for every member alike. Freeze the same parameters in every member (p.requires_grad_(False) on each), "
+                              "or build the members that differ here as separate modules")
+
+
+def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
+    """Names of trainable parameters that two members hold as one tensor. Stacked, each member gets its own
+    copy: forward is the same, but training would update the copies apart where the loop updates one tensor."""
+    seen: dict[int, int] = {}
+    shared = []
+    for i, m in enumerate(members):
+        for name, p in m.named_parameters():
+            owner = seen.setdefault(id(p), i)
+            if owner != i and p.requires_grad and name not in shared:
+                shared.append(name)
+    return shared
+
+def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persistent: set[str]) -> nn.Module:
+    """Stacked member state as a module tree mirroring one member's: `tree.fc1.weight` is [N, *fc1.weight.shape].
+
+    Names in `params` become nn.Parameters (requires_grad as given; a tied tensor is one Parameter
+    under each of its names); the rest are buffers, in the state_dict when in `persistent`.
+    """
+    root = nn.Module()
+    as_param: dict[int, nn.Parameter] = {}
+    for name, t in stacked.items():
+        owner = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        if name in params:
+            p = as_param.get(id(t))
+            if p is None:
+                p = as_param[id(t)] = nn.Parameter(t, requires_grad=params[name])
+            owner.register_parameter(leaf, p)
+        else:
+            owner.register_buffer(leaf, t, persistent=name in persistent)
+    return root
+
+
+def tree_tensor(tree: nn.Module, name: str) -> torch.Tensor:
+    """The tensor `state_tree` registered under dotted `name`."""
+    path, _, leaf = name.rpartition(".")
+    owner = tree.get_submodule(path) if path else tree
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]

@@ -1,0 +1,175 @@
+"""executor.modes: whether forward() depends on the training flag, and the modes a batched module refuses.
+
+reads_training is a static scan of the code a trace may run for a `training` read; mode_bound traces a copy
+of member 0 again in the other mode and names the first difference from the traced graph.
+"""
+from __future__ import annotations
+
+import builtins
+import copy
+import functools
+import sys
+import types
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from stagewise.planner.errors import StagewiseError
+from stagewise.planner.graph import ModelGraph, retrace
+from stagewise.planner.plan import Plan
+
+
+# --- forward() reading self.training ------------------------------------------------------------
+# A Python branch on `self.training` (or `F.dropout(x, p, self.training)`) in a traced forward is decided
+# when it is traced: the graph holds one branch. Leaf modules (nn.Dropout, nn.BatchNorm*) stay call_module
+# nodes under fx and follow .train()/.eval() at run time; torch.export traces inside them, so there their
+# flag is decided at trace time too. build() traces a copy of member 0 in the other mode as well: where the
+# graphs differ, the module refuses that mode (train(), eval(), a call with the flag set by hand).
+
+
+def _code_reads_training(code: types.CodeType) -> bool:
+    """Whether `code` (or a function nested in it) names an attribute or string `training`."""
+    if "training" in code.co_names or "training" in code.co_consts:
+        return True
+    return any(isinstance(c, types.CodeType) and _code_reads_training(c) for c in code.co_consts)
+
+
+def _all_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _all_names(c)
+    return names
+
+
+def _is_user_code(module_name: str | None) -> bool:
+    """Whether a Python module name is neither torch's nor the standard library's (where no forward of ours hides)."""
+    root = (module_name or "").partition(".")[0]
+    return root not in ("torch", "builtins") and root not in sys.stdlib_module_names
+
+
+def reads_training(model: nn.Module, tracer: str = "export", opened: Sequence[str] = ()) -> bool:
+    """Whether Python code that may run in `model`'s traced forward reads a `training` flag: the methods of
+    every traced submodule's classes (under export torch's own too: Dropout, BatchNorm read it; under fx its
+    leaves are not traced unless `opened`), functions held on the modules, and the user functions, classes,
+    modules and tables of functions those reach by global name. Only a filter: False skips tracing the model
+    again in the other mode (see mode_bound); when in doubt it says True."""
+    leaf = torch.fx.Tracer().is_leaf_module
+    todo: list[Any] = []
+    for path, mod in model.named_modules():
+        if tracer == "fx" and path not in opened and leaf(mod, path):
+            continue  # a call_module node: it reads its flag when it runs
+        todo.append(type(mod))
+        todo.extend(v for v in vars(mod).values() if callable(v) and not isinstance(v, nn.Module))
+    seen: set[int] = set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is nn.Module or obj is object:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, type):
+            if issubclass(obj, torch.fx.GraphModule) or (issubclass(obj, nn.Module) and ("train" in vars(obj) or "eval" in vars(obj))):
+                return True  # generated code, or a train() of its own that may set other flags forward() reads: trace again
+            todo.extend(obj.__mro__[1:])
+            for v in vars(obj).values():
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                if isinstance(v, property):
+                    todo.extend(f for f in (v.fget, v.fset) if f is not None)
+                elif isinstance(v, (types.FunctionType, type)):
+                    todo.append(v)
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__func__)
+        elif isinstance(obj, functools.partial):
+            todo.append(obj.func)
+        elif isinstance(obj, types.FunctionType):
+            if _code_reads_training(obj.__code__):
+                return True
+            todo.extend(c.cell_contents for c in obj.__closure__ or () if _cell_is_code(c))
+            names = _all_names(obj.__code__)
+            for name in names:  # the user's helpers it calls by global name, `helper(...)` or `utils.helper(...)`
+                v = obj.__globals__.get(name, getattr(builtins, name, None))
+                if isinstance(v, types.ModuleType) and _is_user_code(v.__name__):
+                    todo.extend(getattr(v, n) for n in names if isinstance(getattr(v, n, None), (types.FunctionType, type)))
+                elif isinstance(v, (dict, list, tuple)):  # a registry of activations or blocks: ACTS[self.kind](x)
+                    todo.extend(f for f in (v.values() if isinstance(v, dict) else v)
+                                if isinstance(f, (types.FunctionType, type, functools.partial)) and _is_user_code(getattr(f, "__module__", None)))
+                elif isinstance(v, (types.FunctionType, type, functools.partial)) and _is_user_code(getattr(v, "__module__", None)):
+                    todo.append(v)
+        elif callable(obj) and not isinstance(obj, (types.BuiltinFunctionType, torch.Tensor)):
+            todo.append(type(obj))  # a callable object: its class's __call__
+    return False
+
+
+def _cell_is_code(cell: Any) -> bool:
+    try:
+        v = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return isinstance(v, (types.FunctionType, type, functools.partial))
+
+
+def _mode_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """What decides a trace's behaviour beyond member state: its code, line by line, and the constants it reads."""
+    consts = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) not in state_names:
+            obj: Any = gm
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part, None)
+            if not isinstance(obj, nn.Module):
+                consts[str(node.target)] = obj
+    return gm.code.strip().splitlines(), consts
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and (a.device.type == "meta" or torch.equal(a.detach(), b.detach())))
+    try:
+        return bool(a == b)
+    except Exception:  # an object without a plain ==: only itself is itself
+        return a is b
+
+
+def _mode_difference(traced: tuple[list[str], dict[str, Any]], other: tuple[list[str], dict[str, Any]]) -> str | None:
+    """None when two traces are the same program, else a few words on the first difference."""
+    (lines_a, consts_a), (lines_b, consts_b) = traced, other
+    for a, b in zip(lines_a + ["<end>"], lines_b + ["<end>"]):
+        if a != b:
+            return f"`{a.strip()[:100]}` became `{b.strip()[:100]}`"
+    for k in consts_a.keys() | consts_b.keys():
+        if k not in consts_a or k not in consts_b or not _same_constant(consts_a[k], consts_b[k]):
+            return f"the constant {k!r} differs"
+    return None
+
+
+_MODE_NAME = {True: "training", False: "eval"}
+
+
+def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> dict[bool, str]:
+    """The modes (True = training) in which `private` (a copy of member 0, traced as `graph`) traces to another
+    program than `graph`, each with the first difference (or why it cannot be traced in that mode)."""
+    modes = [m.training for m in private.modules()]
+    wanted = [mode for mode in (True, False) if any(t != mode for t in modes)]  # all modules in `mode` already: graph itself
+    if not wanted or not reads_training(private, plan.tracer, plan.opened_modules):
+        return {}
+    state = {k for k, _ in private.named_parameters(remove_duplicate=False)} | {k for k, _ in private.named_buffers(remove_duplicate=False)}
+    traced = _mode_text(graph.gm, state)
+    names = [i.name for i in plan.inputs]
+    bound = {}
+    for mode in wanted:
+        # the other mode's trace may run Python that changes attributes: on a copy, sharing the parameters and buffers
+        # (a trace does not write them: fx holds proxies, export fakes)
+        other = copy.deepcopy(private, {id(t): t for t in [*private.parameters(), *private.buffers()]})
+        other.train(mode)
+        try:
+            g = retrace(other, plan.tracer, example, names, plan.opened_modules)
+        except StagewiseError as e:  # e.g. a random draw only the training branch makes
+            bound[mode] = f"in {_MODE_NAME[mode]} mode it cannot be traced ({str(e).splitlines()[0][:300]})"
+            continue
+        difference = _mode_difference(traced, _mode_text(g.gm, state))
+        if difference is not None:
+            bound[mode] = f"in {_MODE_NAME[mode]} mode it traces to another graph ({difference})"
+    return bound
