@@ -314,7 +314,7 @@ class VmapRunner(Runner):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._meta: dict[str, Any] = {}
-        # tie_weights=False: every name of a tied tensor is in `state` (executor.build.member_state), each
+        # tie_weights=False: every name of a tied tensor is in `state` (executor.members.member_state), each
         # a separate per-member slice of one stacked tensor, which functional_call's tying would refuse
         self._state_keys = list(self.stacked)  # the order of the state arguments (see stateless_call)
         call = stateless_call(self.program.module, self._state_keys)
