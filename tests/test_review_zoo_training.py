@@ -309,6 +309,22 @@ def test_gradient_checkpointing_is_refused_naming_the_hook_it_adds():
         planned(members, batch(2, 8, torch.Generator().manual_seed(0)))
 
 
+@pytest.mark.slow
+def test_gradient_checkpointing_without_its_input_hook_trains_like_the_loop():
+    """With the hook removed, the checkpointed blocks trace (export runs through torch.utils.checkpoint) and train like
+    the loop, checkpointing included on the loop's side (the batched module's memory saving is not claimed here)."""
+    make, batch = gpt2()
+    g = torch.Generator().manual_seed(0)
+    members = seeded(make)
+    for m in members:
+        m.gradient_checkpointing_enable()
+        m._require_grads_hook.remove()
+        del m._require_grads_hook
+    _, _, ens = planned(members, batch(2, 8, g))
+    ens.train()
+    train_both(members, ens, batch, SHAPES, g)
+
+
 def test_a_classifier_without_problem_type_is_refused_naming_the_config_attribute():
     """HF sets config.problem_type on the first call with labels: a change the traced graph cannot repeat.
     Setting problem_type in the config (as the other tests do) plans and trains."""
