@@ -110,8 +110,43 @@ def _cell_is_code(cell: Any) -> bool:
     return isinstance(v, (types.FunctionType, type, functools.partial))
 
 
+# torch's dropout family: the op (or function) name, without an overload, and where its probability and training flag
+# sit (aten ops: (input, p, train); F.dropout and friends: (input, p, training, inplace)).
+_DROPOUTS = {"dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout", "alpha_dropout_",
+             "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout", "dropout1d", "dropout2d", "dropout3d"}
+
+
+def _is_dropout_of_zero(node: torch.fx.Node) -> bool:
+    """Whether `node` calls torch's dropout family with a constant probability 0: the identity in either mode."""
+    target = node.target
+    if node.op != "call_function" or _is_user_code(getattr(target, "__module__", None)):
+        return False
+    if str(getattr(target, "__name__", "")).partition(".")[0] not in _DROPOUTS:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
+
+
+def _without_dropout_flags(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of `graph` whose dropouts of probability 0 carry no training flag (they compute the same in both modes),
+    so two traces differing only there read as one program. The copy is for comparing only, never run."""
+    copied = torch.fx.Graph()
+    copied._codegen = graph._codegen  # the same input/output handling (export's pytree code) as the traced graph
+    copied.output(copied.graph_copy(graph, {}))
+    for node in copied.nodes:
+        if _is_dropout_of_zero(node):
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("training", "train")}
+            if len(node.args) > 2:  # the flag positional: dropped with what follows it (inplace), which p = 0 makes moot
+                node.args = node.args[:2]
+    return copied
+
+
 def _mode_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[str], dict[str, Any]]:
-    """What decides a trace's behaviour beyond member state: its code, line by line, and the constants it reads."""
+    """What decides a trace's behaviour beyond member state: its code, line by line (dropouts of probability 0 without
+    their training flag), and the constants it reads."""
+    code = gm.code
+    if any(_is_dropout_of_zero(n) for n in gm.graph.nodes):
+        code = _without_dropout_flags(gm.graph).python_code(root_module="self").src
     consts = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and str(node.target) not in state_names:
@@ -120,7 +155,7 @@ def _mode_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[st
                 obj = getattr(obj, part, None)
             if not isinstance(obj, nn.Module):
                 consts[str(node.target)] = obj
-    return gm.code.strip().splitlines(), consts
+    return code.strip().splitlines(), consts
 
 
 def _same_constant(a: Any, b: Any) -> bool:

@@ -423,3 +423,29 @@ def test_members_in_mixed_modes_run_as_built_and_refuse_only_what_differs():
         ens.train()
     ens.eval()
     torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, False), rtol=1e-5, atol=1e-6)
+
+
+# --- dropout of probability 0: the identity in both modes ---------------------------------------------
+
+class FunctionalDropout(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.lin, self.p = nn.Linear(6, 6), p
+
+    def forward(self, x):
+        return F.dropout(self.lin(x), self.p, self.training) + torch.dropout(x, p=self.p, train=self.training)
+
+
+@pytest.mark.parametrize("traced_train", [True, False], ids=["traced_train", "traced_eval"])
+def test_dropout_zero_switches_modes_but_dropout_above_zero_refuses(traced_train):
+    """The traces differ only in the training flag of dropouts with p = 0 (nothing dropped either way): not refused."""
+    x = torch.randn(2, 6)
+    members = make(FunctionalDropout, training=traced_train)
+    ens, _ = build(members, x)
+    ens.train(not traced_train)
+    torch.testing.assert_close(ens(x), loop(copy.deepcopy(members), x, not traced_train), rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    members = [FunctionalDropout(p=0.3).train(traced_train) for _ in range(N)]
+    ens, _ = build(members, x)
+    with pytest.raises(ExecutionError, match=r"dropout.*0\.3"):
+        ens.train(not traced_train)
