@@ -162,7 +162,10 @@ class BatchedModule(nn.Module):
         self._output_leaves = [(x.name, None) if isinstance(x, torch.fx.Node) else (None, x) for x in leaves]
         self._output_is_leaf = self._output_tree.is_leaf()
         # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
-        self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]
+        # an input traced as None stays a shared None whatever its mode: it has no member axis (plans from JSON may say per_member)
+        traced_none = {i.name for i in plan.inputs if i.dtype == "NoneType"}
+        self._per_member_at = [mode is InputMode.PER_MEMBER and name not in traced_none
+                               for name, mode in zip(graph.input_names, self._modes)]
         self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
         stage_of = {n: s.id for s in plan.stages for n in s.nodes}
         read_outside = {}
@@ -347,7 +350,7 @@ class BatchedModule(nn.Module):
 
     def _check_traced_shapes(self, inputs: tuple) -> None:
         """InputError before any stage runs if one member's inputs break what the trace assumed (planner.inputs)."""
-        one = [x[0] if mode is InputMode.PER_MEMBER else x for mode, x in zip(self._modes, inputs)]
+        one = [x[0] if per_member else x for per_member, x in zip(self._per_member_at, inputs)]
         check_call_inputs(self.plan.tracer, self.plan.inputs, one)
         guard = self.__dict__.get("_input_guard")  # export's own guard: catches relations the spec does not spell out
         if guard is not None:

@@ -376,14 +376,16 @@ def test_bert_with_pad_tokens_trains_like_the_loop():
     train_both(members, ens, padded, SHAPES, g)
 
 
-@pytest.mark.xfail(strict=True, raises=planner.InputError, reason=(
-    "a false refusal: input_mode='per_member' also marks the inputs traced as None (BERT's token_type_ids, ...) "
-    "per_member, and the call passing None as traced is refused ('needs a leading member axis'). Fix "
-    "(planner/propose.py _input_specs, or executor/build.py bind_inputs): an input whose traced spec is NoneType binds "
-    "as Shared(None) whatever its mode (a None has no member axis)"))
 def test_per_member_for_all_inputs_accepts_the_none_inputs_as_traced():
+    """input_mode='per_member' plans the inputs traced as None (BERT's token_type_ids, ...) shared: a None has no
+    member axis, so the call passing None as traced runs; a plan saying per_member for one (JSON, an edit) binds it the same."""
     make, batch = bert()
     g = torch.Generator().manual_seed(0)
     x = batch(2, 8, g)
-    _, _, ens = planned(seeded(make), x, input_mode="per_member")
+    members = seeded(make)
+    _, plan, ens = planned(members, x, input_mode="per_member")
+    none_inputs = {spec.name for spec, t in zip(plan.inputs, x) if t is None}
+    assert none_inputs and all(plan.input_mode(n) is planner.InputMode.SHARED for n in none_inputs)
     loss_of(ens(*x))
+    per_member_plan = plan.with_input_modes({n: "per_member" for n in none_inputs})
+    loss_of(executor.build(per_member_plan, members)(*x))
