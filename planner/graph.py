@@ -32,7 +32,7 @@ from stagewise.planner.plan import InputSpec
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
-from stagewise.planner.snapshot import PLAIN_TYPES, StateSnapshot, plain_attributes  # noqa: F401
+from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch)
 from stagewise.planner.tracers import _defaults_not_given, _drop_concrete_placeholders, _export
@@ -216,10 +216,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             tracer, note = "export", f"forward() updates {changed.describe()} in place, which torch.fx cannot record; traced with torch.export"
             changed = before.restore_if_changed(model)
     if changed:
-        raise TraceError(
-            f"forward() changes {changed.describe()} while it is traced, and the traced graph cannot repeat that per member; "
-            "keep counters and caches out of forward(), or hold them in a tensor buffer updated in place"
-        )
+        raise TraceError(_changed_refusal(model, changed))
     tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
     values, flops = _run_and_record(gm, example_inputs)
     graph = graph_of(gm, tracer, note, values, flops, opened=opened)
@@ -230,6 +227,22 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     for mod, k, v in tensor_attributes:
         mod.__dict__[k] = v
     return graph
+
+
+def _changed_refusal(model: nn.Module, changed: StateChange) -> str:
+    """Why a forward() that changed `changed` while traced is refused, and the likely fix."""
+    fields = config_fields(model, changed.attributes)
+    if fields and len(fields) == len(changed.attributes) and not changed.tensors:
+        # config fields forward() fills in on its first call (Hugging Face sets config.problem_type from the labels);
+        # a config shared by many modules shows up under each: name each field once, by its shortest path
+        shortest: dict[str, str] = {}
+        for key in sorted(fields, key=len):
+            shortest.setdefault(key.rpartition(".")[2], key)
+        sets = "; ".join(f"model.{k} = {fields[k]!r}" for k in list(shortest.values())[:3])
+        return (f"forward() sets the config field(s) {', '.join(repr(k) for k in list(shortest.values())[:3])} on its first "
+                f"call, while it is traced, and the traced graph cannot repeat that per member; set them before tracing ({sets})")
+    return (f"forward() changes {changed.describe()} while it is traced, and the traced graph cannot repeat that per member; "
+            "keep counters and caches out of forward(), or hold them in a tensor buffer updated in place")
 
 
 def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_names: Sequence[str] | None = None,

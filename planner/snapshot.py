@@ -104,6 +104,22 @@ class StateSnapshot:
         return StateChange(changed, sorted(moved))
 
 
+def config_fields(model: nn.Module, attributes: list[str]) -> dict[str, Any]:
+    """Of `attributes` (plain_attributes keys), those held in a config object rather than on a module
+    ("config.problem_type", "bert.config.problem_type"), each with its value on `model` now."""
+    out = {}
+    for key in attributes:
+        if "[" in key:  # an entry of a config dict; its value is not looked up
+            continue
+        *path, last = key.split(".")
+        obj: Any = model
+        for part in path:
+            obj = getattr(obj, part, None)
+        if path and obj is not None and not isinstance(obj, nn.Module) and hasattr(obj, last):
+            out[key] = getattr(obj, last)
+    return out
+
+
 def copy_plain(attrs: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, list) else v for k, v in attrs.items()}
 

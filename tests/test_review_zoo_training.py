@@ -323,10 +323,11 @@ def test_gradient_checkpointing_without_its_input_hook_trains_like_the_loop():
 
 
 def test_a_classifier_without_problem_type_is_refused_naming_the_config_attribute():
-    """HF sets config.problem_type on the first call with labels: a change the traced graph cannot repeat.
-    Setting problem_type in the config (as the other tests do) plans and trains."""
+    """HF sets config.problem_type on the first call with labels: a change the traced graph cannot repeat. The refusal
+    names the config field and the value to set before tracing (as the other tests do: then it plans and trains)."""
     make, batch = bert(problem_type=None)
-    with pytest.raises(planner.TraceError, match=r"forward\(\) changes attribute\(s\) 'bert\.config\.problem_type'"):
+    with pytest.raises(planner.TraceError, match=r"config field\(s\) 'config\.problem_type' on its first call.*set them before "
+                                                 r"tracing \(model\.config\.problem_type = 'single_label_classification'\)"):
         planned(seeded(make), batch(2, 8, torch.Generator().manual_seed(0)))
 
 
