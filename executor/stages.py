@@ -70,6 +70,7 @@ class StageProgram:
         g.output(tuple(env[n] for n in outputs))
         shown = ", ".join(stage.nodes[:4]) + (", ..." if len(stage.nodes) > 4 else "")
         guard_sparse_embeddings(gm, g, f"{stage.id} ({shown})")
+        guard_padding_rows(gm, g)
         module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
                             writes_in_place=any(is_inplace(n) for n in g.nodes))
@@ -130,6 +131,55 @@ def guard_sparse_embeddings(gm: torch.nn.Module, g: torch.fx.Graph, describe: st
                    "or train the members one by one")
         with g.inserting_after(node):
             guard = g.call_function(refuse_sparse_grad, (node, message))
+        node.replace_all_uses_with(guard, delete_user_cb=lambda user: user is not guard)
+
+
+def _padding_of(gm: torch.nn.Module, node: torch.fx.Node) -> tuple[Any, Any, Any] | None:
+    """(indices node, padding_idx, weight node or None) of an embedding lookup with a padding row, else None:
+    nn.Embedding (its padding_idx is already non-negative), F.embedding (a negative one counts from the end),
+    aten.embedding / torch.embedding (weight first; -1 means none, F.embedding has normalised the rest)."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) is torch.nn.Embedding and mod.padding_idx is not None and node.args:
+            return node.args[0], mod.padding_idx, None
+        return None
+    if node.op != "call_function":
+        return None
+    if node.target is torch.nn.functional.embedding:
+        p = node.kwargs.get("padding_idx", node.args[2] if len(node.args) > 2 else None)
+        weight = node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
+        idx = node.kwargs.get("input", node.args[0] if node.args else None)
+        return (idx, p, weight) if isinstance(p, int) and idx is not None else None
+    if node.target in (torch.ops.aten.embedding.default, torch.embedding):
+        p = node.kwargs.get("padding_idx", node.args[2] if len(node.args) > 2 else -1)
+        return (node.args[1], p, None) if isinstance(p, int) and p >= 0 and len(node.args) > 1 else None
+    return None
+
+
+def no_grad_at_padding(out: Any, idx: Any, padding_idx: int, weight: Any = None) -> Any:
+    """`out` (an embedding's output, same values) with no gradient at the positions whose index is the padding row.
+
+    torch's embedding backward, reached from outside a vmap whose indices and weight both carry the member axis,
+    keeps the padding row's gradient at zero for member 0 only (the members' weights are one flattened table, the
+    padding index is not offset per member): members 1..N-1 trained their padding rows where the loop does not.
+    With the output's gradient zero there, no member's padding row gets one, whatever the strategy."""
+    # not out.requires_grad: inside vmap the output's wrapper says False even where its weight records a gradient
+    if not (isinstance(out, torch.Tensor) and torch.is_grad_enabled()):
+        return out
+    if padding_idx < 0 and isinstance(weight, torch.Tensor):
+        padding_idx += weight.shape[0]
+    return torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
+
+
+def guard_padding_rows(gm: torch.nn.Module, g: torch.fx.Graph) -> None:
+    """After each embedding lookup with a padding row in `g`, a no_grad_at_padding node (see there)."""
+    for node in list(g.nodes):
+        found = _padding_of(gm, node)
+        if found is None:
+            continue
+        idx, p, weight = found
+        with g.inserting_after(node):
+            guard = g.call_function(no_grad_at_padding, (node, idx, p, weight))
         node.replace_all_uses_with(guard, delete_user_cb=lambda user: user is not guard)
 
 
