@@ -342,16 +342,10 @@ class PaddedEmbedding(nn.Module):
         return self.fc(self.emb(idx)).sum()
 
 
-PADDING_IDX_REASON = (
-    "a silent wrong gradient: with per_member token ids, vmap's batching rule for embedding_dense_backward offsets "
-    "member i's ids by i * num_embeddings but masks padding_idx only in the flattened weight, so only member 0's pad row "
-    "gets a zero gradient; members 1..N-1 train their pad row (BERT's pad token 0, with Adam: off by ~lr per step). "
-    "Reproduced with torch.vmap alone. Fix (executor/stages.py, a graph rewrite for vmap/wide stages with a batched "
-    "index): F.embedding(idx, w, padding_idx=p) -> out = F.embedding(idx, w); torch.where((idx == p)[..., None], "
-    "out.detach(), out) (same values, no gradient into row p)")
+# was a silent wrong gradient: torch's embedding backward from outside a vmap with per-member ids kept only member 0's
+# padding row at zero (members 1..N-1 trained BERT's pad token); executor.stages' no_grad_at_padding closes it
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PADDING_IDX_REASON)
 def test_embedding_padding_idx_gets_no_gradient_in_any_member():
     members = seeded(PaddedEmbedding)
     idx = torch.tensor([[0, 1, 2, 0]]).expand(N, 1, 4).contiguous()  # the pad id in every member's batch
@@ -363,7 +357,6 @@ def test_embedding_padding_idx_gets_no_gradient_in_any_member():
 
 
 @pytest.mark.slow  # the defect itself is pinned fast above
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PADDING_IDX_REASON)
 def test_bert_with_pad_tokens_trains_like_the_loop():
     make, batch = bert()
     g = torch.Generator().manual_seed(0)
