@@ -621,6 +621,15 @@ class StackedAdam(_StackedOptimizer):
             return None
         return (group["lr"] * lr, *values)
 
+    @staticmethod
+    def _root_of_second_moment(group: dict, states: list[dict], exp_avg_sqs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """sqrt of the second moments, new tensors (amsgrad: of their running maximum, updated here)."""
+        if group["amsgrad"]:
+            max_sqs = [s["max_exp_avg_sq"] for s in states]
+            torch._foreach_maximum_(max_sqs, exp_avg_sqs)
+            return torch._foreach_sqrt(max_sqs)
+        return torch._foreach_sqrt(exp_avg_sqs)
+
     def _step_alike(self, group, params, grads, states, counts, lr, beta1, beta2, eps, wd) -> None:
         """The step when every member has the same hyper-parameters and step count: torch's foreach Adam
         (non-capturable) call for call, so the members are updated exactly as N torch.optim.Adam would."""
@@ -636,12 +645,7 @@ class StackedAdam(_StackedOptimizer):
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
         step_size = [(lr / (1 - beta1 ** c)) * -1 for c in counts]
         bias_correction2_sqrt = [(1 - beta2 ** c) ** 0.5 for c in counts]
-        if group["amsgrad"]:
-            max_sqs = [s["max_exp_avg_sq"] for s in states]
-            torch._foreach_maximum_(max_sqs, exp_avg_sqs)
-            denom = torch._foreach_sqrt(max_sqs)
-        else:
-            denom = torch._foreach_sqrt(exp_avg_sqs)
+        denom = self._root_of_second_moment(group, states, exp_avg_sqs)
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
@@ -678,12 +682,7 @@ class StackedAdam(_StackedOptimizer):
         neg_step_size = self._coef(-lr / (1 - beta1 ** step), like)
         bias_correction2_sqrt = self._coef((1 - beta2 ** step).sqrt(), like)
 
-        if group["amsgrad"]:
-            max_sqs = [s["max_exp_avg_sq"] for s in states]
-            torch._foreach_maximum_(max_sqs, exp_avg_sqs)
-            denom = torch._foreach_sqrt(max_sqs)
-        else:
-            denom = torch._foreach_sqrt(exp_avg_sqs)
+        denom = self._root_of_second_moment(group, states, exp_avg_sqs)
         torch._foreach_div_(denom, _rows(bias_correction2_sqrt, params))
         torch._foreach_add_(denom, _views(self._coef(group["eps"], like), params))
         # p += exp_avg / (denom / -step_size): torch's capturable path; no extra param-sized temporary

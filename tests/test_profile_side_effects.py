@@ -21,6 +21,8 @@ from stagewise import executor, planner
 from stagewise.executor.candidates import private_members
 from stagewise.executor.verify import DEFAULT_RTOL
 
+from test_autotune_side_effects import Normed  # BatchNorm between two linears
+
 N = 3
 
 
@@ -42,17 +44,6 @@ class CallCounter(nn.Module):
         self.calls.add_(1)
         self.total.add_(x.detach().mean(0))
         return self.fc(x) + self.total
-
-
-class Normed(nn.Module):
-    """BatchNorm between two linears: in training mode forward updates the running statistics."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.bn, self.out = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.out(torch.relu(self.bn(self.fc(x))))
 
 
 CASES = [pytest.param(CallCounter, False, "shared", id="counter-shared"),
