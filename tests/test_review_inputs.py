@@ -12,6 +12,8 @@ from torch import nn
 from stagewise import executor, planner
 from stagewise.planner.plan import StageOptions, Strategy
 
+from test_review_leftovers import SparseEmbedding  # nn.Embedding(sparse=True), or F.embedding(sparse=True)
+
 N = 3
 
 
@@ -125,16 +127,6 @@ def test_the_build_time_run_leaves_member_state_and_random_streams_alone():
 
 
 # --- sparse embeddings under vmap and loop ----------------------------------------------------------------------
-
-class SparseEmbedding(nn.Module):
-    def __init__(self, functional=False):
-        super().__init__()
-        self.e, self.l, self.functional = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2), functional
-
-    def forward(self, x):
-        h = nn.functional.embedding(x, self.e.weight, sparse=True) if self.functional else self.e(x)
-        return self.l(h)
-
 
 @pytest.mark.parametrize("strategy", [Strategy.VMAP, Strategy.LOOP])
 @pytest.mark.parametrize("functional", [False, True])
