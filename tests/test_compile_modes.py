@@ -56,16 +56,7 @@ def test_the_mode_tag_round_trips_and_an_unknown_one_is_refused():
         compile_mode_of(bad)
 
 
-def test_the_mode_survives_the_plan_json_and_reaches_torch_compile(monkeypatch):
-    seen = []
-    real = torch.compile
-
-    def recording(fn, **kwargs):
-        seen.append(kwargs.get("mode"))
-        return real(fn, backend="aot_eager", dynamic=False)
-
-    monkeypatch.setattr(torch, "compile", recording)
-    monkeypatch.setattr(compiled, "BACKEND", "inductor")
+def test_the_mode_survives_the_plan_json_and_reaches_torch_compile(recorded_modes):
     torch.manual_seed(0)
     members = [MLP().eval() for _ in range(N)]
     plan = planner.Plan.loads(_plan("max-autotune-no-cudagraphs", members).dumps())
@@ -74,7 +65,7 @@ def test_the_mode_survives_the_plan_json_and_reaches_torch_compile(monkeypatch):
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
-    assert seen == ["max-autotune-no-cudagraphs"]
+    assert recorded_modes == ["max-autotune-no-cudagraphs"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
