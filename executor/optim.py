@@ -472,8 +472,9 @@ class StackedSGD(_StackedOptimizer):
     dampening, weight_decay, nesterov, maximize (flags shared by all members).
     Raises: OptimizerError for a bad value, or nesterov with a member whose momentum is 0 or
     dampening is not 0 (torch refuses that too).
-    A member whose momentum is 0 gets plain SGD (its dampening is ignored, as in torch); when its
-    momentum later becomes non-zero its first momentum step is ``buf = grad``, as torch's fresh buffer.
+    A member whose momentum is 0 gets plain SGD (its dampening is ignored, as in torch) and keeps its
+    momentum buffer as it is; when its momentum becomes non-zero again it carries that buffer on, or,
+    if it never had one (or after reset_member), starts with ``buf = grad`` as torch's fresh buffer.
     """
 
     _RANGES = {"momentum": (0.0, None, True), "dampening": (-math.inf, None, True), "weight_decay": (0.0, None, True)}
@@ -499,20 +500,17 @@ class StackedSGD(_StackedOptimizer):
                 buf = self.state.get(p, {}).get("momentum_buffer")
                 if buf is not None:
                     buf[i].zero_()
+                    _has_buffer(self.state[p])[i] = False  # its next step with momentum starts buf = grad
 
-    @staticmethod
-    def _momentum_started(group: dict, momentum: torch.Tensor) -> torch.Tensor | None:
-        """[N] bool: members whose momentum was 0 at the last step and is not now (None when there are none).
-        Compared only when the momentum tensor changed since the last step (no device sync per step)."""
-        seen = getattr(group, "momentum_seen", None)
-        started = None
-        if seen is not None and (seen[0] is not momentum or seen[1] != momentum._version):
-            started = (seen[2] == 0) & (momentum != 0)
-            started = started.to(group["params"][0].device) if bool(started.any()) else None
-        if seen is None or started is not None or seen[0] is not momentum or seen[1] != momentum._version:
-            if isinstance(group, _MemberGroup):
-                group.momentum_seen = (momentum, momentum._version, momentum.clone())
-        return started
+    def _idle_members(self, momentum: torch.Tensor) -> torch.Tensor | None:
+        """[N] bool: the members whose momentum is 0 (None where there are none); cached per tensor version."""
+        hit = self._shared_cache.get(("idle", id(momentum)))
+        if hit is not None and hit[0] is momentum and hit[1] == momentum._version:
+            return hit[2]
+        idle = momentum == 0
+        result = idle if bool(idle.any()) else None
+        self._shared_cache[("idle", id(momentum))] = (momentum, momentum._version, result)
+        return result
 
     def _step_group(self, group, params, grads):
         lr = self._coef(-group["lr"] * group["member_lr"], params[0])
@@ -527,30 +525,54 @@ class StackedSGD(_StackedOptimizer):
         torch._foreach_addcmul_(params, grads, _views(lr, params))
 
     def _momentum(self, group, params, grads, momentum):
-        """Update the momentum buffers; returns the direction to step along (buffers, or nesterov's grad + m*buf)."""
+        """Update the momentum buffers as N torch SGDs would; returns the direction to step along.
+
+        torch's rules per member: no buffer until its first step with momentum != 0 (then buf = grad, no
+        dampening); on a step where its momentum is 0 its buffer is left as it is and it steps along the
+        gradient; with a buffer, buf = momentum * buf + (1 - dampening) * grad. ``state["momentum_members"]``
+        ([N] bool) says which members have a buffer. Members alike (every one with momentum and a buffer, the
+        usual case) take two foreach calls; whether they are is read once per change, not per step."""
         like = params[0]
         m = self._coef(momentum, like)
-        # a member with momentum 0 ignores dampening (torch has no buffer for it): buf = 0*buf + grad
-        one_minus_d = self._coef(1 - torch.where(momentum == 0, torch.zeros_like(momentum), group["dampening"]), like)
-        bufs, old_bufs, old_grads = [], [], []
+        one_minus_d = self._coef(1 - group["dampening"], like)
+        idle = self._idle_members(momentum)
+        bufs, old = [], []
         for p, g in zip(params, grads):
             state = self.state[p]
             if state.get("momentum_buffer") is None:
                 state["momentum_buffer"] = torch.clone(g).detach()  # first step: buf = grad, as torch
+                state["momentum_members"] = ~idle if idle is not None else torch.ones_like(momentum, dtype=torch.bool)
             else:
-                old_bufs.append(state["momentum_buffer"])
-                old_grads.append(g)
+                old.append((state, g))
             bufs.append(state["momentum_buffer"])
-        if old_bufs:
-            torch._foreach_mul_(old_bufs, _views(m, old_bufs))
-            torch._foreach_addcmul_(old_bufs, old_grads, _views(one_minus_d, old_bufs))
-            started = self._momentum_started(group, momentum)
-            if started is not None:  # torch keeps no buffer at momentum 0: its first step with momentum is buf = grad
-                for buf, g in zip(old_bufs, old_grads):
-                    buf.copy_(torch.where(started.view((-1,) + (1,) * (buf.dim() - 1)), g, buf))
-        if group["nesterov"]:
+        if old:
+            alike = idle is None and all(self._shared(_has_buffer(st)) == 1.0 for st, _ in old)
+            old_bufs, old_grads = [st["momentum_buffer"] for st, _ in old], [g for _, g in old]
+            if alike:
+                torch._foreach_mul_(old_bufs, _views(m, old_bufs))
+                torch._foreach_addcmul_(old_bufs, old_grads, _views(one_minus_d, old_bufs))
+            else:
+                stepping = ~idle if idle is not None else torch.ones_like(momentum, dtype=torch.bool)
+                for (state, g), buf in zip(old, old_bufs):
+                    shape = (-1,) + (1,) * (buf.dim() - 1)
+                    has = _has_buffer(state)
+                    new = torch.where((stepping & ~has).view(shape), g, buf * m.view(shape) + g * one_minus_d.view(shape))
+                    buf.copy_(torch.where(stepping.view(shape), new, buf))  # a member at momentum 0 keeps its buffer
+                    state["momentum_members"] = has | stepping
+        if group["nesterov"]:  # every member has momentum > 0 (checked)
             return torch._foreach_addcmul(grads, bufs, _views(m, bufs))
+        if idle is not None:  # members at momentum 0 step along the gradient
+            return [torch.where(idle.view((-1,) + (1,) * (b.dim() - 1)), g, b) for b, g in zip(bufs, grads)]
         return bufs
+
+
+def _has_buffer(state: dict) -> torch.Tensor:
+    """[N] bool: the members with a momentum buffer (a state saved before this was kept: all of them)."""
+    has = state.get("momentum_members")
+    if has is None:
+        has = state["momentum_members"] = torch.ones(state["momentum_buffer"].shape[0], dtype=torch.bool,
+                                                     device=state["momentum_buffer"].device)
+    return has
 
 
 # --- Adam / AdamW ------------------------------------------------------------------------------

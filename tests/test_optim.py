@@ -164,6 +164,25 @@ def test_adamw_matches_torch_per_member(n, kind):
         assert pair.error() <= TOL
 
 
+@pytest.mark.parametrize("schedule", ["all pause", "some pause", "one starts late"])
+def test_momentum_switched_off_and_on_keeps_torch_buffer_rules(schedule):
+    """torch keeps a member's buffer through steps at momentum 0 and carries it on after; a member that never had
+    momentum starts with buf = grad. Momenta per step (rows) and member (columns), dampening on member 1."""
+    n = 3
+    plans = {"all pause": [[0.9] * 3, [0.9] * 3, [0.0] * 3, [0.0] * 3, [0.9] * 3, [0.5] * 3],
+             "some pause": [[0.9, 0.8, 0.7], [0.9, 0.0, 0.7], [0.0, 0.0, 0.7], [0.9, 0.8, 0.0], [0.9, 0.8, 0.7]],
+             "one starts late": [[0.0, 0.8, 0.0], [0.0, 0.8, 0.0], [0.9, 0.8, 0.0], [0.9, 0.0, 0.6], [0.9, 0.8, 0.6]]}
+    damp = [0.0, 0.2, 0.0]
+    pair = Pair("mlp", n, torch.optim.SGD, lambda i: dict(lr=0.05, momentum=0.5, dampening=damp[i]), StackedSGD,
+                dict(lr=0.05, momentum=0.5, dampening=damp))
+    for row in plans[schedule]:
+        pair.opt.set_hyperparameter("momentum", row)
+        for opt, mom in zip(pair.torch_opts, row):
+            opt.param_groups[0]["momentum"] = mom
+        pair.step()
+        assert pair.error() <= TOL, f"momenta {row}"
+
+
 def test_scalar_hyperparameters_match_torch_defaults():
     pair = Pair("mlp", 3, torch.optim.AdamW, lambda i: dict(lr=3e-3), StackedAdamW, dict(lr=3e-3))
     for _ in range(3):
