@@ -45,9 +45,11 @@ test: $(VENV)/.installed-test browser-deps
 # The GPU tier on a CUDA machine as it is: the python and torch already there (no venv, no installs), every
 # test but the real-browser one; the app tests are left out with the reason when streamlit/plotly are missing.
 # The checkout is imported as `stagewise` through a link: build/gpu-path/stagewise -> this folder.
+# TEST_GPU_ARGS passes pytest options, e.g. TEST_GPU_ARGS="-m gpu" (the CUDA tests alone) or "-n 12" (pytest-xdist).
+TEST_GPU_ARGS ?=
 test-gpu:
 	mkdir -p build/gpu-path && ln -sfn "$(CURDIR)" build/gpu-path/stagewise
-	PYTHONPATH="$(CURDIR)/build/gpu-path$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m pytest -q -rs -m "not browser" -p no:cacheprovider
+	PYTHONPATH="$(CURDIR)/build/gpu-path$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m pytest -q -rs -m "not browser" -p no:cacheprovider $(TEST_GPU_ARGS)
 
 bench: $(VENV)/.installed
 	$(BIN)/python -m benchmarks.run

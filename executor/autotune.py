@@ -15,8 +15,8 @@ reported too). The measured times go into each stage's `options.note`.
 Candidates (stage_candidates): batched stages try vmap, wide, loop, compile
 (skipped for stages under COMPILE_MIN_MS, where it cannot pay, and by the
 "quick" budget) and cuda_graph on CUDA. On CUDA compile is tried in each
-torch.compile mode (stage_compile_modes: "compile", then
-"compile/max-autotune-no-cudagraphs" and "compile/reduce-overhead", each checked
+torch.compile mode (stage_compile_modes: "compile", then "compile/reduce-overhead",
+and "compile/max-autotune-no-cudagraphs" where the budget asks for it, each checked
 against the loop like any candidate, left out where the default mode failed);
 the chosen mode is kept as a "[compile: mode=...]" tag in the stage's note, which
 executor.build honours. On CPU compile runs in the default mode only (see
@@ -74,6 +74,11 @@ from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, loop_outputs, me
 from stagewise.executor.baselines import stack_outputs
 
 WHOLE_GRAPH = "per-stage/whole-plan graph"  # the whole-plan candidate: the tuned stages, captured (plan.capture)
+# ... with the excluded stages that tuning left to the member loop run `wide` inside the graph: a wide recurrence
+# is launch-bound eagerly (an H100 runs 16 cuDNN GRUs faster than 32 wide steps launched from Python) and wins
+# once its launches are replayed from one graph
+WHOLE_GRAPH_WIDE = "per-stage/whole-plan graph, excluded stages wide"
+WHOLE_GRAPHS = (WHOLE_GRAPH, WHOLE_GRAPH_WIDE)
 COMPILE_MIN_MS = 0.1  # below this a stage is all launch overhead; compiling it costs seconds for nothing
 CLOSE = 0.05  # two candidates this close (relative) are timed again head to head
 EAGER = (Strategy.VMAP, Strategy.WIDE, Strategy.LOOP)
@@ -100,15 +105,19 @@ def candidate_strategies(program: StageProgram, device: torch.device, allowed: O
     return [s for s in found if allowed is None or s in allowed]
 
 
+CUDA_COMPILE_MODES = ("", "reduce-overhead")  # tried on CUDA unless a budget says otherwise (see stage_compile_modes)
+
+
 def stage_compile_modes(device: torch.device, budget: "Budget | None" = None) -> tuple[str, ...]:
     """The torch.compile modes autotune tries for a compile candidate on `device` ("" = torch's default first).
 
-    CUDA: every mode of compiled.COMPILE_MODES (max-autotune-no-cudagraphs autotunes GEMM/conv kernels,
-    reduce-overhead adds CUDA graphs). CPU: the default only, unless `budget.compile_modes` asks for more
-    (reduce-overhead never: it needs CUDA).
+    CUDA: the default and reduce-overhead (CUDA graphs); max-autotune-no-cudagraphs (which autotunes GEMM/conv
+    kernels: 17-65 s for one convolution stage on an H100, 2026-11-23) only where the budget asks for it
+    (`Budget(compile_modes=COMPILE_MODES)`). CPU: the default only, unless `budget.compile_modes` asks for more (reduce-overhead
+    never: it needs CUDA).
     """
     modes = budget.compile_modes if budget is not None and budget.compile_modes is not None else (
-        COMPILE_MODES if device.type == "cuda" else ("",))
+        CUDA_COMPILE_MODES if device.type == "cuda" else ("",))
     return tuple(m for m in modes if device.type == "cuda" or m != "reduce-overhead")
 
 
@@ -157,8 +166,9 @@ class Budget:
     round_s: float = SAMPLE_BUDGET_S  # a final round aims at this much wall time per candidate
     compile: bool = True  # try torch.compile candidates (seconds each: per stage and the merged model)
     # torch.compile modes tried wherever compile is (compiled.COMPILE_MODES; "" = torch's default). None: per device,
-    # every mode on CUDA, the default only on CPU (reduce-overhead needs CUDA; max-autotune-no-cudagraphs compiles for
-    # minutes on CPU for little). reduce-overhead is left out off CUDA whatever this says.
+    # the default and reduce-overhead on CUDA (CUDA_COMPILE_MODES), the default only on CPU; max-autotune-no-cudagraphs
+    # only when named here (it autotunes kernels for 10-65 s per stage). reduce-overhead is left out off CUDA whatever
+    # this says.
     compile_modes: Optional[tuple[str, ...]] = None
 
 
@@ -293,10 +303,10 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
         results.extend(StrategyResult(label_of(s, m), ok=False, error=f"not tried: {why}") for s, m in slow if (s, m) not in kept)
         return kept
 
+    if not budget.compile:  # the budget's choice first: its reason does not depend on how fast the machine was
+        slow = skip([(s, m) for s, m in slow if s is not Strategy.COMPILE], "the autotune budget skips torch.compile")
     if slow and best_eager < COMPILE_MIN_MS:
         slow = skip([], f"the stage takes {best_eager:.3f} ms, under {COMPILE_MIN_MS} ms")
-    if not budget.compile:
-        slow = skip([(s, m) for s, m in slow if s is not Strategy.COMPILE], "the autotune budget skips torch.compile")
     late: Cands = {}
     default_compile: Optional[StrategyResult] = None
     for strategy, mode in slow:
@@ -454,6 +464,17 @@ def whole_plan_graph(plan: Plan) -> Plan:
     return plan.with_stages(stages).with_capture(True)
 
 
+def whole_plan_graph_wide(plan: Plan) -> Optional[Plan]:
+    """whole_plan_graph with every excluded stage that runs as the member loop switched to `wide`; None where
+    there is none. Checked end to end like any candidate: a stage wide cannot batch fails the candidate."""
+    stages = [replace(s, options=replace(s.options, strategy=Strategy.WIDE, chunk_size=None,
+                                         note=(s.options.note + " (wide inside the whole-plan graph)").lstrip()))
+              if s.mode is StageMode.EXCLUDED and s.options.strategy is Strategy.LOOP else s for s in plan.stages]
+    if all(a is b for a, b in zip(stages, plan.stages)):
+        return None
+    return whole_plan_graph(plan.with_stages(stages))
+
+
 def _merged_label(p: Plan) -> str:
     """"merged/compile", "merged/compile/reduce-overhead", "merged/wide", ..."""
     options = p.stages[0].options
@@ -486,6 +507,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     alternatives = merged_alternatives(plan, order, allowed, device, budget)
     # the per-stage plan replayed as CUDA graphs (executor.capture): one launch per run of capturable stages
     captured = [(WHOLE_GRAPH, whole_plan_graph(plan))] if capture_backend(device) is not None else []
+    wide_graph = whole_plan_graph_wide(plan) if captured and (allowed is None or Strategy.WIDE in allowed) else None
+    captured += [(WHOLE_GRAPH_WIDE, wide_graph)] if wide_graph is not None else []
     if not alternatives and not captured:
         return plan, None, False
     with state_kept(members):
@@ -501,8 +524,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
             results.append(StrategyResult(label, ok=False, error=f"not tried: {why}"))
             continue
         plans[label] = p
-        reuse = made if label in ("per-stage", WHOLE_GRAPH) else {}
-        other = _redrawn(inputs) if label == WHOLE_GRAPH else None
+        reuse = (made or {}) if label in ("per-stage",) + WHOLE_GRAPHS else {}
+        other = _redrawn(inputs) if label in WHOLE_GRAPHS else None
 
         def make(p=p, reuse=reuse, other=other):
             if reuse:
@@ -523,7 +546,7 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
         return plan, None, False
     summary = "; whole plan (min/median ms): " + _measured(results)
     best = plans[chosen.strategy]
-    if chosen.strategy in ("per-stage", WHOLE_GRAPH):
+    if chosen.strategy in ("per-stage",) + WHOLE_GRAPHS:
         return best.with_stages([replace(s, options=replace(s.options, note=s.options.note + summary)) for s in best.stages]), None, True
     (stage,) = best.stages
     note = f"autotune merged all stages and chose {stage.options.strategy.value}" + summary

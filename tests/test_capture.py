@@ -719,3 +719,62 @@ def test_cuda_whole_plan_capture_with_a_reduce_overhead_stage_matches_the_loop()
     cap = ens.__dict__["_captured"]
     assert cap is not None and [e["mode"] for e in cap.layout()] == ["graph", "eager", "graph"]
     assert cap.layout()[1]["reason"] == OWN_GRAPHS
+
+
+# --- the whole-plan graph with excluded stages run wide (a recurrence launch-bound eagerly) ----------------------------
+
+from stagewise.executor.autotune import WHOLE_GRAPH_WIDE, whole_plan_graph_wide  # noqa: E402
+
+
+class GRUHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru, self.head = nn.GRU(8, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x):
+        out, _ = self.gru(x)
+        return self.head(out[:, -1])
+
+
+def test_the_wide_whole_plan_graph_switches_only_excluded_loop_stages_and_matches_the_loop(replay_capture):
+    members, plan = _members_and_plan(GRUHead, torch.randn(2, 5, 8))
+    excluded = [s for s in plan.stages if s.mode is planner.StageMode.EXCLUDED]
+    assert excluded and all(s.options.strategy is planner.Strategy.LOOP for s in excluded)  # the GRU stage
+    wide = whole_plan_graph_wide(plan)
+    assert wide.capture
+    for before, after in zip(plan.stages, wide.stages):
+        switched = before.mode is planner.StageMode.EXCLUDED
+        assert after.options.strategy is (planner.Strategy.WIDE if switched else before.options.strategy)
+    assert whole_plan_graph_wide(wide) is None  # nothing left to switch
+    ens = executor.build(wide, copy.deepcopy(members)).eval()
+    with torch.no_grad():
+        for seed in (0, 1):
+            x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(ens(x), loop(members, x), rtol=1e-5, atol=1e-6)
+    assert ens.__dict__["_captured"].captures == 1
+
+
+def test_autotune_races_the_wide_whole_plan_graph_when_a_stage_stays_a_loop(replay_capture):
+    """The whole-plan race of a per-stage plan whose GRU stage runs as the loop offers (and checks) the graph
+    with that stage wide; not where wide is not allowed."""
+    from stagewise.executor.autotune import BUDGETS, _best_of_merged
+
+    members, plan = _members_and_plan(GRUHead, torch.randn(2, 5, 8))
+    members = [m.eval() for m in members]
+    x = torch.randn(2, 5, 8)
+
+    def labels(allowed):
+        best, results, _ = _best_of_merged(plan, members, (x,), torch.device("cpu"), allowed, None, 1, BUDGETS["quick"])
+        if results is not None:
+            return {r.strategy: r for r in results}, best
+        return best.stages[0].options.note.split("whole plan (min/median ms): ")[1], best
+
+    found, best = labels(None)
+    assert WHOLE_GRAPH_WIDE in found
+    if isinstance(found, dict):
+        assert found[WHOLE_GRAPH_WIDE].ok, found[WHOLE_GRAPH_WIDE].error
+    ens = executor.build(best, copy.deepcopy(members)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), loop(members, x), rtol=1e-5, atol=1e-6)
+    found, _ = labels({planner.Strategy.VMAP, planner.Strategy.LOOP})
+    assert WHOLE_GRAPH_WIDE not in found

@@ -38,7 +38,8 @@ class MLP(nn.Module):
 
 
 def _plan(mode: str, members):
-    graph = planner.trace(members[0], (torch.randn(5, 8),))
+    device = next(members[0].parameters()).device  # trace where the members live
+    graph = planner.trace(members[0], (torch.randn(5, 8, device=device),))
     plan = planner.propose(graph, n_members=N)
     stage = plan.stages[0]
     options = with_compile_mode(planner.StageOptions(strategy=planner.Strategy.COMPILE, note="tuned"), mode)
@@ -84,8 +85,10 @@ def test_on_a_gpu_the_whole_model_is_also_compiled_in_each_mode():
     cpu = [_merged_label(p) for p in merged_alternatives(plan, order, None)]
     gpu = [_merged_label(p) for p in merged_alternatives(plan, order, None, torch.device("cuda"))]
     assert cpu == ["merged/compile", "merged/wide", "merged/vmap", "merged/loop"]
-    assert gpu == ["merged/compile", "merged/compile/max-autotune-no-cudagraphs", "merged/compile/reduce-overhead",
-                   "merged/wide", "merged/vmap", "merged/loop"]
+    assert gpu == ["merged/compile", "merged/compile/reduce-overhead", "merged/wide", "merged/vmap", "merged/loop"]
+    every = [_merged_label(p) for p in merged_alternatives(plan, order, None, torch.device("cuda"), Budget(compile_modes=COMPILE_MODES))]
+    assert every == ["merged/compile", "merged/compile/max-autotune-no-cudagraphs", "merged/compile/reduce-overhead",
+                     "merged/wide", "merged/vmap", "merged/loop"]
 
 
 @pytest.mark.gpu
@@ -116,16 +119,16 @@ def test_a_stage_races_compile_in_each_mode_on_cuda_and_in_the_default_mode_on_c
     members = [MLP().eval() for _ in range(N)]
     graph = planner.trace(members[0], (torch.randn(5, 8),))
     (program,) = executor.build(planner.propose(graph, n_members=N), members).programs
-    assert _labels(program, CUDA) == ["vmap", "wide", "loop", "compile", "compile/max-autotune-no-cudagraphs",
-                                      "compile/reduce-overhead", "cuda_graph"]
+    assert _labels(program, CUDA) == ["vmap", "wide", "loop", "compile", "compile/reduce-overhead", "cuda_graph"]
+    assert _labels(program, CUDA, None, Budget(compile_modes=COMPILE_MODES)) == [
+        "vmap", "wide", "loop", "compile", "compile/max-autotune-no-cudagraphs", "compile/reduce-overhead", "cuda_graph"]
     assert _labels(program, CPU) == ["vmap", "wide", "loop", "compile"]  # as before the modes existed
-    assert _labels(program, CUDA, {Strategy.VMAP, Strategy.COMPILE}) == [
-        "vmap", "compile", "compile/max-autotune-no-cudagraphs", "compile/reduce-overhead"]
+    assert _labels(program, CUDA, {Strategy.VMAP, Strategy.COMPILE}) == ["vmap", "compile", "compile/reduce-overhead"]
     assert _labels(program, CUDA, {Strategy.VMAP}) == ["vmap"]
     # a budget may narrow the modes, or ask for more on CPU; reduce-overhead needs CUDA whatever it says
     assert _labels(program, CUDA, None, Budget(compile_modes=("",))) == ["vmap", "wide", "loop", "compile", "cuda_graph"]
     assert stage_compile_modes(CPU, Budget(compile_modes=COMPILE_MODES)) == ("", "max-autotune-no-cudagraphs")
-    assert stage_compile_modes(CUDA) == COMPILE_MODES and stage_compile_modes(CPU, BUDGETS["quick"]) == ("",)
+    assert stage_compile_modes(CUDA) == ("", "reduce-overhead") and stage_compile_modes(CPU, BUDGETS["quick"]) == ("",)
     for s, m in stage_candidates(program, CUDA):  # each label names its mode and the mode comes back out of it
         assert compile_mode_of_label(strategy_label(s, None, compile_mode=m)) == m
     assert compile_mode_of_label("merged/compile/reduce-overhead") == "" and compile_mode_of_label("wide/conv=bmm") == ""
@@ -247,7 +250,8 @@ def test_on_cuda_a_stage_races_compile_in_every_mode_against_the_loop(monkeypatc
     x = torch.randn(64, 8, device="cuda")
     plan = planner.propose(planner.trace(members[0], (x,)), n_members=N)
     start = copy.deepcopy(members)
-    tuned, found = tune(plan, members, (x,), device="cuda", strategies=["vmap", "loop", "compile"], repeats=5)
+    tuned, found = tune(plan, members, (x,), device="cuda", strategies=["vmap", "loop", "compile"], repeats=5,
+                        budget=Budget(compile_modes=COMPILE_MODES))
     results = _results(found)
     for label in ("compile", "compile/max-autotune-no-cudagraphs", "compile/reduce-overhead"):
         assert results[label].ok, (label, results[label].error)  # run and checked against the member loop

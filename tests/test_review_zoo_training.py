@@ -28,6 +28,10 @@ transformers = pytest.importorskip("transformers")
 N = 3
 VOCAB = 100
 LR = 1e-2
+# Parameters after Adam steps: 0.5% of one step of lr. Rounding differences of the batched and the member
+# matmuls (which depend on the thread count: 1.6e-5 on one ViT element under pytest-xdist) reach a few
+# 1e-5 where an element's gradient is near eps; the defects these tests catch were 1e-2 off.
+ATOL = 5e-5
 EPS = 1e-5  # Adam's eps on both sides: an element with a ~4e-8 gradient (rounding ~1e-9) steps ~lr * g / (|g| + eps)
 
 
@@ -149,7 +153,7 @@ def assert_members_equal(ens, loop, what, state=False):
         for name, want in items:
             got, want = comparable(name, sds[i][name]), comparable(name, want.detach())
             if got is not None and want.is_floating_point():
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}, member {i} {name}: {m}")
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL, msg=lambda m: f"{what}, member {i} {name}: {m}")
 
 
 def loss_of(out):

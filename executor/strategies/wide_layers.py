@@ -7,7 +7,7 @@ of a previous wide conv) and run once, as a grouped convolution; Linear is one
 baddbmm (or one GEMM against the concatenated weights for a shared input);
 eval-mode norms are one fused multiply-add with per-member scale and shift.
 GRU and LSTM project every step's input in one batched GEMM per layer and run each
-step as one baddbmm plus fused gates; attention modules (MultiheadAttention,
+step as one baddbmm plus the gates (on CUDA torch's fused cell kernel: one launch); attention modules (MultiheadAttention,
 TransformerEncoderLayer/Encoder) are in wide_attention. A configuration a rule refuses
 outright (SUPPORTED) gets no rule at all, so it shows as a gap in wide_rule_gaps.
 """
@@ -292,8 +292,17 @@ def gru(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> An
         w_hh_t = relaid(w_hh, "bmm")
         b_hh_b = b_hh.unsqueeze(1) if b_hh is not None else None
         outs = []
+        fused = fused_cells(gi)
+        if fused:  # [T, N*B, 3H]: one step's gates are one contiguous block
+            gi = gi.movedim(1, 0).contiguous().view(steps, n * batch, 3 * hidden)
+            h = h.contiguous()
         for step in range(steps):
             gh = torch.baddbmm(b_hh_b, h, w_hh_t) if b_hh_b is not None else torch.bmm(h, w_hh_t)
+            if fused:  # torch's fused GRU cell: the gates of every member in one kernel (rows are independent)
+                h = torch._thnn_fused_gru_cell(gi[step], gh.view(n * batch, 3 * hidden), h.view(n * batch, hidden))[0]
+                h = h.view(n, batch, hidden)
+                outs.append(h)
+                continue
             g = gi[:, step]
             rz = torch.sigmoid(g[..., : 2 * hidden] + gh[..., : 2 * hidden])
             r, z = rz[..., :hidden], rz[..., hidden:]
@@ -345,8 +354,17 @@ def lstm(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> A
             h = c = gi.new_zeros(n, batch, hidden)
         w_hh_t = relaid(state[f"weight_hh_l{layer}"], "bmm")  # [N, H, 4H]
         outs = []
+        fused = fused_cells(gi)
+        if fused:  # [T, N*B, 4H]: one step's input gates are one contiguous block
+            gi_steps = gi.movedim(t_dim + 1, 0).contiguous().view(steps, n * batch, 4 * hidden)
+            h, c = h.contiguous(), c.contiguous()
         for step in range(steps):
-            h, c = _lstm_cell(torch.baddbmm(gi.select(t_dim + 1, step), h, w_hh_t), c, hidden, fresh)
+            if fused:  # torch's fused LSTM cell: input + hidden gates and the cell update of every member in one kernel
+                hy, cy, _ = torch._thnn_fused_lstm_cell(gi_steps[step], torch.bmm(h, w_hh_t).view(n * batch, 4 * hidden),
+                                                        c.view(n * batch, hidden))
+                h, c = hy.view(n, batch, hidden), cy.view(n, batch, hidden)
+            else:
+                h, c = _lstm_cell(torch.baddbmm(gi.select(t_dim + 1, step), h, w_hh_t), c, hidden, fresh)
             outs.append(h)
         h_finals.append(h)
         c_finals.append(c)
@@ -355,6 +373,13 @@ def lstm(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> A
     if not batched:
         return (NFirst(inp.t.squeeze(2)), (NFirst(h_n.squeeze(2)), NFirst(c_n.squeeze(2))))
     return (inp, (NFirst(h_n), NFirst(c_n)))
+
+
+def fused_cells(gates: torch.Tensor) -> bool:
+    """Whether GRU/LSTM steps use torch's fused cell kernels (`_thnn_fused_gru_cell` / `_thnn_fused_lstm_cell`):
+    on CUDA, for the dtypes those kernels take (not bfloat16). One kernel per step for the gate arithmetic instead
+    of six: the recurrence is launch-bound (32 steps of a 64-unit GRU, N=16, b8: ~200 launches before)."""
+    return gates.is_cuda and gates.dtype in (torch.float32, torch.float16, torch.float64)
 
 
 def _lstm_cell(gates: torch.Tensor, c: torch.Tensor, hidden: int, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
