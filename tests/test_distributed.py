@@ -42,7 +42,7 @@ def free_port() -> int:
 def rank_env() -> dict:
     # loopback only; one thread per rank (2 cores shared by all ranks); no GPU even where there is one
     return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # the caller's path too (make test-gpu imports the checkout through it)
 
 
 def run_job(job: str, world: int, out: Path) -> list[dict]:

@@ -366,7 +366,7 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     port, world = _free_port(), 2
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT.parent)}
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT.parent), os.environ.get("PYTHONPATH")]))}  # the caller's path too (make test-gpu imports the checkout through it)
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     deadline, logs = time.monotonic() + JOB_LIMIT_S, []

@@ -19,22 +19,22 @@ from stagewise.executor.strategies.wide_ops import NFirst
 IN, HID = 5, 7
 
 
-def gru_cell_reference(ig, hg, hx, ib=None, hb=None):
-    """What torch's fused GRU cell computes (biases None here): r, z = sigmoid, n = tanh(ig_n + r * hg_n)."""
-    assert ig.dim() == hg.dim() == hx.dim() == 2 and ib is None and hb is None
+def gru_cell_reference(ig, hg, hx):
+    """What torch's fused GRU cell computes (no bias arguments): r, z = sigmoid, n = tanh(ig_n + r * hg_n)."""
+    assert ig.dim() == hg.dim() == hx.dim() == 2 and ig.is_contiguous() and hg.is_contiguous() and hx.is_contiguous()
     ir, iz, i_n = ig.chunk(3, 1)
     hr, hz, h_n = hg.chunk(3, 1)
     r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
     n = torch.tanh(i_n + r * h_n)
-    return n + z * (hx - n), torch.empty(0)
+    return n + z * (hx - n)
 
 
-def lstm_cell_reference(ig, hg, cx, ib=None, hb=None):
+def lstm_cell_reference(ig, hg, cx):
     """What torch's fused LSTM cell computes: gates i, f, g, o of ig + hg."""
-    assert ig.dim() == hg.dim() == cx.dim() == 2 and ib is None and hb is None
+    assert ig.dim() == hg.dim() == cx.dim() == 2 and ig.is_contiguous() and hg.is_contiguous() and cx.is_contiguous()
     i, f, g, o = (ig + hg).chunk(4, 1)
     cy = torch.sigmoid(f) * cx + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(cy), cy, torch.empty(0)
+    return torch.sigmoid(o) * torch.tanh(cy), cy
 
 
 @pytest.fixture
@@ -49,8 +49,8 @@ def reference_cells(monkeypatch):
         return call
 
     monkeypatch.setattr(wide_layers, "fused_cells", lambda gates: True)
-    monkeypatch.setattr(torch, "_thnn_fused_gru_cell", counted("gru", gru_cell_reference), raising=False)
-    monkeypatch.setattr(torch, "_thnn_fused_lstm_cell", counted("lstm", lstm_cell_reference), raising=False)
+    monkeypatch.setattr(wide_layers, "fused_gru_cell", counted("gru", gru_cell_reference))
+    monkeypatch.setattr(wide_layers, "fused_lstm_cell", counted("lstm", lstm_cell_reference))
     return calls
 
 
@@ -118,6 +118,12 @@ def test_gradients_flow_through_the_fused_step(reference_cells, kind):
     got, want, (g_got, g_want) = run_both(kind, 3, 2, True, False, True, "cpu", grad=True)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_fused_kernels_exist_in_this_torch():
+    """The ops the CUDA path calls are registered (their kernels are CUDA's; the CPU tests above replace them)."""
+    assert torch.ops.aten._thnn_fused_gru_cell.default is not None
+    assert torch.ops.aten._thnn_fused_lstm_cell.default is not None
 
 
 def test_the_fused_kernels_are_cuda_only_and_not_for_bfloat16():

@@ -299,7 +299,7 @@ def gru(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> An
         for step in range(steps):
             gh = torch.baddbmm(b_hh_b, h, w_hh_t) if b_hh_b is not None else torch.bmm(h, w_hh_t)
             if fused:  # torch's fused GRU cell: the gates of every member in one kernel (rows are independent)
-                h = torch._thnn_fused_gru_cell(gi[step], gh.view(n * batch, 3 * hidden), h.view(n * batch, hidden))[0]
+                h = fused_gru_cell(gi[step], gh.view(n * batch, 3 * hidden), h.view(n * batch, hidden))
                 h = h.view(n, batch, hidden)
                 outs.append(h)
                 continue
@@ -360,8 +360,8 @@ def lstm(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> A
             h, c = h.contiguous(), c.contiguous()
         for step in range(steps):
             if fused:  # torch's fused LSTM cell: input + hidden gates and the cell update of every member in one kernel
-                hy, cy, _ = torch._thnn_fused_lstm_cell(gi_steps[step], torch.bmm(h, w_hh_t).view(n * batch, 4 * hidden),
-                                                        c.view(n * batch, hidden))
+                hy, cy = fused_lstm_cell(gi_steps[step], torch.bmm(h, w_hh_t).view(n * batch, 4 * hidden),
+                                         c.view(n * batch, hidden))
                 h, c = hy.view(n, batch, hidden), cy.view(n, batch, hidden)
             else:
                 h, c = _lstm_cell(torch.baddbmm(gi.select(t_dim + 1, step), h, w_hh_t), c, hidden, fresh)
@@ -376,10 +376,21 @@ def lstm(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> A
 
 
 def fused_cells(gates: torch.Tensor) -> bool:
-    """Whether GRU/LSTM steps use torch's fused cell kernels (`_thnn_fused_gru_cell` / `_thnn_fused_lstm_cell`):
+    """Whether GRU/LSTM steps use torch's fused cell kernels (aten `_thnn_fused_gru_cell` / `_thnn_fused_lstm_cell`):
     on CUDA, for the dtypes those kernels take (not bfloat16). One kernel per step for the gate arithmetic instead
     of six: the recurrence is launch-bound (32 steps of a 64-unit GRU, N=16, b8: ~200 launches before)."""
     return gates.is_cuda and gates.dtype in (torch.float32, torch.float16, torch.float64)
+
+
+def fused_gru_cell(input_gates: torch.Tensor, hidden_gates: torch.Tensor, hx: torch.Tensor) -> torch.Tensor:
+    """h' of one GRU step from [rows, 3H] gate pre-activations (hidden gates with their bias): one CUDA kernel."""
+    return torch.ops.aten._thnn_fused_gru_cell(input_gates, hidden_gates, hx)[0]
+
+
+def fused_lstm_cell(input_gates: torch.Tensor, hidden_gates: torch.Tensor, cx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h', c') of one LSTM step from [rows, 4H] input and hidden gate pre-activations (i, f, g, o): one CUDA kernel."""
+    hy, cy, _ = torch.ops.aten._thnn_fused_lstm_cell(input_gates, hidden_gates, cx)
+    return hy, cy
 
 
 def _lstm_cell(gates: torch.Tensor, c: torch.Tensor, hidden: int, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,43 @@
+"""Regressions from the first run of the GPU tier on an H100 machine (torch 2.11, transformers 5.17), checked on CPU."""
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from stagewise.planner.module_refusals import call_override_refusal
+
+
+def _layer_module() -> types.ModuleType:
+    """A stand-in for transformers 5.17's modeling_layers: GradientCheckpointingLayer overrides __call__ and calls
+    forward (through torch.utils.checkpoint when gradient checkpointing is on)."""
+    mod = types.ModuleType("transformers.modeling_layers")
+    exec("import torch.nn as nn\n"
+         "class GradientCheckpointingLayer(nn.Module):\n"
+         "    gradient_checkpointing = False\n"
+         "    def __call__(self, *args, **kwargs):\n"
+         "        return super().__call__(*args, **kwargs)\n", mod.__dict__)
+    return mod
+
+
+def test_transformers_checkpointing_layers_are_not_refused_but_other_call_overrides_are():
+    layer = _layer_module().GradientCheckpointingLayer
+
+    class Block(layer):  # BertLayer, GPT2Block, ViTLayer, T5Block, BartEncoderLayer derive from it in 5.17
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    class Wrapped(nn.Module):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs) * 2  # changes the values: must stay refused
+
+        def forward(self, x):
+            return x
+
+    assert call_override_refusal(nn.Sequential(Block(), Block()), "Model") is None
+    refusal = call_override_refusal(nn.Sequential(Block(), Wrapped()), "Model")
+    assert refusal and "submodule 1 (Wrapped) overrides __call__" in refusal
