@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import re
 from pathlib import Path
 import dataclasses
@@ -528,13 +529,15 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # batched module must not move or convert the caller's member 0
     # the traced shapes, not the caller's: an export graph is specialised to them, so another shape
     # would trace another graph; the batched module then checks each call against them
-    example = example_inputs_from(plan.inputs) or example_inputs
     try:
         private = copy.deepcopy(members[0])
     except Exception as e:  # a module torch cannot copy (the old nn.utils.weight_norm's derived weight, ...)
         raise MemberError(f"member 0 cannot be copied ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
                           "stagewise builds from a private copy of it. Models using torch.nn.utils.weight_norm can use "
                           "torch.nn.utils.parametrizations.weight_norm instead; otherwise make the module deep-copyable") from e
+    # made where member 0 lives: an export retrace of a CUDA member on CPU zeros failed ("two different devices")
+    home = next(itertools.chain(private.parameters(), private.buffers()), None)
+    example = example_inputs_from(plan.inputs, home.device if home is not None else None) or example_inputs
     graph = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(

@@ -75,8 +75,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def example_inputs_from(specs: Sequence[InputSpec]) -> tuple | None:
-    """Zero tensors of each input's traced shape and dtype (token ids 0 are valid ids); None if a spec lacks them.
+def example_inputs_from(specs: Sequence[InputSpec], device: torch.device | str | None = None) -> tuple | None:
+    """Zero tensors of each input's traced shape and dtype (token ids 0 are valid ids) on `device` (default CPU:
+    where the module traced with them lives); None if a spec lacks them.
 
     Tracing only looks at shapes and dtypes (export runs on fake tensors), so the
     values do not matter; zeros keep integer inputs in range.
@@ -84,7 +85,7 @@ def example_inputs_from(specs: Sequence[InputSpec]) -> tuple | None:
     if not specs or any(s.dtype is None or (s.shape is None and s.dtype != "NoneType") for s in specs):
         return None  # unknown, or a Python number export specialised on (its value is not recorded)
     try:
-        return tuple(None if s.shape is None else torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs)
+        return tuple(None if s.shape is None else torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs)
     except (AttributeError, TypeError):  # a dtype name this torch does not know
         return None
 

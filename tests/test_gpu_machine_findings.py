@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 from torch import nn
 
@@ -41,3 +42,37 @@ def test_transformers_checkpointing_layers_are_not_refused_but_other_call_overri
     assert call_override_refusal(nn.Sequential(Block(), Block()), "Model") is None
     refusal = call_override_refusal(nn.Sequential(Block(), Wrapped()), "Model")
     assert refusal and "submodule 1 (Wrapped) overrides __call__" in refusal
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_export_retrace_at_build_gets_example_inputs_where_member_0_lives(monkeypatch):
+    """build retraces an export plan on zeros of the traced shapes: made on the CPU, they failed against members on
+    CUDA (the H100 run: shape_loop, "found two different devices cpu, cuda:0"). Meta members stand in for CUDA here."""
+    import importlib
+
+    import torch
+
+    from stagewise import executor, planner
+
+    build_module = importlib.import_module("stagewise.executor.build")
+    src = planner.load_model_file(Path(__file__).parents[1] / "sample_models" / "shape_loop.py")
+    plan = planner.propose(planner.trace(src.model, src.example_inputs), 2, "shared")
+    assert plan.tracer == "export"
+    seen = []
+
+    def spy(model, tracer, example, *args, **kwargs):
+        seen.append(({x.device.type for x in example if x is not None}, {p.device.type for p in model.parameters()}))
+        raise _Stop
+
+    monkeypatch.setattr(build_module, "retrace", spy)
+    for device in ("cpu", "meta"):
+        members = [m.to(device) for m in src.members(2)]
+        try:
+            executor.build(plan, members)
+        except _Stop:
+            pass
+        assert seen[-1] == ({device}, {device})
+    assert planner.inputs.example_inputs_from(plan.inputs)[0].device == torch.device("cpu")  # the default stays
