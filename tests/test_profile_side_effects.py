@@ -84,6 +84,13 @@ def _assert_same_state(before, members, what: str) -> None:
         assert modes == m_after, f"{what} changed member {i}'s train/eval mode"
 
 
+def _setup(cls, train, mode):
+    """Members, inputs, the proposed plan, and the members' state before anything ran."""
+    members = _members(cls, train)
+    inputs = _inputs(mode)
+    return members, inputs, _plan(members, mode), _state(members)
+
+
 def _profile(plan, members, inputs, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vmap fallback warnings are expected here
@@ -92,10 +99,7 @@ def _profile(plan, members, inputs, **kwargs):
 
 @pytest.mark.parametrize("cls, train, mode", CASES)
 def test_profile_leaves_the_members_as_they_were_and_reports_no_false_error(cls, train, mode):
-    members = _members(cls, train)
-    inputs = _inputs(mode)
-    plan = _plan(members, mode)
-    before = _state(members)
+    members, inputs, plan, before = _setup(cls, train, mode)
     report = _profile(plan, members, inputs)
     _assert_same_state(before, members, "profile")
     for s in report.stages:
@@ -133,10 +137,7 @@ def test_profile_with_autotune_leaves_the_members_as_they_were(cls, train, mode)
 
 @pytest.mark.parametrize("cls, train, mode", CASES)
 def test_training_profile_leaves_the_members_as_they_were_and_reports_no_false_error(cls, train, mode):
-    members = _members(cls, train)
-    inputs = _inputs(mode)
-    plan = _plan(members, mode)
-    before = _state(members)
+    members, inputs, plan, before = _setup(cls, train, mode)
     report = _profile(plan, members, inputs, train=True, optimizer="sgd")
     _assert_same_state(before, members, "profile(train=True)")
     for s in report.stages:
@@ -147,10 +148,7 @@ def test_training_profile_leaves_the_members_as_they_were_and_reports_no_false_e
 
 @pytest.mark.parametrize("cls, train, mode", CASES)
 def test_verify_leaves_the_members_as_they_were(cls, train, mode):
-    members = _members(cls, train)
-    inputs = _inputs(mode)
-    plan = _plan(members, mode)
-    before = _state(members)
+    members, inputs, plan, before = _setup(cls, train, mode)
     more = (torch.randn(N, 9, 4),) if mode == "per_member" else (torch.randn(9, 4),)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
