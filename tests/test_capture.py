@@ -748,10 +748,10 @@ def test_the_wide_whole_plan_graph_switches_only_excluded_loop_stages_and_matche
     assert whole_plan_graph_wide(wide) is None  # nothing left to switch
     ens = executor.build(wide, copy.deepcopy(members)).eval()
     with torch.no_grad():
-        for seed in (0, 1):
-            x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(seed))
+        for seed, shape in ((0, (2, 5, 8)), (1, (2, 5, 8)), (2, (3, 7, 8)), (3, (2, 5, 8))):
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
             torch.testing.assert_close(ens(x), loop(members, x), rtol=1e-5, atol=1e-6)
-    assert ens.__dict__["_captured"].captures == 1
+    assert ens.__dict__["_captured"].captures == 2  # one graph per input shape, replayed
 
 
 def test_autotune_races_the_wide_whole_plan_graph_when_a_stage_stays_a_loop(replay_capture):

@@ -58,13 +58,15 @@ def stacked(mods):
     return {k: torch.stack([dict(m.named_parameters())[k] for m in mods]) for k, _ in mods[0].named_parameters()}
 
 
-def run_both(kind, n, layers, batch_first, shared_x, with_h0, device, grad=False, dtype=torch.float32):
+SHAPES = ((3, 6), (2, 4))  # (batch, steps): two input shapes, nothing baked in
+
+
+def run_both(kind, n, layers, batch_first, shared_x, with_h0, device, grad=False, dtype=torch.float32, b=3, t=6):
     """The wide rule and the member loop on one input; returns (wide outputs, loop outputs, grads of both).
     Every random value is drawn on the CPU in float32 first: the same numbers on any device and dtype."""
     torch.manual_seed(0)
     make = nn.GRU if kind == "gru" else nn.LSTM
     mods = [make(IN, HID, num_layers=layers, batch_first=batch_first).to(device, dtype) for _ in range(n)]
-    b, t = 3, 6
     shape = (b, t, IN) if batch_first else (t, b, IN)
     x = (torch.randn(*shape) if shared_x else torch.randn(n, *shape)).to(device, dtype)
     x.requires_grad_(grad)
@@ -109,16 +111,18 @@ CASES = list(itertools.product(["gru", "lstm"], [1, 2], [True, False], [True, Fa
 @pytest.mark.parametrize("kind, layers, batch_first, shared_x, with_h0", CASES)
 def test_the_fused_step_layout_matches_the_loop(reference_cells, kind, layers, batch_first, shared_x, with_h0):
     with torch.no_grad():
-        got, want, _ = run_both(kind, 3, layers, batch_first, shared_x, with_h0, "cpu")
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert reference_cells[kind] == 6 * layers  # one fused call per step and layer: the fused path ran
+        for b, t in SHAPES + SHAPES[:1]:  # two shapes, and the first again
+            got, want, _ = run_both(kind, 3, layers, batch_first, shared_x, with_h0, "cpu", b=b, t=t)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert reference_cells[kind] == (6 + 4 + 6) * layers  # one fused call per step and layer: the fused path ran
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
 def test_gradients_flow_through_the_fused_step(reference_cells, kind):
-    got, want, (g_got, g_want) = run_both(kind, 3, 2, True, False, True, "cpu", grad=True)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
+    for b, t in SHAPES:
+        got, want, (g_got, g_want) = run_both(kind, 3, 2, True, False, True, "cpu", grad=True, b=b, t=t)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-5)
 
 
 def test_the_fused_kernels_exist_in_this_torch():
@@ -144,8 +148,9 @@ def test_fused_cells_on_cuda_match_the_member_loop(kind, layers, batch_first, sh
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         with torch.no_grad():
-            got, want, _ = run_both(kind, 8, layers, batch_first, shared_x, with_h0, "cuda")
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for b, t in SHAPES:
+                got, want, _ = run_both(kind, 8, layers, batch_first, shared_x, with_h0, "cuda", b=b, t=t)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         got, want, (g_got, g_want) = run_both(kind, 3, layers, batch_first, shared_x, with_h0, "cuda", grad=True)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # gradients: against float64 on CPU, tightly. The cuDNN loop itself is the less precise side here: on the H100
