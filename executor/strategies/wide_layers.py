@@ -299,15 +299,13 @@ def gru(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> An
         for step in range(steps):
             gh = torch.baddbmm(b_hh_b, h, w_hh_t) if b_hh_b is not None else torch.bmm(h, w_hh_t)
             if fused:  # torch's fused GRU cell: the gates of every member in one kernel (rows are independent)
-                h = fused_gru_cell(gi[step], gh.view(n * batch, 3 * hidden), h.view(n * batch, hidden))
-                h = h.view(n, batch, hidden)
-                outs.append(h)
-                continue
-            g = gi[:, step]
-            rz = torch.sigmoid(g[..., : 2 * hidden] + gh[..., : 2 * hidden])
-            r, z = rz[..., :hidden], rz[..., hidden:]
-            cand = torch.tanh(torch.addcmul(g[..., 2 * hidden:], r, gh[..., 2 * hidden:]))
-            h = torch.lerp(cand, h, z)  # (1 - z) * cand + z * h
+                h = fused_gru_cell(gi[step], gh.view(n * batch, 3 * hidden), h.view(n * batch, hidden)).view(n, batch, hidden)
+            else:
+                g = gi[:, step]
+                rz = torch.sigmoid(g[..., : 2 * hidden] + gh[..., : 2 * hidden])
+                r, z = rz[..., :hidden], rz[..., hidden:]
+                cand = torch.tanh(torch.addcmul(g[..., 2 * hidden:], r, gh[..., 2 * hidden:]))
+                h = torch.lerp(cand, h, z)  # (1 - z) * cand + z * h
             outs.append(h)
         out = torch.stack(outs, dim=1)  # [N, T, B, H]
         finals.append(h)
