@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch._C import _functorch
 import torch.fx
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -166,6 +167,8 @@ def no_grad_at_padding(out: Any, idx: Any, padding_idx: int, weight: Any = None)
     # not out.requires_grad: inside vmap the output's wrapper says False even where its weight records a gradient
     if not (isinstance(out, torch.Tensor) and torch.is_grad_enabled()):
         return out
+    if not torch.compiler.is_compiling() and not _functorch.is_batchedtensor(idx):
+        return out  # shared indices, or the member loop: torch's backward keeps every padding row at zero already
     if padding_idx < 0 and isinstance(weight, torch.Tensor):
         padding_idx += weight.shape[0]
     return torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
