@@ -7,8 +7,6 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 from __future__ import annotations
 
 import contextlib
-import copy
-import itertools
 import re
 from pathlib import Path
 import dataclasses
@@ -32,7 +30,8 @@ from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCaptur
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes
-from stagewise.executor.members import check_same_requires_grad, shared_across_members, stack_member_state, state_tree, tree_tensor
+from stagewise.executor.members import (check_same_requires_grad, copy_member, shared_across_members, stack_member_state,
+                                       state_device, state_tree, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound
 from stagewise.executor.modes import reads_training  # noqa: F401
@@ -529,15 +528,9 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # batched module must not move or convert the caller's member 0
     # the traced shapes, not the caller's: an export graph is specialised to them, so another shape
     # would trace another graph; the batched module then checks each call against them
-    try:
-        private = copy.deepcopy(members[0])
-    except Exception as e:  # a module torch cannot copy (the old nn.utils.weight_norm's derived weight, ...)
-        raise MemberError(f"member 0 cannot be copied ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
-                          "stagewise builds from a private copy of it. Models using torch.nn.utils.weight_norm can use "
-                          "torch.nn.utils.parametrizations.weight_norm instead; otherwise make the module deep-copyable") from e
+    private = copy_member(members[0], 0, "stagewise builds from a private copy of it")
     # made where member 0 lives: an export retrace of a CUDA member on CPU zeros failed ("two different devices")
-    home = next(itertools.chain(private.parameters(), private.buffers()), None)
-    example = example_inputs_from(plan.inputs, home.device if home is not None else None) or example_inputs
+    example = example_inputs_from(plan.inputs, state_device(private)) or example_inputs
     graph = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(

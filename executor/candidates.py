@@ -14,7 +14,6 @@ members out of it altogether.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
 import weakref
@@ -25,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from stagewise.planner.errors import MemberError
 from stagewise.planner.plan import StageOptions, Strategy
+from stagewise.executor.members import copy_member, state_device
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
 from stagewise.executor.strategies.compiled import with_compile_mode
@@ -263,15 +262,8 @@ def private_members(members: Sequence[nn.Module], device: Optional[torch.device]
         if m in _PRIVATE and _on(m, device):
             out.append(m)
             continue
-        try:
-            c = copy.deepcopy(m)
-            c = c.to(device) if device is not None else c
-        except Exception as e:  # e.g. the old nn.utils.weight_norm's derived weight
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise MemberError(f"member {i} cannot be copied ({type(e).__name__}: {first}); {who} runs private copies "
-                              "so that it never changes your members. Models using torch.nn.utils.weight_norm can use "
-                              "torch.nn.utils.parametrizations.weight_norm instead; otherwise make the module "
-                              "deep-copyable") from e
+        c = copy_member(m, i, f"{who} runs private copies so that it never changes your members")
+        c = c.to(device) if device is not None else c
         _PRIVATE.add(c)
         out.append(c)
     return out
@@ -279,6 +271,6 @@ def private_members(members: Sequence[nn.Module], device: Optional[torch.device]
 
 def _on(m: nn.Module, device: Optional[torch.device]) -> bool:
     """Whether `m`'s state is on `device` ("cuda" without an index matches any CUDA device)."""
-    t = next(iter([*m.parameters(), *m.buffers()]), None)
-    return (device is None or t is None
-            or (t.device.type == device.type and (device.index is None or t.device.index == device.index)))
+    home = state_device(m)
+    return (device is None or home is None
+            or (home.type == device.type and (device.index is None or home.index == device.index)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stagewise.executor.members import state_device
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import InputError
 from stagewise.planner.graph import ModelGraph
@@ -56,8 +57,7 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
             shown.add(root.name)
     if example is None or not any(isinstance(x, torch.Tensor) for x in example):
         return
-    state = next(iter([*private.parameters(), *private.buffers()]), None)
-    device = state.device if state is not None else torch.device("cpu")
+    device = state_device(private) or torch.device("cpu")
     copies = tuple(x.detach().clone().to(device) if isinstance(x, torch.Tensor) else x for x in example)
     versions = [x._version if isinstance(x, torch.Tensor) else None for x in copies]
     snapshot = StateSnapshot.take(private)

@@ -6,12 +6,31 @@ between members), and the module tree that holds the stacked tensors under one m
 """
 from __future__ import annotations
 
+import copy
+import itertools
 from typing import Sequence
 
 import torch
 from torch import nn
 
 from stagewise.planner.errors import MemberError
+
+
+def copy_member(member: nn.Module, i: int, why: str) -> nn.Module:
+    """copy.deepcopy(member); MemberError naming member `i`, `why` stagewise copies it, and the usual fix."""
+    try:
+        return copy.deepcopy(member)
+    except Exception as e:  # a module torch cannot copy (the old nn.utils.weight_norm's derived weight, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise MemberError(f"member {i} cannot be copied ({type(e).__name__}: {first}); {why}. Models using "
+                          "torch.nn.utils.weight_norm can use torch.nn.utils.parametrizations.weight_norm instead; "
+                          "otherwise make the module deep-copyable") from e
+
+
+def state_device(module: nn.Module) -> torch.device | None:
+    """The device of `module`'s first parameter or buffer; None for a module without state."""
+    t = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return t.device if t is not None else None
 
 
 def member_state(member: nn.Module) -> dict[str, torch.Tensor]:
