@@ -38,8 +38,9 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
 
     A shared input written in place is refused: the loop writes the caller's tensor N times, each member
     seeing the writes of the members before it. The graph shows most writes (`x.add_`, a view's `mul_`,
-    an in-place module); torch.fx records `x += 1` as an out-of-place add, so `private` (a copy of member 0,
-    its state and the random generators restored afterwards) also runs once on copies of `example` and an
+    an in-place module, and `x += 1` on an input, which tracing records as operator.iadd); a write inside a
+    function the trace keeps closed (torch.fx.wrap) does not show, so `private` (a copy of member 0, its
+    state and the random generators restored afterwards) also runs once on copies of `example` and an
     input whose version counter moved was written. A per_member input written where the graph does not show
     it is refused too (the batched module would leave the caller's rows unwritten); one the graph shows is fine.
     A model that cannot run on the (zero) example inputs skips the run; the graph's writes are still refused.
