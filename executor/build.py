@@ -162,10 +162,7 @@ class BatchedModule(nn.Module):
         self._output_leaves = [(x.name, None) if isinstance(x, torch.fx.Node) else (None, x) for x in leaves]
         self._output_is_leaf = self._output_tree.is_leaf()
         # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
-        # an input traced as None stays a shared None whatever its mode: it has no member axis (plans from JSON may say per_member)
-        traced_none = {i.name for i in plan.inputs if i.dtype == "NoneType"}
-        self._per_member_at = [mode is InputMode.PER_MEMBER and name not in traced_none
-                               for name, mode in zip(graph.input_names, self._modes)]
+        self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]  # a traced None is shared (InputSpec)
         self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
         stage_of = {n: s.id for s in plan.stages for n in s.nodes}
         read_outside = {}

@@ -190,6 +190,12 @@ class InputSpec:
     dtype: str | None = None  # "float32", "int64"...; a Python type name ("int") for a non-tensor; None when unknown
     dynamic_dims: tuple[DynamicDim, ...] = ()  # dims accepted at other sizes; every other dim is fixed at `shape`
 
+    def __post_init__(self) -> None:
+        # an input traced as None (an optional input left out) has no member axis: shared whatever was asked
+        # (propose, a plan file, an edit), so the module and every check read the same mode
+        if self.dtype == "NoneType" and self.mode is not InputMode.SHARED:
+            object.__setattr__(self, "mode", InputMode.SHARED)
+
     def to_json(self) -> dict:
         d: dict[str, Any] = {"name": self.name, "mode": self.mode.value}
         if self.dtype is not None:

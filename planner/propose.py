@@ -81,10 +81,7 @@ def _input_specs(graph: ModelGraph, input_mode) -> tuple[InputSpec, ...]:
     for name in graph.input_names:
         try:
             traced = graph.input_specs.get(name, InputSpec(name))  # shape, dtype and dynamic dims as traced
-            mode = InputMode(modes[name])
-            if traced.dtype == "NoneType":  # traced as None (an optional input left out): no member axis to split on
-                mode = InputMode.SHARED
-            specs.append(replace(traced, mode=mode))
+            specs.append(replace(traced, mode=InputMode(modes[name])))  # an input traced as None stays shared (InputSpec)
         except ValueError:
             raise PlanMismatchError(f"input mode {modes[name]!r} for {name!r} is not one of 'shared', 'per_member'") from None
     return tuple(specs)

@@ -76,3 +76,14 @@ def test_the_export_retrace_at_build_gets_example_inputs_where_member_0_lives(mo
             pass
         assert seen[-1] == ({device}, {device})
     assert planner.inputs.example_inputs_from(plan.inputs)[0].device == torch.device("cpu")  # the default stays
+
+
+def test_an_input_traced_as_none_is_shared_whatever_a_plan_says():
+    """One place decides: InputSpec. A plan file (or an edit) asking per_member for an input traced as None reads as
+    shared, so the module and the checks that read plan.input_mode agree."""
+    from stagewise.planner.plan import InputMode, InputSpec
+
+    spec = InputSpec("token_type_ids", InputMode.PER_MEMBER, None, "NoneType")
+    assert spec.mode is InputMode.SHARED
+    assert InputSpec.from_json({**spec.to_json(), "mode": "per_member"}).mode is InputMode.SHARED
+    assert InputSpec("x", InputMode.PER_MEMBER, (2, 3), "float32").mode is InputMode.PER_MEMBER
