@@ -172,20 +172,24 @@ def _fast_path_taken(module: nn.Module, state: dict, query: Any, key: Any, value
         state.get(k) for k in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")]
     kpm = key_padding_mask.t if is_nf(key_padding_mask) else key_padding_mask
     dtype = tensors[0].dtype
-    return (torch.backends.mha.get_fastpath_enabled() and batch_first and query is key and key is value
-            and not module.training and module.num_heads % 2 == 0 and module._qkv_same_embed_dim
-            and module.bias_k is None and module.bias_v is None and not module.add_zero_attn
+    return (_fast_path_form(module, query, key, value, batch_first)
             and tensors[3] is not None and tensors[4] is not None and tensors[3].dtype == tensors[4].dtype == dtype
-            and (kpm is None or not torch.is_floating_point(kpm)) and not torch.is_autocast_enabled()
+            and (kpm is None or not torch.is_floating_point(kpm))
             and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
 
 
 def _fast_path_possible(module: nn.Module, query: Any, key: Any, value: Any, batch_first: bool, need_weights: bool) -> bool:
     """Whether torch's own MultiheadAttention could take its fast path here (a superset of its conditions, without
     the data-dependent ones): where it can, a fully masked row is NaN in the loop, and 0 in the batched kernels."""
-    return (not module.training and batch_first and query is key and key is value and not need_weights
-            and module.num_heads % 2 == 0 and module._qkv_same_embed_dim and module.bias_k is None
-            and not module.add_zero_attn and torch.backends.mha.get_fastpath_enabled() and not torch.is_autocast_enabled())
+    return not need_weights and _fast_path_form(module, query, key, value, batch_first)
+
+
+def _fast_path_form(module: nn.Module, query: Any, key: Any, value: Any, batch_first: bool) -> bool:
+    """The fast-path conditions of MultiheadAttention.forward that depend on the module, the flags and the form of
+    the call alone (self-attention, batch first), not on the tensors' dtypes or gradients."""
+    return (torch.backends.mha.get_fastpath_enabled() and not torch.is_autocast_enabled() and not module.training
+            and batch_first and query is key and key is value and module.num_heads % 2 == 0
+            and module._qkv_same_embed_dim and module.bias_k is None and module.bias_v is None and not module.add_zero_attn)
 
 
 def _nf(t: Optional[torch.Tensor]) -> Optional[NFirst]:
