@@ -80,7 +80,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -160,8 +160,7 @@ class _StackedOptimizer(torch.optim.Optimizer):
             raise OptimizerError(f"{type(self).__name__}: n_members={n_members!r}; pass a positive int, "
                                  f"the size of dim 0 of every stacked parameter")
         self.n_members = n_members
-        self._nonzero_cache: dict[int, tuple[torch.Tensor, int, bool]] = {}
-        self._shared_cache: dict[int, tuple[torch.Tensor, int, float | None]] = {}
+        self._versioned: dict[tuple[str, int], tuple[torch.Tensor, int, Any]] = {}  # see _cached
         super().__init__(params, defaults)
 
     # group normalisation: user values -> [N] tensors ------------------------------------------
@@ -178,8 +177,7 @@ class _StackedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         """torch's load_state_dict, deepcopy and unpickling install new group dicts: watch them too."""
         super().__setstate__(state)
-        self.__dict__.setdefault("_nonzero_cache", {})
-        self.__dict__.setdefault("_shared_cache", {})
+        self.__dict__.setdefault("_versioned", {})
         self.param_groups = [self._watched(g) for g in self.param_groups]
 
     def _watched(self, group: dict) -> "_MemberGroup":
@@ -270,8 +268,7 @@ class _StackedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._nonzero_cache.clear()
-        self._shared_cache.clear()
+        self._versioned.clear()
         for g in self.param_groups:
             self._normalise(g)  # back onto the params' device, re-validated (n_members must match)
         for p, s in self.state.items():
@@ -311,24 +308,28 @@ class _StackedOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def _known(self, kind: str, t: torch.Tensor) -> Any:
+        """What was remembered of `kind` for tensor `t` at its current version, or _UNREAD."""
+        hit = self._versioned.get((kind, id(t)))
+        return hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else _UNREAD
+
+    def _remember(self, kind: str, t: torch.Tensor, value: Any) -> Any:
+        self._versioned[(kind, id(t))] = (t, t._version, value)
+        return value
+
+    def _cached(self, kind: str, t: torch.Tensor, compute: Callable[[torch.Tensor], Any]) -> Any:
+        """compute(t), remembered per tensor and version: no device sync per step while `t` is unchanged."""
+        known = self._known(kind, t)
+        return self._remember(kind, t, compute(t)) if known is _UNREAD else known
+
     def _nonzero(self, t: torch.Tensor) -> bool:
-        """Whether any member's value is non-zero; cached per tensor version (no device sync per step)."""
-        hit = self._nonzero_cache.get(id(t))
-        if hit is not None and hit[0] is t and hit[1] == t._version:
-            return hit[2]
-        result = bool(t.any())
-        self._nonzero_cache[id(t)] = (t, t._version, result)
-        return result
+        """Whether any member's value is non-zero (cached per tensor version)."""
+        return self._cached("nonzero", t, lambda t: bool(t.any()))
 
     def _shared(self, t: torch.Tensor) -> float | None:
-        """The value every member has in the [N] tensor ``t`` as a Python float, or None where members differ;
-        cached per tensor version like _nonzero (no device sync per step)."""
-        hit = self._shared_cache.get(id(t))
-        if hit is not None and hit[0] is t and hit[1] == t._version:
-            return hit[2]
-        result = float(t[0]) if bool((t == t[0]).all()) else None
-        self._shared_cache[id(t)] = (t, t._version, result)
-        return result
+        """The value every member has in the [N] tensor ``t`` as a Python float, or None where members differ
+        (cached per tensor version)."""
+        return self._cached("shared", t, lambda t: float(t[0]) if bool((t == t[0]).all()) else None)
 
     @staticmethod
     def _coef(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -504,13 +505,10 @@ class StackedSGD(_StackedOptimizer):
 
     def _idle_members(self, momentum: torch.Tensor) -> torch.Tensor | None:
         """[N] bool: the members whose momentum is 0 (None where there are none); cached per tensor version."""
-        hit = self._shared_cache.get(("idle", id(momentum)))
-        if hit is not None and hit[0] is momentum and hit[1] == momentum._version:
-            return hit[2]
-        idle = momentum == 0
-        result = idle if bool(idle.any()) else None
-        self._shared_cache[("idle", id(momentum))] = (momentum, momentum._version, result)
-        return result
+        def idle(m: torch.Tensor) -> torch.Tensor | None:
+            at_zero = m == 0
+            return at_zero if bool(at_zero.any()) else None
+        return self._cached("idle", momentum, idle)
 
     def _step_group(self, group, params, grads):
         lr = self._coef(-group["lr"] * group["member_lr"], params[0])
@@ -621,17 +619,12 @@ class StackedAdam(_StackedOptimizer):
         Known without a device sync while the counts only move by these increments: the value (or None) seen
         after the last increment is remembered with the tensor's version; a count changed since (reset_member,
         a loaded or edited state) is read once."""
-        seen = self._shared_cache
-        before = []
-        for t in steps:
-            hit = seen.get(id(t))
-            before.append(hit[2] if hit is not None and hit[0] is t and hit[1] == t._version else _UNREAD)
+        before = [self._known("shared", t) for t in steps]
         torch._foreach_add_(steps, 1.0)
         counts = []
         for t, old in zip(steps, before):
             now = self._shared(t) if old is _UNREAD else None if old is None else old + 1.0
-            seen[id(t)] = (t, t._version, now)
-            counts.append(now)
+            counts.append(self._remember("shared", t, now))
         return None if any(c is None for c in counts) else counts
 
     def _shared_values(self, group: dict) -> tuple[float, float, float, float, float] | None:
