@@ -26,6 +26,7 @@ from torch import nn
 
 from stagewise.planner.errors import MemberError
 from stagewise.planner.graph import PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal, plain_attributes, retrace
+from stagewise.planner.module_refusals import closure_values
 
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
 
@@ -61,18 +62,10 @@ def callable_identity(f: Any) -> str:
     (`lambda x: x * scale` with a scale per member is one name but another graph per member)."""
     name = getattr(f, "__module__", "") + "." + getattr(f, "__qualname__", repr(f))
     func = getattr(f, "__func__", f)
-    captured = [c.cell_contents for c in getattr(func, "__closure__", None) or () if _has_contents(c)]
+    captured = closure_values(func)
     captured += list(getattr(func, "__defaults__", None) or ()) + list((getattr(func, "__kwdefaults__", None) or {}).values())
     plain = [repr(v) for v in captured if isinstance(v, PLAIN_TYPES) or isinstance(v, (tuple, list))]
     return f"{name}({', '.join(plain)})" if plain else name
-
-
-def _has_contents(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell (a name assigned after the function was made)
-        return False
-    return True
 
 
 def config_signature(member: nn.Module) -> tuple:

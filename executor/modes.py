@@ -17,6 +17,7 @@ from torch import nn
 
 from stagewise.planner.errors import StagewiseError
 from stagewise.planner.graph import ModelGraph, retrace
+from stagewise.planner.module_refusals import closure_values
 from stagewise.planner.plan import Plan
 
 
@@ -86,7 +87,7 @@ def reads_training(model: nn.Module, tracer: str = "export", opened: Sequence[st
         elif isinstance(obj, types.FunctionType):
             if _code_reads_training(obj.__code__):
                 return True
-            todo.extend(c.cell_contents for c in obj.__closure__ or () if _cell_is_code(c))
+            todo.extend(v for v in closure_values(obj) if isinstance(v, (types.FunctionType, type, functools.partial)))
             names = _all_names(obj.__code__)
             for name in names:  # the user's helpers it calls by global name, `helper(...)` or `utils.helper(...)`
                 v = obj.__globals__.get(name, getattr(builtins, name, None))
@@ -100,14 +101,6 @@ def reads_training(model: nn.Module, tracer: str = "export", opened: Sequence[st
         elif callable(obj) and not isinstance(obj, (types.BuiltinFunctionType, torch.Tensor)):
             todo.append(type(obj))  # a callable object: its class's __call__
     return False
-
-
-def _cell_is_code(cell: Any) -> bool:
-    try:
-        v = cell.cell_contents
-    except ValueError:  # an empty cell
-        return False
-    return isinstance(v, (types.FunctionType, type, functools.partial))
 
 
 # torch's dropout family: the op (or function) name, without an overload, and where its probability and training flag

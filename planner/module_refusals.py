@@ -83,13 +83,20 @@ def registration_hooks_off():
             getattr(torch_module, table).update(hooks)
 
 
+def closure_values(func: Any) -> list:
+    """What `func`'s closure cells hold (empty cells, names assigned after the function was made, left out)."""
+    out = []
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return out
+
+
 def _closes_over_state(f: Any) -> str:
     """What a plain function closes over that a deepcopy of its module would not follow ("a module (Net)", "a tensor"), or ""."""
-    for cell in getattr(f, "__closure__", None) or () if isinstance(f, types.FunctionType) else ():
-        try:
-            v = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
+    for v in closure_values(f) if isinstance(f, types.FunctionType) else ():
         if isinstance(v, nn.Module):
             return f"a module ({type(v).__name__})"
         if isinstance(v, torch.Tensor):
