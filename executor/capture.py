@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.errors import ExecutionError
+from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.plan import Strategy
 from stagewise.executor.stages import VmapRunner
 from stagewise.executor.values import (Batched, PerMember, as_batched, number_dtype, tagged as _tagged,
@@ -66,9 +67,6 @@ DEFAULT_MAX_SIGNATURES = 8
 WARMUP_CALLS = 2  # lazy initialisation and cuBLAS/cuDNN workspace choices happen outside the graph
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 OWN_GRAPHS = "reduce-overhead compile records its own CUDA graphs (one cannot be recorded inside another's capture)"

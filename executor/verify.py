@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import InputMode, Plan
 from stagewise.planner.errors import InputError, StagewiseError
+from stagewise.planner.errors import first_line as _first_line
 from stagewise.executor.build import build, resolve_device
 from stagewise.executor.values import member_value
 
@@ -287,9 +288,6 @@ def _verify_more(report: VerifyReport, plan: Plan, module, members: list[nn.Modu
     report.shapes.append(shape)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def describe_inputs(inputs: Sequence[Any]) -> str:

@@ -18,6 +18,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
+from stagewise.planner.errors import first_line
+
 Check = Callable[["ModelGraph", torch.fx.Node], Optional[str]]  # noqa: F821 (ModelGraph from planner.graph)
 
 PROBE_MEMBERS = 2  # members stacked for the probe: enough to exercise the batching rules
@@ -156,7 +158,7 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
 
 def classify_vmap_error(node: torch.fx.Node, e: BaseException) -> str:
     """A one-line reason from a vmap failure."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = first_line(e)
     low = text.lower()
     if ".item()" in low or "item()" in low or "data-dependent" in low or "data dependent" in low:
         return f"data-dependent value (.item() / Python control flow on a tensor) in {_op_name(node)}"

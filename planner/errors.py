@@ -60,3 +60,9 @@ class OptimizerError(StagewiseError):
 
 class MemoryBudgetError(StagewiseError):
     """N members would not fit in memory (planner.budget's estimate vs what the device has available)."""
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message cut to its first non-empty line (its type's name if it has none): errors stay one line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace
 from stagewise.planner.errors import TraceError
+from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.inputs import traced_specs
 from stagewise.planner.opening import LeafModule, resolve_open_modules, symbolic_trace_opening
 from stagewise.planner.plan import InputSpec
@@ -173,9 +174,6 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     return gm
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_modules: Sequence[str] = ()) -> ModelGraph:

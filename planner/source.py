@@ -28,6 +28,7 @@ from torch import nn
 
 from stagewise.planner import budget
 from stagewise.planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
+from stagewise.planner.errors import first_line as _first_line
 
 MEMBER_SEED_BASE = 1234  # member i is built after torch.manual_seed(MEMBER_SEED_BASE + i)
 
@@ -416,10 +417,6 @@ def _loads_weights_only(raw: bytes) -> bool:
     return True
 
 
-def _first_line(e: BaseException) -> str:
-    """An exception's message cut to its first non-empty line, so errors stay one line."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0] if lines else type(e).__name__
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from stagewise.planner.errors import ExecutionError
+from stagewise.planner.errors import ExecutionError, first_line
 from stagewise.executor.capture import CudaGraphBackend
 from stagewise.executor.stages import Runner, VmapRunner
 from stagewise.executor.values import Batched, PerMember, signature, stack_member_values, tagged as _tree, untagged as _untree
@@ -97,9 +97,8 @@ class CudaGraphRunner(Runner):
         try:
             replay, static_out = backend.capture(lambda: [_tree(v) for v in self._inner.run(static_args)], warmup)
         except Exception as e:  # capture raises many types; the reason is what the user needs
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ExecutionError(
-                f"stage {self.program.stage.id}: not capturable in a CUDA graph ({type(e).__name__}: {first}); "
+                f"stage {self.program.stage.id}: not capturable in a CUDA graph ({type(e).__name__}: {first_line(e)}); "
                 "needs static shapes and no host sync (.item(), data-dependent shapes): use vmap or compile"
             ) from e
         finally:  # the warm-up (and a ReplayBackend's capture run) updated the stage's buffers: put them back
