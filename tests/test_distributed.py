@@ -172,9 +172,12 @@ def test_torchrun_cli_verifies_each_slice_and_prints_one_table(tmp_path):
     src, graph = load_sample("mlp")
     plan_path = tmp_path / "plan.json"
     planner.propose(graph, n_members=5, input_mode="per_member", model="mlp").save(plan_path)
+    # the installed console script where there is one (make test); a checkout imported through PYTHONPATH
+    # (make test-gpu on a CUDA machine as it is) has none, and runs the same CLI as a module
     stagewise = Path(PYTHON).with_name("stagewise")
+    entry = ["--no-python", str(stagewise)] if stagewise.exists() else ["-m", "stagewise.app.cli"]
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "--no-python", str(stagewise), "run", str(plan_path),
+           "--master-port", str(free_port()), *entry, "run", str(plan_path),
            str(ROOT / "sample_models" / "mlp.py"), "--distributed"]
     done = subprocess.run(cmd, env={**rank_env(), "STAGEWISE_DIST_TIMEOUT_S": str(TIMEOUT_S)}, capture_output=True,
                           text=True, timeout=JOB_LIMIT_S, cwd=tmp_path)
