@@ -85,7 +85,28 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
+    views_as_reshapes(gm)
     return gm
+
+
+def views_as_reshapes(gm: torch.fx.GraphModule) -> None:
+    """`aten.view(x, shape)` -> `aten.reshape(x, shape)` in an aten-level graph (torch.export's, or an archive's).
+
+    Export records the strides it saw: where the traced tensor happened to be laid out so that a view works
+    (nn.MultiheadAttention's `attn.permute(...).contiguous().view(...)`, whose contiguous() was a no-op on the
+    attention kernel's output and is not in the graph), the graph keeps a bare view. Batched, the same value may
+    be laid out otherwise (vmap's fallback stacks per-member results; torch 2.11 on SDPA), and the view fails.
+    reshape is the view wherever one is possible and a copy of the same values where not. The graphs are
+    functional (export writes no op into a view's memory), so no write can depend on the aliasing."""
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+                node.target, changed = torch.ops.aten.reshape.default, True
+        if changed:
+            module.recompile()
 
 
 _SYM_QUERIES = {"aten::sym_size.int": "size", "aten::sym_numel": "numel", "aten::sym_stride.int": "stride"}

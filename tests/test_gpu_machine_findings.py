@@ -87,3 +87,39 @@ def test_an_input_traced_as_none_is_shared_whatever_a_plan_says():
     assert spec.mode is InputMode.SHARED
     assert InputSpec.from_json({**spec.to_json(), "mode": "per_member"}).mode is InputMode.SHARED
     assert InputSpec("x", InputMode.PER_MEMBER, (2, 3), "float32").mode is InputMode.PER_MEMBER
+
+
+def test_export_graphs_hold_no_stride_dependent_views(tmp_path):
+    """torch 2.11 (the CUDA machine's): nn.MultiheadAttention opened through torch.export failed under vmap with
+    "view size is not compatible": export keeps `permute(...).view(...)` because the attention kernel's output
+    happened to be laid out for it, and the batched output is not. Both export paths (tracing, and a saved
+    archive's module) hold reshapes instead, and the opened module still matches the member loop."""
+    import torch
+
+    from stagewise import executor, planner
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+            self.out = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.out(self.attn(x, x, x, need_weights=False)[0])
+
+    torch.manual_seed(0)
+    members = [Attend().eval() for _ in range(3)]
+    x = torch.randn(2, 5, 16)
+    view = torch.ops.aten.view.default
+
+    graph = planner.trace(members[0], (x,), open_modules=["attn"])
+    assert graph.tracer == "export"
+    targets = [n.target for n in graph.gm.graph.nodes if n.op == "call_function"]
+    assert view not in targets and torch.ops.aten.reshape.default in targets
+    assert executor.verify(planner.propose(graph, n_members=3), members, (x,), rtol=1e-5).ok
+
+    path = tmp_path / "attend.pt2"
+    torch.export.save(torch.export.export(members[0], (x,), strict=False), path)
+    loaded = planner.load_export(path)
+    assert view not in [n.target for n in loaded.model.graph.nodes if n.op == "call_function"]
+    assert torch.equal(loaded.model(x), members[0](x))
