@@ -81,7 +81,16 @@ def resnet():
     cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3,
                                     problem_type="single_label_classification")
     return (lambda: transformers.ResNetForImageClassification(cfg)), (
-        lambda b, t, g: (torch.randn(N, b, 3, 16 + t, 16 + t, generator=g), torch.randint(0, 3, (N, b), generator=g)))
+        lambda b, t, g: (torch.randn(N, b, 3, _side(t), _side(t), generator=g), torch.randint(0, 3, (N, b), generator=g)))
+
+
+def _side(t: int) -> int:
+    """The image side for sequence-ish length t: the first side >= 16 + t with ((side - 1) // 2) odd. torch 2.11's export
+    of transformers 5.17's ResNet guards on that (other sides get a clear InputError); torch 2.13's keeps the side free."""
+    side = 16 + t
+    while (side - 1) // 2 % 2 == 0:
+        side += 1
+    return side
 
 
 def _seq2seq_batch(low):
@@ -234,7 +243,19 @@ def test_resnet_with_batchnorm_trains_like_the_loop_statistics_included():
     check_trains_like_the_loop(resnet(), state=True)
 
 
+def _layerdrop_draws_every_forward() -> bool:
+    """transformers releases (5.17 among them) whose BART encoder draws torch.rand([]) for LayerDrop on every training
+    forward, layerdrop 0 included: a branch on a random value, which torch.export refuses (a clear TraceError)."""
+    import inspect
+
+    source = inspect.getsource(transformers.models.bart.modeling_bart.BartEncoder.forward)
+    return "torch.rand([])" in source and "self.layerdrop > 0" not in source
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(_layerdrop_draws_every_forward(), reason=(
+    f"transformers {transformers.__version__}'s BART branches on torch.rand([]) (LayerDrop) in every training forward: "
+    "not traceable (TraceError), newer releases skip the draw when layerdrop is 0"))
 def test_bart_conditional_generation_trains_like_the_loop():
     check_trains_like_the_loop(bart(), later=((2, 8), (4, 6)))  # labels of length 2 are refused: traced as 3..any
 
