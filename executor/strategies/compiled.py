@@ -58,6 +58,19 @@ def with_compile_mode(options: StageOptions, mode: str) -> StageOptions:
     return replace(options, note=f"{note} [compile: mode={mode}]".lstrip() if mode else note)
 
 
+def new_cudagraph_step() -> None:
+    """Tell torch's cudagraph trees that a new inference step begins (a reduce-overhead stage's call, no grad).
+
+    The trees start a new step on their own at each compiled call only until anyone in the process calls
+    torch.compiler.cudagraph_mark_step_begin (a user's loop, a peer in a benchmark); from then on the step counter
+    is what they go by, and back-to-back calls of the stage would count as one step: each call one node deeper in
+    the tree (warm-up, a new recording, memory held for outputs nobody reads) instead of the replay of one graph.
+    The stage clones its outputs out of the graph's memory, so nothing of the previous step is needed. Not under
+    grad: a forward whose backward is still to come must keep its step (torch would otherwise overwrite the
+    activations the backward reads)."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def compile_fresh(fn: Callable, name: str, mode: str = "") -> Callable:
     """torch.compile of `fn` through a wrapper with a code object of its own.
 
@@ -108,6 +121,7 @@ class CompileRunner(VmapRunner):
             return super().run(args)
         key = (repr(dims), signature(inputs))
         entry = self._compiled.get(key)
+        new_step = self.mode == "reduce-overhead" and not torch.is_grad_enabled()
         if entry is None:
             if len(self._compiled) >= MAX_SIGNATURES:
                 return super().run(args)  # one more specialisation would only add compile time
@@ -117,14 +131,20 @@ class CompileRunner(VmapRunner):
             fn = compile_fresh(vmap(self._tensors_only, in_dims=(0, dims), randomness="error",
                                     chunk_size=self.program.stage.options.chunk_size), f"stage_{self.program.stage.id}",
                                self.mode)
+            if new_step:
+                new_cudagraph_step()
             fn(self.stacked, inputs)
             first = time.perf_counter() - start
             start = time.perf_counter()
+            if new_step:
+                new_cudagraph_step()
             tensors = fn(self.stacked, inputs)
             self.compile_seconds += max(0.0, first - (time.perf_counter() - start))
             self._compiled[key] = (fn, meta)
         else:
             fn, meta = entry
+            if new_step:
+                new_cudagraph_step()
             tensors = fn(self.stacked, inputs)
         if self.mode == "reduce-overhead":  # the graph's memory: the next replay overwrites it
             tensors = tuple(t.clone() for t in tensors)
