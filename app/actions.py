@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 
 from stagewise import planner
 from stagewise.planner.errors import EditError
-from stagewise.planner.plan import Plan, Strategy
+from stagewise.planner.plan import Plan, StageMode, Strategy
 from stagewise.planner.table import plural
 
 FRAGMENT_LIMIT = 2  # carving one node out leaves up to 3 stages of 1: more new stages than this is fragmenting
@@ -162,7 +162,9 @@ def edit_warnings(kind: str, old: Plan, new: Plan) -> list[str]:
 def alternative(kind: str, plan: Plan, graph: Any, selection: Sequence[str]) -> tuple[str, tuple[str, Plan]] | None:
     """A gentler edit to offer beside a warned one: (button label, (history label, plan)), or None."""
     if kind == "merge":
-        batched = [sid for sid in stages_touched(plan, selection) if plan.stage(sid).runs_batched]
+        # stages that may run under vmap: merged they stay one batched stage (an excluded stage that runs wide
+        # would make the merge a loop again)
+        batched = [sid for sid in stages_touched(plan, selection) if plan.stage(sid).mode is StageMode.BATCHED]
         if len(batched) >= 2:
             try:
                 return f"Merge only the batched stages {'+'.join(batched)}", merge_selected(plan, graph, batched)

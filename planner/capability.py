@@ -41,7 +41,7 @@ def chain(*checks: Check) -> Check:
     return combined
 
 
-def _base_name(node: torch.fx.Node) -> str:
+def base_name(node: torch.fx.Node) -> str:
     """The op's name without namespace or overload: 'add_', 'view', '__getitem__' ('' for non-calls)."""
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.name.split("::")[-1]
@@ -53,7 +53,7 @@ def _base_name(node: torch.fx.Node) -> str:
 def _is_inplace_target(node: torch.fx.Node) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
-    name = _base_name(node)
+    name = base_name(node)
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
@@ -67,7 +67,7 @@ def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     chain = [node]
     while len(chain) <= 16:
         if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], torch.fx.Node):
-            if _base_name(node) in _VIEW_NAMES or _is_inplace_target(node):
+            if base_name(node) in _VIEW_NAMES or _is_inplace_target(node):
                 node = node.args[0]
                 chain.append(node)
                 continue

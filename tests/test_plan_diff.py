@@ -1,7 +1,7 @@
 """planner.diff_plans and `stagewise diff`: stage groups matched by their nodes, plan-level changes,
 measured times from either plan's profile, and diff(1)'s exit codes.
 
-transformer_block proposes s0 (batched), s1 (excluded: scaled_dot_product_attention), s2 (batched);
+transformer_block proposes s0 (batched), s1 (excluded: scaled_dot_product_attention, run wide), s2 (batched);
 mlp proposes one stage s0 = fc1, act, fc2.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_a_merge_names_the_stages_and_the_nodes_that_now_loop(tb):
     assert kinds(diff) == ["same", "merged"]
     change = diff.stages[1]
     assert change.kind is ChangeKind.MERGED and (change.before, change.after) == (("s1", "s2"), ("s1",))
-    assert change.runs_as_before == ("member loop", "batched (vmap)") and change.runs_as_after == ("member loop",)
+    assert change.runs_as_before == ("batched (wide)", "batched (vmap)") and change.runs_as_after == ("member loop",)
     assert diff.summary() == "s1 and s2 merged into s1; 9 nodes now excluded from vmap (were batched); 1 stage unchanged."
     assert diff.nodes["proj"].before == "s2" and diff.nodes["proj"].after == "s1" and diff.nodes["proj"].changed
     assert diff.nodes["proj"].mode_before == "batched" and diff.nodes["proj"].mode_after == "excluded"
@@ -58,7 +58,7 @@ def test_a_merge_names_the_stages_and_the_nodes_that_now_loop(tb):
     assert len(diff.changed_nodes()) == 10
     row = diff.rows()[1]
     assert row == {"change": "merged", "before": "s1, s2", "after": "s1", "nodes": 10,
-                   "runs as before": "member loop, batched (vmap)", "runs as after": "member loop",
+                   "runs as before": "batched (wide), batched (vmap)", "runs as after": "member loop",
                    "before ms": None, "after ms": None, "details": "2 stages → 1"}
 
 
@@ -213,7 +213,7 @@ def test_cli_diff_of_identical_plans_exits_0(plan_files, capsys):
     code, out, err = run_cli(capsys, "diff", a, a)
     assert code == 0 and err == ""
     assert out.startswith("The plans are identical: 3 stages, N=4.\n")
-    assert "\nsame       s1           s1             1                           member loop\n" in out
+    assert "\nsame       s1           s1             1                           batched (wide)\n" in out
 
 
 def test_cli_diff_of_different_plans_exits_1_with_a_table(plan_files, capsys):
@@ -226,7 +226,7 @@ def test_cli_diff_of_different_plans_exits_1_with_a_table(plan_files, capsys):
     assert lines[3].split()[:4] == ["changed", "s0", "s0", "17"]
     assert lines[3].endswith("strategy vmap → wide     batched (vmap) → batched (wide)")
     assert lines[4].split()[:5] == ["merged", "s1,", "s2", "s1", "10"]
-    assert lines[4].endswith("2 stages → 1             member loop, batched (vmap) → member loop")
+    assert lines[4].endswith("2 stages → 1             batched (wide), batched (vmap) → member loop")
     assert len(lines) == 5
 
 

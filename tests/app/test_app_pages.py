@@ -50,7 +50,8 @@ def test_opens_on_the_sample_with_a_coloured_graph(at):
     assert [s.id for s in p.stages] == ["s0", "s1", "s2"]
     assert "3 stages" in texts(at.markdown)
     chart = at.get("plotly_chart")[0]
-    assert '"customdata"' in chart.proto.spec and "s1 \\u00b7 member loop" in chart.proto.spec
+    # s1, the attention, is excluded from vmap and starts as wide (the members folded into its batch axis)
+    assert '"customdata"' in chart.proto.spec and "s1 \\u00b7 batched (wide)" in chart.proto.spec
     assert not at.error
 
 
@@ -478,7 +479,8 @@ def test_merge_into_a_loop_warns_first_and_cancel_keeps_the_plan(at):
     select(at, "s0", "s1")
     button(at, "Merge").click().run()
     assert plan_of(at) == before  # not applied yet
-    assert f"turns {len(before.stage('s0').nodes)} batched nodes into a member loop" in texts(at.warning)
+    # s0's nodes and s1's attention (batched, wide) would all run as a loop
+    assert f"turns {len(before.stage('s0').nodes) + 1} batched nodes into a member loop" in texts(at.warning)
     at.button(key="pending_cancel").click().run()
     assert plan_of(at) == before and "pending_edit" not in at.session_state
     select(at, "s0", "s1")
