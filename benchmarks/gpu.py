@@ -306,6 +306,38 @@ def _flops(graph: planner.ModelGraph, member: torch.nn.Module, example: tuple, n
             "flops_source": "graph" if from_graph >= counted else "FlopCounterMode (graph counts leaf modules as 0)"}
 
 
+def compile_diagnostics(module: Any, dev: torch.device) -> dict:
+    """What the auto module's compiled stages did while timed, and torch's compile counters for the row: each compile
+    stage's mode, compiled signatures, compile seconds and calls run as plain vmap instead (eager_calls); dynamo's
+    recompiles and graph breaks; the cudagraph trees' graph count. A compiled stage slower than autotune measured it
+    shows here first (a fallback to eager, recompiles, a tree that keeps recording)."""
+    from torch._dynamo.utils import counters
+
+    from stagewise.executor.strategies.compiled import CompileRunner
+
+    stages = [{"stage": program.stage.id, "mode": runner.mode or "default", "signatures": len(runner._compiled),
+               "compile_s": round(runner.compile_seconds, 2), "eager_calls": runner.eager_calls}
+              for program, runner, *_ in getattr(module, "_steps", ()) if isinstance(runner, CompileRunner)]
+    out: dict[str, Any] = {"compile_stages": stages,
+                           "dynamo": {group: dict(counters[group]) for group in ("stats", "recompiles", "graph_break")
+                                      if counters.get(group)}}
+    if dev.type == "cuda":
+        try:
+            from torch._inductor import cudagraph_trees
+
+            manager = cudagraph_trees.get_container(dev.index or 0).tree_manager
+            todo = [node for nodes in manager.roots.values() for node in nodes] if manager else []
+            count = 0
+            while todo:
+                node = todo.pop()
+                count += 1
+                todo.extend(c for children in node.children.values() for c in children)
+            out["cudagraph_tree_graphs"] = count
+        except Exception as e:  # a private API: its absence is no reason to lose the row
+            out["cudagraph_tree_graphs"] = f"unknown ({type(e).__name__})"
+    return out
+
+
 def run_row(row: Row, dev: torch.device, cfg: Config, deadline: float) -> dict:
     """Every way of one workload: setup (timed), one output check against the float32 loop, then the timings."""
     started = time.perf_counter()
@@ -367,6 +399,9 @@ def run_row(row: Row, dev: torch.device, cfg: Config, deadline: float) -> dict:
         rec["throughput_ms"], rec["latency_ms"] = thr.get(name), lat.get(name)
         if name in errors:
             rec["error"] = errors[name]
+    if info.get("auto_module") is not None:
+        out["diagnostics"] = compile_diagnostics(info["auto_module"], dev)
+        print(f"  diagnostics {json.dumps(out['diagnostics'], default=str)[:600]}", flush=True)
     out["wall_s"] = time.perf_counter() - started
     del calls, info
     _free(dev)
@@ -529,6 +564,19 @@ def markdown(rows: list[dict], meta: dict) -> str:
         s = lambda w: _f(r["ways"][w]["setup_s"], ".1f")  # noqa: E731
         lines.append(f"| {r['workload']} | {_f(r['flops'] / 1e9, '.2f')} | {s('compile')} | {s('compile_ro')} | {s('default')} | "
                      f"{s('auto')} | {s('capture')} | {r['strategies'] or '-'} |")
+    diag = [r for r in rows if (r.get("diagnostics") or {}).get("compile_stages")]
+    if diag:
+        lines += ["", "## Compiled stages of the auto plans", "",
+                  "Each compile stage after timing: mode, signatures compiled, calls run as plain vmap instead; torch's "
+                  "recompiles and graph breaks in the row; graphs held by the cudagraph trees.", "",
+                  "| workload | compile stages (mode, signatures, eager calls) | recompiles | graph breaks | cudagraph tree graphs |",
+                  "|---|---|---:|---:|---:|"]
+        for r in diag:
+            d = r["diagnostics"]
+            st = ", ".join(f"{c['stage']} {c['mode']} {c['signatures']} sig {c['eager_calls']} eager" for c in d["compile_stages"])
+            count = lambda group: sum((d["dynamo"].get(group) or {}).values())  # noqa: E731
+            lines.append(f"| {r['workload']} | {st} | {count('recompiles')} | {count('graph_break')} | "
+                         f"{d.get('cudagraph_tree_graphs', '-')} |")
     notes = [f"- {r['workload']}: {r.get('skipped') or r.get('error')}" for r in rows if r.get("skipped") or r.get("error")]
     notes += [f"- {r['workload']} / {WAYS[w]}: {rec['error'] or rec['skipped']}" for r in rows if "ways" in r
               for w, rec in r["ways"].items() if rec["error"] or (rec["skipped"] and rec["skipped"] != CUDA_ONLY.get(w))]

@@ -111,3 +111,27 @@ def test_main_puts_the_precision_flags_back(tmp_path, capsys):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, precision = before
         torch.set_float32_matmul_precision(precision)
+
+
+def test_compile_diagnostics_report_each_compile_stage_and_its_fallbacks(monkeypatch):
+    """The row's diagnostics name each compile stage of the auto module with its signatures and the calls that ran as
+    plain vmap instead (past MAX_SIGNATURES here)."""
+    from torch import nn
+
+    from stagewise import executor, planner
+    from stagewise.executor.strategies import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # the plumbing, not inductor's kernels
+    monkeypatch.setattr(compiled, "MAX_SIGNATURES", 1)
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval() for _ in range(3)]
+    graph = planner.trace(members[0], (torch.randn(5, 4),))
+    plan = planner.set_options(planner.propose(graph, n_members=3), graph, "s0", strategy="compile")
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        for batch in (5, 5, 7, 7):  # the second shape is past the one signature allowed: plain vmap, twice
+            x = torch.randn(batch, 4)
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    d = gpu.compile_diagnostics(ens, torch.device("cpu"))
+    assert d["compile_stages"] == [{"stage": "s0", "mode": "default", "signatures": 1, "compile_s": d["compile_stages"][0]["compile_s"],
+                                    "eager_calls": 2}]

@@ -104,6 +104,7 @@ class CompileRunner(VmapRunner):
         self._tensors_only = tensors_only
         self._compiled: dict[tuple, tuple[Callable, dict]] = {}  # signature -> (compiled fn, recorded output structure)
         self.compile_seconds = 0.0
+        self.eager_calls = 0  # calls that ran as plain vmap (training, in-place state, past MAX_SIGNATURES)
         self.mode = compile_mode_of(self.program.stage.options)
         if self.mode == "reduce-overhead":
             if not all(t.is_cuda for t in self.stacked.values()):
@@ -118,12 +119,15 @@ class CompileRunner(VmapRunner):
             # nothing per member: computed once, nothing to compile. Training (per-member randomness,
             # BatchNorm statistics) and in-place state updates run eager: compiling runs the stage
             # more than once on its first call, which would apply an update two or three times
+            if per_member:  # (nothing per member is no fallback: there is nothing to compile)
+                self.eager_calls += 1
             return super().run(args)
         key = (repr(dims), signature(inputs))
         entry = self._compiled.get(key)
         new_step = self.mode == "reduce-overhead" and not torch.is_grad_enabled()
         if entry is None:
             if len(self._compiled) >= MAX_SIGNATURES:
+                self.eager_calls += 1
                 return super().run(args)  # one more specialisation would only add compile time
             super().run(args)  # eager once: records the output structure (non-tensor leaves too) for this signature
             meta = dict(self._meta)
