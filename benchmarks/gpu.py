@@ -313,7 +313,7 @@ def compile_diagnostics(module: Any, dev: torch.device) -> dict:
     shows here first (a fallback to eager, recompiles, a tree that keeps recording)."""
     from torch._dynamo.utils import counters
 
-    from stagewise.executor.strategies.compiled import CompileRunner
+    from stagewise.executor.strategies.compiled import CompileRunner, cudagraph_tree_graphs
 
     stages = [{"stage": program.stage.id, "mode": runner.mode or "default", "signatures": len(runner._compiled),
                "compile_s": round(runner.compile_seconds, 2), "eager_calls": runner.eager_calls}
@@ -323,17 +323,8 @@ def compile_diagnostics(module: Any, dev: torch.device) -> dict:
                                       if counters.get(group)}}
     if dev.type == "cuda":
         try:
-            from torch._inductor import cudagraph_trees
-
-            manager = cudagraph_trees.get_container(dev.index or 0).tree_manager
-            todo = [node for nodes in manager.roots.values() for node in nodes] if manager else []
-            count = 0
-            while todo:
-                node = todo.pop()
-                count += 1
-                todo.extend(c for children in node.children.values() for c in children)
-            out["cudagraph_tree_graphs"] = count
-        except Exception as e:  # a private API: its absence is no reason to lose the row
+            out["cudagraph_tree_graphs"] = cudagraph_tree_graphs(dev.index or 0)
+        except Exception as e:  # a private API of torch's: its absence is no reason to lose the row
             out["cudagraph_tree_graphs"] = f"unknown ({type(e).__name__})"
     return out
 

@@ -18,7 +18,7 @@ from stagewise.executor.autotune import (BUDGETS, Budget, _merged_label, merged_
                                          tune, whole_plan_graph)
 from stagewise.executor.candidates import compile_mode_of_label, strategy_label
 from stagewise.executor.strategies import compiled
-from stagewise.executor.strategies.compiled import COMPILE_MODES, compile_mode_of, with_compile_mode
+from stagewise.executor.strategies.compiled import COMPILE_MODES, compile_mode_of, cudagraph_tree_graphs, with_compile_mode
 from stagewise.executor.timing import fault_hook
 from stagewise.planner import Strategy
 
@@ -294,22 +294,6 @@ def test_on_cuda_the_chosen_stage_mode_is_recorded_and_rebuilt(monkeypatch, mode
             torch.testing.assert_close(out, torch.stack([m(x) for m in start]), rtol=1e-4, atol=1e-5)
 
 
-def _cudagraph_tree_nodes() -> int:
-    """How many graphs torch's cudagraph trees hold for the current CUDA device (every node of every tree)."""
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
-    if manager is None:
-        return 0
-    todo = [node for nodes in manager.roots.values() for node in nodes]
-    count = 0
-    while todo:
-        node = todo.pop()
-        count += 1
-        todo.extend(child for children in node.children.values() for child in children)
-    return count
-
-
 @pytest.mark.gpu
 def test_a_reduce_overhead_stage_replays_one_graph_back_to_back_after_someone_marked_a_step():
     """Once anyone in the process calls torch.compiler.cudagraph_mark_step_begin (a user's own loop, a benchmark's
@@ -324,8 +308,8 @@ def test_a_reduce_overhead_stage_replays_one_graph_back_to_back_after_someone_ma
         torch.compiler.cudagraph_mark_step_begin()  # as a user's loop or another compiled model would
         for _ in range(4):  # compile, warm up, record
             ens(x)
-        held = _cudagraph_tree_nodes()
+        held = cudagraph_tree_graphs(torch.cuda.current_device())
         outs = [ens(x) for _ in range(12)]
-    assert held >= 1 and _cudagraph_tree_nodes() == held, "back-to-back calls recorded new graphs instead of replaying"
+    assert held >= 1 and cudagraph_tree_graphs(torch.cuda.current_device()) == held, "back-to-back calls recorded new graphs instead of replaying"
     for out in outs:  # every output its own copy, none overwritten by a later replay
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)

@@ -71,6 +71,22 @@ def new_cudagraph_step() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
+def cudagraph_tree_graphs(device_index: int) -> int:
+    """How many CUDA graphs torch's cudagraph trees hold on one device (every node of every tree; 0 before any).
+    A reduce-overhead stage called the same way again replays a graph it holds: a count that grows call after
+    call means recordings instead of replays. Reads torch's private tree manager."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_container(device_index).tree_manager
+    todo = [node for nodes in manager.roots.values() for node in nodes] if manager is not None else []
+    count = 0
+    while todo:
+        node = todo.pop()
+        count += 1
+        todo.extend(child for children in node.children.values() for child in children)
+    return count
+
+
 def compile_fresh(fn: Callable, name: str, mode: str = "") -> Callable:
     """torch.compile of `fn` through a wrapper with a code object of its own.
 
