@@ -19,6 +19,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.trace_watch import _inference_mode_as_no_grad
 
 
@@ -96,14 +97,18 @@ def views_as_reshapes(gm: torch.fx.GraphModule) -> None:
     (nn.MultiheadAttention's `attn.permute(...).contiguous().view(...)`, whose contiguous() was a no-op on the
     attention kernel's output and is not in the graph), the graph keeps a bare view. Batched, the same value may
     be laid out otherwise (vmap's fallback stacks per-member results; torch 2.11 on SDPA), and the view fails.
-    reshape is the view wherever one is possible and a copy of the same values where not. The graphs are
-    functional (export writes no op into a view's memory), so no write can depend on the aliasing."""
+    reshape is that very view wherever a view is possible, and a copy of the same values only where the view would
+    have failed. A copy no longer shares memory with its base, so a view stays a view where anything in the graph
+    writes in place into its base or into another view of it (the write must reach both)."""
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
+        nodes = list(module.graph.nodes)
+        written = {alias_chain(n.args[0])[-1] for n in nodes if is_inplace(n)}
         changed = False
-        for node in module.graph.nodes:
-            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+        for node in nodes:
+            if (node.op == "call_function" and node.target is torch.ops.aten.view.default
+                    and alias_chain(node)[-1] not in written):
                 node.target, changed = torch.ops.aten.reshape.default, True
         if changed:
             module.recompile()

@@ -123,3 +123,27 @@ def test_export_graphs_hold_no_stride_dependent_views(tmp_path):
     loaded = planner.load_export(path)
     assert view not in [n.target for n in loaded.model.graph.nodes if n.op == "call_function"]
     assert torch.equal(loaded.model(x), members[0](x))
+
+
+def test_a_view_whose_base_is_written_in_place_stays_a_view():
+    """torch.export's graph keeps in-place ops (`h.add_(1)` after `v = h.view(-1)`): v must see the write, which a
+    reshape that copied would not. Such views stay views; the others become reshapes. Values as the model's."""
+    import torch
+
+    from stagewise.planner.tracers import _export
+
+    class WritesAfterAView(nn.Module):
+        def forward(self, x):
+            h = x * 2
+            v = h.view(-1)
+            h.add_(1)  # v sees it
+            w = (x + 1).view(-1)  # nothing writes here: may become a reshape
+            return v + w
+
+    x = torch.randn(2, 3)
+    gm = _export(WritesAfterAView(), (x,))
+    calls = [(n.target, n.args[0].target if isinstance(n.args[0], torch.fx.Node) else None)
+             for n in gm.graph.nodes if n.op == "call_function"]
+    assert (torch.ops.aten.view.default, torch.ops.aten.mul.Tensor) in calls  # v's base is written: a view
+    assert (torch.ops.aten.reshape.default, torch.ops.aten.add.Tensor) in calls
+    torch.testing.assert_close(gm(x), WritesAfterAView()(x))
