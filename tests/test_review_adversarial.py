@@ -3,6 +3,7 @@ modules and the plan diff: every case is compared with the plain member loop (fl
 or must be refused with a StagewiseError. Cases that show a bug are kept as strict xfails naming it."""
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from dataclasses import replace
@@ -341,14 +342,21 @@ def test_training_gradients_match_the_loop(kind, mode):
 
 
 @pytest.mark.parametrize("kind", ["mha", "layer"])
-def test_dropout_after_switching_to_train_is_refused(kind):
-    """Built in eval (the rule runs), then .train() with dropout > 0: a clear error, never the eval answer."""
+def test_dropout_after_switching_to_train_draws_as_the_loop(kind):
+    """Built in eval (the rule runs), then .train() with dropout > 0: never the eval answer. Was a clear error (vmap
+    cannot draw); the module now runs once per member with its own mask, drawn as the loop draws them."""
     mods = make_members(lambda: Body(kind, dropout=0.5), 2)
     module = built(mods)
     assert_matches_the_loop(module, mods, calls=1)
+    looped = built(copy.deepcopy(mods), Strategy.LOOP).train()
     module.train()
-    with pytest.raises(planner.StagewiseError, match="random"):
-        module(torch.randn(2, 5, 6))
+    x = torch.randn(2, 5, 6)
+    torch.manual_seed(5)
+    got = module(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(got, looped(x), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert (got - module.eval()(x)).abs().max() > 1e-3  # not the eval answer
 
 
 def test_autotune_on_attention_matches_the_loop():

@@ -307,6 +307,10 @@ class WideRunner(Runner):
                     return NFirst(torch.stack([mod(*args, **kwargs) for _ in range(n)]))
                 return mod(*args, **kwargs)
             out = rule(mod, state, args, kwargs, n) if rule is not None else None
+            if out is None and (isinstance(mod, torch.nn.RNNBase) or (mod.training and draws_while_training(mod))):
+                # vmap cannot stand in: it refuses random draws, and cuDNN's RNN has no batching rule (a refused
+                # configuration: bidirectional, dropout between layers while training, an unbatched input)
+                return _member_loop(mod, state, args, kwargs, n)
             if out is None:
                 out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw, tie_weights=False), state, args, kwargs)
             return out
@@ -375,6 +379,27 @@ def _vmap_call(fn: Callable, state: dict, args: tuple, kwargs: dict) -> Any:
     a, kw = tree_map(unwrap, (args, kwargs), is_leaf=is_nf)
     out = vmap(fn, in_dims=(0 if state else None, dims[0], dims[1]), randomness="error")(state, a, kw)
     return tree_map(lambda t: NFirst(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def draws_while_training(module: torch.nn.Module) -> bool:
+    """Whether `module` draws random numbers in training mode: a dropout of p > 0 in it (nn.Dropout & co, or
+    nn.MultiheadAttention's attention dropout)."""
+    return any((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
+               or (isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0) for m in module.modules())
+
+
+def _member_loop(mod: torch.nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+    """The module once per member, with that member's state and inputs, outputs stacked (NFirst): for a module whose
+    wide rule refused the call and which vmap cannot run either (random draws while training, torch's RNNs). Members
+    run in order, each drawing from the global generator, as the member loop (LoopRunner) draws."""
+    outs = []
+    for i in range(n):
+        a, kw = tree_map(lambda x: x.t[i] if is_nf(x) else x, (args, kwargs), is_leaf=is_nf)
+        outs.append(functional_call(mod, {k: v[i] for k, v in state.items()}, a, kw, tie_weights=False))
+    first, spec = tree_flatten(outs[0])
+    columns = [tree_flatten(o)[0] for o in outs]
+    return spec.unflatten([NFirst(torch.stack([c[j] for c in columns])) if isinstance(leaf, torch.Tensor) else leaf
+                           for j, leaf in enumerate(first)])
 
 
 def _bind(value: Any) -> Any:
