@@ -95,21 +95,13 @@ def test_export_graphs_hold_no_stride_dependent_views(tmp_path):
     happened to be laid out for it, and the batched output is not. Both export paths (tracing, and a saved
     archive's module) hold reshapes instead, and the opened module still matches the member loop."""
     import torch
+    from test_open_modules import Attend  # nn.MultiheadAttention(32, 4) inside a user module
 
     from stagewise import executor, planner
 
-    class Attend(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
-            self.out = nn.Linear(16, 16)
-
-        def forward(self, x):
-            return self.out(self.attn(x, x, x, need_weights=False)[0])
-
     torch.manual_seed(0)
     members = [Attend().eval() for _ in range(3)]
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, 32)
     view = torch.ops.aten.view.default
 
     graph = planner.trace(members[0], (x,), open_modules=["attn"])
