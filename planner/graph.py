@@ -36,7 +36,7 @@ from stagewise.planner.module_refusals import (  # noqa: F401
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch)
-from stagewise.planner.tracers import _defaults_not_given, _drop_concrete_placeholders, _export
+from stagewise.planner.tracers import _defaults_not_given, _drop_concrete_placeholders, _export, views_as_reshapes
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
 
@@ -278,8 +278,12 @@ def _retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_
 
 def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | None = None, flops: dict | None = None,
              *, opened: Sequence[str] = ()) -> ModelGraph:
-    """Build the networkx view of `gm`; shapes and FLOPs come from `values`/`flops` when given; `opened` as traced."""
+    """Build the networkx view of `gm`; shapes and FLOPs come from `values`/`flops` when given; `opened` as traced.
+
+    An aten-level graph's views become reshapes (tracers.views_as_reshapes) after the fingerprint is taken."""
     values, flops = values or {}, flops or {}
+    traced_fingerprint = fingerprint(gm, opened)
+    views_as_reshapes(gm)
     dag = nx.DiGraph()
     names = []
     for node in gm.graph.nodes:
@@ -308,7 +312,7 @@ def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | No
         tracer_note=note,
         input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
         node_names=names,
-        fingerprint=fingerprint(gm, opened),
+        fingerprint=traced_fingerprint,
         example_values=values,
         out_spec=getattr(gm, "_out_spec", None) if tracer == "export" else None,
         input_specs=traced_specs(gm, tracer, values),

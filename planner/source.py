@@ -29,7 +29,6 @@ from torch import nn
 from stagewise.planner import budget
 from stagewise.planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
 from stagewise.planner.errors import first_line as _first_line
-from stagewise.planner.tracers import views_as_reshapes
 
 MEMBER_SEED_BASE = 1234  # member i is built after torch.manual_seed(MEMBER_SEED_BASE + i)
 
@@ -205,7 +204,6 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
         raise ModelLoadError(f"{p.name}: keyword example inputs {sorted(kwargs)} are not supported; export with positional args")
     try:
         model = ep.module()
-        views_as_reshapes(model)  # the archive's graph is export's: its views assume the traced strides
     except Exception as e:  # a damaged or hand-edited archive fails here, in torch's unflattening
         raise ModelLoadError(f"{p.name}: torch could not rebuild the module from the archive ({type(e).__name__}: {_first_line(e)}); "
                              "write it again with torch.export.save") from None

@@ -86,12 +86,12 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
-    views_as_reshapes(gm)
     return gm
 
 
 def views_as_reshapes(gm: torch.fx.GraphModule) -> None:
-    """`aten.view(x, shape)` -> `aten.reshape(x, shape)` in an aten-level graph (torch.export's, or an archive's).
+    """`aten.view(x, shape)` -> `aten.reshape(x, shape)` in an aten-level graph (torch.export's, or an archive's);
+    graph.graph_of does it to every traced graph, after the fingerprint (plans saved before keep matching).
 
     Export records the strides it saw: where the traced tensor happened to be laid out so that a view works
     (nn.MultiheadAttention's `attn.permute(...).contiguous().view(...)`, whose contiguous() was a no-op on the

@@ -93,28 +93,37 @@ def test_export_graphs_hold_no_stride_dependent_views(tmp_path):
     """torch 2.11 (the CUDA machine's): nn.MultiheadAttention opened through torch.export failed under vmap with
     "view size is not compatible": export keeps `permute(...).view(...)` because the attention kernel's output
     happened to be laid out for it, and the batched output is not. Both export paths (tracing, and a saved
-    archive's module) hold reshapes instead, and the opened module still matches the member loop."""
+    archive's module) hold reshapes instead, and the opened module still matches the member loop. The fingerprint
+    is the traced graph's, so plans saved before keep matching."""
     import torch
     from test_open_modules import Attend  # nn.MultiheadAttention(32, 4) inside a user module
 
     from stagewise import executor, planner
+    from stagewise.planner.graph import fingerprint
+    from stagewise.planner.tracers import _export
 
     torch.manual_seed(0)
     members = [Attend().eval() for _ in range(3)]
     x = torch.randn(2, 5, 32)
     view = torch.ops.aten.view.default
 
+    def calls(gm):
+        return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
     graph = planner.trace(members[0], (x,), open_modules=["attn"])
     assert graph.tracer == "export"
-    targets = [n.target for n in graph.gm.graph.nodes if n.op == "call_function"]
-    assert view not in targets and torch.ops.aten.reshape.default in targets
+    assert view not in calls(graph.gm) and torch.ops.aten.reshape.default in calls(graph.gm)
+    traced = _export(members[0], (x,))
+    assert view in calls(traced) and graph.fingerprint == fingerprint(traced, ("attn",))
     assert executor.verify(planner.propose(graph, n_members=3), members, (x,), rtol=1e-5).ok
 
     path = tmp_path / "attend.pt2"
     torch.export.save(torch.export.export(members[0], (x,), strict=False), path)
     loaded = planner.load_export(path)
-    assert view not in [n.target for n in loaded.model.graph.nodes if n.op == "call_function"]
-    assert torch.equal(loaded.model(x), members[0](x))
+    from_archive = planner.trace(loaded.model, loaded.example_inputs)
+    assert view not in calls(from_archive.gm)
+    plan = planner.propose(from_archive, n_members=3)
+    assert executor.verify(plan, loaded.members(3), (x,), rtol=1e-5).ok
 
 
 def test_a_view_whose_base_is_written_in_place_stays_a_view():
@@ -122,7 +131,7 @@ def test_a_view_whose_base_is_written_in_place_stays_a_view():
     reshape that copied would not. Such views stay views; the others become reshapes. Values as the model's."""
     import torch
 
-    from stagewise.planner.tracers import _export
+    from stagewise.planner.tracers import _export, views_as_reshapes
 
     class WritesAfterAView(nn.Module):
         def forward(self, x):
@@ -134,6 +143,7 @@ def test_a_view_whose_base_is_written_in_place_stays_a_view():
 
     x = torch.randn(2, 3)
     gm = _export(WritesAfterAView(), (x,))
+    views_as_reshapes(gm)
     calls = [(n.target, n.args[0].target if isinstance(n.args[0], torch.fx.Node) else None)
              for n in gm.graph.nodes if n.op == "call_function"]
     assert (torch.ops.aten.view.default, torch.ops.aten.mul.Tensor) in calls  # v's base is written: a view
