@@ -129,6 +129,12 @@ class CompileRunner(VmapRunner):
             for t in self.stacked.values():  # the stacked state stays where it is: no copy into graph buffers per call
                 torch._dynamo.mark_static_address(t)
 
+    def _call_compiled(self, fn: Callable, inputs: list, new_step: bool) -> tuple:
+        """One call of a compiled specialisation; a reduce-overhead one under no grad as a cudagraph step of its own."""
+        if new_step:
+            new_cudagraph_step()
+        return fn(self.stacked, inputs)
+
     def run(self, args: list) -> list:
         inputs, dims, per_member = self._vmap_args(args)
         if not per_member or self.program.module.training or self.program.writes_in_place:
@@ -151,21 +157,15 @@ class CompileRunner(VmapRunner):
             fn = compile_fresh(vmap(self._tensors_only, in_dims=(0, dims), randomness="error",
                                     chunk_size=self.program.stage.options.chunk_size), f"stage_{self.program.stage.id}",
                                self.mode)
-            if new_step:
-                new_cudagraph_step()
-            fn(self.stacked, inputs)
+            self._call_compiled(fn, inputs, new_step)
             first = time.perf_counter() - start
             start = time.perf_counter()
-            if new_step:
-                new_cudagraph_step()
-            tensors = fn(self.stacked, inputs)
+            tensors = self._call_compiled(fn, inputs, new_step)
             self.compile_seconds += max(0.0, first - (time.perf_counter() - start))
             self._compiled[key] = (fn, meta)
         else:
             fn, meta = entry
-            if new_step:
-                new_cudagraph_step()
-            tensors = fn(self.stacked, inputs)
+            tensors = self._call_compiled(fn, inputs, new_step)
         if self.mode == "reduce-overhead":  # the graph's memory: the next replay overwrites it
             tensors = tuple(t.clone() for t in tensors)
         return self._rebuild(tensors, meta)
