@@ -174,8 +174,6 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     return gm
 
 
-
-
 def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_modules: Sequence[str] = ()) -> ModelGraph:
     """Trace `model` on `example_inputs` and annotate every node.
 

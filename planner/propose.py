@@ -86,15 +86,16 @@ _SDPA_DROPOUT_ARG = 4  # (query, key, value, attn_mask, dropout_p, is_causal, ..
 # torch's attention modules as leaves (fx keeps them whole), which `wide` computes without vmap
 # (executor.strategies.wide_attention): the members' projections as batched GEMMs, their heads folded into one
 # attention call. Where wide refuses a configuration (add_bias_kv, an unusual activation) the stage runs vmap of the
-# module, and a member loop of it while it trains with dropout: never worse than what the stage would do as a loop.
+# module, and a member loop of it while it trains with dropout: never an error where the loop would run.
 # The exact classes only: a subclass may compute something else.
 WIDE_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 WIDE_MODULE_BY_DEFAULT = ("wide by default: the members' projections as batched GEMMs, their heads folded into one "
                           "attention call (dropout while training: a member loop of the module)")
 # nn.GRU / nn.LSTM (unidirectional, no LSTM projection): the input projection of all steps one batched GEMM, each
-# step one more (fused gates on a GPU); faster than the loop on both kinds of machine (2-core CPU: GRU 5.5 vs 17.1 ms,
-# LSTM 7.2 vs 8.3; H100: 9x and 11x). What wide refuses at run time (dropout between layers while training, an
-# unbatched input) runs as a member loop of the module.
+# step one more (fused gates on a GPU). Tuned that way on the H100 9x and 11x the loop; on the 2-core CPU (N=16,
+# torch's 2 threads) GRU 5.6 vs 16.4 ms, LSTM 8.6 vs 11.2, while with one thread the LSTM is faster as the loop (autotune
+# finds it). What wide refuses at run time (dropout between layers while training, an unbatched input) runs as a
+# member loop of the module.
 WIDE_RNN_BY_DEFAULT = ("wide by default: the members' recurrences as batched GEMMs, one per step (dropout between "
                        "layers while training, or an unbatched input: a member loop of the module)")
 
@@ -103,19 +104,21 @@ def excluded_default(graph: ModelGraph, name: str) -> StageOptions:
     """The starting options of excluded node `name`'s stage: wide for an attention call without dropout, torch's
     attention modules and unidirectional GRU/LSTM (see the notes above), else the member loop. Only nodes excluded
     for want of a batching rule qualify (not randomness, .item(), in-place state, ...)."""
+    loop = StageOptions(strategy=Strategy.LOOP)
+    if not graph.dag.nodes[name].get("reason", "").startswith("no batching rule"):
+        return loop
     node = graph.fx_node(name)
-    reason = graph.dag.nodes[name].get("reason", "")
-    module = graph.gm.get_submodule(node.target) if node.op == "call_module" else None
-    if module is not None and reason.startswith("no batching rule"):
+    if node.op == "call_module":
+        module = graph.gm.get_submodule(node.target)
         if type(module) in WIDE_MODULES:
             return StageOptions(strategy=Strategy.WIDE, note=WIDE_MODULE_BY_DEFAULT)
         if type(module) in (nn.GRU, nn.LSTM) and not module.bidirectional and not getattr(module, "proj_size", 0):
             return StageOptions(strategy=Strategy.WIDE, note=WIDE_RNN_BY_DEFAULT)
-    if node.op == "call_function" and base_name(node) == "scaled_dot_product_attention" and reason.startswith("no batching rule"):
+    elif node.op == "call_function" and base_name(node) == "scaled_dot_product_attention":
         dropout = node.kwargs.get("dropout_p", node.args[_SDPA_DROPOUT_ARG] if len(node.args) > _SDPA_DROPOUT_ARG else 0.0)
         if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout == 0:
             return StageOptions(strategy=Strategy.WIDE, note=WIDE_BY_DEFAULT)
-    return StageOptions(strategy=Strategy.LOOP)
+    return loop
 
 
 def _input_specs(graph: ModelGraph, input_mode) -> tuple[InputSpec, ...]:

@@ -417,8 +417,6 @@ def _loads_weights_only(raw: bytes) -> bool:
     return True
 
 
-
-
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read one member's weights: `.safetensors`, or a state_dict saved with torch.save (weights_only=True)."""
     p = Path(path)
