@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.planner.errors import MemberError
-from stagewise.planner.graph import PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal, plain_attributes, retrace
+from stagewise.planner.graph import (PLAIN_TYPES, ModelGraph, baked_constants, hook_configs, hooks_refusal,
+                                     plain_attributes, retrace)
+from stagewise.planner.snapshot import held_tensors, same_tensors
 from stagewise.planner.module_refusals import closure_values
 
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
@@ -184,6 +186,11 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
     lifted.update(_tensor_constants(graph, members, state_keys))
     signatures = [config_signature(m) for m in members]
     suspects = [i for i in range(1, n) if signatures[i] != signatures[0]]
+    baked = baked_constants(graph.gm)
+    if baked:  # tensors the trace computed from what member 0 holds outside its state (`x * self.scale.exp()`)
+        held = held_tensors(members[0])
+        suspects += [i for i in range(1, n) if i not in suspects and not same_tensors(held_tensors(members[i]), held)]
+        suspects.sort()
     if not suspects:
         return lifted
     _check_training(members, suspects)
@@ -202,6 +209,7 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
         others[i] = g
     for diff in _differences(graph, others, n):
         _lift(graph, diff, attr_diffs, lifted)
+    lifted.update(_baked_differences(graph, others, baked, n))
     graph.gm.recompile()
     return lifted
 
@@ -231,6 +239,24 @@ def _tensor_constants(graph: ModelGraph, members: Sequence[nn.Module], state_key
             continue
         with torch.no_grad():
             out[str(node.target)] = torch.stack([v.detach() for v in values])
+    return out
+
+
+def _baked_differences(graph: ModelGraph, others: dict[int, ModelGraph], baked: list[str], n: int) -> dict[str, torch.Tensor]:
+    """The tensors the trace computed and baked in (graph.baked_constants) that other members' traces computed
+    differently, stacked [N, ...] (members not retraced hold member 0's)."""
+    out = {}
+    for target in baked:
+        first = getattr(graph.gm, target)
+        values = [getattr(others[i].gm, target) if i in others else first for i in range(n)]
+        if any(v.shape != first.shape or v.dtype != first.dtype for v in values):
+            raise MemberError(f"forward() computes a tensor from what the modules hold outside their parameters and buffers "
+                              f"(the traced graph keeps it as the constant {target!r}), and members compute it with different "
+                              "shapes or dtypes; all members must share one architecture (register such tensors as buffers)")
+        if all(torch.equal(v, first) for v in values[1:]):
+            continue
+        with torch.no_grad():
+            out[target] = torch.stack([v.detach() for v in values])
     return out
 
 

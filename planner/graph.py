@@ -11,6 +11,7 @@ cannot repeat per member), planner.snapshot (plain attributes, state before/afte
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -155,10 +156,13 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     """
     fixed = _defaults_not_given(model, given)
     with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, _input_writes_recorded():
-        if opened:
-            gm = symbolic_trace_opening(model, opened, fixed or None)
-        else:
-            gm = torch.fx.symbolic_trace(model, concrete_args=fixed or None)
+        gm = symbolic_trace_opening(model, opened, fixed or None)
+        if baked_constants(gm):
+            # fx ran part of forward() on real tensors and stored results as constants: if any came from a
+            # buffer (`x @ self.B.t()`), it holds member 0's value for every member, and it would go stale when
+            # the buffer changes. Traced again with buffers as graph values, such a computation is recorded;
+            # what stays constant comes from no buffer (plain tensor attributes: executor.constants compares them)
+            gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=True)
     if random_drawn.calls:
         # `torch.rand(1) < p` (stochastic depth, layer drop) has no traced input: fx runs it once and bakes the
         # draw into the graph as a constant, so every call of every member would reuse it (export records the op)
@@ -169,9 +173,52 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
         # no node: the graph would record gradients the model never makes (torch.export records the region)
         raise TraceError("forward() turns gradients off (torch.no_grad() / set_grad_enabled(False) / torch.inference_mode()), "
                          "which torch.fx cannot record")
+    state_derived = _state_derived_constants(gm, model, opened, fixed)  # outside the watches: it copies and traces a copy
+    if state_derived:
+        # reached without attribute access (`for p in self.parameters()`): torch.export records it
+        raise TraceError(f"forward() computes {state_derived} from parameters or buffers it reaches without attribute "
+                         "access (self.parameters(), self.buffers(), state_dict()), which torch.fx runs once at trace "
+                         "time and keeps as a constant")
     if fixed:
         _drop_concrete_placeholders(gm, fixed)
     return gm
+
+
+BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it bakes into a graph
+
+
+def baked_constants(gm: torch.fx.GraphModule) -> list[str]:
+    """The get_attr targets of `gm` that torch.fx made for tensors computed at trace time (not model state)."""
+    return [str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(BAKED_PREFIXES)]
+
+
+def _state_derived_constants(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict) -> str:
+    """The baked constants of a buffer-proxied trace that depend on parameters or buffers, named ("" when none).
+
+    One that requires grad was computed from parameters. For the others, a copy of `model` with every floating
+    parameter and buffer changed is traced again: a constant that changes with them came from them."""
+    baked = baked_constants(gm)
+    if not baked:
+        return ""
+    grads = [t for t in baked if getattr(gm, t).requires_grad]
+    if grads:
+        return ", ".join(grads)
+    try:
+        other = copy.deepcopy(model)
+    except Exception:
+        return ", ".join(baked)  # cannot tell: let torch.export record them
+    with torch.no_grad():
+        for t in [*other.parameters(), *other.buffers()]:
+            if t.is_floating_point() or t.is_complex():
+                t.mul_(-1.37).add_(0.29)
+    again = symbolic_trace_opening(other, opened, fixed or None, proxy_buffers=True)
+    changed = [t for t in baked if t not in set(baked_constants(again)) or not _same_tensor(getattr(gm, t), getattr(again, t))]
+    return ", ".join(changed)
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype \
+        and bool(torch.equal(a, b))
 
 
 def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_modules: Sequence[str] = ()) -> ModelGraph:

@@ -128,11 +128,16 @@ def with_ancestors(paths: Iterable[str]) -> frozenset[str]:
 
 
 class OpeningTracer(torch.fx.Tracer):
-    """torch.fx's tracer with the given module paths (and the modules around them) no longer leaves."""
+    """torch.fx's tracer with the given module paths (and the modules around them) no longer leaves.
 
-    def __init__(self, opened: Iterable[str]):
+    `proxy_buffers`: buffers read in forward() become graph values (fx's `proxy_buffer_attributes`),
+    so what forward() computes from them (`self.B.t()`, `self.pe[:16]`) is recorded as ops on them
+    instead of run once at trace time on member 0's buffer and stored as a constant."""
+
+    def __init__(self, opened: Iterable[str], proxy_buffers: bool = False):
         super().__init__()
         self.opened = with_ancestors(opened)
+        self.proxy_buffer_attributes = proxy_buffers
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opened:
@@ -140,12 +145,27 @@ class OpeningTracer(torch.fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
-def symbolic_trace_opening(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None) -> torch.fx.GraphModule:
-    """torch.fx.symbolic_trace with `opened` traced inside (the same GraphModule when nothing is opened)."""
-    tracer = OpeningTracer(opened)
-    with no_mha_fastpath():
+def symbolic_trace_opening(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None,
+                           proxy_buffers: bool = False) -> torch.fx.GraphModule:
+    """torch.fx.symbolic_trace with `opened` traced inside (the same GraphModule when nothing is opened);
+    `proxy_buffers` as OpeningTracer says. The constants fx stores on `model` while tracing
+    (`_tensor_constant0`, ...) are taken off it again: the GraphModule holds its own."""
+    tracer = OpeningTracer(opened, proxy_buffers)
+    with no_mha_fastpath(), tracer_attributes_removed(model):
         graph = tracer.trace(model, concrete_args=concrete_args)
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+        return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+@contextlib.contextmanager
+def tracer_attributes_removed(model: nn.Module) -> Iterator[None]:
+    """Attributes added to `model` itself inside the block (fx stores the tensors it bakes into a graph there)
+    are deleted at its end, so tracing leaves the model as it was and a second trace names them alike."""
+    before = set(vars(model))
+    try:
+        yield
+    finally:
+        for k in set(vars(model)) - before:
+            delattr(model, k)
 
 
 @contextlib.contextmanager

@@ -59,6 +59,48 @@ def _collect_plain(key: str, v: Any, out: dict[str, Any], depth: int, seen: set[
         _collect_plain(k, x, out, depth - 1, seen)
 
 
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})  # state the trace reads as graph values
+
+
+def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors the modules hold outside their parameters and buffers: plain tensor attributes and tensors in
+    the lists, tuples and dicts they hold, two levels down ("rff.scale", "tables[1]", "cfg['w']").
+
+    A trace runs what forward() computes from them once, on member 0's, and keeps the result as a constant;
+    members holding other values need their own (executor.constants compares these per member)."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(key: str, v: Any, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            out[key] = v
+        elif depth and isinstance(v, (list, tuple)) and len(v) <= _CONFIG_ITEMS:
+            for i, x in enumerate(v):
+                walk(f"{key}[{i}]", x, depth - 1)
+        elif depth and isinstance(v, dict) and len(v) <= _CONFIG_ITEMS:
+            for k, x in v.items():
+                walk(f"{key}[{k!r}]", x, depth - 1)
+
+    for path, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            if k not in _MODULE_INTERNALS:
+                walk(f"{path}.{k}" if path else k, v, 2)
+    return out
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two `held_tensors` results hold the same names, shapes, dtypes and values."""
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
+            return False
+        with torch.no_grad():
+            if not torch.equal(x, y):
+                return False
+    return True
+
+
 @dataclass
 class StateChange:
     """What tracing changed on the real module."""
