@@ -186,9 +186,11 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
     lifted.update(_tensor_constants(graph, members, state_keys))
     signatures = [config_signature(m) for m in members]
     suspects = [i for i in range(1, n) if signatures[i] != signatures[0]]
+    # what the trace computed from tensors member 0 holds outside its state, baked as a tensor (`self.scale.exp()`)
+    # or a number (`float(self.scale)`): members holding other tensors there are traced and compared too
     baked = baked_constants(graph.gm)
-    if baked:  # tensors the trace computed from what member 0 holds outside its state (`x * self.scale.exp()`)
-        held = held_tensors(members[0])
+    held = held_tensors(members[0])
+    if held:
         suspects += [i for i in range(1, n) if i not in suspects and not same_tensors(held_tensors(members[i]), held)]
         suspects.sort()
     if not suspects:

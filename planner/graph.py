@@ -157,11 +157,12 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     fixed = _defaults_not_given(model, given)
     with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, _input_writes_recorded():
         gm = symbolic_trace_opening(model, opened, fixed or None)
-        if baked_constants(gm):
-            # fx ran part of forward() on real tensors and stored results as constants: if any came from a
-            # buffer (`x @ self.B.t()`), it holds member 0's value for every member, and it would go stale when
-            # the buffer changes. Traced again with buffers as graph values, such a computation is recorded;
-            # what stays constant comes from no buffer (plain tensor attributes: executor.constants compares them)
+        if baked_constants(gm) or _reads_buffer_values(gm, model, opened, fixed):
+            # fx ran part of forward() on real buffers: a tensor it stored as a constant (`x @ self.B.t()`) or a
+            # number it wrote into the graph (`x / self.temp.item()`) holds member 0's value for every member and
+            # goes stale when the buffer changes. Traced again with buffers as graph values, such a computation is
+            # recorded (`.item()` then keeps its stage out of vmap); what stays constant comes from no buffer
+            # (plain tensor attributes: executor.constants compares them per member)
             gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=True)
     if random_drawn.calls:
         # `torch.rand(1) < p` (stochastic depth, layer drop) has no traced input: fx runs it once and bakes the
@@ -192,6 +193,34 @@ def baked_constants(gm: torch.fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(BAKED_PREFIXES)]
 
 
+def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict) -> bool:
+    """Whether fx's plain trace of `model` (`gm`, buffers not graph values) changes when every buffer holds other
+    values: then a number or a branch in it came from a buffer's values. Buffers are swapped, not written."""
+    owners = [(mod, k, b) for mod in model.modules() for k, b in mod._buffers.items() if b is not None]
+    if not owners:
+        return False
+    try:
+        for mod, k, b in owners:
+            mod._buffers[k] = _other_values(b)
+        again = symbolic_trace_opening(model, opened, fixed or None)
+    except Exception:
+        return True  # other values break the trace: it depends on them
+    finally:
+        for mod, k, b in owners:
+            mod._buffers[k] = b
+    return again.code != gm.code
+
+
+def _other_values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor like `t` whose every element differs from `t`'s (floats mapped by -1.37x + 0.29, ints + 1, bools flipped)."""
+    t = t.detach()  # not torch.no_grad(): inside the trace's watches that would count as forward() turning gradients off
+    if t.dtype == torch.bool:
+        return ~t
+    if t.is_floating_point() or t.is_complex():
+        return t * -1.37 + 0.29
+    return t + 1
+
+
 def _state_derived_constants(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict) -> str:
     """The baked constants of a buffer-proxied trace that depend on parameters or buffers, named ("" when none).
 
@@ -209,8 +238,7 @@ def _state_derived_constants(gm: torch.fx.GraphModule, model: nn.Module, opened:
         return ", ".join(baked)  # cannot tell: let torch.export record them
     with torch.no_grad():
         for t in [*other.parameters(), *other.buffers()]:
-            if t.is_floating_point() or t.is_complex():
-                t.mul_(-1.37).add_(0.29)
+            t.copy_(_other_values(t))
     again = symbolic_trace_opening(other, opened, fixed or None, proxy_buffers=True)
     changed = [t for t in baked if t not in set(baked_constants(again)) or not _same_tensor(getattr(gm, t), getattr(again, t))]
     return ", ".join(changed)

@@ -197,3 +197,62 @@ def test_state_reached_by_iteration_is_traced_with_torch_export(cls):
     for name, p in ens.named_stacked_parameters():
         for i, m in enumerate(reference):
             torch.testing.assert_close(p.grad[i], dict(m.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
+
+
+class BufferNumber(nn.Module):
+    """A temperature held as a buffer and read as a Python number (fx wrote member 0's number into the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("temperature", torch.rand(()) + 0.5)
+
+    def forward(self, x):
+        return self.lin(x) / self.temperature.item()
+
+
+class HeldNumber(nn.Module):
+    """The same with a plain tensor attribute: the number is computed per member and lifted into per-member state."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.rand(()) + 0.5
+
+    def forward(self, x):
+        return self.lin(x) * float(self.scale)
+
+
+class BufferBranch(nn.Module):
+    """A branch on a buffer's value: members whose flags differ need different graphs."""
+
+    def __init__(self, flag=True):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("use_tanh", torch.tensor(flag))
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.tanh() if self.use_tanh else y
+
+
+@pytest.mark.parametrize("cls", [BufferNumber, HeldNumber])
+def test_numbers_read_from_held_tensors_are_each_members_own(cls):
+    members = members_of(cls)
+    reference = copy.deepcopy(members)
+    x = torch.randn(5, 4)
+    _, ens = build(members, x)
+    for shape in ((5, 4), (7, 4)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in reference]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_branch_on_a_buffer_value_is_never_member_0s_for_all():
+    members = [BufferBranch(True), BufferBranch(False), BufferBranch(True)]
+    x = torch.randn(5, 4)
+    try:
+        _, ens = build(members, x)
+    except planner.errors.StagewiseError as e:  # refused is right too, as long as it says why
+        assert "trace" in str(e) or "member" in str(e)
+        return
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
