@@ -6,7 +6,9 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 """
 from __future__ import annotations
 
+
 import contextlib
+import copy
 import re
 from pathlib import Path
 import dataclasses
@@ -31,7 +33,7 @@ from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes
 from stagewise.executor.members import (check_same_requires_grad, copy_member, shared_across_members, stack_member_state,
-                                       state_device, state_tree, tree_tensor)
+                                       state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound
 from stagewise.executor.modes import reads_training  # noqa: F401
@@ -141,6 +143,10 @@ def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
     return [plan.stage(sid) for sid in nx.lexicographical_topological_sort(stage_graph(plan, graph), key=index.__getitem__)]
 
 
+_MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_storage", "_views_made", "_captured")
+_IMMUTABLE = ("_output_tree", "_out_spec", "_input_guard")  # shared by a deepcopy (pytree specs, export's guard function)
+
+
 class BatchedModule(nn.Module):
     """N members run as one module, stage by stage. forward(*inputs) -> N-first outputs."""
 
@@ -178,6 +184,7 @@ class BatchedModule(nn.Module):
         params = params if params is not None else {}
         self._member_keys = list(member_keys) if member_keys is not None else [k for k in stacked if not k.startswith(LIFTED_PREFIX)]
         self.stacked = state_tree(stacked, params, persistent=set(self._member_keys))
+        self.__dict__["_state_replaced"] = self.stacked.changed  # [True] once a tensor of the tree is replaced
         self._stacked = {k: tree_tensor(self.stacked, k) for k in stacked}
         # a state tensor read by a stage and handed on is that tensor itself, not a copy: an in-place
         # update downstream (a running mean written by a loop stage) must land in the stacked state
@@ -221,7 +228,10 @@ class BatchedModule(nn.Module):
         self.__dict__["_captured"] = CapturedPlan(self, backend=backend) if backend is not None else None
 
     def _build_runners(self) -> None:
-        views = [{k: v[i] for k, v in self._stacked.items()} for i in range(self.n_members)]
+        # per-member views for loop stages, made once: made under no_grad (a build or .to() inside torch.no_grad())
+        # they would carry no gradient back to the stacked tensors, so they are made with grad on; see _views_stale
+        with torch.enable_grad():
+            views = [{k: v[i] for k, v in self._stacked.items()} for i in range(self.n_members)]
         runners: list[Runner] = []
         for p in self.programs:
             stacked = {k: self._stacked[k] for k in p.state_names}
@@ -232,6 +242,9 @@ class BatchedModule(nn.Module):
         # themselves, so a plan without loop stages watches nothing on the per-call path
         watched = {k for p, r in zip(self.programs, self.runners) if isinstance(r, LoopRunner) for k in p.state_names}
         self._storage = [(self._stacked[k], self._stacked[k].data_ptr()) for k in sorted(watched)]
+        # what the views were made under: which watched tensors required grad, and whether in inference mode
+        # (a view of a frozen tensor stays out of autograd after requires_grad_(True); an inference view forever)
+        self.__dict__["_views_made"] = (tuple(t.requires_grad for t, _ in self._storage), torch.is_inference_mode_enabled())
 
     @property
     def runners(self) -> list[Runner]:
@@ -247,15 +260,35 @@ class BatchedModule(nn.Module):
                                    for p, r, so in zip(self.programs, runners, self._state_outputs)]
         # a strategy that carries no gradients (cuda_graph): calls that would record autograd are refused
         self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
-        self.__dict__["_grad_checks"] = self._inference_only or bool(self.__dict__.get("_shared_across"))
+        self.__dict__["_grad_checks"] = (self._inference_only or bool(self.__dict__.get("_shared_across"))
+                                         or bool(self.__dict__.get("_ties_apart")))
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
-        per-member views would go on reading the old one. An in-place update needs nothing."""
+        per-member views would go on reading the old one. An in-place update needs nothing. Also when
+        gradients are recorded and the views cannot carry them (see _build_runners)."""
         for t, ptr in self._storage:
             if t.data_ptr() != ptr:
                 self._build_runners()
                 return
+        if torch.is_grad_enabled() and self._views_stale():
+            self._build_runners()
+
+    def _views_stale(self) -> bool:
+        """Whether the loop stages' per-member views were made from tensors whose requires_grad has changed since,
+        or in inference mode (outside it now)."""
+        requires, inference = self.__dict__["_views_made"]
+        if inference and not torch.is_inference_mode_enabled():
+            return True
+        return any(t.requires_grad != was for (t, _), was in zip(self._storage, requires))
+
+    def _follow_replaced_state(self) -> None:
+        """Read the tensors of the state tree anew after one was replaced (see members.StateNode): the runners and the
+        whole-plan capture were built on the old ones."""
+        self._state_replaced[0] = False
+        self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
+        self._build_runners()
+        self._make_captured()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # the stacked state tree: tied names stay one Parameter
@@ -265,6 +298,8 @@ class BatchedModule(nn.Module):
         self._build_runners()
         if "_captured" in self.__dict__:  # not while nn.Module.__init__ sets things up
             self._make_captured()
+        if "_state_replaced" in self.__dict__:
+            self._state_replaced[0] = False  # followed just now
         return self
 
     def train(self, mode: bool = True) -> "BatchedModule":
@@ -290,6 +325,14 @@ class BatchedModule(nn.Module):
                 "module holds a copy per member, so training would update the copies apart where the member loop updates "
                 "one tensor. Give each member its own copy (copy.deepcopy), or freeze it (requires_grad_(False)); "
                 "inference (torch.no_grad()) is unaffected")
+        apart = self.__dict__.get("_ties_apart") or {}
+        if apart and any(p.requires_grad for p in self._stacked.values()):
+            tie, tied_in = next(iter(apart.items()))
+            raise ExecutionError(
+                f"members differ in weight tying: {tie} is one tensor in member(s) {tied_in[:4]} and two in the others, so the "
+                "batched module holds two tensors for every member and training would update a tied member's two names "
+                "apart where the member loop updates one tensor. Tie (or untie) the same parameters in every member, or "
+                "train the members that differ here as separate modules; inference (torch.no_grad()) is unaffected")
         for program, runner in zip(self.programs, self.runners):
             if not runner.trainable:
                 strategy = program.stage.options.strategy.value
@@ -301,6 +344,8 @@ class BatchedModule(nn.Module):
 
     def named_stacked_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(member parameter name, its [N, ...] Parameter), each tied Parameter once, in member order."""
+        if self._state_replaced[0]:
+            self._follow_replaced_state()
         seen, out = set(), []
         for k in self._member_keys:
             t = self._stacked.get(k)
@@ -312,6 +357,8 @@ class BatchedModule(nn.Module):
     def member_state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """N ordinary state dicts (detached copies, same keys as one member's state_dict) that load
         into the original architecture with load_state_dict."""
+        if self._state_replaced[0]:
+            self._follow_replaced_state()
         with torch.no_grad():
             return [{k: self._stacked[k][i].detach().clone() for k in self._member_keys} for i in range(self.n_members)]
 
@@ -319,6 +366,8 @@ class BatchedModule(nn.Module):
     def stacked_state(self) -> dict[str, torch.Tensor]:
         """Member state stacked [N, ...] by dotted name: the module's Parameters and buffers themselves
         (shared with the runners; in-place updates persist; update parameters under torch.no_grad())."""
+        if self._state_replaced[0]:
+            self._follow_replaced_state()
         return self._stacked
 
     def bind_inputs(self, inputs: tuple) -> dict[str, Any]:
@@ -454,6 +503,8 @@ class BatchedModule(nn.Module):
             self._refuse_global_hooks()
         if self.training in self._mode_refused:  # the flag set by hand (train() refuses before it sets it)
             raise self._mode_refused_now()
+        if self._state_replaced[0]:
+            self._follow_replaced_state()
         captured = self.__dict__["_captured"]
         if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
             try:
@@ -465,6 +516,21 @@ class BatchedModule(nn.Module):
         if self.plan.dtype == "float32":  # the common case, straight to the stages (run_stages casts for the others)
             return self._run_plain(*inputs)[0]
         return self.run_stages(*inputs)[0]
+
+    def __deepcopy__(self, memo: dict) -> "BatchedModule":
+        """A copy with its own stacked state (EMA / SWA copies, the best model so far). The loop stages' per-member views
+        are not graph leaves, which torch cannot deepcopy: the copy makes its own from its state."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k in _IMMUTABLE:
+                new.__dict__[k] = v
+            elif k not in _MADE_FROM_STATE:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        new._stacked = {k: tree_tensor(new.stacked, k) for k in self._stacked}
+        new._build_runners()
+        new._make_captured()
+        return new
 
     def _refuse_global_hooks(self) -> None:
         """ExecutionError naming the global module hooks registered since build (see planner.graph.global_hooks)."""
@@ -507,7 +573,9 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     refusal = global_hooks_refusal("the batched module")
     if refusal:
         raise MemberError(refusal)
-    with registration_hooks_off():  # the members went through them; the modules made here from them must not
+    # the members went through registration hooks; the modules made here from them must not. Outside inference mode:
+    # state stacked inside it would be inference tensors, which no later training call (and no version check) can use
+    with registration_hooks_off(), torch.inference_mode(False):
         return _build(plan, list(members), example_inputs, device, check_memory)
 
 
@@ -548,6 +616,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     module.set_mode_bound(bound, private)
     module.__dict__["_shared_across"] = shared_across_members(members)
+    module.__dict__["_ties_apart"] = ties_apart(members)
     module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:

@@ -104,6 +104,19 @@ def check_same_requires_grad(members: Sequence[nn.Module]) -> None:
                               "or build the members that differ here as separate modules")
 
 
+def ties_apart(members: Sequence[nn.Module]) -> dict[str, list[int]]:
+    """Parameter names tied to another name in some members but not in all (a sweep over `tie_word_embeddings`)
+    -> the members that tie them. Stacked apart (stack_member_state keeps only ties every member has), a tied
+    member's two names are two tensors: forward is the same, training would update them apart."""
+    ties = [tied_names(dict(m.named_parameters(remove_duplicate=False))) for m in members]
+    out: dict[str, list[int]] = {}
+    for i, t in enumerate(ties):
+        for alias, first in t.items():
+            if not all(other.get(alias) == first for other in ties):
+                out.setdefault(f"{alias} = {first}", []).append(i)
+    return out
+
+
 def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
     """Names of trainable parameters that two members hold as one tensor. Stacked, each member gets its own
     copy: forward is the same, but training would update the copies apart where the loop updates one tensor."""
@@ -116,20 +129,48 @@ def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
                 shared.append(name)
     return shared
 
-def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persistent: set[str]) -> nn.Module:
+class _Watched(dict):
+    """A module's `_parameters` / `_buffers` dict that raises a shared flag when a tensor is put in or taken out."""
+
+    def __init__(self, changed: list[bool], *args):
+        super().__init__(*args)
+        self.changed = changed
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.changed[0] = True
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.changed[0] = True
+
+
+class StateNode(nn.Module):
+    """A module of the stacked state tree. Replacing one of its tensors (`tree.fc.bias = nn.Parameter(...)`,
+    `load_state_dict(..., assign=True)`, `torch.func.functional_call`) raises `changed[0]`, shared by the
+    whole tree, so the batched module reads the new tensor instead of the one it was built with."""
+
+    def __init__(self, changed: list[bool]):
+        super().__init__()
+        self.__dict__.update(_parameters=_Watched(changed), _buffers=_Watched(changed), changed=changed)
+
+
+def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persistent: set[str]) -> StateNode:
     """Stacked member state as a module tree mirroring one member's: `tree.fc1.weight` is [N, *fc1.weight.shape].
 
     Names in `params` become nn.Parameters (requires_grad as given; a tied tensor is one Parameter
     under each of its names); the rest are buffers, in the state_dict when in `persistent`.
+    `tree.changed[0]` is set when a tensor of the tree is replaced (see StateNode); it starts False.
     """
-    root = nn.Module()
+    changed = [False]
+    root = StateNode(changed)
     as_param: dict[int, nn.Parameter] = {}
     for name, t in stacked.items():
         owner = root
         *path, leaf = name.split(".")
         for part in path:
             if part not in owner._modules:
-                owner.add_module(part, nn.Module())
+                owner.add_module(part, StateNode(changed))
             owner = owner._modules[part]
         if name in params:
             p = as_param.get(id(t))
@@ -138,6 +179,7 @@ def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persis
             owner.register_parameter(leaf, p)
         else:
             owner.register_buffer(leaf, t, persistent=name in persistent)
+    changed[0] = False
     return root
 
 
