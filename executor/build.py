@@ -143,6 +143,17 @@ def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
     return [plan.stage(sid) for sid in nx.lexicographical_topological_sort(stage_graph(plan, graph), key=index.__getitem__)]
 
 
+def _own_rows(value: Any, n: int) -> Any:
+    """An output with one row of memory per member: a value no member changes (a constant made in forward(), a
+    function of shared inputs alone) comes out of vmap expanded over the member axis (stride 0), and an in-place
+    edit of one member's output would reach every member's (the loop gives each member its own tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous() if n > 1 and value.dim() and value.stride(0) == 0 else value
+    if isinstance(value, (tuple, list, dict)):
+        return tree_map(lambda t: _own_rows(t, n) if isinstance(t, torch.Tensor) else t, value)
+    return value
+
+
 _MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_storage", "_views_made", "_captured")
 _IMMUTABLE = ("_output_tree", "_out_spec", "_input_guard")  # shared by a deepcopy (pytree specs, export's guard function)
 
@@ -451,7 +462,7 @@ class BatchedModule(nn.Module):
     def _outputs(self, env: dict[str, Any]) -> Any:
         """The model's outputs, N-first, from the boundary values in `env`."""
         n = self.n_members
-        leaves = [n_first(env[name], n) if name is not None else x for name, x in self._output_leaves]
+        leaves = [_own_rows(n_first(env[name], n), n) if name is not None else x for name, x in self._output_leaves]
         result = leaves[0] if self._output_is_leaf else tree_unflatten(leaves, self._output_tree)
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)

@@ -37,7 +37,8 @@ from stagewise.planner.module_refusals import (  # noqa: F401
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch)
-from stagewise.planner.tracers import _defaults_not_given, _drop_concrete_placeholders, _export, views_as_reshapes
+from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes,
+                                      views_as_reshapes)
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
 
@@ -288,6 +289,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             changed = before.restore_if_changed(model)
     if changed:
         raise TraceError(_changed_refusal(model, changed))
+    if tracer == "export":
+        check_small_sizes(model, gm, example_inputs)
     tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
     values, flops = _run_and_record(gm, example_inputs)
     graph = graph_of(gm, tracer, note, values, flops, opened=opened)

@@ -35,8 +35,9 @@ def traced_specs(gm: torch.fx.GraphModule, tracer: str, values: dict[str, Any]) 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if tracer == "export":
         ranges = gm.meta.get("stagewise_ranges", {})
+        small_ok = gm.meta.get("stagewise_small_ok", {})
         symbols: dict[str, str] = {}  # export's symbol names (s77) -> d0, d1... in order of appearance
-        return {p.name: _export_spec(p.name, p.meta.get("val"), ranges, symbols) for p in placeholders}
+        return {p.name: _export_spec(p.name, p.meta.get("val"), ranges, symbols, small_ok) for p in placeholders}
     specs = {}
     for p in placeholders:
         if p.name not in values:
@@ -50,7 +51,7 @@ def traced_specs(gm: torch.fx.GraphModule, tracer: str, values: dict[str, Any]) 
     return specs
 
 
-def _export_spec(name: str, val: Any, ranges: dict, symbols: dict[str, str]) -> InputSpec:
+def _export_spec(name: str, val: Any, ranges: dict, symbols: dict[str, str], small_ok: dict[str, int]) -> InputSpec:
     if not isinstance(val, torch.Tensor):
         return InputSpec(name, dtype=type(val).__name__ if val is not None else "NoneType")
     shape, dynamic = [], []
@@ -66,8 +67,9 @@ def _export_spec(name: str, val: Any, ranges: dict, symbols: dict[str, str]) -> 
             continue
         lo, hi = ranges[expr]
         symbol = symbols.setdefault(expr, f"d{len(symbols)}")
-        # like export's input guard: a lower bound of 2 is its 0/1 specialisation, not a real constraint
-        dynamic.append(DynamicDim(d, min=lo if lo > 2 else 0, max=hi, symbol=symbol))
+        # a lower bound of 2 is export's 0/1 specialisation: the graph may hold for sizes 1 and 0 or not;
+        # planner.tracers.check_small_sizes ran it there against the model (unchecked: 2)
+        dynamic.append(DynamicDim(d, min=small_ok.get(expr, 2) if lo == 2 else lo, max=hi, symbol=symbol))
     return InputSpec(name, shape=tuple(shape), dtype=_dtype_name(val.dtype), dynamic_dims=tuple(dynamic))
 
 
@@ -123,6 +125,12 @@ def check_call_inputs(tracer: str, specs: Sequence[InputSpec], values: Sequence[
                                      f"torch.export at size {spec.shape[d]} and the trace fixed that dim; "
                                      f"pass size {spec.shape[d]} there {REPLAN}")
                 continue
+            if size < dyn.min == 2:
+                raise InputError(f"input {spec.name!r} has size {size} at dim {d}{where}; torch.export traced that dim for sizes "
+                                 f"of 2 and more, and at size {size} forward() does not compute what the traced graph computes "
+                                 "(or could not be checked there when it was traced), so the plan refuses it rather than "
+                                 f"answer wrong; pass at least 2 there (pad the batch), or plan a model whose forward() "
+                                 "takes the same path at every size")
             if size < dyn.min or (dyn.max is not None and size > dyn.max):
                 hi = dyn.max if dyn.max is not None else "any"
                 raise InputError(f"input {spec.name!r} has size {size} at dim {d}{where}; the plan's torch.export trace "

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.trace_watch import _inference_mode_as_no_grad
@@ -87,6 +87,74 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
     return gm
+
+
+def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> None:
+    """Which sizes below 2 each dynamic dim of an export trace holds for, into gm.meta["stagewise_small_ok"]
+    ({symbol: smallest size}); planner.inputs makes that the dim's minimum.
+
+    torch.export traces a dynamic dim for sizes of at least 2 (its 0/1 specialisation): a forward() that does
+    something else at size 1 (`if x.shape[0] == 1: ...`, a decode step) has the >= 2 branch in the graph. So each
+    symbol's inputs are cut to size 1, then 0, and the graph is run beside the model itself (same random seed,
+    state restored after): a size is accepted where both give the same outputs, refused at call time otherwise."""
+    from stagewise.planner.snapshot import StateSnapshot  # planner.snapshot imports nothing from here; kept local
+    ranges = gm.meta.get("stagewise_ranges", {})
+    leaves, spec = tree_flatten(tuple(example_inputs))
+    placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    where: dict[str, list[tuple[int, int]]] = {}  # symbol -> (input leaf, dim) holding it
+    if len(placeholders) == len(leaves):
+        for i, p in enumerate(placeholders):
+            val = p.meta.get("val")
+            if isinstance(val, torch.Tensor) and isinstance(leaves[i], torch.Tensor):
+                for d, size in enumerate(val.shape):
+                    if not isinstance(size, int) and size.node.maybe_as_int() is None:
+                        where.setdefault(str(size.node.expr), []).append((i, d))
+    ok: dict[str, int] = {}
+    for expr, dims in where.items():
+        if ranges.get(expr, (None,))[0] != 2:
+            continue
+        smallest = 2
+        for k in (1, 0):
+            small = list(leaves)
+            for i, d in dims:
+                small[i] = small[i].narrow(d, 0, k)
+            args = tree_unflatten(small, spec)
+            if not _same_outputs(model, gm, args, StateSnapshot):
+                break
+            smallest = k
+        ok[expr] = smallest
+    gm.meta["stagewise_small_ok"] = ok
+
+
+def _same_outputs(model: nn.Module, gm: torch.fx.GraphModule, args: tuple, snapshot_type: Any) -> bool:
+    """Whether `gm` and `model` give the same outputs on `args` (each from the same random seed, their state restored)."""
+    outs = []
+    for f in (model, gm):
+        before = snapshot_type.take(f)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                outs.append(tree_flatten(f(*args))[0])
+        except Exception:  # noqa: BLE001 - either cannot run at this size: not accepted there
+            return False
+        finally:
+            before.restore_if_changed(f)
+    want, got = outs
+    if len(want) != len(got):
+        return False
+    for a, b in zip(want, got):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return False
+        if isinstance(a, torch.Tensor):
+            a, b = a.detach(), b.detach()  # forward() may turn gradients on inside (set_grad_enabled(True))
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return False
+            if a.numel() and not torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5 * float(a.abs().max()) + 1e-7,
+                                                equal_nan=True):
+                return False
+        elif a != b:
+            return False
+    return True
 
 
 def views_as_reshapes(gm: torch.fx.GraphModule) -> None:

@@ -166,7 +166,12 @@ def view_like(name: str, args: tuple, kwargs: dict) -> Any:
                 pass
         return NFirst(x.t.reshape(n, *sizes))
     if name == "expand" and not kwargs:
-        return NFirst(x.t.expand(n, *_sizes(args)))
+        sizes = _sizes(args)
+        # new leading dims go between the member axis and the member's own dims (torch right-aligns: a [N, D]
+        # tensor expanded to (N, B, D) with B == N would give every member all members' rows)
+        extra = len(sizes) - x.rank
+        t = x.t.reshape(n, *([1] * extra), *x.t.shape[1:]) if extra > 0 else x.t
+        return NFirst(t.expand(n, *sizes))
     if name == "permute":
         dims = _sizes(args) if args[1:] else list(kwargs.get("dims", []))
         return NFirst(x.t.permute(0, *[(d % x.rank) + 1 for d in dims]))

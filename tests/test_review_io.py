@@ -1,0 +1,120 @@
+"""Review: inputs, outputs and calls. Each was a silent wrong answer, now matching the member loop or refused:
+a torch.export plan called at size 1 where forward() takes another path there (export traces a dynamic dim for
+sizes of 2 and more); `wide` expanding a per-member tensor to new leading dims (with as many rows as members,
+every member got every member's rows); outputs no member changes sharing one row of memory across members.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from stagewise import executor, planner
+from stagewise.planner.errors import InputError
+
+N = 3
+
+
+def members_of(cls, n=N):
+    out = []
+    for i in range(n):
+        torch.manual_seed(i)
+        out.append(cls().eval())
+    return out
+
+
+class SizeOneBranch(nn.Module):
+    """A decode-step style branch on a size: fx cannot trace it, torch.export keeps the size >= 2 path."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] == 1:
+            return self.fc(x) * 10
+        return self.fc(x)
+
+
+class SameAtEverySize(SizeOneBranch):
+    """Also traced by torch.export (the branch is on a dim that is never 1), and right at batch 1."""
+
+    def forward(self, x):
+        if x.shape[1] == 3:
+            return self.fc(x).squeeze(1)
+        return self.fc(x)
+
+
+def test_an_export_plan_refuses_a_size_its_graph_does_not_hold_for():
+    members = members_of(SizeOneBranch)
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(4, 4),))
+    assert graph.tracer == "export"
+    ens = executor.build(planner.propose(graph, N), members)
+    for b in (4, 2, 6):
+        x = torch.randn(b, 4)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match="sizes of 2 and more"):
+        ens(torch.randn(1, 4))
+
+
+def test_an_export_plan_takes_size_one_where_its_graph_holds_there():
+    members = members_of(SameAtEverySize)
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(4, 1, 4),))
+    assert graph.tracer == "export"
+    assert graph.input_specs["x"].dynamic_dim(0).min <= 1
+    ens = executor.build(planner.propose(graph, N), members)
+    for b in (1, 5):
+        x = torch.randn(b, 1, 4)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class ExpandedRow(nn.Module):
+    """A learned row broadcast over the batch with expand (new leading dims)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.b = nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.fc(x) + self.b.expand(x.shape[0], -1) + self.b.expand(2, x.shape[0], 4).sum(0)
+
+
+@pytest.mark.parametrize("batch", [N, 5])
+def test_wide_expands_a_per_member_tensor_to_new_leading_dims_per_member(batch):
+    members = members_of(ExpandedRow)
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(batch, 4),))
+    plan = planner.propose(graph, N)
+    for s in list(plan.stages):
+        plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    ens = executor.build(plan, members)
+    for b in (batch, 7):
+        x = torch.randn(b, 4)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class MemberFreeOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x), torch.zeros(2), x * 2
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "wide", "loop"])
+def test_every_members_output_has_its_own_memory(strategy):
+    members = members_of(MemberFreeOutputs)
+    x = torch.randn(2, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    for s in list(plan.stages):
+        plan = planner.set_options(plan, graph, s.id, strategy=strategy)
+    with torch.no_grad():
+        out = executor.build(plan, members)(x)
+    for k in (1, 2):
+        before = out[k][1].clone()
+        out[k][0] += 1.0  # the caller edits member 0's output
+        torch.testing.assert_close(out[k][1], before)
+        out[k].add_(1.0)  # and all of them at once
