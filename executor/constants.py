@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.planner.errors import MemberError
-from stagewise.planner.graph import (PLAIN_TYPES, ModelGraph, baked_constants, hook_configs, hooks_refusal,
+from stagewise.planner.graph import (PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal,
                                      plain_attributes, retrace)
-from stagewise.planner.snapshot import held_tensors, same_tensors
+from stagewise.planner.snapshot import held_values
 from stagewise.planner.module_refusals import closure_values
 
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
@@ -94,6 +94,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 MODULES_KEY = "<submodules>"  # a leaf's config entry naming its submodules' classes
+HELD_KEY = "<held values>"  # a leaf's config entry: everything it holds besides its state (planner.snapshot.held_values)
 
 
 def _module_config(mod: nn.Module) -> dict:
@@ -106,6 +107,8 @@ def _module_config(mod: nn.Module) -> dict:
             if not k.startswith("_") and callable(v) and not isinstance(v, nn.Module):
                 config[f"{path}.{k}" if path else k] = callable_identity(v)
     config[MODULES_KEY] = tuple((p, type(m).__qualname__) for p, m in mod.named_modules() if p)
+    # the rest it runs with (tensor attributes, private numbers, ...), those above left out (a LeakyReLU slope is lifted)
+    config[HELD_KEY] = tuple(sorted((k, v) for k, v in held_values(mod).items() if k not in config))
     return config
 
 
@@ -186,13 +189,13 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
     lifted.update(_tensor_constants(graph, members, state_keys))
     signatures = [config_signature(m) for m in members]
     suspects = [i for i in range(1, n) if signatures[i] != signatures[0]]
-    # what the trace computed from tensors member 0 holds outside its state, baked as a tensor (`self.scale.exp()`)
-    # or a number (`float(self.scale)`): members holding other tensors there are traced and compared too
-    baked = baked_constants(graph.gm)
-    held = held_tensors(members[0])
-    if held:
-        suspects += [i for i in range(1, n) if i not in suspects and not same_tensors(held_tensors(members[i]), held)]
-        suspects.sort()
+    # what the trace computed from anything else member 0 holds (a private number, a numpy scalar, a config object,
+    # a tensor outside its state), baked as a tensor (`self.scale.exp()`) or a number (`float(self._t)`): members
+    # holding other values anywhere are traced and compared too
+    baked = [t for t in _get_attr_targets(graph.gm) if t not in state_keys and _attr(members[0], t) is None]
+    held = held_values(members[0])
+    suspects += [i for i in range(1, n) if i not in suspects and held_values(members[i]) != held]
+    suspects.sort()
     if not suspects:
         return lifted
     _check_training(members, suspects)
@@ -244,13 +247,22 @@ def _tensor_constants(graph: ModelGraph, members: Sequence[nn.Module], state_key
     return out
 
 
+def _get_attr_targets(gm: torch.fx.GraphModule) -> list[str]:
+    """The tensors a graph reads by get_attr (each once), lifted per-member numbers left out."""
+    out = dict.fromkeys(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    return [t for t in out if not t.startswith(LIFTED_PREFIX) and isinstance(_attr(gm, t), torch.Tensor)]
+
+
 def _baked_differences(graph: ModelGraph, others: dict[int, ModelGraph], baked: list[str], n: int) -> dict[str, torch.Tensor]:
-    """The tensors the trace computed and baked in (graph.baked_constants) that other members' traces computed
-    differently, stacked [N, ...] (members not retraced hold member 0's)."""
+    """Tensors the graph reads that are no member's state or attribute (what the trace computed and baked in) and
+    that other members' traces computed differently, stacked [N, ...] (members not traced again hold member 0's)."""
     out = {}
     for target in baked:
-        first = getattr(graph.gm, target)
-        values = [getattr(others[i].gm, target) if i in others else first for i in range(n)]
+        first = _attr(graph.gm, target)
+        values = [_attr(others[i].gm, target) if i in others else first for i in range(n)]
+        if any(not isinstance(v, torch.Tensor) for v in values):
+            raise MemberError(f"member {next(i for i, v in enumerate(values) if not isinstance(v, torch.Tensor))} traces to a "
+                              f"graph without the constant {target!r} member 0's has; all members must share one architecture")
         if any(v.shape != first.shape or v.dtype != first.dtype for v in values):
             raise MemberError(f"forward() computes a tensor from what the modules hold outside their parameters and buffers "
                               f"(the traced graph keeps it as the constant {target!r}), and members compute it with different "
@@ -282,6 +294,16 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
             return
         if key == MODULES_KEY:
             raise _refuse(diff, attr_diffs, f"{type(leaf).__name__} holds submodules of other classes in some members.")
+        if key == HELD_KEY:
+            mine = dict(diff.values[0])
+            i, other = next((i, dict(v)) for i, v in enumerate(diff.values) if v != diff.values[0])
+            where = sorted(k for k in mine.keys() | other.keys() if mine.get(k) != other.get(k))
+            raise MemberError(
+                f"members differ in what the leaf module {type(leaf).__name__} at {node.target} holds besides its parameters "
+                f"and buffers: member {i} differs from member 0 at {', '.join(repr(w) for w in where[:3])} (a tensor attribute, "
+                "a private setting). A leaf runs with member 0's copy of those for every member, so build refuses: make "
+                "tensors buffers (per-member state is batched), or open the module (planner.trace(..., open_modules=[...])) "
+                "so the trace sees what it computes")
         if mod is leaf and isinstance(mod, nn.LeakyReLU) and attr == "negative_slope" and _numbers(diff.values):
             slope = _constant_node(gm, node, diff, lifted)
             node.op, node.target = "call_function", leaky_relu_per_member

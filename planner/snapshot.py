@@ -8,7 +8,10 @@ and undo what forward() changed while it was traced.
 from __future__ import annotations
 
 import enum
+import hashlib
 import types
+import weakref
+from functools import partial as functools_partial
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,46 +62,122 @@ def _collect_plain(key: str, v: Any, out: dict[str, Any], depth: int, seen: set[
         _collect_plain(k, x, out, depth - 1, seen)
 
 
-_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})  # state the trace reads as graph values
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}  # torch's own fields of every module (hooks, ...)
+_HELD_DEPTH, _HELD_LEAVES = 8, 20_000
 
 
-def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Tensors the modules hold outside their parameters and buffers: plain tensor attributes and tensors in
-    the lists, tuples and dicts they hold, two levels down ("rff.scale", "tables[1]", "cfg['w']").
+def held_values(model: nn.Module) -> dict[str, Any]:
+    """Everything the modules of `model` hold besides their parameters, buffers and submodules, as comparable
+    digests by path: attributes private or not, numbers of any kind (numpy, complex), dtypes, tensors and numpy
+    arrays (shape, dtype and a hash of the bytes), what lists, tuples, sets, dicts (any keys) and plain objects
+    (their __dict__ and __slots__) hold, functions (name, closure and defaults), bound methods (and their object),
+    and each module's class (by identity: classes a factory makes share a name), `_HELD_DEPTH` levels down.
 
-    A trace runs what forward() computes from them once, on member 0's, and keeps the result as a constant;
-    members holding other values need their own (executor.constants compares these per member)."""
-    out: dict[str, torch.Tensor] = {}
+    A trace bakes what forward() computes from any of these into the graph, so members whose `held_values`
+    differ from member 0's are traced again and compared (executor.constants). Unequal digests cost a trace, never a
+    wrong answer; the walk keeps to `_HELD_LEAVES` leaves (a model holding more is compared on its first ones)."""
+    out: dict[str, Any] = {}
+    tree = {id(m) for m in model.modules()}
+    state = {id(t): k for k, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    seen: dict[int, str] = {}
+
+    def leaf(key: str, v: Any) -> None:
+        if len(out) < _HELD_LEAVES:
+            out[key] = v
 
     def walk(key: str, v: Any, depth: int) -> None:
+        if isinstance(v, (bool, int, float, complex, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)):
+            leaf(key, ("v", type(v).__name__, repr(v)))
+            return
         if isinstance(v, torch.Tensor):
-            out[key] = v
-        elif depth and isinstance(v, (list, tuple)) and len(v) <= _CONFIG_ITEMS:
+            # the module's own parameters and buffers held again (an RNN's _flat_weights) are state, batched anyway
+            leaf(key, ("state", state[id(v)]) if id(v) in state else _tensor_digest(v))
+            return
+        if isinstance(v, weakref.ref):
+            walk(f"{key}()", v(), depth)
+            return
+        if type(v).__module__ == "numpy":  # numpy scalars and arrays, without importing numpy here
+            leaf(key, ("np", repr(getattr(v, "dtype", "")), repr(getattr(v, "shape", "")), _bytes_digest(v)))
+            return
+        if isinstance(v, type):
+            leaf(key, _class_digest(v))
+            return
+        if isinstance(v, nn.Module) and id(v) in tree:
+            return  # walked as a module of its own
+        if id(v) in seen:
+            leaf(key, ("same as", seen[id(v)]))
+            return
+        seen[id(v)] = key
+        if depth == 0 or len(out) >= _HELD_LEAVES:
+            leaf(key, ("deep", type(v).__qualname__))
+            return
+        if isinstance(v, (list, tuple)):
+            leaf(key, (type(v).__qualname__, len(v)))
             for i, x in enumerate(v):
                 walk(f"{key}[{i}]", x, depth - 1)
-        elif depth and isinstance(v, dict) and len(v) <= _CONFIG_ITEMS:
+        elif isinstance(v, (set, frozenset)):
+            leaf(key, (type(v).__qualname__, sorted(repr(x) if isinstance(x, PLAIN_TYPES) else type(x).__qualname__ for x in v)))
+        elif isinstance(v, dict):
+            leaf(key, (type(v).__qualname__, len(v)))
             for k, x in v.items():
                 walk(f"{key}[{k!r}]", x, depth - 1)
+        elif isinstance(v, types.MethodType):
+            leaf(key, ("method", getattr(v.__func__, "__qualname__", repr(v.__func__))))
+            walk(f"{key}.__self__", v.__self__, depth - 1)
+        elif isinstance(v, types.FunctionType):
+            leaf(key, ("function", v.__module__, v.__qualname__))
+            for i, cell in enumerate(v.__closure__ or ()):
+                try:
+                    walk(f"{key}<closure {i}>", cell.cell_contents, depth - 1)
+                except ValueError:  # an empty cell
+                    pass
+            walk(f"{key}<defaults>", (v.__defaults__ or (), v.__kwdefaults__ or {}), depth - 1)
+        elif callable(v) and not hasattr(v, "__dict__"):  # builtins (torch.relu); functools.partial is walked below
+            leaf(key, ("callable", type(v).__qualname__, getattr(v, "__module__", None), getattr(v, "__qualname__", None)))
+        else:  # digests hold no addresses: a leaf module's differ only where members do (see executor.constants)
+            leaf(key, ("object", _class_digest(type(v))))
+            if isinstance(v, functools_partial):
+                walk(f"{key}<partial>", (v.func, v.args, v.keywords), depth - 1)
+            fields = dict(vars(v)) if hasattr(v, "__dict__") else {}
+            for slot in getattr(type(v), "__slots__", ()) if isinstance(getattr(type(v), "__slots__", ()), (tuple, list)) else ():
+                if hasattr(v, slot):
+                    fields[slot] = getattr(v, slot)
+            for k, x in fields.items():
+                walk(f"{key}.{k}", x, depth - 1)
 
     for path, mod in model.named_modules():
+        leaf(f"{path}<class>", _class_digest(type(mod)))
+        # the old weight_norm / spectral_norm recompute `weight` in a pre-hook on every call (their config is compared
+        # by hook_configs): a tensor attribute derived from the member's state, not something it holds
+        recomputed = {getattr(h, "name", None) for h in mod._forward_pre_hooks.values()}
         for k, v in vars(mod).items():
-            if k not in _MODULE_INTERNALS:
-                walk(f"{path}.{k}" if path else k, v, 2)
+            if k not in _MODULE_INTERNALS and k not in recomputed:
+                walk(f"{path}.{k}" if path else k, v, _HELD_DEPTH)
     return out
 
 
-def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Whether two `held_tensors` results hold the same names, shapes, dtypes and values."""
-    if a.keys() != b.keys():
-        return False
-    for k, x in a.items():
-        y = b[k]
-        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
-            return False
-        with torch.no_grad():
-            if not torch.equal(x, y):
-                return False
-    return True
+def _class_digest(cls: type) -> tuple:
+    """A class by name and by the plain values it holds as class attributes: classes a factory makes share a name
+    and differ there (torch's parametrize makes a class per module, alike in all members)."""
+    plain = tuple(sorted((k, repr(v)) for k, v in vars(cls).items()
+                         if not k.startswith("__") and isinstance(v, (bool, int, float, complex, str, type(None), enum.Enum))))
+    return ("class", cls.__module__, cls.__qualname__, plain)
+
+
+def _tensor_digest(t: torch.Tensor) -> tuple:
+    t = t.detach()
+    if t.is_meta or t.layout != torch.strided:
+        return ("tensor", tuple(t.shape), str(t.dtype), str(t.layout))
+    raw = t.cpu().contiguous().flatten()
+    raw = raw.view(torch.uint8) if raw.numel() else raw
+    return ("tensor", tuple(t.shape), str(t.dtype), hashlib.sha1(raw.numpy().tobytes()).hexdigest())
+
+
+def _bytes_digest(v: Any) -> str:
+    try:
+        return hashlib.sha1(v.tobytes()).hexdigest()
+    except Exception:  # noqa: BLE001 - an object array: its repr
+        return repr(v)
 
 
 @dataclass

@@ -1,0 +1,194 @@
+"""Review: per-member values a trace bakes in, held where the old per-member comparison did not look.
+
+Members were traced again (and their constants compared, lifted or refused) only when their public plain attributes
+differed from member 0's. A private attribute (`self._t`), a numpy scalar, a slots dataclass, a config value four
+levels deep or under a tuple key, a class attribute of factory-made classes, a bound method's object, a tensor in a
+namespace or a numpy array all ran with member 0's value for every member, off by ~1. planner.snapshot.held_values now
+digests everything the modules hold; members that differ anywhere are traced again, and a leaf module holding
+different values (which runs as member 0's copy) is refused.
+"""
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from stagewise import executor, planner
+from stagewise.planner.errors import MemberError
+
+N = 3
+SCALES = (0.5, 2.0, -1.5)
+
+
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
+class Private(Base):
+    def __init__(self, s):
+        super().__init__()
+        self._t = s
+
+    def forward(self, x):
+        return self.fc(x) * self._t
+
+
+class NumpyScalar(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.t = np.float32(s)
+
+    def forward(self, x):
+        return self.fc(x) * float(self.t)
+
+
+@dataclass(slots=True)
+class SlotsConfig:
+    scale: float
+
+
+class Slots(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.cfg = SlotsConfig(s)
+
+    def forward(self, x):
+        return self.fc(x) * self.cfg.scale
+
+
+class DeepDict(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.cfg = {"a": {"b": {"c": {"scale": s}}}, ("k", 1): s}
+
+    def forward(self, x):
+        return self.fc(x) * self.cfg["a"]["b"]["c"]["scale"] + self.cfg[("k", 1)]
+
+
+def factory_class(s):
+    class Scaled(Base):
+        scale = s
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+    return Scaled
+
+
+class Helper:
+    def __init__(self, s):
+        self.s = s
+
+    def apply(self, y):
+        return y * self.s
+
+
+class BoundMethod(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.f = Helper(s).apply
+
+    def forward(self, x):
+        return self.f(self.fc(x))
+
+
+class TensorInNamespace(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.ns = types.SimpleNamespace(w=torch.full((4,), s))
+
+    def forward(self, x):
+        return self.fc(x) * self.ns.w.exp()
+
+
+class NumpyArray(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.a = np.full((4,), s, dtype=np.float32)
+
+    def forward(self, x):
+        return self.fc(x) + torch.from_numpy(self.a)
+
+
+MODELS = {
+    "private attribute": Private,
+    "numpy scalar": NumpyScalar,
+    "slots dataclass": Slots,
+    "deep dict and tuple key": DeepDict,
+    "factory class attribute": lambda s: factory_class(s)(),
+    "bound method's object": BoundMethod,
+    "tensor in a namespace": TensorInNamespace,
+    "numpy array": NumpyArray,
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_values_held_anywhere_are_each_members_own(name):
+    members = []
+    for i, s in enumerate(SCALES):
+        torch.manual_seed(i)
+        members.append(MODELS[name](s))
+    x = torch.randn(5, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    ens = executor.build(planner.propose(graph, N), members, example_inputs=(x,))
+    for shape in ((5, 4), (2, 4)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class RowScale(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.s = torch.full((4, 1), s)  # a plain tensor attribute of a parametrization
+
+    def forward(self, w):
+        return w * self.s
+
+
+def scaled_linear(s):
+    torch.manual_seed(0)
+    fc = nn.Linear(4, 4)
+    parametrize.register_parametrization(fc, "weight", RowScale(s))
+    return nn.Sequential(fc)
+
+
+def test_a_leaf_module_holding_other_values_per_member_is_refused():
+    members = [scaled_linear(s) for s in SCALES]
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    with pytest.raises(MemberError, match="leaf module .* holds besides its parameters"):
+        executor.build(plan, members)
+
+
+def test_leaf_modules_holding_the_same_values_build():
+    members = [scaled_linear(0.5) for _ in range(N)]
+    for i, m in enumerate(members):
+        torch.manual_seed(10 + i)
+        m[0].parametrizations.weight.original.data.normal_()
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class DtypeAttr(Base):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return self.fc(x).to(self.dtype).float()
+
+
+def test_a_value_that_cannot_be_given_per_member_is_refused():
+    members = [DtypeAttr(d) for d in (torch.float32, torch.bfloat16, torch.float16)]
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    with pytest.raises(MemberError, match="member 0: torch.float32"):
+        executor.build(plan, members)
