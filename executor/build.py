@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import networkx as nx
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner import budget
@@ -512,6 +513,12 @@ class BatchedModule(nn.Module):
         """
         if global_hooks_present():  # four dict truthiness tests; torch's own watching hooks pass below
             self._refuse_global_hooks()
+        if parametrize._cache_enabled:
+            raise ExecutionError(
+                "the batched module is called inside torch.nn.utils.parametrize.cached(): that cache is keyed by the "
+                "parametrized module torch made first, which the batched module's copies share with member 0, so members "
+                "would read (and write) member 0's cached weights. Call it outside the cached() block (it computes each "
+                "member's parametrized weights once per call anyway)")
         if self.training in self._mode_refused:  # the flag set by hand (train() refuses before it sets it)
             raise self._mode_refused_now()
         if self._state_replaced[0]:

@@ -222,6 +222,18 @@ def _other_values(t: torch.Tensor) -> torch.Tensor:
     return t + 1
 
 
+def held_generators(gm: torch.fx.GraphModule) -> str:
+    """The torch.Generator objects `gm`'s ops draw from (a generator= argument, or a get_attr of one), named; "" if none."""
+    found = []
+    for node in gm.graph.nodes:
+        values = tree_flatten((node.args, node.kwargs))[0]
+        if node.op == "get_attr":
+            values.append(getattr(gm, str(node.target), None))
+        if any(isinstance(v, torch.Generator) for v in values):
+            found.append(node.name)
+    return ", ".join(found[:3])
+
+
 def _state_derived_constants(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict) -> str:
     """The baked constants of a buffer-proxied trace that depend on parameters or buffers, named ("" when none).
 
@@ -289,6 +301,12 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             changed = before.restore_if_changed(model)
     if changed:
         raise TraceError(_changed_refusal(model, changed))
+    held = held_generators(gm)
+    if held:
+        raise TraceError(f"forward() draws random numbers from a torch.Generator the model holds ({held}): the traced graph "
+                         "keeps member 0's generator, so every member would draw from it where the member loop draws from "
+                         "each member's own. Draw from torch's default generator instead (each member draws from it in "
+                         "turn), or pass the noise in as an input")
     if tracer == "export":
         check_small_sizes(model, gm, example_inputs)
     tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]

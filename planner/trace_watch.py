@@ -122,6 +122,8 @@ def _rng_state(rng: Any) -> Any:
     import random
     if isinstance(rng, random.Random):
         return rng.getstate()
+    if isinstance(rng, torch.Generator):  # drawn from at trace time (a static shape): fx bakes the draw in
+        return bytes(rng.get_state().tolist())
     np_random = getattr(sys.modules.get("numpy"), "random", None)
     if np_random is not None and isinstance(rng, (np_random.Generator, np_random.RandomState, np_random.BitGenerator)):
         bits = rng if isinstance(rng, np_random.BitGenerator) else getattr(rng, "bit_generator", None) or rng._bit_generator

@@ -192,3 +192,31 @@ def test_a_value_that_cannot_be_given_per_member_is_refused():
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
     with pytest.raises(MemberError, match="member 0: torch.float32"):
         executor.build(plan, members)
+
+
+class HeldGenerator(Base):
+    """Each member its own noise stream: the traced graph would keep member 0's generator for all."""
+
+    def __init__(self, seed, static=False):
+        super().__init__()
+        self.gen, self.static = torch.Generator().manual_seed(seed), static
+
+    def forward(self, x):
+        noise = torch.randn(4, generator=self.gen) if self.static else torch.randn(x.shape, generator=self.gen)
+        return self.fc(x) + noise
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_held_torch_generator_is_refused_at_trace(static):
+    with pytest.raises(planner.errors.TraceError, match="Generator"):
+        planner.trace(HeldGenerator(1, static), (torch.randn(2, 4),))
+
+
+def test_a_call_inside_parametrize_cached_is_refused():
+    members = [scaled_linear(0.5) for _ in range(N)]
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    with parametrize.cached():
+        with pytest.raises(planner.errors.ExecutionError, match="parametrize.cached"):
+            ens(x)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
