@@ -22,6 +22,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner import budget
+from stagewise.planner.capability import is_inplace
 from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
 from stagewise.planner.graph import (ModelGraph, fingerprint_lines, global_hooks_present, global_hooks_refusal,
@@ -144,6 +145,15 @@ def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
     return [plan.stage(sid) for sid in nx.lexicographical_topological_sort(stage_graph(plan, graph), key=index.__getitem__)]
 
 
+def _state_itself(node: torch.fx.Node, keys: set[str]) -> str | None:
+    """The state key whose tensor `node`'s value is (a get_attr of it, or in-place ops on one), else None."""
+    while node.op != "get_attr":
+        if not is_inplace(node):
+            return None
+        node = node.args[0]
+    return str(node.target) if str(node.target) in keys else None
+
+
 def _own_rows(value: Any, n: int) -> Any:
     """An output with one row of memory per member: a value no member changes (a constant made in forward(), a
     function of shared inputs alone) comes out of vmap expanded over the member axis (stride 0), and an in-place
@@ -200,9 +210,10 @@ class BatchedModule(nn.Module):
         self._stacked = {k: tree_tensor(self.stacked, k) for k in stacked}
         # a state tensor read by a stage and handed on is that tensor itself, not a copy: an in-place
         # update downstream (a running mean written by a loop stage) must land in the stacked state
+        # so is the result of an in-place op on it (`self.mem.copy_(...)` returns mem, which a later stage may view and write)
         gm_nodes = {n.name: n for n in graph.gm.graph.nodes}
-        self._state_outputs = [[(k, str(gm_nodes[name].target)) for k, name in enumerate(p.output_names)
-                                if gm_nodes[name].op == "get_attr" and str(gm_nodes[name].target) in keys] for p in self.programs]
+        self._state_outputs = [[(k, key) for k, name in enumerate(p.output_names)
+                                if (key := _state_itself(gm_nodes[name], keys)) is not None] for p in self.programs]
         self._build_runners()
         self._make_captured()
         # modes this module cannot be switched to (True = training) -> why: forward() reads self.training (see mode_bound)

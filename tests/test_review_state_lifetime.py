@@ -179,3 +179,30 @@ def test_a_build_inside_inference_mode_works_and_trains_later():
         x = torch.randn(N, 5, 8)
         torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]))
     assert train_both(ens.train(), loop) < 1e-5
+
+
+class RingBuffer(nn.Module):
+    """Roll a buffer in place, then write its first slot through a view of the in-place op's result."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("mem", torch.randn(4, 6))
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.mem.copy_(torch.roll(self.mem, 1, 0))
+        self.mem[0].copy_(y.mean(0))
+        return y @ self.mem.t()
+
+
+def test_a_write_through_a_view_of_an_in_place_result_reaches_the_state():
+    members = [(torch.manual_seed(i), RingBuffer().eval())[1] for i in range(N)]
+    reference = copy.deepcopy(members)
+    x = torch.randn(2, 6)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in reference]), rtol=1e-5, atol=1e-5)
+    for i, m in enumerate(reference):
+        torch.testing.assert_close(ens.member_state_dicts()[i]["mem"], m.mem)
