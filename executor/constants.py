@@ -33,14 +33,18 @@ from stagewise.planner.module_refusals import closure_values
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
 
 # ops that accept a 0-d tensor wherever they accept a Python number (the number is one operand of arithmetic)
-_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow,
+_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.floordiv, operator.mod,
+               operator.gt, operator.lt, operator.ge, operator.le, operator.eq, operator.ne,
                torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.clamp,
-               torch.minimum, torch.maximum}
+               torch.minimum, torch.maximum, torch.gt, torch.lt, torch.ge, torch.le, torch.remainder, torch.fmod}
 _ARITHMETIC_METHODS = {"add", "sub", "mul", "div", "pow", "clamp", "__add__", "__sub__", "__mul__", "__truediv__",
-                       "__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__pow__", "__rpow__"}
+                       "__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__pow__", "__rpow__", "__floordiv__",
+                       "__mod__", "gt", "lt", "ge", "le", "__gt__", "__lt__", "__ge__", "__le__", "remainder", "fmod"}
 _ATEN_SCALAR_TO_TENSOR = {  # export graphs: the overload that takes a tensor operand
     "add": torch.ops.aten.add.Tensor, "sub": torch.ops.aten.sub.Tensor, "mul": torch.ops.aten.mul.Tensor,
     "div": torch.ops.aten.div.Tensor, "rsub": torch.ops.aten.rsub.Tensor, "pow": torch.ops.aten.pow.Tensor_Tensor,
+    "gt": torch.ops.aten.gt.Tensor, "lt": torch.ops.aten.lt.Tensor, "ge": torch.ops.aten.ge.Tensor, "le": torch.ops.aten.le.Tensor,
+    "remainder": torch.ops.aten.remainder.Tensor, "fmod": torch.ops.aten.fmod.Tensor,
 }
 _LEAKY = {F.leaky_relu, torch.ops.aten.leaky_relu.default}
 _IGNORED_IN_EVAL = (nn.modules.dropout._DropoutNd,)  # their config has no effect outside training
@@ -314,7 +318,8 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
     if not _numbers(diff.values):
         raise _refuse(diff, attr_diffs, "It is not a number.")
     if not _liftable(node, diff.where):
-        raise _refuse(diff, attr_diffs, f"{_op_name(node)} needs a Python value there (a size, a dim or a flag).")
+        raise _refuse(diff, attr_diffs, f"{_op_name(node)} takes a plain Python value there (a size, a dim, a flag, a "
+                      "setting such as alpha= or beta=), which cannot be given per member.")
     value = _constant_node(gm, node, diff, lifted)
     args_kwargs = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
     leaves, spec = args_kwargs
@@ -343,13 +348,36 @@ def _liftable(node: torch.fx.Node, position: int) -> bool:
     has_value = any(isinstance(x, torch.fx.Node) for x in leaves)
     if node.target in _LEAKY:
         return position == 1 or (len(node.args) < 2 and position == len(node.args))  # the slope, positional or keyword
+    operand = _is_operand(node, position)
     if node.op == "call_function" and node.target in _ARITHMETIC:
-        return has_value
+        return has_value and operand
     if node.op == "call_method" and node.target in _ARITHMETIC_METHODS:
-        return has_value and position > 0
+        return has_value and operand and position > 0
     if isinstance(node.target, torch._ops.OpOverload):
         base = node.target._schema.name.split("::")[-1]
-        return base in _ATEN_SCALAR_TO_TENSOR and has_value and position > 0
+        return base in _ATEN_SCALAR_TO_TENSOR and has_value and operand and position > 0
+    return False
+
+
+_OPERAND_KEYWORDS = {"input", "other", "min", "max", "exponent", "self"}
+
+
+def _is_operand(node: torch.fx.Node, position: int) -> bool:
+    """Whether flattened position `position` of (args, kwargs) is an operand of the op: one of its first two
+    positional arguments (three for clamp's min and max) or an operand keyword (other=, min=, max=), not a
+    setting such as alpha= or rounding_mode=."""
+    clamp = node.target in (torch.clamp, "clamp") or getattr(node.target, "__name__", "").startswith("clamp")
+    seen = 0
+    for i, a in enumerate(node.args):
+        count = len(torch.utils._pytree.tree_flatten(a)[0])
+        if position < seen + count:
+            return i < (3 if clamp else 2)
+        seen += count
+    for k, v in node.kwargs.items():
+        count = len(torch.utils._pytree.tree_flatten(v)[0])
+        if position < seen + count:
+            return k in _OPERAND_KEYWORDS
+        seen += count
     return False
 
 

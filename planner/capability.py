@@ -125,6 +125,8 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     batched = tree_map(stack, (args, kwargs))
     in_dims = tree_map(lambda v: 0 if isinstance(v, torch.Tensor) else None, (args, kwargs))
     if node.op != "call_module" and not any(d == 0 for d in tree_flatten(in_dims)[0]):
+        if _draws_random(node):  # torch.randn(x.shape): no tensor input, yet the loop draws anew for each member
+            return f"randomness in {_op_name(node)} (each member would need its own random stream)"
         return None  # no tensor input: plain Python on sizes or scalars, runs the same for every member
 
     if node.op == "call_module":
@@ -154,6 +156,20 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
         if "performance drop" in text or "batching rule" in text:
             return f"no batching rule for {_op_name(node)} (vmap would fall back to a slow per-member loop)"
     return None
+
+
+_RANDOM_NAMES = frozenset({"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson",
+                           "rand_like", "randn_like", "randint_like", "uniform", "uniform_", "normal_", "random_",
+                           "exponential_", "geometric_", "cauchy_", "log_normal_", "bernoulli_"})
+
+
+def _draws_random(node: torch.fx.Node) -> bool:
+    """Whether `node` draws random numbers (torch.randn, aten.randn.default, x.normal_, ...)."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target) in _RANDOM_NAMES
+    name = target.name().split("::")[-1].split(".")[0] if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", "")
+    return name in _RANDOM_NAMES
 
 
 def classify_vmap_error(node: torch.fx.Node, e: BaseException) -> str:

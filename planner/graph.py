@@ -299,6 +299,11 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                 ) from None
             tracer, note = "export", f"forward() updates {changed.describe()} in place, which torch.fx cannot record; traced with torch.export"
             changed = before.restore_if_changed(model)
+        elif changed and tracer == "export" and not changed.attributes:
+            # fx ran part of forward() on the real module (an in-place update) before it gave up; export traced from
+            # there: once more from the restored state (export records such updates as nodes and changes nothing)
+            gm = _export(model, example_inputs)
+            changed = before.restore_if_changed(model)
     if changed:
         raise TraceError(_changed_refusal(model, changed))
     held = held_generators(gm)

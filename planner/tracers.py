@@ -86,7 +86,26 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
+    _detach_out_of_place(gm)
     return gm
+
+
+def _detach_out_of_place(gm: torch.fx.GraphModule) -> None:
+    """`aten.detach_(x)` -> `aten.detach(x)`, later reads of x reading its result instead. Export records
+    `torch.tensor(x.shape[0])` as a fresh copy detached in place; per member that copy is a view of the stacked
+    value, which torch cannot detach in place. Same values; nothing in the graph needs gradients of a constant."""
+    changed = False
+    nodes = list(gm.graph.nodes)
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach_.default and node.args:
+            source = node.args[0]
+            node.target, changed = torch.ops.aten.detach.default, True
+            later = set(nodes[i + 1:])
+            for user in list(getattr(source, "users", ())):
+                if user in later:
+                    user.replace_input_with(source, node)
+    if changed:
+        gm.recompile()
 
 
 def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> None:
@@ -149,8 +168,11 @@ def _same_outputs(model: nn.Module, gm: torch.fx.GraphModule, args: tuple, snaps
             a, b = a.detach(), b.detach()  # forward() may turn gradients on inside (set_grad_enabled(True))
             if a.shape != b.shape or a.dtype != b.dtype:
                 return False
-            if a.numel() and not torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-5 * float(a.abs().max()) + 1e-7,
-                                                equal_nan=True):
+            if a.is_complex():
+                a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+            a, b = a.double(), b.double()
+            scale = float(a.abs().nan_to_num(0.0, 0.0, 0.0).max()) if a.numel() else 0.0
+            if a.numel() and not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * scale + 1e-7, equal_nan=True):
                 return False
         elif a != b:
             return False

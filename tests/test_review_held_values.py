@@ -220,3 +220,37 @@ def test_a_call_inside_parametrize_cached_is_refused():
         with pytest.raises(planner.errors.ExecutionError, match="parametrize.cached"):
             ens(x)
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class Threshold(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.thr, self.q = s, abs(s) + 0.5
+
+    def forward(self, x):
+        y = self.fc(x)
+        return (y > self.thr).float() + y // self.q + y % self.q
+
+
+class Alpha(Base):
+    def __init__(self, s):
+        super().__init__()
+        self.a = s
+
+    def forward(self, x):
+        return torch.add(self.fc(x), x, alpha=self.a)
+
+
+def test_comparisons_and_floor_division_take_per_member_numbers():
+    members = [Threshold(s) for s in SCALES]
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_per_member_setting_that_has_no_tensor_form_is_refused_by_name():
+    members = [Alpha(s) for s in SCALES]
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    with pytest.raises(MemberError, match="alpha= or beta="):
+        executor.build(plan, members)

@@ -118,3 +118,70 @@ def test_every_members_output_has_its_own_memory(strategy):
         out[k][0] += 1.0  # the caller edits member 0's output
         torch.testing.assert_close(out[k][1], before)
         out[k].add_(1.0)  # and all of them at once
+
+
+class FreshScalarTensor(nn.Module):
+    """torch.tensor(<a size>) in forward(): export records a fresh copy detached in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = torch.tensor(float(x.shape[0]))
+        return self.fc(x) / scale
+
+
+class SumAll(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            pass
+        y = self.fc(x)
+        return y * y.sum() + y.mean()
+
+
+class PermutedShared(nn.Module):
+    """A shared input indexed by a per-member permutation."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.b = nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.fc(x[:, self.b.argsort()])
+
+
+class NoiseOfInputShape(nn.Module):
+    """torch.randn(x.shape) in eval: a draw with no tensor input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + 0.1 * torch.randn(x.shape)
+
+
+@pytest.mark.parametrize("cls, strategy", [(FreshScalarTensor, None), (SumAll, "wide"), (PermutedShared, "wide"),
+                                           (NoiseOfInputShape, None)])
+def test_export_constants_wide_reductions_and_draws_match_the_loop(cls, strategy):
+    members = members_of(cls)
+    x = torch.randn(4, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    if strategy:
+        for s in list(plan.stages):
+            if s.mode.value == "batched":
+                plan = planner.set_options(plan, graph, s.id, strategy=strategy)
+    ens = executor.build(plan, members, example_inputs=(x,))
+    with torch.no_grad():
+        torch.manual_seed(3)
+        got = ens(x)
+        torch.manual_seed(3)
+        want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

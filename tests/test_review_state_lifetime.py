@@ -206,3 +206,44 @@ def test_a_write_through_a_view_of_an_in_place_result_reaches_the_state():
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in reference]), rtol=1e-5, atol=1e-5)
     for i, m in enumerate(reference):
         torch.testing.assert_close(ens.member_state_dicts()[i]["mem"], m.mem)
+
+
+class EmaInNoGrad(nn.Module):
+    """An EMA buffer updated in place inside torch.no_grad(): fx changed the buffer, then gave up (no_grad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("ema", torch.randn(6))
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * y.mean(0))
+        return y - self.ema
+
+
+class ScaleThenWrite(RingBuffer):
+    """An in-place update, then an indexed write (fx fails at the setitem, after the update ran)."""
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.mem.mul_(0.5)
+        self.mem[0] = y.mean(0)
+        return y @ self.mem.t()
+
+
+@pytest.mark.parametrize("cls", [EmaInNoGrad, ScaleThenWrite])
+def test_in_place_updates_fx_ran_before_giving_up_are_traced_with_export(cls):
+    members = [(torch.manual_seed(i), cls().eval())[1] for i in range(N)]
+    reference = copy.deepcopy(members)
+    x = torch.randn(4, 6)
+    graph = planner.trace(members[0], (x,))
+    assert graph.tracer == "export"
+    for m, r in zip(members, reference):  # tracing left the member as it was
+        for (k, a), b in zip(m.state_dict().items(), r.state_dict().values()):
+            assert torch.equal(a, b), k
+    ens = executor.build(planner.propose(graph, N), members)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in reference]), rtol=1e-5, atol=1e-5)

@@ -132,6 +132,10 @@ def with_dims(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
             kwargs[key] = _shift(default)
             given = True
     if not given and name in REDUCE_ALL_WITHOUT_DIM:
+        if isinstance(fn, torch._ops.OpOverload):  # an aten overload without dim (aten.sum.default): torch's own function
+            if len(args) > 1 or set(kwargs) - {"dtype"} or not hasattr(torch, name):
+                return None
+            fn = getattr(torch, name)
         kwargs["dim"] = list(range(1, x.t.dim()))
         if name in ("sum", "mean", "prod") and len(args) > 1 and not isinstance(args[1], (int, list, tuple)):
             kwargs["dtype"] = args.pop(1)  # sum(x, dtype) form
@@ -186,6 +190,8 @@ def view_like(name: str, args: tuple, kwargs: dict) -> Any:
 def getitem(args: tuple) -> Any:
     x, idx = args
     if not is_nf(x):
+        if has_nf(idx if isinstance(idx, tuple) else (idx,)):
+            return None  # a shared tensor indexed by a per-member index: vmap's rules
         return x[idx]  # a container (tuple of outputs, chunks) indexed by a Python int
     idx = idx if isinstance(idx, tuple) else (idx,)
     if has_nf(idx) or sum(isinstance(i, torch.Tensor) for i in idx) > 1:
