@@ -70,7 +70,7 @@ from stagewise.executor.strategies import wide_rule_gaps
 from stagewise.executor.strategies.compiled import COMPILE_MODES, compile_mode_of, with_compile_mode
 from stagewise.executor.strategies.wide import conv_form_of, wide_conv_forms, with_conv_form
 from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repeats, describe_error, peak_memory_bytes
-from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, loop_outputs, member_inputs
+from stagewise.executor.verify import DEFAULT_RTOL, default_rtol, loop_outputs, member_inputs
 from stagewise.executor.baselines import stack_outputs
 
 WHOLE_GRAPH = "per-stage/whole-plan graph"  # the whole-plan candidate: the tuned stages, captured (plan.capture)
@@ -385,7 +385,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
         for program, runner in zip(module.programs, module.runners):
             fresh = stage_inputs(program, env, n)
             results, chosen, out, chosen_runner = _tune_stage(program, runner, fresh, n, dev, allowed, repeats, warmup,
-                                                              progress, done, total, DTYPE_RTOL[plan.dtype], spend)
+                                                              progress, done, total, default_rtol(plan, members), spend)
             done += len(stage_candidates(program, dev, allowed, spend))
             found[program.stage.id] = results
             advance(program, env, fresh, out, chosen_runner)
@@ -537,7 +537,7 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
                 own.restore()  # that call updated the buffers (warm-ups too, in the reused runners' state): back to the start
                 reset()
             return lambda: m(*inputs)
-        res, call, _ = try_strategy(label, "whole", make, check, device, rtol=DTYPE_RTOL[plan.dtype])
+        res, call, _ = try_strategy(label, "whole", make, check, device, rtol=default_rtol(plan, members))
         results.append(res)
         if call is not None:
             cands[label] = (res, call)
@@ -595,7 +595,7 @@ def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, d
     with state_kept(members):
         want = stack_outputs(loop_outputs(plan, members, inputs))
     err = max_rel_error(got, want)
-    if not err <= DTYPE_RTOL[plan.dtype]:
+    if not err <= default_rtol(plan, members):
         raise ExecutionError(f"autotune: the tuned plan differs from the member loop (max rel err {err:.2e}) although each stage matched; "
                              "profile the plan with its default strategies and report this")
 

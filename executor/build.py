@@ -514,7 +514,7 @@ class BatchedModule(nn.Module):
                                  "use dtype 'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
         return _cast_floating(out, caller), env
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **named):
         """Shared inputs as one member takes them, per_member ones [N, ...]; returns N-first outputs.
 
         Raises InputError for the wrong number of inputs, a missing member axis, or
@@ -522,6 +522,9 @@ class BatchedModule(nn.Module):
         later stage fails, for global module hooks registered since build, or for a
         training flag set by hand to a mode forward() was not traced in (see mode_bound).
         """
+        if named:
+            raise InputError(f"the batched module takes its inputs positionally, in the plan's order {self._input_names}; "
+                             f"got keyword(s) {sorted(named)}: pass them as ens({', '.join(self._input_names)})")
         if global_hooks_present():  # four dict truthiness tests; torch's own watching hooks pass below
             self._refuse_global_hooks()
         if parametrize._cache_enabled:

@@ -27,7 +27,7 @@ from torch import nn
 from stagewise.planner.errors import MemberError
 from stagewise.planner.graph import (PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal,
                                      plain_attributes, retrace)
-from stagewise.planner.snapshot import held_values
+from stagewise.planner.snapshot import deepcopy_module, held_values
 from stagewise.planner.module_refusals import closure_values
 
 LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced graph; StageProgram inlines their get_attr
@@ -211,7 +211,7 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
                 attr_diffs.setdefault(k, []).append(i)
     others = {}
     for i in suspects:
-        g = retrace(copy.deepcopy(members[i]), tracer, example_inputs, input_names, opened)
+        g = retrace(deepcopy_module(members[i]), tracer, example_inputs, input_names, opened)
         if g.fingerprint != graph.fingerprint:
             raise MemberError(f"member {i} traces to another graph than member 0 (fingerprint {g.fingerprint} vs {graph.fingerprint}); "
                               "all members must share one architecture: build them from one class and config")
@@ -385,8 +385,10 @@ def _constant_node(gm: torch.fx.GraphModule, node: torch.fx.Node, diff: _Differe
     """A get_attr node, placed before `node`, reading a new buffer that holds member 0's value; [N] values into `lifted`."""
     name = f"{LIFTED_PREFIX}{diff.node}_{str(diff.where).replace('.', '_')}"
     floating = any(isinstance(v, float) for v in diff.values)
-    # a float becomes the default dtype, as a Python float meets an integer tensor; float32 tensors see the same value
-    dtype = torch.get_default_dtype() if floating else torch.int64
+    # a float becomes the default dtype, as a Python float meets an integer tensor; float32 tensors see the same value.
+    # In a float64 model, float64: a float32 number would round 0.1 and overflow 1e40, which the loop's doubles keep
+    state = next((t.dtype for t in [*gm.parameters(), *gm.buffers()] if t.is_floating_point()), None)
+    dtype = (torch.float64 if state == torch.float64 else torch.get_default_dtype()) if floating else torch.int64
     values = torch.tensor(diff.values, dtype=dtype)
     gm.register_buffer(name, values[0].clone())
     lifted[name] = values

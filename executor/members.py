@@ -14,12 +14,13 @@ import torch
 from torch import nn
 
 from stagewise.planner.errors import MemberError
+from stagewise.planner.snapshot import deepcopy_module
 
 
 def copy_member(member: nn.Module, i: int, why: str) -> nn.Module:
-    """copy.deepcopy(member); MemberError naming member `i`, `why` stagewise copies it, and the usual fix."""
+    """deepcopy_module(member); MemberError naming member `i`, `why` stagewise copies it, and the usual fix."""
     try:
-        return copy.deepcopy(member)
+        return deepcopy_module(member)
     except Exception as e:  # a module torch cannot copy (the old nn.utils.weight_norm's derived weight, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise MemberError(f"member {i} cannot be copied ({type(e).__name__}: {first}); {why}. Models using "

@@ -19,6 +19,7 @@ from stagewise.planner.errors import StagewiseError
 from stagewise.planner.graph import ModelGraph, retrace
 from stagewise.planner.module_refusals import closure_values
 from stagewise.planner.plan import Plan
+from stagewise.planner.snapshot import deepcopy_module
 
 
 # --- forward() reading self.training ------------------------------------------------------------
@@ -190,7 +191,7 @@ def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple
     for mode in wanted:
         # the other mode's trace may run Python that changes attributes: on a copy, sharing the parameters and buffers
         # (a trace does not write them: fx holds proxies, export fakes)
-        other = copy.deepcopy(private, {id(t): t for t in [*private.parameters(), *private.buffers()]})
+        other = deepcopy_module(private, {id(t): t for t in [*private.parameters(), *private.buffers()]})
         other.train(mode)
         try:
             g = retrace(other, plan.tracer, example, names, plan.opened_modules)

@@ -39,7 +39,7 @@ from stagewise.executor.candidates import (Progress, SavedTensors, advance, make
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.timing import native_stderr_silenced
-from stagewise.executor.verify import DEFAULT_RTOL, DTYPE_RTOL, member_inputs
+from stagewise.executor.verify import DEFAULT_RTOL, default_rtol, member_inputs, members_rtol
 
 
 # --- the profile ---------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     start = SavedTensors(module.stacked_state.values())  # every check starts from the state the loop starts from
     with torch.no_grad(), tf32_scope(plan.dtype, dev):
         stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                 candidates.get(program.stage.id, []), DTYPE_RTOL[plan.dtype], start)
+                                 candidates.get(program.stage.id, []), default_rtol(plan, members), start)
                   for program, runner in zip(module.programs, module.runners)]
         start.restore()  # the stages' runs moved it; the end-to-end check runs the whole plan from the start
         del start
@@ -294,7 +294,7 @@ def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tup
             if name in ("vmap", "vmap+compile"):
                 ticks(f"baseline {name}")
             check = None if name in ("loop", "floor") else (lambda out: max_rel_error(out, ref_out))
-            rtol = DTYPE_RTOL[plan.dtype] if name == "stagewise" else DEFAULT_RTOL  # the baselines run in float32
+            rtol = default_rtol(plan, members) if name == "stagewise" else members_rtol(members)  # baselines: the members' precision
             res, call, _ = try_strategy(name, "whole", lambda make=make: (kept.restore(), make())[1], check, dev, rtol=rtol)
             if name == "loop" and res.ok:
                 res.max_rel_err = 0.0  # the reference itself

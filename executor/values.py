@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -163,7 +163,7 @@ def stack_member_values(values: list, device: torch.device | str | None = None,
     the forward call running now (set_call_number_context), else torch's default dtype.
     """
     if values and all(_is_tensor(v) for v in values):  # the common case (a loop stage's tensors), without pytree walks
-        return torch.stack(values), 0
+        return _stack(values), 0
     if device is None:
         device = _stage_device.get() or device_of(list(values))
     flat = [tree_flatten(v) for v in values]
@@ -174,7 +174,7 @@ def stack_member_values(values: list, device: torch.device | str | None = None,
     for column in zip(*(f[0] for f in flat)):
         first = column[0]
         if _is_tensor(first):
-            leaves.append(torch.stack(column))
+            leaves.append(_stack(column))
             dims.append(0)
         elif all(not _is_tensor(c) and c == first for c in column[1:]):
             leaves.append(first)
@@ -187,6 +187,21 @@ def stack_member_values(values: list, device: torch.device | str | None = None,
         else:
             raise ExecutionError(f"members produced different {type(first).__name__} values at a stage boundary; keep their consumers in a loop stage")
     return tree_unflatten(leaves, spec), tree_unflatten(dims, spec)
+
+
+def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch.stack of the members' tensors; ExecutionError when their shapes differ (a shape that depends on the values)."""
+    try:
+        return torch.stack(tensors)
+    except RuntimeError:
+        shapes = [tuple(t.shape) for t in tensors]
+        if len(set(shapes)) == 1:
+            raise
+        raise ExecutionError(
+            f"members produced tensors of different shapes ({', '.join(str(list(s)) for s in shapes[:3])}{', ...' if len(shapes) > 3 else ''}): "
+            "a shape that depends on the values (boolean masking, nonzero, unique) cannot be stacked N-first. Keep the "
+            "ops that use it in one loop stage with their consumers, and return one shape per call from forward() "
+            "(pad it, or return the mask with the full tensor)") from None
 
 
 def member_value(v, i: int) -> Any:

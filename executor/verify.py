@@ -28,6 +28,21 @@ DEFAULT_RTOL = 1e-4  # float32: vmap and the loop may sum in different orders
 DTYPE_RTOL = {"float32": DEFAULT_RTOL, "tf32": 5e-3, "bfloat16": 3e-2, "float16": 5e-3}
 
 
+_MEMBER_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def members_rtol(members: Sequence[nn.Module]) -> float:
+    """The tolerance of the members' own precision: float16 or bfloat16 state makes the loop itself compute in it
+    (one rounding of it is no mismatch); DEFAULT_RTOL otherwise."""
+    dtypes = {t.dtype for t in members[0].parameters() if t.is_floating_point()} if members else set()
+    return max((DTYPE_RTOL[_MEMBER_DTYPE[d]] for d in dtypes if d in _MEMBER_DTYPE), default=DEFAULT_RTOL)
+
+
+def default_rtol(plan: Plan, members: Sequence[nn.Module]) -> float:
+    """The tolerance of the plan's precision, or of the members' own where that is looser (members_rtol)."""
+    return max(DTYPE_RTOL[plan.dtype], members_rtol(members))
+
+
 @dataclass
 class ErrorRow:
     """Error of one compared value (an output leaf or a stage-boundary node)."""
@@ -191,7 +206,8 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
 
     Args:
         inputs: the batched module's inputs (shared as-is, per_member [N, ...]).
-        rtol: max normwise relative error; None = DTYPE_RTOL[plan.dtype] (the loop always runs in float32).
+        rtol: max normwise relative error; None = DTYPE_RTOL[plan.dtype] (the loop runs in the members' precision),
+            looser for float16 / bfloat16 members (default_rtol).
         device: where the batched module runs (inputs are copied there); the loop
             runs each member where it already is, on `inputs` as given.
         calls: consecutive calls compared (at least 2: state a forward() updates
@@ -212,7 +228,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
 
     if not isinstance(calls, int) or calls < 1:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}")
-    rtol = DTYPE_RTOL[plan.dtype] if rtol is None else rtol
+    rtol = default_rtol(plan, members) if rtol is None else rtol
     members = private_members(list(members), None, "verify")  # the caller's modules are never run
     inputs = tuple(inputs)
     example = member_inputs(plan, inputs, 0)

@@ -164,7 +164,14 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
             # goes stale when the buffer changes. Traced again with buffers as graph values, such a computation is
             # recorded (`.item()` then keeps its stage out of vmap); what stays constant comes from no buffer
             # (plain tensor attributes: executor.constants compares them per member)
-            gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=True)
+            try:
+                gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=True)
+            except Exception as e:
+                raise TraceError(
+                    f"forward() turns a buffer's values into Python (float(), int(), .item(), .tolist(), a branch on them: "
+                    f"{type(e).__name__}: {_first_line(e)}), which a trace would keep as member 0's for every member; keep "
+                    "the computation on tensors (x * self.scale, torch.where), or hold a per-member number as a plain "
+                    "attribute (stagewise gives each member its own)") from None
     if random_drawn.calls:
         # `torch.rand(1) < p` (stochastic depth, layer drop) has no traced input: fx runs it once and bakes the
         # draw into the graph as a constant, so every call of every member would reuse it (export records the op)
@@ -237,24 +244,33 @@ def held_generators(gm: torch.fx.GraphModule) -> str:
 def _state_derived_constants(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict) -> str:
     """The baked constants of a buffer-proxied trace that depend on parameters or buffers, named ("" when none).
 
-    One that requires grad was computed from parameters. For the others, a copy of `model` with every floating
-    parameter and buffer changed is traced again: a constant that changes with them came from them."""
+    One that requires grad was computed from parameters. For the others, `model` is traced again with every
+    parameter and buffer swapped for one holding other values (then swapped back): a constant that changes with
+    them came from them."""
     baked = baked_constants(gm)
     if not baked:
         return ""
     grads = [t for t in baked if getattr(gm, t).requires_grad]
     if grads:
         return ", ".join(grads)
+    swapped = []
     try:
-        other = copy.deepcopy(model)
-    except Exception:
-        return ", ".join(baked)  # cannot tell: let torch.export record them
-    with torch.no_grad():
-        for t in [*other.parameters(), *other.buffers()]:
-            t.copy_(_other_values(t))
-    again = symbolic_trace_opening(other, opened, fixed or None, proxy_buffers=True)
-    changed = [t for t in baked if t not in set(baked_constants(again)) or not _same_tensor(getattr(gm, t), getattr(again, t))]
-    return ", ".join(changed)
+        for mod in model.modules():
+            for table in (mod._parameters, mod._buffers):
+                for k, t in table.items():
+                    if t is not None:
+                        swapped.append((table, k, t))
+                        other = _other_values(t)
+                        table[k] = nn.Parameter(other, t.requires_grad) if isinstance(t, nn.Parameter) else other
+        again = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=True)
+    except Exception:  # noqa: BLE001 - other values break the trace: it depends on them
+        return ", ".join(baked)
+    finally:
+        for table, k, t in swapped:
+            table[k] = t
+    if again.code != gm.code:
+        return ", ".join(baked)
+    return ", ".join(t for t in baked if not _same_tensor(getattr(gm, t), getattr(again, t)))
 
 
 def _same_tensor(a: Any, b: Any) -> bool:

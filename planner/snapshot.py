@@ -7,6 +7,7 @@ and undo what forward() changed while it was traced.
 """
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 import types
@@ -178,6 +179,19 @@ def _bytes_digest(v: Any) -> str:
         return hashlib.sha1(v.tobytes()).hexdigest()
     except Exception:  # noqa: BLE001 - an object array: its repr
         return repr(v)
+
+
+def deepcopy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
+    """copy.deepcopy(module), with plain tensor attributes kept plain: a GraphModule's deepcopy (a torch.export
+    archive's module) registers them as buffers, and a buffer is traced as a graph value where a plain attribute
+    is not, so the copy would trace to another graph than the module the plan was made from."""
+    twin = copy.deepcopy(module, memo)
+    for mod, other in zip(module.modules(), twin.modules()):
+        for k, v in vars(mod).items():
+            if isinstance(v, torch.Tensor) and k in other._buffers and k not in mod._buffers:
+                other.__dict__[k] = other._buffers.pop(k)
+                other._non_persistent_buffers_set.discard(k)
+    return twin
 
 
 @dataclass

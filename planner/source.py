@@ -29,6 +29,7 @@ from torch import nn
 from stagewise.planner import budget
 from stagewise.planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
 from stagewise.planner.errors import first_line as _first_line
+from stagewise.planner.snapshot import deepcopy_module
 
 MEMBER_SEED_BASE = 1234  # member i is built after torch.manual_seed(MEMBER_SEED_BASE + i)
 
@@ -207,7 +208,7 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
     except Exception as e:  # a damaged or hand-edited archive fails here, in torch's unflattening
         raise ModelLoadError(f"{p.name}: torch could not rebuild the module from the archive ({type(e).__name__}: {_first_line(e)}); "
                              "write it again with torch.export.save") from None
-    base = lambda: copy.deepcopy(model)  # noqa: E731
+    base = lambda: deepcopy_module(model)  # noqa: E731
     if weights:
         build = _members_from_weights(p.name, base, weights)
     else:

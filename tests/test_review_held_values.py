@@ -254,3 +254,24 @@ def test_a_per_member_setting_that_has_no_tensor_form_is_refused_by_name():
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
     with pytest.raises(MemberError, match="alpha= or beta="):
         executor.build(plan, members)
+
+
+def test_per_member_numbers_of_a_float64_model_keep_float64():
+    members = []
+    for i, s in enumerate((1e40, 1e41, 0.1)):
+        torch.manual_seed(i)
+        members.append(Private(s).double())
+    x = torch.randn(5, 4, dtype=torch.float64)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-12, atol=0)
+
+
+def test_half_precision_members_are_verified_at_their_own_precision():
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).half())
+    x = torch.randn(8, 16, dtype=torch.float16)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    report = executor.verify(plan, members, (x,))
+    assert report.ok and report.rtol >= 5e-3

@@ -185,3 +185,29 @@ def test_export_constants_wide_reductions_and_draws_match_the_loop(cls, strategy
         torch.manual_seed(3)
         want = torch.stack([m(x) for m in members])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class Ragged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y[y > 0]
+
+
+def test_outputs_whose_shape_depends_on_the_values_are_refused_by_name():
+    members = members_of(Ragged)
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    with pytest.raises(planner.errors.ExecutionError, match="different shapes"):
+        executor.build(plan, members)(x)
+
+
+def test_a_keyword_call_says_inputs_are_positional():
+    members = members_of(Ragged)
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    with pytest.raises(InputError, match="positionally"):
+        ens(x=x)
