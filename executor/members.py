@@ -6,7 +6,6 @@ between members), and the module tree that holds the stacked tensors under one m
 """
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import Sequence
 

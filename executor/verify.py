@@ -178,14 +178,16 @@ def _compare_outputs(report: VerifyReport, got: Any, want: list[Any], suffix: st
 
 
 def _buffers(members: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
-    return [{k: b.detach().clone() for k, b in m.named_buffers()} for m in members]
+    """Copies of what forward() may update in place: the buffers, and the parameters (an EMA teacher updated in
+    forward(), an Embedding's max_norm renormalising its weight)."""
+    return [{k: t.detach().clone() for k, t in [*m.named_parameters(), *m.named_buffers()]} for m in members]
 
 
 def _restore_buffers(members: Sequence[nn.Module], saved: list[dict[str, torch.Tensor]]) -> None:
     with torch.no_grad():
         for m, state in zip(members, saved):
-            for k, b in m.named_buffers():
-                b.copy_(state[k])
+            for k, t in [*m.named_parameters(), *m.named_buffers()]:
+                t.copy_(state[k])
 
 
 class _Recorder(torch.fx.Interpreter):

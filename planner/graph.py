@@ -482,7 +482,15 @@ class _Recorder(torch.fx.Interpreter):
 
 def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict]:
     rec = _Recorder(gm)
-    buffers = {name: b.clone() for name, b in gm.named_buffers()}  # gm shares state with the model
+    # gm shares state with the model: every buffer, and the parameters the graph writes in place (an EMA teacher
+    # updated in forward()), are put back afterwards, since tracing must not change the model
+    written = {str(alias_chain(n.args[0])[-1].target) for n in gm.graph.nodes
+               if is_inplace(n) and alias_chain(n.args[0])[-1].op == "get_attr"}
+    # and what a region's subgraph may write (export keeps a torch.no_grad() block as a higher-order op)
+    written |= {str(a.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)
+                for a in n.all_input_nodes if a.op == "get_attr"}
+    state = {**{name: p for name, p in gm.named_parameters() if name in written}, **dict(gm.named_buffers())}
+    saved = {name: t.detach().clone() for name, t in state.items()}
     try:
         with torch.no_grad():
             rec.run(*inputs)
@@ -492,9 +500,9 @@ def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict
             "check that example_inputs() matches what forward() expects"
         ) from None
     finally:
-        with torch.no_grad():  # undo in-place buffer updates: tracing must not change the model
-            for name, b in gm.named_buffers():
-                b.copy_(buffers[name])
+        with torch.no_grad():
+            for name, t in state.items():
+                t.copy_(saved[name])
     return rec.values, rec.flops
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import copy
 import importlib.util
 import io
 import json

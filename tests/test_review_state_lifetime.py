@@ -247,3 +247,35 @@ def test_in_place_updates_fx_ran_before_giving_up_are_traced_with_export(cls):
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in reference]), rtol=1e-5, atol=1e-5)
+
+
+class MomentumTeacher(nn.Module):
+    """BYOL / MoCo: a frozen teacher moved towards the student inside forward(), under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.student, self.teacher = nn.Linear(8, 8), nn.Linear(8, 8)
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for ps, pt in zip(self.student.parameters(), self.teacher.parameters()):
+                pt.mul_(0.9).add_(ps.detach(), alpha=0.1)
+        return self.student(x) - self.teacher(x)
+
+
+def test_tracing_leaves_parameters_forward_updates_as_they_were_and_verify_agrees():
+    members = [(torch.manual_seed(i), MomentumTeacher().eval())[1] for i in range(N)]
+    before = [copy.deepcopy(m.state_dict()) for m in members]
+    x = torch.randn(4, 8)
+    graph = planner.trace(members[0], (x,))  # on the member itself, as the README's recipe does
+    for k, v in members[0].state_dict().items():
+        assert torch.equal(v, before[0][k]), k
+    plan = planner.propose(graph, N)
+    assert executor.verify(plan, members, (x,), calls=3).ok
+    reference = copy.deepcopy(members)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in reference]), rtol=1e-5, atol=1e-6)

@@ -36,6 +36,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import PlanFileError
+from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageOptions
 from stagewise.executor.stages import Runner, StageProgram
@@ -350,11 +351,18 @@ def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[
     along the output axis instead of one small GEMM per layer.
     """
     groups: dict[str, list[torch.fx.Node]] = {}
+    # values written in place somewhere (`h.relu_()` between q = a(h) and k = b(h)): a group reading one of them
+    # would run every Linear at the first one, before the write; fx records no edge for it
+    written = {alias_chain(n.args[0])[-1] for n in gm.graph.nodes
+               if n.args and isinstance(n.args[0], torch.fx.Node)
+               and (is_inplace(n) or n.kwargs.get("inplace") is True
+                    or (n.op == "call_module" and getattr(gm.get_submodule(n.target), "inplace", False) is True))}
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
             continue
         mod = gm.get_submodule(node.target)
-        if type(mod) is torch.nn.Linear and module_rule(mod) is not None and f"{node.target}.weight" in stacked:
+        if (type(mod) is torch.nn.Linear and module_rule(mod) is not None and f"{node.target}.weight" in stacked
+                and alias_chain(node.args[0])[-1] not in written):
             groups.setdefault(node.args[0].name, []).append(node)
     fused = {}
     for nodes in groups.values():

@@ -131,7 +131,11 @@ def with_dims(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         elif default is not None:
             kwargs[key] = _shift(default)
             given = True
+    if "axis" in kwargs or (name == "prod" and not given):
+        return None  # numpy's alias (dim and axis would both be given); prod takes one dim: vmap
     if not given and name in REDUCE_ALL_WITHOUT_DIM:
+        if x.rank == 0:
+            return None  # dim=[] would reduce the member axis too
         if isinstance(fn, torch._ops.OpOverload):  # an aten overload without dim (aten.sum.default): torch's own function
             if len(args) > 1 or set(kwargs) - {"dtype"} or not hasattr(torch, name):
                 return None
@@ -194,8 +198,8 @@ def getitem(args: tuple) -> Any:
             return None  # a shared tensor indexed by a per-member index: vmap's rules
         return x[idx]  # a container (tuple of outputs, chunks) indexed by a Python int
     idx = idx if isinstance(idx, tuple) else (idx,)
-    if has_nf(idx) or sum(isinstance(i, torch.Tensor) for i in idx) > 1:
-        return None  # advanced indexing across members: vmap knows the rules
+    if has_nf(idx) or sum(isinstance(i, (torch.Tensor, list)) for i in idx) > 1:
+        return None  # advanced indexing across members (or two advanced indices, which torch moves to the front): vmap
     return NFirst(x.t[(slice(None), *idx)])
 
 
@@ -351,8 +355,13 @@ def call_function(fn: Callable, name: str, args: tuple, kwargs: dict, n: int) ->
     if name == "getitem":
         return getitem(args)
     if name in ELEMENTWISE:
-        if name in ("to", "_to_copy", "type_as") and (has_nf(args[1:]) or has_nf(kwargs)):
-            return None
+        if name in ("to", "_to_copy", "type_as"):
+            if has_nf(args[1:]) or has_nf(kwargs):
+                return None
+            x = args[0]
+            # a conversion, not arithmetic: `w.type_as(x)` takes x's dtype and device, never its shape (elementwise's
+            # alignment would give a per-member w the rank of a shared x)
+            return NFirst(fn(x.t, *args[1:], **kwargs)) if is_nf(x) else fn(*args, **kwargs)
         return elementwise(fn, args, kwargs, n)
     first = args[0] if args else None
     if name in DIM_ARGS and is_nf(first) and not has_nf((args[1:], kwargs)):

@@ -1,0 +1,100 @@
+"""Review: `wide` rules that answered wrong (or crashed where vmap runs), each set by hand on every stage and
+compared with the member loop at a batch of N and another size, with every member's weights apart.
+
+Sibling Linears fused into one GEMM ran before an in-place write to their input between them; `w.type_as(x)` with a
+shared x of higher rank gave a per-member w x's rank; two list indices split by a slice put the member axis in the
+wrong place; a whole-tensor reduction of a per-member 0-dim value reduced across members; `sum(axis=)` and `prod()`
+failed and blamed the inputs.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise import executor, planner
+
+N = 4
+
+
+class SiblingsAroundAWrite(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), how
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.fc(x)
+        a = self.a(h)
+        if self.how == "method":
+            h.relu_()
+        elif self.how == "functional":
+            F.relu(h, inplace=True)
+        else:
+            self.act(h)
+        return a * self.b(h)
+
+
+class TypeAsShared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.w = nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return self.fc(x) + self.w.type_as(x).sum(0) + self.w.to(x).softmax(0)
+
+
+class TwoListIndices(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 12)
+
+    def forward(self, x):
+        return self.fc(x).view(-1, 3, 4)[[0, 1, 1, 0], :, [1, 2, 3, 0]]
+
+
+class Reductions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.sum(axis=-1) + h.prod() + h.pow(2).mean().sum()
+
+
+MODELS = {
+    "siblings around relu_": lambda: SiblingsAroundAWrite("method"),
+    "siblings around F.relu(inplace)": lambda: SiblingsAroundAWrite("functional"),
+    "siblings around nn.ReLU(inplace)": lambda: SiblingsAroundAWrite("module"),
+    "type_as a shared input": TypeAsShared,
+    "two list indices": TwoListIndices,
+    "reductions": Reductions,
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_wide_matches_the_loop(name):
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        m = MODELS[name]().eval()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.1 * torch.randn_like(p))  # biases apart too
+        members.append(m)
+    x = torch.randn(N, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    for s in list(plan.stages):
+        if s.mode.value == "batched":
+            plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    ens = executor.build(plan, members)
+    shapes = ((N, 4),) if name == "two list indices" else ((N, 4), (5, 4))
+    with torch.no_grad():
+        for shape in shapes:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
