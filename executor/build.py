@@ -40,7 +40,8 @@ from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound
 from stagewise.executor.modes import reads_training  # noqa: F401
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
-from stagewise.executor.values import Batched, Shared, as_batched, n_first, reset_call_number_context, set_call_number_context
+from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, n_first, reset_call_number_context,
+                                       set_call_number_context)
 
 
 # Precision (plan.dtype). Cast once, not autocast: the stacked floating state (parameters and buffers,
@@ -210,10 +211,12 @@ class BatchedModule(nn.Module):
         self._stacked = {k: tree_tensor(self.stacked, k) for k in stacked}
         # a state tensor read by a stage and handed on is that tensor itself, not a copy: an in-place
         # update downstream (a running mean written by a loop stage) must land in the stacked state
-        # so is the result of an in-place op on it (`self.mem.copy_(...)` returns mem, which a later stage may view and write)
+        # (key None: the result of an in-place op on state, `self.mem.copy_(...)`, which a later stage may view and write:
+        # a loop stage's rows of it are handed on as the one tensor they are rows of, not stacked into a copy)
         gm_nodes = {n.name: n for n in graph.gm.graph.nodes}
-        self._state_outputs = [[(k, key) for k, name in enumerate(p.output_names)
-                                if (key := _state_itself(gm_nodes[name], keys)) is not None] for p in self.programs]
+        self._state_outputs = [[(k, str(gm_nodes[name].target) if gm_nodes[name].op == "get_attr" else None)
+                                for k, name in enumerate(p.output_names)
+                                if _state_itself(gm_nodes[name], keys) is not None] for p in self.programs]
         self._build_runners()
         self._make_captured()
         # modes this module cannot be switched to (True = training) -> why: forward() reads self.training (see mode_bound)
@@ -469,7 +472,10 @@ class BatchedModule(nn.Module):
                 raise error from e
             env.update(zip(output_names, outs))
             for k, key in state_out:
-                env[output_names[k]] = Batched(self._stacked[key])
+                if key is not None:
+                    env[output_names[k]] = Batched(self._stacked[key])
+                elif isinstance(env[output_names[k]], PerMember):
+                    env[output_names[k]] = as_batched(env[output_names[k]], n)
 
     def _outputs(self, env: dict[str, Any]) -> Any:
         """The model's outputs, N-first, from the boundary values in `env`."""

@@ -8,12 +8,14 @@ Layouts: stacked state tensors are [N, *param_shape]; Batched values are N-first
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch._C import _functorch
 import torch.fx
+from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -357,6 +359,55 @@ def _simple_args(args: list) -> tuple[tuple | None, list]:
     return tuple(dims), inputs
 
 
+_MHA_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+                nn.TransformerDecoder, nn.Transformer)
+
+
+def grad_safe_kernels(module: nn.Module) -> Callable[[Callable], Callable] | None:
+    """A wrapper that makes a vmapped stage pick kernels that carry gradients while gradients are recorded, or None
+    when the stage needs none. Under vmap a parameter reports requires_grad=False, so torch takes inference-only
+    paths it would not take for the member itself: nn.MultiheadAttention's fused fast path (no derivative), and on
+    the CPU the flash SDPA kernel for an attention with a mask (no gradient for a learned bias, T5's relative
+    positions). With gradients on, the fast path is off and a masked SDPA runs on the math kernel, as for the member."""
+    graph = module.graph if isinstance(module, torch.fx.GraphModule) else None
+    mha = any(isinstance(m, _MHA_MODULES) for m in module.modules())
+    masked = False
+    for node in graph.nodes if graph is not None else ():
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else str(node.target)
+        if isinstance(node.target, torch._ops.OpOverload):
+            name = node.target.name().split("::")[-1].split(".")[0]
+        if name == "scaled_dot_product_attention" and (len(node.args) > 3 and node.args[3] is not None
+                                                      or node.kwargs.get("attn_mask") is not None):
+            masked = True
+        mha = mha or name == "_native_multi_head_attention"
+    if not (mha or masked):
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415 - only for such stages
+
+    def wrap(fn: Callable) -> Callable:
+        def guarded(*args):
+            if not torch.is_grad_enabled():
+                return fn(*args)
+            with contextlib.ExitStack() as stack:
+                if mha:
+                    stack.enter_context(mha_fastpath_off())
+                if masked and not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+                    stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+                return fn(*args)
+        return guarded
+    return wrap
+
+
+@contextlib.contextmanager
+def mha_fastpath_off() -> Iterator[None]:
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
 class VmapRunner(Runner):
     """One torch.func.vmap over stacked state: `functional_call(stage, state[i], inputs[i])` for all i at once.
 
@@ -389,6 +440,7 @@ class VmapRunner(Runner):
         self._one_member = one_member
         self._call = call
         self._vmapped: dict[Any, Callable] = {}
+        self._grad_kernels = grad_safe_kernels(self.program.module)
 
     @staticmethod
     def _flat_meta(n: int) -> dict[str, Any]:
@@ -428,6 +480,8 @@ class VmapRunner(Runner):
                 fn = flat_vmap(self._one_member, in_dims, self.n_members, randomness(self.program.module))
             else:
                 fn = vmap(self._one_member, in_dims=in_dims, randomness=randomness(self.program.module), chunk_size=chunk_size)
+            if self._grad_kernels is not None:
+                fn = self._grad_kernels(fn)
             self._vmapped[key] = fn
         return fn
 

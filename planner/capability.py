@@ -98,6 +98,55 @@ def inplace_buffer_check(graph, node: torch.fx.Node) -> Optional[str]:
     return None
 
 
+_SIZE_QUERIES = {"size", "dim", "numel", "shape", "ndim", "dtype", "device", "sym_size", "sym_numel", "sym_stride",
+                 "stride", "nelement", "ndimension"}
+
+
+def _carries_member_axis(graph) -> set[str]:
+    """Names of the nodes whose value has a member axis in a stage that writes in place (which gets its inputs as
+    [N, ...] tensors): what flows as tensor data from module state or a model input. Sizes read from a tensor carry
+    none, so `torch.zeros(x.shape[0], d)` has none. Computed once per graph."""
+    cached = getattr(graph, "_member_axis_cache", None)
+    if cached is not None:
+        return cached
+    gm = graph.gm
+    state = {k for k, _ in gm.named_parameters()} | {k for k, _ in gm.named_buffers()}
+    out: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            hit = True
+        elif n.op == "get_attr":
+            hit = str(n.target) in state
+        elif n.op != "call_module" and (str(_op_name(n)).split(".")[0] in _SIZE_QUERIES or (
+                n.target is getattr and len(n.args) > 1 and n.args[1] in _SIZE_QUERIES)):
+            hit = False
+        elif n.op == "call_module":
+            sub = gm.get_submodule(n.target)
+            hit = any(True for _ in sub.parameters()) or any(True for _ in sub.buffers()) \
+                or any(a.name in out for a in n.all_input_nodes)
+        else:
+            hit = any(a.name in out for a in n.all_input_nodes)
+        if hit:
+            out.add(n.name)
+    graph._member_axis_cache = out
+    return out
+
+
+def unowned_write_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """An in-place write of per-member values into a tensor made from sizes alone (`torch.zeros(n, d).index_add_(0, i,
+    m)`): under vmap that tensor is one for all members and cannot take N values."""
+    if not is_inplace(node):
+        return None
+    carries = _carries_member_axis(graph)
+    root = alias_chain(node.args[0])[-1]
+    if root.name in carries:
+        return None
+    if any(a.name in carries for a in node.all_input_nodes if a is not node.args[0]):
+        return (f"in-place write of per-member values into a tensor made in forward() ({_op_name(node)} into "
+                f"{root.name}), which vmap holds once for all members")
+    return None
+
+
 def stateful_module_check(graph, node: torch.fx.Node) -> Optional[str]:
     """A module that updates its own buffers in forward (batch norm in training mode)."""
     if node.op != "call_module":
@@ -187,7 +236,7 @@ def classify_vmap_error(node: torch.fx.Node, e: BaseException) -> str:
     return f"fails under vmap: {type(e).__name__}: {text[:200]}"
 
 
-DEFAULT_CHECK = chain(stateful_module_check, inplace_buffer_check, vmap_probe_check)
+DEFAULT_CHECK = chain(stateful_module_check, inplace_buffer_check, unowned_write_check, vmap_probe_check)
 
 
 def annotate_capability(graph, check: Check = DEFAULT_CHECK) -> None:

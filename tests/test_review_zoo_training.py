@@ -261,13 +261,9 @@ def test_bart_conditional_generation_trains_like_the_loop():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=planner.ExecutionError, reason=(
-    "T5's learned position bias reaches F.scaled_dot_product_attention as an attn_mask that requires grad; the member "
-    "loop's SDPA takes the math path, but under vmap the batching fallback calls _scaled_dot_product_flash_attention_for_cpu, "
-    "which is not differentiable in attn_mask: ExecutionError on the first backward. Fix (executor/stages.py): run vmap "
-    "stages under torch.nn.attention.sdpa_kernel(SDPBackend.MATH) when grad is enabled and an SDPA node's attn_mask "
-    "requires grad (or lower such nodes to aten._scaled_dot_product_attention_math), which trains T5 here like the loop (checked: this test passes under that context)"))
 def test_t5_conditional_generation_trains_like_the_loop():
+    # T5's learned position bias reaches SDPA as an attn_mask that requires grad: vmap stages run masked SDPA on the
+    # math kernel while gradients are recorded (executor.stages.grad_safe_kernels), as the member's own call does
     check_trains_like_the_loop(t5(), later=((2, 8), (4, 6)))
 
 

@@ -142,8 +142,12 @@ def test_subclasses_start_as_the_loop():
             self.layer = SubclassedLayer(16, 4, 32, dropout=0.0, batch_first=True)
 
     ms = members(WithSubclass)
-    _, plan = plan_of(ms, 8)
-    assert [s.options.strategy for s in excluded(plan)] in ([], [Strategy.LOOP])  # traced inside, or a loop
+    graph, plan = plan_of(ms, 8)
+    # traced inside (its exact nn.MultiheadAttention may start as wide), or a leaf that starts as the loop
+    for stage in excluded(plan):
+        leaves = [graph.fx_node(n) for n in stage.nodes]
+        if any(n.op == "call_module" and n.target == "layer" for n in leaves):
+            assert stage.options.strategy is Strategy.LOOP
     assert executor.verify(plan, ms, (x_of(2, 5, 8),), rtol=1e-5).ok
 
 

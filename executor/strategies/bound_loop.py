@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from stagewise.executor.stages import LoopRunner
-from stagewise.executor.values import PerMember, member_rows
+from stagewise.executor.values import PerMember, member_rows, member_value
 
 
 def _shell(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> nn.Module:
@@ -58,9 +58,12 @@ class BoundLoopRunner(LoopRunner):
 
     def run(self, args: list) -> list:
         n = self.n_members
-        if args:  # each argument's N member values at once (one unbind per batched tensor), then one call per member
-            views = not self.program.writes_in_place  # an in-place write into an unbind row is refused under autograd
-            rows = zip(*(member_rows(a, n, views) for a in args))
+        if args and self.program.writes_in_place:
+            # each member's rows taken just before its call: a row taken before another member's write turned the
+            # tensor into one that records gradients is refused by autograd (and an unbind row always is)
+            results = [forward(*(member_value(a, i) for a in args)) for i, forward in enumerate(self._forwards)]
+        elif args:  # each argument's N member values at once (one unbind per batched tensor), then one call per member
+            rows = zip(*(member_rows(a, n) for a in args))
             results = [forward(*row) for forward, row in zip(self._forwards, rows)]
         else:
             results = [forward() for forward in self._forwards]
