@@ -132,18 +132,32 @@ def _carries_member_axis(graph) -> set[str]:
     return out
 
 
-def unowned_write_check(graph, node: torch.fx.Node) -> Optional[str]:
-    """An in-place write of per-member values into a tensor made from sizes alone (`torch.zeros(n, d).index_add_(0, i,
-    m)`): under vmap that tensor is one for all members and cannot take N values."""
-    if not is_inplace(node):
-        return None
+def _written_unowned(graph) -> set[str]:
+    """Tensors made from sizes alone (`torch.zeros(n, d)`) that forward() then writes per-member values into, in place
+    or through a view (`out[t] = h`, `.index_add_`). Computed once per graph."""
+    cached = getattr(graph, "_written_unowned_cache", None)
+    if cached is not None:
+        return cached
     carries = _carries_member_axis(graph)
-    root = alias_chain(node.args[0])[-1]
-    if root.name in carries:
-        return None
-    if any(a.name in carries for a in node.all_input_nodes if a is not node.args[0]):
-        return (f"in-place write of per-member values into a tensor made in forward() ({_op_name(node)} into "
-                f"{root.name}), which vmap holds once for all members")
+    roots: set[str] = set()
+    for n in graph.gm.graph.nodes:
+        if not is_inplace(n):
+            continue
+        root = alias_chain(n.args[0])[-1]
+        if root.name not in carries and root.op != "get_attr" and any(
+                a.name in carries for a in n.all_input_nodes if a is not n.args[0]):
+            roots.add(root.name)
+    graph._written_unowned_cache = roots
+    return roots
+
+
+def unowned_write_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """A tensor made from sizes alone that forward() writes per-member values into: under vmap it would be one tensor
+    for all members. Made once per member instead (a loop stage of its own), it reaches the stage that writes into it
+    as an [N, ...] tensor, and the writes, through views too, land in each member's rows."""
+    if node.name in _written_unowned(graph):
+        return (f"{_op_name(node)} makes a tensor from sizes alone that forward() writes per-member values into, which "
+                "vmap would hold once for all members: made once per member")
     return None
 
 

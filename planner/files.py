@@ -42,9 +42,12 @@ def temp_beside(path: str | os.PathLike, *, must_fill: bool = True) -> Iterator[
     when it raises, or (with `must_fill`) leaves it empty or missing, the temp file
     is removed and `path` is untouched; the empty case raises FileNotFoundError, so
     nobody reports a file that was never written. The temp name ends like `path` (".json.gz" stays
-    ".json.gz"), for writers that choose a format by suffix.
+    ".json.gz"), for writers that choose a format by suffix. A symbolic link is followed: its target is replaced
+    (beside the target), and the link stays a link.
     """
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp-{path.name}")
     os.close(fd)
     tmp = Path(name)

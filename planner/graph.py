@@ -182,7 +182,13 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
         # no node: the graph would record gradients the model never makes (torch.export records the region)
         raise TraceError("forward() turns gradients off (torch.no_grad() / set_grad_enabled(False) / torch.inference_mode()), "
                          "which torch.fx cannot record")
-    state_derived = _state_derived_constants(gm, model, opened, fixed)  # outside the watches: it copies and traces a copy
+    written = sorted({str(root.target) for n in gm.graph.nodes if is_inplace(n)
+                      for root in [alias_chain(n.args[0])[-1]] if root.op == "get_attr" and str(root.target).startswith(BAKED_PREFIXES)})
+    if written:
+        # `torch.zeros(3, d).index_add_(...)`: fx made the fresh tensor once, so every member and call would write into it
+        raise TraceError(f"forward() writes in place into a tensor it makes with fixed sizes ({', '.join(written)}), which "
+                         "torch.fx keeps as one constant for every call")
+    state_derived = _state_derived_constants(gm, model, opened, fixed)  # outside the watches: it swaps state and traces
     if state_derived:
         # reached without attribute access (`for p in self.parameters()`): torch.export records it
         raise TraceError(f"forward() computes {state_derived} from parameters or buffers it reaches without attribute "

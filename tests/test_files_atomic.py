@@ -147,3 +147,14 @@ def test_writable_problem(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files.tempfile, "mkstemp", denied)  # a read-only folder (root ignores real modes)
     assert writable_problem(tmp_path / "p.json") == f"the folder {tmp_path} is not writable (Permission denied)"
+
+
+def test_a_symbolic_link_is_followed_and_stays_a_link(tmp_path):
+    from stagewise.planner.files import write_atomic
+
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real.name)
+    write_atomic(link, "new")
+    assert link.is_symlink() and real.read_text() == "new"

@@ -98,3 +98,38 @@ def test_multihead_attention_backward_in_eval_mode():
     members = seeded(Attention)
     x = torch.randn(2, 5, 16, requires_grad=True)
     assert_trains_like_the_loop(members, (x,), train=False)
+
+
+class HandWrittenRNN(nn.Module):
+    """Outputs collected by writing into a tensor made from sizes (`outputs[t] = h`), and a fixed-size one written in
+    place (torch.fx made that one a single constant for every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(8, 4)
+
+    def forward(self, x):
+        t, b, _ = x.shape
+        outputs = torch.zeros(t, b, 4)
+        h = torch.zeros(b, 4)
+        for i in range(t):
+            h = torch.tanh(self.cell(torch.cat([x[i], h], -1)))
+            outputs[i] = h
+        counts = torch.zeros(3, 4).index_add_(0, torch.tensor([0, 2]), h[:2])
+        return outputs * 2, counts
+
+
+def test_writes_through_views_into_tensors_made_in_forward():
+    members = seeded(HandWrittenRNN)
+    reference = copy.deepcopy(members)
+    x = torch.randn(5, 2, 4)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    for _ in range(2):  # the second call must not add to the first call's counts
+        got, want = ens(x), [torch.stack(t) for t in zip(*[m(x) for m in reference])]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    sum(g.square().sum() for g in got).backward()
+    sum(w.square().sum() for w in want).backward()
+    for name, p in ens.named_stacked_parameters():
+        for i, m in enumerate(reference):
+            torch.testing.assert_close(p.grad[i], dict(m.named_parameters())[name].grad, rtol=1e-4, atol=1e-5)

@@ -98,3 +98,49 @@ def test_wide_matches_the_loop(name):
         for shape in shapes:
             x = torch.randn(*shape)
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
+
+
+class Cell(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell, self.fc = nn.LSTMCell(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h, c = self.cell(x)
+        return torch.column_stack([self.fc(h), c])
+
+
+class CumulativeNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+@pytest.mark.parametrize("cls, train", [(Cell, False), (CumulativeNorm, True)])
+def test_wide_runs_what_vmap_cannot_once_per_member(cls, train):
+    """No batching rule (nn.LSTMCell, torch.column_stack) or a host read (BatchNorm's cumulative average reads its
+    count): wide runs the call once per member instead of failing."""
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(cls().train(train))
+    reference = copy.deepcopy(members)
+    x = torch.randn(5, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    for s in list(plan.stages):
+        plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    ens = executor.build(plan, members).train(train)
+    for _ in range(2):
+        x = torch.randn(5, 4)
+        got, want = ens(x), torch.stack([m(x) for m in reference])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        for i, m in enumerate(reference):
+            # a bias right before BatchNorm has a gradient of 0 up to float noise: atol covers that noise
+            torch.testing.assert_close(p.grad[i], dict(m.named_parameters())[name].grad, rtol=1e-4, atol=1e-4)

@@ -35,7 +35,7 @@ import torch.fx
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from stagewise.planner.errors import PlanFileError
+from stagewise.planner.errors import ExecutionError, PlanFileError
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageOptions
@@ -313,7 +313,13 @@ class WideRunner(Runner):
                 # configuration: bidirectional, dropout between layers while training, an unbatched input)
                 return _member_loop(mod, state, args, kwargs, n)
             if out is None:
-                out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw, tie_weights=False), state, args, kwargs)
+                try:
+                    out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw, tie_weights=False), state, args, kwargs)
+                except RuntimeError as e:
+                    if not _VMAP_CANNOT.search(str(e)):
+                        raise
+                    # no batching rule (nn.LSTMCell) or a host read (BatchNorm's momentum=None reads a count): per member
+                    return _member_loop(mod, state, args, kwargs, n)
             return out
         fn, name = entry
         if not _any_nf((args, kwargs)):
@@ -326,7 +332,12 @@ class WideRunner(Runner):
                       **tree_map(lambda x: x.t if is_nf(x) else x, kwargs, is_leaf=is_nf))
         out = wide_ops.call_function(fn, name, args, kwargs, n) if name in _RULED else None
         if out is None:
-            out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs)
+            try:
+                out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs)
+            except RuntimeError as e:
+                if not _VMAP_CANNOT.search(str(e)):
+                    raise
+                return _member_loop(fn, {}, args, kwargs, n, stateless=True)
         return out
 
 
@@ -396,16 +407,29 @@ def draws_while_training(module: torch.nn.Module) -> bool:
                or (isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0) for m in module.modules())
 
 
-def _member_loop(mod: torch.nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
+# vmap errors that say it cannot run the call at all (not that the call is wrong): the member loop stands in
+_VMAP_CANNOT = re.compile(r"[Bb]atching rule not implemented|vmap: .*(\.item\(\)|data-dependent)|"
+                          r"We could not generate a fallback")
+
+
+def _member_loop(mod: Any, state: dict, args: tuple, kwargs: dict, n: int, stateless: bool = False) -> Any:
     """The module once per member, with that member's state and inputs, outputs stacked (NFirst): for a module whose
     wide rule refused the call and which vmap cannot run either (random draws while training, torch's RNNs). Members
     run in order, each drawing from the global generator, as the member loop (LoopRunner) draws."""
     outs = []
     for i in range(n):
         a, kw = tree_map(lambda x: x.t[i] if is_nf(x) else x, (args, kwargs), is_leaf=is_nf)
-        outs.append(functional_call(mod, {k: v[i] for k, v in state.items()}, a, kw, tie_weights=False))
+        outs.append(mod(*a, **kw) if stateless else functional_call(mod, {k: v[i] for k, v in state.items()}, a, kw,
+                                                                    tie_weights=False))
     first, spec = tree_flatten(outs[0])
     columns = [tree_flatten(o)[0] for o in outs]
+    for j, leaf in enumerate(first):
+        if not isinstance(leaf, torch.Tensor) and any(c[j] != leaf for c in columns[1:]):
+            # a Python value per member (`.item()`): one value for all would be member 0's
+            what = type(mod).__name__ if isinstance(mod, torch.nn.Module) else "a call"
+            raise ExecutionError(f"{what} returns a Python value (.item(), .tolist()) that differs "
+                                 f"between members ({', '.join(repr(c[j]) for c in columns[:3])}); the wide strategy "
+                                 "holds one value for all members: run this stage with strategy 'loop'")
     return spec.unflatten([NFirst(torch.stack([c[j] for c in columns])) if isinstance(leaf, torch.Tensor) else leaf
                            for j, leaf in enumerate(first)])
 
