@@ -213,26 +213,30 @@ def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Seq
     owners = [(mod, k, b) for mod in model.modules() for k, b in mod._buffers.items() if b is not None]
     if not owners:
         return False
-    try:
-        for mod, k, b in owners:
-            mod._buffers[k] = _other_values(b)
-        again = symbolic_trace_opening(model, opened, fixed or None)
-    except Exception:
-        return True  # other values break the trace: it depends on them
-    finally:
-        for mod, k, b in owners:
-            mod._buffers[k] = b
-    return again.code != gm.code
+    for variant in (0, 1):  # a small and a large change: a threshold one of them leaves on the same side, the other not
+        try:
+            for mod, k, b in owners:
+                mod._buffers[k] = _other_values(b, variant)
+            again = symbolic_trace_opening(model, opened, fixed or None)
+        except Exception:
+            return True  # other values break the trace: it depends on them
+        finally:
+            for mod, k, b in owners:
+                mod._buffers[k] = b
+        if again.code != gm.code:
+            return True
+    return False
 
 
-def _other_values(t: torch.Tensor) -> torch.Tensor:
-    """A tensor like `t` whose every element differs from `t`'s (floats mapped by -1.37x + 0.29, ints + 1, bools flipped)."""
+def _other_values(t: torch.Tensor, variant: int = 0) -> torch.Tensor:
+    """A tensor like `t` whose every element differs from `t`'s: variant 0 maps floats by -1.37x + 0.29 and ints by
+    + 1, variant 1 floats by 37x + 1000 and ints by + 1000; bools are flipped."""
     t = t.detach()  # not torch.no_grad(): inside the trace's watches that would count as forward() turning gradients off
     if t.dtype == torch.bool:
         return ~t
     if t.is_floating_point() or t.is_complex():
-        return t * -1.37 + 0.29
-    return t + 1
+        return t * -1.37 + 0.29 if variant == 0 else t * 37.0 + 1000.0
+    return t + (1 if variant == 0 else 1000)
 
 
 def held_generators(gm: torch.fx.GraphModule) -> str:

@@ -211,3 +211,50 @@ def test_a_keyword_call_says_inputs_are_positional():
     ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
     with pytest.raises(InputError, match="positionally"):
         ens(x=x)
+
+
+class SignAtSizeOne(nn.Module):
+    """At size 1 forward() takes another path, which changes only negative values."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] == 1:
+            x = x.abs()
+        return self.fc(x)
+
+
+def test_the_size_one_check_does_not_rely_on_the_example_values():
+    members = members_of(SignAtSizeOne)
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.rand(4, 4),))  # non-negative example: abs() is a no-op
+    ens = executor.build(planner.propose(graph, N), members)
+    with pytest.raises(InputError, match="sizes of 2 and more"):
+        ens(torch.randn(1, 4))
+
+
+class StepBranch(nn.Module):
+    """A branch on an int buffer's value that a small change leaves on the same side."""
+
+    def __init__(self, step=0):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("step", torch.tensor(step))
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.step.item() < 10:
+            y = y * 0.1
+        return y
+
+
+def test_a_branch_on_a_buffer_value_is_never_member_0s():
+    members = [StepBranch(0), StepBranch(20), StepBranch(5)]
+    x = torch.randn(4, 4)
+    try:
+        ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    except planner.errors.StagewiseError as e:
+        assert "buffer" in str(e)
+        return
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
