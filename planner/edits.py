@@ -150,7 +150,8 @@ def exclude(plan: Plan, graph: ModelGraph, target: str) -> Plan:
     after = tuple(n for n in s.nodes if n in downstream)
     reason = graph.dag.nodes[target]["reason"] or USER_EXCLUDED
     carved = Stage(id="", nodes=(target,), mode=StageMode.EXCLUDED, reason=reason,
-                   options=StageOptions(strategy=Strategy.LOOP, note=CARVED_NOTE))
+                   options=StageOptions(strategy=Strategy.LOOP, note=CARVED_NOTE, carved_from=before + after,
+                                        carved_options=replace(s.options, carved_from=(), carved_options=None)))
     parts = [replace(s, nodes=p) for p in (before, after) if p] + [carved]
     return _finish(plan, graph, [x for x in plan.stages if x.id != s.id] + parts, what)
 
@@ -177,19 +178,24 @@ def include(plan: Plan, graph: ModelGraph, stage: str) -> Plan:
     new = replace(s, mode=StageMode.BATCHED, reason="", options=StageOptions())
     rest = [x for x in plan.stages if x.id != s.id]
     if s.options.note == CARVED_NOTE:
-        rest, new = _merge_into_neighbours(rest, graph, new)
+        origin = set(s.options.carved_from)
+        rest, new = _merge_into_neighbours(rest, graph, new, within=origin or None)
+        if origin and s.options.carved_options is not None:
+            new = replace(new, options=s.options.carved_options)  # the options of the stage it came from
     return _finish(plan, graph, rest + [new], what)
 
 
-def _merge_into_neighbours(others: list[Stage], graph: ModelGraph, stage: Stage) -> tuple[list[Stage], Stage]:
-    """Fold the batched stages adjacent to `stage` into it while the union stays convex; (the rest, the merged stage)."""
+def _merge_into_neighbours(others: list[Stage], graph: ModelGraph, stage: Stage,
+                           within: set[str] | None = None) -> tuple[list[Stage], Stage]:
+    """Fold the batched stages adjacent to `stage` into it while the union stays convex; (the rest, the merged stage).
+    `within`: only stages whose nodes all lie in it (what is left of the stage `stage` was carved out of)."""
     others = list(others)
     merged = stage
     grown = True
     while grown:
         grown = False
         for nb in others:
-            if nb.mode is not StageMode.BATCHED:
+            if nb.mode is not StageMode.BATCHED or (within is not None and not set(nb.nodes) <= within):
                 continue
             if not (_edge_between(graph, nb.nodes, merged.nodes) or _edge_between(graph, merged.nodes, nb.nodes)):
                 continue

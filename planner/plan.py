@@ -66,9 +66,17 @@ class StageOptions:
     strategy: Strategy = Strategy.VMAP
     chunk_size: int | None = None  # vmap chunk_size: bounds memory, None = all members at once
     note: str = ""  # why this strategy was chosen (autotune writes measured times here)
+    # a stage exclude(node) carved out: the other nodes of the stage it came from and that stage's options
+    # (include merges it back into what is left of that stage alone, with those options); () otherwise
+    carved_from: tuple[str, ...] = ()
+    carved_options: "StageOptions | None" = None
 
     def to_json(self) -> dict:
-        return {"strategy": self.strategy.value, "chunk_size": self.chunk_size, "note": self.note}
+        out = {"strategy": self.strategy.value, "chunk_size": self.chunk_size, "note": self.note}
+        if self.carved_from:
+            out["carved_from"] = list(self.carved_from)
+            out["carved_options"] = self.carved_options.to_json() if self.carved_options is not None else None
+        return out
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "StageOptions":
@@ -82,7 +90,12 @@ class StageOptions:
         chunk = d.get("chunk_size")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):  # true is no size
             raise PlanFileError(f"chunk_size must be a positive integer or null, got {chunk!r}; fix it in the plan file")
-        return StageOptions(strategy=strategy, chunk_size=chunk, note=str(d.get("note", "")))
+        carved = d.get("carved_from") or ()
+        if not isinstance(carved, (list, tuple)) or not all(isinstance(x, str) for x in carved):
+            raise PlanFileError(f"carved_from must be a list of node names, got {carved!r}; fix it in the plan file or remove it")
+        parent = d.get("carved_options")
+        return StageOptions(strategy=strategy, chunk_size=chunk, note=str(d.get("note", "")), carved_from=tuple(carved),
+                            carved_options=StageOptions.from_json(parent) if isinstance(parent, Mapping) else None)
 
 
 @dataclass(frozen=True)

@@ -591,6 +591,20 @@ def test_exclude_then_include_a_node_with_branches_restores_its_stage(sample):
         assert restored.stages == plan.stages, node
 
 
+def test_exclude_then_include_keeps_a_split_and_options_next_to_it(sample):
+    """was: include merged the carved node into every batched neighbour, one the user had split off with its own
+    strategy too, and the merged stage took that neighbour's options."""
+    _, graph = sample("mlp")
+    plan = planner.propose(graph, 3)
+    first, second = plan.stages[0].nodes[0], plan.stages[0].nodes[1]
+    split = planner.split(plan, graph, plan.stages[0].id, at=second)
+    split = planner.set_options(split, graph, split.stage_of(first).id, strategy="wide")
+    carved = planner.exclude(split, graph, second)
+    restored = planner.include(carved, graph, carved.stage_of(second).id)
+    assert restored.stages == split.stages
+    assert Plan.from_json(json.loads(json.dumps(carved.to_json()))).stages == carved.stages  # the origin is saved
+
+
 def test_include_of_a_whole_excluded_stage_does_not_merge_it(dd):
     """Only a carved-out node is merged back: a stage excluded whole comes back as it was."""
     plan, graph = dd
