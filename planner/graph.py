@@ -213,7 +213,7 @@ def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Seq
     owners = [(mod, k, b) for mod in model.modules() for k, b in mod._buffers.items() if b is not None]
     if not owners:
         return False
-    for variant in (0, 1):  # a small and a large change: a threshold one of them leaves on the same side, the other not
+    for variant in (0, 1, 2):  # small, large and shrinking changes: a threshold one leaves on the same side, another not
         try:
             for mod, k, b in owners:
                 mod._buffers[k] = _other_values(b, variant)
@@ -230,13 +230,14 @@ def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Seq
 
 def _other_values(t: torch.Tensor, variant: int = 0) -> torch.Tensor:
     """A tensor like `t` whose every element differs from `t`'s: variant 0 maps floats by -1.37x + 0.29 and ints by
-    + 1, variant 1 floats by 37x + 1000 and ints by + 1000; bools are flipped."""
+    + 1, variant 1 floats by 37x + 1000 and ints by + 1000, variant 2 floats by 0.001x + 1e-4 and ints by -x - 1;
+    bools are flipped."""
     t = t.detach()  # not torch.no_grad(): inside the trace's watches that would count as forward() turning gradients off
     if t.dtype == torch.bool:
         return ~t
     if t.is_floating_point() or t.is_complex():
-        return t * -1.37 + 0.29 if variant == 0 else t * 37.0 + 1000.0
-    return t + (1 if variant == 0 else 1000)
+        return (t * -1.37 + 0.29, t * 37.0 + 1000.0, t * 0.001 + 1e-4)[variant]
+    return (t + 1, t + 1000, -t - 1)[variant] if t.dtype != torch.uint8 else t + (1, 100, 50)[variant]
 
 
 def held_generators(gm: torch.fx.GraphModule) -> str:
