@@ -268,8 +268,11 @@ class Runner:
         numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
         try:
             return self.run(args)
-        except ExecutionError:
-            raise
+        except ExecutionError as e:
+            if str(e).startswith("stage "):
+                raise
+            # a strategy's own refusal (wide: a per-member Python value): named with its stage
+            raise ExecutionError(f"stage {self.program.describe} failed ({self.program.stage.options.strategy.value}): {e}") from e
         except Exception as e:  # a stage failure becomes one message naming the stage
             shapes = [_describe_value(a) for a in args]
             raise ExecutionError(

@@ -138,6 +138,9 @@ def test_wide_runs_what_vmap_cannot_once_per_member(cls, train):
         x = torch.randn(5, 4)
         got, want = ens(x), torch.stack([m(x) for m in reference])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for i, m in enumerate(reference):  # running statistics too: a first try under vmap must not count twice
+            for k, v in m.state_dict().items():
+                torch.testing.assert_close(ens.member_state_dicts()[i][k], v, rtol=1e-5, atol=1e-6, msg=k)
     got.square().sum().backward()
     want.square().sum().backward()
     for name, p in ens.named_stacked_parameters():

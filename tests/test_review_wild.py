@@ -499,9 +499,9 @@ def test_batchnorm_momentum_none_num_batches_tracked_and_groupnorm(momentum, tra
     assert_matches_loop(lambda i: W.Norms(momentum), two_shapes(6, 4), strategy=strategy, train=train)
 
 
-def test_batchnorm_momentum_none_under_wide_in_training_fails_loudly():
-    with pytest.raises(planner.StagewiseError):
-        assert_matches_loop(lambda i: W.Norms(None), two_shapes(6, 4), strategy=Strategy.WIDE, train=True)
+def test_batchnorm_momentum_none_under_wide_in_training_runs_per_member():
+    # was refused loudly (vmap cannot read the count BatchNorm's cumulative average reads); wide now runs it per member
+    assert_matches_loop(lambda i: W.Norms(None), two_shapes(6, 4), strategy=Strategy.WIDE, train=True)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])

@@ -151,6 +151,9 @@ class WideRunner(Runner):
 
         self._fused = _sibling_linears(gm, self.stacked)  # first node of a group -> the group's node names
         self._pending: dict[str, Any] = {}
+        # nodes vmap ran (tried once: no more checks) and nodes it could not run (run once per member from then on)
+        self._vmap_ran: set[str] = set()
+        self._per_member: set[str] = set()
         self._program = self._compile_program(gm)
 
     def _linear_group(self, first: str, group: list[str], x: Any) -> Any:
@@ -313,13 +316,24 @@ class WideRunner(Runner):
                 # configuration: bidirectional, dropout between layers while training, an unbatched input)
                 return _member_loop(mod, state, args, kwargs, n)
             if out is None:
+                if node.name in self._per_member:
+                    return _member_loop(mod, state, args, kwargs, n)
+                # the first attempt may update buffers before vmap gives up (BatchNorm counts the batch, then reads the
+                # count): they are put back before the members run, or the update would count twice
+                saved = None if node.name in self._vmap_ran else \
+                    {k: v.detach().clone() for k, v in state.items() if not v.requires_grad}
                 try:
                     out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw, tie_weights=False), state, args, kwargs)
                 except RuntimeError as e:
-                    if not _VMAP_CANNOT.search(str(e)):
+                    if saved is None or not _VMAP_CANNOT.search(str(e)):
                         raise
+                    with torch.no_grad():
+                        for k, v in saved.items():
+                            state[k].copy_(v)
                     # no batching rule (nn.LSTMCell) or a host read (BatchNorm's momentum=None reads a count): per member
+                    self._per_member.add(node.name)
                     return _member_loop(mod, state, args, kwargs, n)
+                self._vmap_ran.add(node.name)
             return out
         fn, name = entry
         if not _any_nf((args, kwargs)):
@@ -332,12 +346,16 @@ class WideRunner(Runner):
                       **tree_map(lambda x: x.t if is_nf(x) else x, kwargs, is_leaf=is_nf))
         out = wide_ops.call_function(fn, name, args, kwargs, n) if name in _RULED else None
         if out is None:
+            if node.name in self._per_member:
+                return _member_loop(fn, {}, args, kwargs, n, stateless=True)
             try:
                 out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs)
             except RuntimeError as e:
-                if not _VMAP_CANNOT.search(str(e)):
+                if node.name in self._vmap_ran or not _VMAP_CANNOT.search(str(e)):
                     raise
+                self._per_member.add(node.name)
                 return _member_loop(fn, {}, args, kwargs, n, stateless=True)
+            self._vmap_ran.add(node.name)
         return out
 
 
