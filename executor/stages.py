@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch._C import _functorch
@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
 from stagewise.planner.capability import is_inplace
+from stagewise.planner.opening import no_mha_fastpath
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
@@ -393,22 +394,12 @@ def grad_safe_kernels(module: nn.Module) -> Callable[[Callable], Callable] | Non
                 return fn(*args)
             with contextlib.ExitStack() as stack:
                 if mha:
-                    stack.enter_context(mha_fastpath_off())
+                    stack.enter_context(no_mha_fastpath())
                 if masked and not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
                     stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
                 return fn(*args)
         return guarded
     return wrap
-
-
-@contextlib.contextmanager
-def mha_fastpath_off() -> Iterator[None]:
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
 
 
 class VmapRunner(Runner):
