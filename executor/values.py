@@ -152,7 +152,7 @@ def signature(tree: Any) -> tuple:
 
 
 def stack_member_values(values: list, device: torch.device | str | None = None,
-                        float_dtype: torch.dtype | None = None, numbers_per_member: bool = False) -> tuple[Any, Any]:
+                        float_dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """Turn N per-member values into one tree with N-first tensors (and its in_dims).
 
     Per-member Python numbers become one [N] tensor on `device` (the device of the
@@ -160,8 +160,7 @@ def stack_member_values(values: list, device: torch.device | str | None = None,
     on the device of the stage running now (stage_device), else of the values' own
     tensors, else the CPU. Ints stay int64 and bools bool; floats become `float_dtype`,
     when None the number_dtype of the stage running now (set_number_context), else of
-    the forward call running now (set_call_number_context), else torch's default dtype. Numbers all members hold
-    alike stay one plain number, unless `numbers_per_member` (a module output: its type does not depend on values).
+    the forward call running now (set_call_number_context), else torch's default dtype.
     """
     if values and all(_is_tensor(v) for v in values):  # the common case (a loop stage's tensors), without pytree walks
         return _stack(values), 0
@@ -177,8 +176,7 @@ def stack_member_values(values: list, device: torch.device | str | None = None,
         if _is_tensor(first):
             leaves.append(_stack(column))
             dims.append(0)
-        elif all(not _is_tensor(c) and c == first for c in column[1:]) and not (
-                numbers_per_member and isinstance(first, (bool, int, float))):
+        elif all(not _is_tensor(c) and c == first for c in column[1:]):
             leaves.append(first)
             dims.append(None)
         elif isinstance(first, (bool, int, float)):
@@ -273,8 +271,7 @@ def n_first(v, n: int, device: torch.device | None = None) -> Any:
         return v.tree
     if isinstance(v, Shared):
         return as_batched(v, n).tree
-    # numbers each member computed come back as a [N] tensor, equal or not (the output's type never depends on values)
-    tree, _ = stack_member_values(v.values, device, numbers_per_member=True)
+    tree, _ = stack_member_values(v.values, device)  # per-member numbers come back as a [N] tensor, equal ones stay plain
     return tree
 
 

@@ -259,24 +259,3 @@ def test_a_branch_on_a_buffer_value_is_never_member_0s():
         return
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
 
-
-class ItemOutputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        y = self.fc(x)
-        return (y > 0).sum().item(), (y.abs() > 1e9).sum().item()  # per member; the second is 0 for all
-
-
-def test_per_member_numbers_come_back_as_one_tensor_whatever_their_values():
-    members = members_of(ItemOutputs)
-    x = torch.randn(5, 4)
-    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
-    with torch.no_grad():
-        got = ens(x)
-        want = [m(x) for m in members]
-    for k in range(2):
-        assert isinstance(got[k], torch.Tensor) and got[k].shape == (N,)
-        assert got[k].tolist() == [w[k] for w in want]
