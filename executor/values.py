@@ -251,17 +251,32 @@ def as_batched(v, n: int, device: torch.device | None = None):
 
 
 def rows_of_one_tensor(values: list) -> torch.Tensor | None:
-    """The [N, ...] tensor whose rows `values` are (values[i] is a view of base[i]), or None."""
+    """One [N, ...] view of the tensor `values` are views of, member i's row holding values[i]; None if they are not
+    such views. values[i] is base[i] itself (a loop stage read state), or the same view of every member's row
+    (`mem[0]` of member i is base[i][0]): a write into the result then lands where it lands in the loop."""
     if not values or not all(_is_tensor(x) for x in values):
         return None
     base = values[0]._base
-    if base is None or base.dim() == 0 or base.shape[0] != len(values):
+    n = len(values)
+    if base is None or base.dim() == 0 or base.shape[0] != n:
         return None
+    first = values[0]
+    step = base.stride(0)
     for i, x in enumerate(values):
-        row = base[i]
-        if x._base is not base or x.data_ptr() != row.data_ptr() or x.shape != row.shape or x.stride() != row.stride():
+        if x._base is not base or x.shape != first.shape or x.stride() != first.stride() or x.dtype != first.dtype \
+                or x.storage_offset() != first.storage_offset() + i * step:
             return None
-    return base
+    offset = first.storage_offset() - base.storage_offset()
+    if not 0 <= offset < step or (first.numel() and _span(first) > step):
+        return None  # not inside member 0's row: not the same view of every row
+    if offset == 0 and first.shape == base.shape[1:] and first.stride() == base.stride()[1:]:
+        return base
+    return base.as_strided((n, *first.shape), (step, *first.stride()), first.storage_offset())
+
+
+def _span(x: torch.Tensor) -> int:
+    """How many elements from its first to its last one `x` spans in its storage, its first one counted."""
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
 
 
 def n_first(v, n: int, device: torch.device | None = None) -> Any:

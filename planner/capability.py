@@ -57,7 +57,7 @@ def _is_inplace_target(node: torch.fx.Node) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
-_VIEW_NAMES = ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze",
+VIEW_NAMES = ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze",
                "slice", "expand", "as_strided", "alias", "t", "transpose", "permute", "unflatten", "view_as")
 
 
@@ -67,7 +67,7 @@ def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     chain = [node]
     while len(chain) <= 16:
         if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], torch.fx.Node):
-            if base_name(node) in _VIEW_NAMES or _is_inplace_target(node):
+            if base_name(node) in VIEW_NAMES or _is_inplace_target(node):
                 node = node.args[0]
                 chain.append(node)
                 continue

@@ -156,8 +156,18 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     takes the branch the default takes, and their placeholders are removed.
     """
     fixed = _defaults_not_given(model, given)
-    with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, _input_writes_recorded():
-        gm = symbolic_trace_opening(model, opened, fixed or None)
+    with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, \
+            _input_writes_recorded() as writes:
+
+        def fx(proxy_buffers: bool = False) -> torch.fx.GraphModule:
+            gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
+            observed = writes.observed(gm)
+            if observed:  # `a = h[:, :2]; h += y; return a`: traced again with those writes recorded in place
+                writes.in_place_sites |= observed
+                gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
+            return gm
+
+        gm = fx()
         if baked_constants(gm) or _reads_buffer_values(gm, model, opened, fixed):
             # fx ran part of forward() on real buffers: a tensor it stored as a constant (`x @ self.B.t()`) or a
             # number it wrote into the graph (`x / self.temp.item()`) holds member 0's value for every member and
@@ -165,7 +175,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
             # recorded (`.item()` then keeps its stage out of vmap); what stays constant comes from no buffer
             # (plain tensor attributes: executor.constants compares them per member)
             try:
-                gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=True)
+                gm = fx(proxy_buffers=True)
             except Exception as e:
                 raise TraceError(
                     f"forward() turns a buffer's values into Python (float(), int(), .item(), .tolist(), a branch on them: "

@@ -23,7 +23,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from stagewise.planner.capability import alias_chain
+from stagewise.planner.capability import VIEW_NAMES, alias_chain, base_name, is_inplace
 from stagewise.planner.errors import TraceError
 
 
@@ -284,31 +284,98 @@ def _inference_mode_as_no_grad():
             torch._C._InferenceMode = original
 
 
-# the augmented assignments torch.fx.Proxy has no method for: Python falls back to `x = x + y`, which the graph records
-_AUGMENTED = {"__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
-              "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv, "__imod__": operator.imod,
-              "__ipow__": operator.ipow, "__iand__": operator.iand, "__ior__": operator.ior, "__ixor__": operator.ixor}
+# the augmented assignments torch.fx.Proxy has no method for: Python falls back to `x = x + y`, which the graph
+# records. Each maps to its in-place operator and the out-of-place one Python falls back to.
+_AUGMENTED = {"__iadd__": (operator.iadd, operator.add), "__isub__": (operator.isub, operator.sub),
+              "__imul__": (operator.imul, operator.mul), "__itruediv__": (operator.itruediv, operator.truediv),
+              "__ifloordiv__": (operator.ifloordiv, operator.floordiv), "__imod__": (operator.imod, operator.mod),
+              "__ipow__": (operator.ipow, operator.pow), "__iand__": (operator.iand, operator.and_),
+              "__ior__": (operator.ior, operator.or_), "__ixor__": (operator.ixor, operator.xor)}
+
+# ops whose result may share storage with their first argument (views, in-place ops, modules such as nn.Identity,
+# dtype/device moves that may return the tensor itself). Broad on purpose: a value wrongly counted as an alias
+# only makes a write be recorded in place, which is what eager does anyway
+_MAY_ALIAS = set(VIEW_NAMES) | {
+    "chunk", "split", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit", "movedim", "moveaxis",
+    "swapaxes", "swapdims", "diagonal", "unfold", "view_as_real", "view_as_complex", "real", "imag", "contiguous", "to",
+    "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "cpu", "cuda", "expand_as", "reshape_as",
+    "broadcast_to", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "adjoint", "requires_grad_", "getattr"}
+_NOT_TENSORS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout")
 
 
-def _augmented(op: Any, owner: int) -> Any:
+class AugmentedWrites:
+    """The augmented assignments (`h += y`) fx traced inside `_input_writes_recorded`.
+
+    On a model input or a state tensor (a view of a placeholder or get_attr) they are recorded in place
+    (operator.iadd). On an intermediate they are recorded as Python's fallback `h = h + y` (what fx records
+    without this watch), which is the same only while nothing else sees the old `h`: `a = h[:, :2]; h += y;
+    return a`, `outs.append(h); h += y`, or an explicit `h.__iadd__(y)` whose result is dropped read the
+    written tensor in eager. `observed(gm)` finds such sites; added to `in_place_sites`, the next trace records
+    them in place too. Sites are source lines (filename, line), the same in every trace of the model."""
+
+    def __init__(self) -> None:
+        self.out_of_place: list[tuple[tuple[str, int], torch.fx.Node, torch.fx.Node]] = []
+        self.in_place_sites: set[tuple[str, int]] = set()
+
+    def observed(self, gm: torch.fx.GraphModule) -> set[tuple[str, int]]:
+        """The sites in `gm` recorded out of place whose old value, or a value that may share its storage, is read
+        after the write; fx's out-of-place record then hands that reader the unwritten tensor."""
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        found = set()
+        for site, old, new in self.out_of_place:
+            if site in self.in_place_sites or old not in order or new not in order:
+                continue
+            if any(order[u] > order[new] for a in _storage_sharers(alias_chain(old)[-1]) for u in a.users if u is not new):
+                found.add(site)
+        return found
+
+
+def _storage_sharers(root: torch.fx.Node) -> list[torch.fx.Node]:
+    """`root` and every value that may share its storage (see _MAY_ALIAS), following users forward."""
+    seen, todo = {root}, [root]
+    while todo:
+        for u in todo.pop().users:
+            if u in seen:
+                continue
+            name = base_name(u)
+            if name == "getattr" and len(u.args) > 1 and u.args[1] in _NOT_TENSORS:
+                continue
+            if u.op == "call_module" or name in _MAY_ALIAS or is_inplace(u):
+                seen.add(u)
+                todo.append(u)
+    return list(seen)
+
+
+def _augmented(ops: tuple[Any, Any], owner: int, writes: AugmentedWrites) -> Any:
+    in_place, plain = ops
+
     def augmented(self: torch.fx.Proxy, other: Any) -> Any:
-        if threading.get_ident() != owner or alias_chain(self.node)[-1].op != "placeholder":
-            return NotImplemented  # an intermediate value: `h += y` traces as `h + y` as before (nobody else sees h)
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
+        if threading.get_ident() != owner:
+            return NotImplemented  # another thread's trace: Python's fallback, as without the watch
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        if alias_chain(self.node)[-1].op in ("placeholder", "get_attr") or site in writes.in_place_sites:
+            return self.tracer.create_proxy("call_function", in_place, (self, other), {})
+        result = plain(self, other)  # `h += y` on an intermediate: `h + y`, as fx records it without this watch
+        if isinstance(result, torch.fx.Proxy):
+            writes.out_of_place.append((site, self.node, result.node))
+        return result
     return augmented
 
 
 @contextlib.contextmanager
 def _input_writes_recorded():
-    """While inside, fx records `x += y` on a model input (or a view of one) as operator.iadd, an in-place node:
-    at run time forward() writes the caller's tensor there, which the default out-of-place `x + y` hides."""
+    """While inside, fx records `x += y` on a model input or state tensor (or a view of one) as operator.iadd, an
+    in-place node: at run time forward() writes the caller's tensor there, which the default out-of-place
+    `x + y` hides. Yields the AugmentedWrites that says which writes to intermediates must be recorded in place."""
     owner = threading.get_ident()
+    writes = AugmentedWrites()
     with _PATCHING:
         saved = {name: vars(torch.fx.Proxy).get(name) for name in _AUGMENTED}
         try:
-            for name, op in _AUGMENTED.items():
-                setattr(torch.fx.Proxy, name, _augmented(op, owner))
-            yield
+            for name, ops in _AUGMENTED.items():
+                setattr(torch.fx.Proxy, name, _augmented(ops, owner, writes))
+            yield writes
         finally:
             for name, method in saved.items():
                 if method is None:

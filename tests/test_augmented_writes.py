@@ -1,0 +1,123 @@
+"""Augmented assignments (`h += y`) to intermediate values that something else still reads.
+
+torch.fx records `h += y` on an intermediate as `h = h + y`. That is the same only while nothing else sees the old
+`h`; a view taken before the write, a list holding it, another name for it or an explicit `h.__iadd__(y)` read
+the written tensor in eager, and read the unwritten one in fx's graph: every strategy answered without the write.
+Each case here is checked against the plain loop over members, under every strategy and in training."""
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from stagewise import executor, planner
+from stagewise.planner.plan import StageOptions, Strategy
+
+N = 3
+
+
+class Reads(nn.Module):
+    """`how` names who reads the old value after `h += x`."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.out, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "view_before":
+            a = h[:, :2]
+            h += x
+            return self.out(h)[:, :2] + a
+        if self.how == "list":
+            outs = [h]
+            h *= 2
+            outs.append(h)
+            return torch.stack(outs)
+        if self.how == "other_name":
+            g = h
+            h += x
+            return g * 3
+        if self.how == "explicit_dunder":
+            h.__iadd__(x)  # result dropped: only the write tells
+            return self.out(h)
+        if self.how == "chunk":
+            q, k = h.chunk(2, dim=-1)
+            h -= 1
+            return q * k
+        if self.how == "module_alias":
+            a = self.ident(h) if hasattr(self, "ident") else h
+            h += 1
+            return a
+        if self.how == "loop_of_layers":
+            kept = []
+            for _ in range(2):
+                kept.append(h)
+                h += self.out(h).tanh()
+            return torch.cat(kept, -1)
+        if self.how == "nobody":  # the common case: nothing else sees the old h, traced as before (out of place)
+            h += x
+            return self.out(h)
+        raise AssertionError(self.how)
+
+
+HOWS = ["view_before", "list", "other_name", "explicit_dunder", "chunk", "loop_of_layers", "nobody"]
+
+
+def _members(how):
+    torch.manual_seed(0)
+    return [Reads(how).eval() for _ in range(N)]
+
+
+def _plan(members, x, strategy=None):
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    if strategy is not None:
+        plan = plan.with_stages([replace(s, options=StageOptions(strategy=strategy)) for s in plan.stages])
+    return plan
+
+
+@pytest.mark.parametrize("strategy", [None, Strategy.VMAP, Strategy.LOOP, Strategy.WIDE])
+@pytest.mark.parametrize("how", HOWS)
+def test_writes_to_values_still_read_match_the_loop(how, strategy):
+    members = _members(how)
+    x = torch.randn(5, 4)
+    ens = executor.build(_plan(members, x, strategy), copy.deepcopy(members))
+    with torch.no_grad():
+        for shape in [(5, 4), (2, 4)]:
+            x = torch.randn(shape)
+            got = ens(x)
+            want = torch.stack([m(x.clone()) for m in members])
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["view_before", "list", "other_name", "explicit_dunder", "nobody"])  # the others fail in eager too
+def test_gradients_through_the_written_values_match_the_loop(how):
+    members = _members(how)
+    x = torch.randn(5, 4)
+    ens = executor.build(_plan(members, x), copy.deepcopy(members))
+    ens(x).square().sum().backward()
+    for m in members:
+        m(x.clone()).square().sum().backward()
+    got = dict(ens.named_stacked_parameters())
+    for name, p in members[0].named_parameters():
+        want = [m.get_parameter(name).grad for m in members]
+        if want[0] is None:  # a layer this case does not use
+            assert got[name].grad is None or not got[name].grad.any()
+        else:
+            torch.testing.assert_close(got[name].grad, torch.stack(want), rtol=1e-5, atol=1e-6)
+
+
+def _augmented_nodes(how):
+    graph = planner.trace(Reads(how).eval(), (torch.randn(5, 4),))
+    return [n.target for n in graph.gm.graph.nodes if n.op == "call_function"]
+
+
+def test_only_writes_someone_still_reads_are_recorded_in_place():
+    assert operator.iadd in _augmented_nodes("view_before")
+    assert operator.imul in _augmented_nodes("list")
+    targets = _augmented_nodes("nobody")  # `out += identity` in every ResNet: the graph stays as fx records it
+    assert operator.add in targets and operator.iadd not in targets
