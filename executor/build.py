@@ -33,9 +33,9 @@ from stagewise.planner.validate import stage_graph, validate
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
-from stagewise.executor.input_writes import check_input_writes
-from stagewise.executor.members import (check_same_requires_grad, copy_member, shared_across_members, stack_member_state,
-                                       state_device, state_tree, ties_apart, tree_tensor)
+from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
+from stagewise.executor.members import (check_same_requires_grad, copy_member, gradient_hooks, shared_across_members,
+                                       stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound
 from stagewise.executor.modes import reads_training  # noqa: F401
@@ -267,7 +267,7 @@ class BatchedModule(nn.Module):
         # the state read through per-member views (loop runners); batched runners read the stacked tensors
         # themselves, so a plan without loop stages watches nothing on the per-call path
         watched = {k for p, r in zip(self.programs, self.runners) if isinstance(r, LoopRunner) for k in p.state_names}
-        self._storage = [(self._stacked[k], self._stacked[k].data_ptr()) for k in sorted(watched)]
+        self._storage = [(self._stacked[k], _data_ptr(self._stacked[k])) for k in sorted(watched)]
         # what the views were made under: which watched tensors required grad, and whether in inference mode
         # (a view of a frozen tensor stays out of autograd after requires_grad_(True); an inference view forever)
         self.__dict__["_views_made"] = (tuple(t.requires_grad for t, _ in self._storage), torch.is_inference_mode_enabled())
@@ -287,14 +287,14 @@ class BatchedModule(nn.Module):
         # a strategy that carries no gradients (cuda_graph): calls that would record autograd are refused
         self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
         self.__dict__["_grad_checks"] = (self._inference_only or bool(self.__dict__.get("_shared_across"))
-                                         or bool(self.__dict__.get("_ties_apart")))
+                                         or bool(self.__dict__.get("_ties_apart")) or bool(self.__dict__.get("_grad_hooks")))
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
         per-member views would go on reading the old one. An in-place update needs nothing. Also when
         gradients are recorded and the views cannot carry them (see _build_runners)."""
         for t, ptr in self._storage:
-            if t.data_ptr() != ptr:
+            if _data_ptr(t) != ptr:
                 self._build_runners()
                 return
         if torch.is_grad_enabled() and self._views_stale():
@@ -351,6 +351,15 @@ class BatchedModule(nn.Module):
                 "module holds a copy per member, so training would update the copies apart where the member loop updates "
                 "one tensor. Give each member its own copy (copy.deepcopy), or freeze it (requires_grad_(False)); "
                 "inference (torch.no_grad()) is unaffected")
+        hooked = [k for k in self.__dict__.get("_grad_hooks", ()) if k in self._stacked and self._stacked[k].requires_grad]
+        if hooked:
+            raise ExecutionError(
+                f"members have gradient hooks on {hooked[:3]} (Tensor.register_hook / register_post_accumulate_grad_hook): "
+                "the batched module trains stacked copies of the members' parameters, which carry no hooks, so their "
+                "gradients would go unchanged where the member loop changes them (a mask freezing rows, a clip). Put the "
+                "hooks on the stacked parameters instead (for name, p in ens.named_stacked_parameters(): "
+                "p.register_hook(...), p is [N, ...]), then remove them from the members; inference (torch.no_grad()) "
+                "is unaffected")
         apart = self.__dict__.get("_ties_apart") or {}
         if apart and any(p.requires_grad for p in self._stacked.values()):
             tie, tied_in = next(iter(apart.items()))
@@ -409,6 +418,8 @@ class BatchedModule(nn.Module):
                         f"input {name!r} is per_member, so it needs a leading member axis of size {self.n_members}; got {got}. "
                         "Stack one input per member, or plan it as 'shared'"
                     )
+                if name in self.__dict__.get("_written_inputs", ()) and rows_overlap(x):
+                    raise overlapping_rows_refusal(name)
                 env[name] = Batched(x)
             else:
                 env[name] = Shared(x)
@@ -642,7 +653,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
         )
     validate(plan, graph)
     check_same_requires_grad(members)
-    check_input_writes(private, graph, plan, example)
+    written = check_input_writes(private, graph, plan, example)
     bound = mode_bound(private, graph, plan, example)  # before the graph is edited below (lifted constants)
     register_output_dataclasses(graph.gm)
     stacked = stack_member_state(members, dev)
@@ -655,11 +666,22 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.set_mode_bound(bound, private)
     module.__dict__["_shared_across"] = shared_across_members(members)
     module.__dict__["_ties_apart"] = ties_apart(members)
+    module.__dict__["_grad_hooks"] = gradient_hooks(members)
+    module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place
     module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
     return module
+
+
+def _data_ptr(t: torch.Tensor) -> int | None:
+    """`t.data_ptr()`, or None for a tensor with no storage of its own (torch.func's wrappers: functional_call of
+    the batched module inside torch.func.grad puts them into the state tree)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
 
 
 def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]:

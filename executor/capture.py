@@ -366,13 +366,30 @@ class CapturedPlan(nn.Module):
         if getattr(self.ens, "_storage", None):  # `p.data = ...` under a loop stage: the module re-makes its runners
             self.ens._follow_new_storage()
         self._follow_steps()
-        if self._runs is None:
-            out = self._whole(inputs)
-        if self._runs is not None:  # the whole plan did not capture (now or earlier): its runs
-            out = self.ens.run_stages(*inputs, run=self._run_runs)[0]
+        if self._written_inputs and self._aliased(inputs):
+            # the plan writes an input in place, and the inputs share memory with each other or with a graph's
+            # buffers (`ens(x, x)`; `x = fast(x)` without clone_outputs): static copies would break that sharing
+            # (the write to one argument no longer reaching the other, or the copy back overwriting this call's
+            # output). Such a call runs stage by stage, as the batched module does
+            out = self.ens.run_stages(*inputs)[0]
+        else:
+            if self._runs is None:
+                out = self._whole(inputs)
+            if self._runs is not None:  # the whole plan did not capture (now or earlier): its runs
+                out = self.ens.run_stages(*inputs, run=self._run_runs)[0]
         if self.clone_outputs:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         return out
+
+    def _aliased(self, inputs: tuple) -> bool:
+        """Whether two input tensors share a storage, or one shares a storage with a captured graph's buffers."""
+        storages = [x.untyped_storage().data_ptr() for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
+        if len(set(storages)) < len(storages):
+            return True
+        graphs = [*self._graphs.values(), *(g for run in self._runs or [] for g in run.graphs.values())]
+        owned = {t.untyped_storage().data_ptr() for g in graphs for t in [*tree_flatten(g.static_out)[0], *g.static_inputs]
+                 if isinstance(t, torch.Tensor)}
+        return not owned.isdisjoint(storages)
 
     def _follow_steps(self) -> None:
         """New runners (after `.to()`, new storage under a loop stage, runners assigned): graphs and runs captured

@@ -89,6 +89,10 @@ def _leaves(node: torch.fx.Node) -> list:
     return torch.utils._pytree.tree_flatten((node.args, node.kwargs))[0]
 
 
+def _structure(node: torch.fx.Node) -> Any:
+    return torch.utils._pytree.tree_flatten((node.args, node.kwargs))[1]
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
         return isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.name == b.name
@@ -216,6 +220,14 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
             raise MemberError(f"member {i} traces to another graph than member 0 (fingerprint {g.fingerprint} vs {graph.fingerprint}); "
                               "all members must share one architecture: build them from one class and config")
         others[i] = g
+        for node in graph.gm.graph.nodes:  # the same leaves in another structure: `{self.name: y}`, keys per member
+            if _structure(node) != _structure(g.fx_node(node.name)):
+                named = ", ".join(sorted(attr_diffs)[:4]) or "?"
+                raise MemberError(
+                    f"member {i} traces node {node.name!r} with its values in another structure than member 0's (dict "
+                    f"keys or container types made from a per-member attribute; differing attribute(s): {named}): the "
+                    "batched module would give every member member 0's structure. Make the structure the same for "
+                    "every member (the same keys), or plan members that differ here separately")
     for diff in _differences(graph, others, n):
         _lift(graph, diff, attr_diffs, lifted)
     lifted.update(_baked_differences(graph, others, baked, n))

@@ -33,8 +33,9 @@ def _shared_write_refusal(where: str, name: str) -> InputError:
         f"({name} = {name}.clone()) or give it per_member (planner.propose(..., input_mode='per_member'))")
 
 
-def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> None:
-    """InputError for a model input forward() writes in place where the batched module cannot do what the loop does.
+def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> frozenset[str]:
+    """InputError for a model input forward() writes in place where the batched module cannot do what the loop does;
+    returns the per_member inputs it writes (each call then checks their member rows do not overlap: rows_overlap).
 
     A shared input written in place is refused: the loop writes the caller's tensor N times, each member
     seeing the writes of the members before it. The graph shows most writes (`x.add_`, a view's `mul_`,
@@ -57,7 +58,7 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
                                             root.name)
             shown.add(root.name)
     if example is None or not any(isinstance(x, torch.Tensor) for x in example):
-        return
+        return frozenset(shown)
     device = state_device(private) or torch.device("cpu")
     copies = tuple(x.detach().clone().to(device) if isinstance(x, torch.Tensor) else x for x in example)
     versions = [x._version if isinstance(x, torch.Tensor) else None for x in copies]
@@ -66,7 +67,7 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
         with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
             private(*copies)
     except Exception:  # noqa: BLE001 - a probe on zeros (a model that needs real inputs); the graph scan above stands
-        return
+        return frozenset(shown)
     finally:
         snapshot.restore_if_changed(private)
     for name, x, v in zip(names, copies, versions):
@@ -80,3 +81,24 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
                 f"(torch.fx records `{name} += ...` as an out-of-place add), so the batched module would leave the caller's "
                 f"tensor unwritten where the member loop writes it; write {name} = {name} + ... (no write), or "
                 f"{name}.add_(...) (a write the trace records)")
+    return frozenset(shown)
+
+
+def rows_overlap(x: torch.Tensor) -> bool:
+    """Whether elements of `x` may share memory (stride 0: `base.expand(N, ...)`; windows: `unfold`, as_strided).
+
+    Sufficient test for no overlap: each dim's stride, dims taken by stride, reaches past all the smaller ones."""
+    reach = 1
+    for size, stride in sorted(((s, abs(st)) for s, st in zip(x.shape, x.stride()) if s > 1), key=lambda p: p[1]):
+        if stride < reach:
+            return True
+        reach = stride * (size - 1) + reach
+    return False
+
+
+def overlapping_rows_refusal(name: str) -> InputError:
+    return InputError(
+        f"the per_member input {name!r} is written in place by forward(), and its member rows share memory (an "
+        f"expanded tensor, `x.expand(N, ...)`, or overlapping windows): the member loop writes each member's rows one "
+        f"after another, so a member sees the writes of those before it, which one batched call cannot repeat; pass "
+        f"{name}.clone() (or .contiguous()) so that each member has its own rows")

@@ -117,6 +117,17 @@ def ties_apart(members: Sequence[nn.Module]) -> dict[str, list[int]]:
     return out
 
 
+def gradient_hooks(members: Sequence[nn.Module]) -> list[str]:
+    """Names of parameters some member holds with gradient hooks (Tensor.register_hook,
+    register_post_accumulate_grad_hook). The stacked copies carry none, so training would leave out what they do."""
+    out = []
+    for m in members:
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if (getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)) and name not in out:
+                out.append(name)
+    return out
+
+
 def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
     """Names of trainable parameters that two members hold as one tensor. Stacked, each member gets its own
     copy: forward is the same, but training would update the copies apart where the loop updates one tensor."""

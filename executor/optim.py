@@ -78,6 +78,7 @@ Imports nothing of ours except planner.errors.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -378,6 +379,22 @@ def _writing_scheduler() -> Any:
     return None
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN_CODE = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+             *(os.path.join(_PACKAGE, part) + os.sep for part in ("executor", "planner", "app")))
+
+
+def _written_by_user() -> bool:
+    """Whether the code writing a param group's "lr" right now is the user's: not torch's (load_state_dict, a
+    scheduler) nor stagewise's own, judged by the file of the first frame past _MemberGroup."""
+    frame = sys._getframe(3)  # past this function, _MemberGroup._check_lr and __setitem__
+    while frame is not None and frame.f_code.co_name in ("__setitem__", "update", "setdefault"):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    return not os.path.abspath(frame.f_code.co_filename).startswith(_OWN_CODE)
+
+
 def _scheduler_problem(scheduler: Any, group: dict, old: float, new: float) -> str | None:
     """Why ``scheduler`` writing the shared scale ``old -> new`` does not give each member what its own scheduler
     would (member lrs differ), or None."""
@@ -445,6 +462,17 @@ class _MemberGroup(dict):
             return  # every member has lr = the scale itself: any scheduler acts as on one torch optimizer
         scheduler = _writing_scheduler()
         if scheduler is None:
+            if _written_by_user() and float(value) != float(self["lr"]):
+                # `for g in opt.param_groups: g["lr"] = get_lr(it)`: N torch optimizers would all run at that lr; here
+                # it would scale each member's own lr (member i at lr * member_lr[i]), silently another schedule
+                lrs = (self["lr"] * self["member_lr"]).tolist()
+                raise OptimizerError(
+                    f"{self.owner}: param_groups[...]['lr'] = {float(value):g} written while the members' lrs differ "
+                    f"({[round(x, 8) for x in lrs[:4]]}{', ...' if len(lrs) > 4 else ''}): group['lr'] is a scale shared "
+                    "by all members here (member i runs at group['lr'] * group['member_lr'][i]), so this would not set "
+                    f"the lr it does on a torch optimizer. To give every member this lr: opt.set_hyperparameter('lr', "
+                    f"{float(value):g}); per member: opt.set_hyperparameter('lr', [...]); a schedule as a factor of "
+                    "each member's own lr: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: ...)")
             return
         problem = _scheduler_problem(scheduler, self, float(self["lr"]), float(value))
         if problem is not None:

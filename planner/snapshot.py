@@ -13,7 +13,7 @@ import hashlib
 import types
 import weakref
 from functools import partial as functools_partial
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -217,13 +217,18 @@ class StateSnapshot:
     tensors: dict[str, torch.Tensor]
     versions: dict[str, int]  # autograd version counters: an in-place op that leaves the values alone still counts
     attributes: dict[str, Any]
+    # tensors held as plain module attributes (`self.count = torch.zeros(1)`, not a buffer): (module, name, the tensor,
+    # a copy, its version). No per-member copy of them is kept (they are constants), so a change is refused
+    held: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
 
     @staticmethod
     def take(model: nn.Module) -> "StateSnapshot":
         live = dict([*model.named_parameters(), *model.named_buffers()])
         with torch.no_grad():
             tensors = {k: t.detach().clone() for k, t in live.items()}
-        return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)))
+            held = {f"{path}.{k}" if path else k: (mod, k, v, v.detach().clone(), v._version)
+                    for path, mod in model.named_modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
+        return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held)
 
     def restore_if_changed(self, model: nn.Module) -> StateChange:
         """Compare with `model` now; put changed tensors back. Returns what had changed."""
@@ -236,6 +241,15 @@ class StateSnapshot:
                 self.versions[k] = now[k]._version  # the copy back is not a change of the next step
         attrs = plain_attributes(model)
         moved = [k for k in self.attributes.keys() | attrs.keys() if self.attributes.get(k) != attrs.get(k)]
+        for key, (mod, k, tensor, saved, version) in self.held.items():
+            if mod.__dict__.get(k) is not tensor:  # replaced (`self.cache = ...`): the original put back
+                mod.__dict__[k] = tensor
+                moved.append(key)
+            elif tensor._version != version or not _same_tensor(tensor, saved):  # written in place (`self.count.add_(1)`)
+                with torch.no_grad():
+                    tensor.copy_(saved)
+                self.held[key] = (mod, k, tensor, saved, tensor._version)
+                moved.append(key)
         return StateChange(changed, sorted(moved))
 
 

@@ -1,0 +1,212 @@
+"""Silent wrong answers found by review in how built modules are called and trained, each against the plain loop
+over members (or refused by name): plain tensor attributes forward() writes, output keys made from a per-member
+attribute, per_member inputs whose rows share memory, whole-plan capture of aliased inputs, gradient hooks on
+member parameters, an lr written into a stacked optimizer's param group, torch.func.grad over the batched module."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, grad
+
+from stagewise import executor, planner
+from stagewise.executor import StackedSGD
+from stagewise.planner.errors import ExecutionError, InputError, MemberError, OptimizerError, TraceError
+
+N = 3
+
+
+def _members(make):
+    out = []
+    for i in range(N):
+        torch.manual_seed(i)
+        out.append(make().eval())
+    return out
+
+
+def _build(members, example, mode="shared", strategy=None):
+    graph = planner.trace(copy.deepcopy(members[0]), example)
+    plan = planner.propose(graph, n_members=N, input_mode=mode)
+    if strategy is not None:
+        for s in plan.stages:
+            plan = planner.set_options(plan, graph, s.id, strategy=strategy)
+    return executor.build(plan, copy.deepcopy(members)), plan
+
+
+# --- a tensor held as a plain attribute, written in place by forward() ------------------------------------------
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.count = nn.Linear(8, 8), torch.zeros(1)  # not a buffer: stacked nowhere, kept once
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.l(x) * self.count
+
+
+def test_a_plain_tensor_attribute_written_by_forward_is_refused_and_left_as_it_was():
+    """Was: every member ran with the count of build time (factor 1, 0, 0 where the loop had 2, 1, 1), and tracing
+    ran forward() on the caller's model eight times (count 8)."""
+    m = Counter()
+    with pytest.raises(TraceError, match=r"'count'.*buffer"):
+        planner.trace(m, (torch.randn(4, 8),))
+    assert m.count.item() == 0
+
+
+# --- output structure made from a per-member attribute ------------------------------------------------------
+
+class Named(nn.Module):
+    def __init__(self, name="run0"):
+        super().__init__()
+        self.l, self.name = nn.Linear(8, 8), name
+
+    def forward(self, x):
+        return {self.name: self.l(x)}
+
+
+def test_members_whose_output_keys_differ_are_refused_by_name():
+    """Was: every member's output came back under member 0's key, and verify said MATCH (leaves only)."""
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(Named(f"run{i}").eval())
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(4, 8),))
+    with pytest.raises(MemberError, match=r"another structure.*name"):
+        executor.build(planner.propose(graph, n_members=N), members)
+
+
+# --- per_member inputs whose member rows share memory, written in place ------------------------------------
+
+class WritesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, a):
+        a.mul_(2)
+        return self.fc(a)
+
+
+def _expanded():
+    return torch.randn(5, 4).expand(N, 5, 4)
+
+
+def _windows():  # member i's rows are rows i..i+4 of one series (unfold-like)
+    return torch.randn(4 * (N + 4)).as_strided((N, 5, 4), (4, 4, 1))
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "wide", "loop"])
+@pytest.mark.parametrize("make", [_expanded, _windows])
+def test_a_written_per_member_input_whose_rows_share_memory_is_refused(make, strategy):
+    """Was: the loop writes member i's rows before member i+1 reads them; vmap and wide wrote all at once (off by
+    up to 5.5), and an expanded input was copied first (off by 0.35)."""
+    ens, _ = _build(_members(WritesInput), (torch.randn(5, 4),), mode="per_member", strategy=strategy)
+    with torch.no_grad(), pytest.raises(InputError, match=r"'a'.*share memory.*clone"):
+        ens(make())
+    x = make().clone()  # its own rows: as the loop
+    want = torch.stack([m(x[i].clone()) for i, m in enumerate(_members(WritesInput))])
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_inputs_that_are_read_only_may_share_memory():
+    ens, _ = _build(_members(lambda: nn.Linear(4, 4)), (torch.randn(5, 4),), mode="per_member")
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x.expand(N, 5, 4)), torch.stack([m(x) for m in _members(lambda: nn.Linear(4, 4))]))
+
+
+# --- whole-plan capture, inputs sharing memory -----------------------------------------------------------------
+
+class WritesFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        a.mul_(2)
+        return self.fc(a) + b
+
+
+def test_capture_with_one_tensor_passed_as_two_written_arguments_matches_the_loop():
+    """Was: each argument got its own static buffer, so the write to `a` no longer reached `b` (off by 2.8)."""
+    members = _members(WritesFirst)
+    ens, _ = _build(members, (torch.randn(5, 4), torch.randn(5, 4)), mode="per_member")
+    fast = executor.capture(ens, backend=executor.ReplayBackend())
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(N, 5, 4)
+            y = x.clone()
+            got = fast(x, x)
+            want = torch.stack([m(y[i], y[i]) for i, m in enumerate(members)])
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(x, y)
+
+
+def test_capture_without_clones_fed_its_own_output_matches_the_loop():
+    """Was: the written input was copied back into the caller's tensor, which was the graph's own output buffer,
+    overwriting the output just computed (off by 0.67 from the second step)."""
+    members = _members(WritesInput)
+    ens, _ = _build(members, (torch.randn(5, 4),), mode="per_member")
+    fast = executor.capture(ens, backend=executor.ReplayBackend(), clone_outputs=False)
+    x = torch.randn(N, 5, 4)
+    y = x.clone()
+    with torch.no_grad():
+        for _ in range(3):
+            x = fast(x)
+            y = torch.stack([m(y[i]) for i, m in enumerate(members)])
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# --- gradient hooks on the members' parameters -----------------------------------------------------------------
+
+def test_gradient_hooks_on_member_parameters_refuse_training_not_inference():
+    """Was: a hook masking rows of an embedding's gradient was dropped; the frozen rows moved 0.15 in 3 steps."""
+    members = _members(lambda: nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)))
+    mask = torch.ones(10, 1)
+    mask[:5] = 0
+    for m in members:
+        m[0].weight.register_hook(lambda g: g * mask)
+    ids = torch.randint(0, 10, (6,))
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (ids,)), n_members=N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(ids), torch.stack([m(ids) for m in members]))
+    with pytest.raises(ExecutionError, match=r"gradient hooks on \['0.weight'\].*named_stacked_parameters"):
+        ens(ids).sum().backward()
+
+
+# --- an lr written into a stacked optimizer's param group ------------------------------------------------------
+
+def test_an_lr_written_by_user_code_while_member_lrs_differ_is_refused():
+    """Was: `g["lr"] = 0.004` (a warm-up) scaled each member's own lr (0.01, 0.02, 0.04 -> 4e-5, 8e-5, 1.6e-4) where
+    N torch optimizers all run at 0.004."""
+    opt = StackedSGD([torch.zeros(N, 2, requires_grad=True)], N, lr=[0.01, 0.02, 0.04])
+    with pytest.raises(OptimizerError, match=r"set_hyperparameter\('lr', 0.004\)"):
+        for g in opt.param_groups:
+            g["lr"] = 0.004
+    same = StackedSGD([torch.zeros(N, 2, requires_grad=True)], N, lr=0.01)
+    for g in same.param_groups:  # every member at the same lr: the write sets it, as on a torch optimizer
+        g["lr"] = 0.004
+    torch.testing.assert_close(same.get_hyperparameter("lr"), torch.full((N,), 0.004, dtype=torch.float64))
+
+
+# --- torch.func.grad over functional_call of the batched module -----------------------------------------------
+
+def test_torch_func_grad_through_a_plan_with_a_loop_stage_matches_the_loop():
+    """Was a raw RuntimeError ("Cannot access data pointer of Tensor that doesn't have storage")."""
+    make = lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))  # noqa: E731
+    members = _members(make)
+    x, y = torch.randn(N, 6, 4), torch.randn(N, 6, 2)
+    ens, _ = _build(members, (x[0],), mode="per_member", strategy="loop")
+    params = {k: v.detach() for k, v in ens.named_parameters()}
+    got = grad(lambda p: ((functional_call(ens, p, (x,)) - y) ** 2).mean(dim=(1, 2)).sum())(params)
+    for i, m in enumerate(members):
+        ((m(x[i]) - y[i]) ** 2).mean().backward()
+    for k, g in got.items():
+        name = k.replace("stacked.", "", 1)
+        torch.testing.assert_close(g, torch.stack([m.get_parameter(name).grad for m in members]), rtol=1e-6, atol=1e-7)
+    with torch.no_grad():  # and the module runs on after it
+        torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]))
