@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import networkx as nx
 import torch
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatten, tree_map, tree_unflatten
@@ -85,9 +86,10 @@ def tf32_scope(dtype: str, device: torch.device) -> Any:
     return _TF32() if dtype == "tf32" and device.type == "cuda" else contextlib.nullcontext()
 
 
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """Every floating tensor leaf of `tree` as `dtype` (others untouched)."""
-    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x, tree)
+def _cast_floating(tree: Any, dtype: torch.dtype, only: torch.dtype | None = None) -> Any:
+    """Every floating tensor leaf of `tree` (of dtype `only`, when given) as `dtype` (others untouched)."""
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype
+                    and (only is None or x.dtype == only) else x, tree)
 
 
 # What a plan with `capture` set replays through: None = CUDA graphs on a CUDA device, nothing elsewhere (the
@@ -185,7 +187,7 @@ class BatchedModule(nn.Module):
         self._out_spec = graph.out_spec
         self.__dict__["_input_guard"] = graph.input_guard  # export's input check on one member's inputs; a function, not a submodule
         output_node = next(n for n in graph.gm.graph.nodes if n.op == "output")
-        self._output_args = output_node.args[0]
+        self._output_args = _plain_containers(output_node.args[0])  # fx's immutable_list/dict: the user gets list/dict
         # the output's structure, flattened once: per call only its leaves are looked up
         leaves, self._output_tree = tree_flatten(self._output_args)
         self._output_leaves = [(x.name, None) if isinstance(x, torch.fx.Node) else (None, x) for x in leaves]
@@ -529,7 +531,7 @@ class BatchedModule(nn.Module):
                 raise
             raise ExecutionError(f"{str(e).split('. Check')[0]}: this op has no float16 kernel on {next(iter(self._stacked.values())).device.type}; "
                                  "use dtype 'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
-        return _cast_floating(out, caller), env
+        return _cast_floating(out, caller, only=dtype), env  # outputs in the plan's precision; a float64 one stays float64
 
     def forward(self, *inputs, **named):
         """Shared inputs as one member takes them, per_member ones [N, ...]; returns N-first outputs.
@@ -673,6 +675,18 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
     return module
+
+
+def _plain_containers(x: Any) -> Any:
+    """`x` with torch.fx's immutable_list / immutable_dict (what a graph's output node holds) as plain list / dict,
+    as the model itself returns them (they cannot be changed, and their pytree type differs)."""
+    if type(x) in (list, immutable_list):
+        return [_plain_containers(v) for v in x]
+    if type(x) in (dict, immutable_dict):
+        return {k: _plain_containers(v) for k, v in x.items()}
+    if type(x) is tuple:
+        return tuple(_plain_containers(v) for v in x)
+    return x
 
 
 def _data_ptr(t: torch.Tensor) -> int | None:

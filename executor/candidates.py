@@ -32,7 +32,7 @@ from stagewise.executor.strategies.compiled import with_compile_mode
 from stagewise.executor.strategies.wide import with_conv_form
 from stagewise.executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
 from stagewise.executor.values import Batched, as_batched, n_first
-from stagewise.executor.verify import DEFAULT_RTOL
+from stagewise.executor.verify import DEFAULT_RTOL, same_draws, same_number
 
 Progress = Optional[Callable[[int, int, str], None]]
 
@@ -43,19 +43,25 @@ def max_rel_error(got: Any, want: Any) -> float:
     """Worst member's normwise error: max|got-want| / max|want| per member, N-first trees."""
     g_leaves, g_spec = tree_flatten(got)
     w_leaves, w_spec = tree_flatten(want)
-    if len(g_leaves) != len(w_leaves):
+    if len(g_leaves) != len(w_leaves) or g_spec != w_spec:  # other leaves, or the same in another structure (keys)
         return math.inf
     worst = 0.0
     for g, w in zip(g_leaves, w_leaves):
         if not isinstance(w, torch.Tensor):
-            if g != w and not (isinstance(w, float) and abs(g - w) <= DEFAULT_RTOL * max(abs(w), 1e-30)):
+            if isinstance(w, float) and isinstance(g, (int, float)) and not isinstance(g, bool):
+                # a Python number: its relative error, judged against the plan's tolerance like a tensor's
+                same = g == w or (math.isnan(g) and math.isnan(w))
+                worst = max(worst, 0.0 if same else abs(g - w) / max(abs(w), 1e-30))
+            elif not same_number(g, w, 0.0):
                 return math.inf
             continue
         g = torch.as_tensor(g)
-        if g.shape != w.shape:
+        if g.shape != w.shape or g.dtype != w.dtype:
             return math.inf
         if w.numel() == 0:
             continue
+        if w.dim() == 0:
+            g, w = g.reshape(1), w.reshape(1)
         if not (w.is_floating_point() or w.is_complex()):  # ids, masks, counts: equal or wrong, no tolerance
             if g.is_floating_point() or g.is_complex() or not torch.equal(g.detach().long(), w.detach().long()):
                 return math.inf
@@ -121,7 +127,8 @@ def try_strategy(label: str, stage_id: str, make: Callable[[], Callable[[], Any]
     try:
         inject_faults(stage_id, label)
         call = make()
-        out = call()
+        with same_draws(0):  # the random state the loop reference drew from (loop_reference, autotune's checks)
+            out = call()
         first_s = time.perf_counter() - start
         err = check(out) if check is not None else None
     except Exception as e:  # any failure of a candidate is a result, not a crash
@@ -159,7 +166,8 @@ def advance(program: StageProgram, env: dict, fresh: Callable[[], list], outputs
 def loop_reference(program: StageProgram, runner: Runner, fresh: Callable[[], list]) -> tuple[Runner, list, Callable[[list], float]]:
     """The stage's member loop (the trusted reference), its outputs on `fresh()` inputs, and a check against them."""
     reference = LoopRunner(program, runner.n_members, runner.stacked, runner.member_states)
-    ref = reference(fresh())
+    with same_draws(0):  # candidates are checked from the same random state (try_strategy): a stage that draws
+        ref = reference(fresh())  # random numbers matches when it draws as the loop draws
     return reference, ref, stage_check(ref, runner.n_members)
 
 

@@ -5,8 +5,10 @@ Errors are normwise: max |batched - loop| and that divided by max |loop|
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -90,6 +92,51 @@ class VerifyReport:
         return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def same_draws(seed: int = 0) -> Iterator[None]:
+    """Run the block from torch's random state seeded with `seed`, and put the caller's state back after it: a run of
+    the batched module and a run of the member loop each inside `same_draws(k)` start their draws from one state
+    (Dropout in training, `randn_like`), so a plan that draws as the loop draws gives the loop's outputs."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _random_states() -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def counting_draws(module: Any, drawn: list[str]) -> Any:
+    """A `run=` for module.run_stages that runs the stages one by one and appends to `drawn` the id of each stage
+    whose run moved torch's random state (it drew random numbers: Dropout in training, `randn_like`)."""
+    def run(env: dict) -> None:
+        for step in module._steps:
+            before = _random_states()
+            module._run_steps(env, [step])
+            if any(not torch.equal(a, b) for a, b in zip(before, _random_states())):
+                drawn.append(step[0].stage.id)
+    return run
+
+
+def draw_order_note(drawn: Sequence[str]) -> str:
+    """Why the outputs of a plan drawing random numbers in several stages differ from the seeded member loop's."""
+    return (f"stages {', '.join(drawn[:4])}{', ...' if len(drawn) > 4 else ''} draw random numbers: the batched module "
+            "draws each stage's numbers for every member before the next stage's, the member loop draws member by "
+            "member, so from one seed their draws differ, each member's still fresh and its own. Outputs that "
+            "depend on the draws are compared exactly only with one such stage; compare in eval mode (module.eval() "
+            "and the members' .eval()) for the rest")
+
+
+def fresh(inputs: Sequence[Any]) -> tuple:
+    """A copy of every tensor in `inputs` (a forward() that writes its inputs in place must not change what the
+    next run, or the caller, is given)."""
+    return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(inputs)))
+
+
 def member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
     """Member i's inputs: shared ones as given, per_member ones indexed [i]."""
     return tuple(x[i] if spec.mode is InputMode.PER_MEMBER else x for spec, x in zip(plan.inputs, inputs))
@@ -126,9 +173,21 @@ def compare(name: str, got: Any, want: Any, rtol: float, n_members: int | None =
                 continue
             rows.append(_tensor_row(label, g_t, w_t, rtol, n_members))
         else:
-            same = g == w or (isinstance(w, float) and abs(g - w) <= rtol * max(abs(w), 1e-30))
+            same = same_number(g, w, rtol)
             rows.append(ErrorRow(label, 0.0 if same else float("inf"), 0.0 if same else float("inf"), bool(same)))
     return rows
+
+
+def same_number(g: Any, w: Any, rtol: float) -> bool:
+    """Whether a non-tensor output `g` equals the loop's `w`: floats within `rtol` (NaN equal to NaN), the rest equal."""
+    if isinstance(w, float) and isinstance(g, (int, float)) and not isinstance(g, bool):
+        if math.isnan(w) or math.isnan(g):
+            return math.isnan(w) and math.isnan(g)
+        return g == w or abs(g - w) <= rtol * max(abs(w), 1e-30)
+    try:
+        return bool(type(g) is type(w) and g == w)
+    except Exception:  # noqa: BLE001 - values whose == fails or is not one bool (arrays): not equal
+        return False
 
 
 def _tensor_row(label: str, g: torch.Tensor, w: torch.Tensor, rtol: float, n_members: int | None) -> ErrorRow:
@@ -164,17 +223,39 @@ def _loop_reference(column: list, got: Any) -> Any:
 
 def _compare_outputs(report: VerifyReport, got: Any, want: list[Any], suffix: str) -> None:
     """Add one row per output leaf: the batched output against the members' outputs stacked N-first."""
-    want_stacked = [tree_flatten(w)[0] for w in want]
-    got_leaves = tree_flatten(got)[0]
+    flat = [tree_flatten(w) for w in want]
+    want_stacked = [leaves for leaves, _ in flat]
+    got_leaves, got_spec = tree_flatten(got)
     if any(len(w) != len(got_leaves) for w in want_stacked):  # an output the batched module dropped or added
         counts = sorted({len(w) for w in want_stacked})
         report.outputs.append(ErrorRow(f"out{suffix}: {len(got_leaves)} output leaves, the loop returns {counts}",
                                        float("inf"), float("inf"), False))
         return
+    other = next((i for i, (_, spec) in enumerate(flat) if spec != got_spec), None)
+    if other is not None:  # the same leaves in another structure: other dict keys, a list for a tuple
+        report.outputs.append(ErrorRow(f"out{suffix}: structured as {_structure(got)}, member {other}'s loop output as "
+                                       f"{_structure(want[other])}", float("inf"), float("inf"), False))
+        return
     for k, g in enumerate(got_leaves):
-        ref = _loop_reference([w[k] for w in want_stacked], g)
+        column = [w[k] for w in want_stacked]
+        if isinstance(g, torch.Tensor) and isinstance(column[0], torch.Tensor) and g.dtype != column[0].dtype:
+            report.outputs.append(ErrorRow(f"out[{k}]{suffix}: dtype {str(g.dtype).replace('torch.', '')}, the loop's "
+                                           f"{str(column[0].dtype).replace('torch.', '')}", float("inf"), float("inf"), False))
+            continue
+        ref = _loop_reference(column, g)
         report.outputs.extend(compare((f"out[{k}]" if len(got_leaves) > 1 else "out") + suffix, g, ref, report.rtol,
                                       n_members=len(want)))
+
+
+def _structure(tree: Any) -> str:
+    """`tree` with its tensors and numbers shown as `*` (dict keys, container types), shortened."""
+    text = repr(tree_map(lambda x: _Leaf(), tree))
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Leaf:
+    def __repr__(self) -> str:
+        return "*"
 
 
 def _buffers(members: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
@@ -203,7 +284,7 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float | None = None, device=None,
-           calls: int = 2, more_inputs: Sequence[Sequence[Any]] = ()) -> VerifyReport:
+           calls: int = 2, more_inputs: Sequence[Sequence[Any]] | None = None) -> VerifyReport:
     """Build the plan, run it and the member loop on `inputs`, and compare.
 
     Args:
@@ -214,13 +295,20 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             runs each member where it already is, on `inputs` as given.
         calls: consecutive calls compared (at least 2: state a forward() updates
             drifts from call to call, and one call would not show a plan that drops the update).
-        more_inputs: further input sets, usually other shapes (`resized_inputs`: shapes can be
-            baked into a trace), each compared on `calls` more calls after `inputs`. A set the
-            member loop itself cannot take is skipped, and one the plan refuses up front with
-            InputError (a torch.export trace specialised to the traced shape) is noted; both in
-            `notes`. Any other failure of the batched module there is a mismatch.
+            The first runs stage by stage (its stage boundaries are compared too), the later ones
+            through the module's forward() (a whole-plan capture replays there).
+        more_inputs: further input sets, usually other shapes (shapes can be baked into a trace),
+            each compared on `calls` more calls after `inputs`; None (the default) = one set with
+            another batch size (`resized_inputs`), () = none. A set the member loop itself cannot
+            take is skipped, and one the plan refuses up front with InputError (a torch.export
+            trace specialised to the traced shape) is noted; both in `notes`. Any other failure
+            of the batched module there is a mismatch.
+    Every run gets its own copy of the inputs (a forward() that writes them in place), and the
+    batched module and the loop draw random numbers from the same seeded state, call by call
+    (Dropout in training); the caller's random state is left as it was.
     Returns:
-        VerifyReport with max abs/rel error per output leaf and per stage-boundary value.
+        VerifyReport with max abs/rel error per output leaf and per stage-boundary value, and notes:
+        input sets not compared, members whose outputs the check cannot tell apart.
     Raises:
         MemberError for a member that cannot be deep-copied, and what executor.build raises.
     Side effects: none on `members`: the loop and the traces run private copies of them, where they
@@ -233,24 +321,35 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     rtol = default_rtol(plan, members) if rtol is None else rtol
     members = private_members(list(members), None, "verify")  # the caller's modules are never run
     inputs = tuple(inputs)
+    if more_inputs is None:
+        other = resized_inputs(plan, inputs)
+        more_inputs = [other] if other is not None else []
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=device)
     report = VerifyReport(n_members=plan.n_members, rtol=rtol, calls=calls, shapes=[describe_inputs(inputs)])
     saved = _buffers(members)  # forward may update buffers in place; each run starts from the same state
     # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
-    on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
-    with torch.no_grad():
-        got, env = module.run_stages(*on_device, keep=True)
-    _compare_outputs(report, got, loop_outputs(plan, members, inputs), "")
+    target = resolve_device(device)
+    on_device = lambda: tree_map(lambda x: x.to(target) if isinstance(x, torch.Tensor) else x, fresh(inputs))  # noqa: E731
+    drawn: list[str] = []
+    with torch.no_grad(), same_draws(1):
+        got, env = module.run_stages(*on_device(), keep=True, run=counting_draws(module, drawn))
+    with same_draws(1):
+        want = loop_outputs(plan, members, fresh(inputs))
+    _compare_outputs(report, got, want, "")
+    if len(drawn) > 1:
+        report.notes.append(draw_order_note(drawn))
+    _note_alike_members(report, want, rtol)
     _restore_buffers(members, saved)
     # boundaries of the first call: each member's own graph run, compared with what crossed the stage boundary
     boundary = [n for p in module.programs for n in p.output_names]
     per_member = []
-    for i, m in enumerate(members):
-        rec = _Recorder(retrace(m, plan.tracer, example, opened=plan.opened_modules).gm, set(boundary))
-        with torch.no_grad():
-            rec.run(*member_inputs(plan, inputs, i))
-        per_member.append(rec.values)
+    with same_draws(1):
+        for i, m in enumerate(members):
+            rec = _Recorder(retrace(m, plan.tracer, example, opened=plan.opened_modules).gm, set(boundary))
+            with torch.no_grad():
+                rec.run(*member_inputs(plan, fresh(inputs), i))
+            per_member.append(rec.values)
     for name in boundary:
         seen: list[ErrorRow] = []
         for i in range(plan.n_members):
@@ -266,34 +365,64 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     _restore_buffers(members, saved)  # after comparing: recorded values may alias the buffers
     del env, per_member
     # later calls: state updated by forward() carries over in both, so a plan that drops an update drifts here
-    loop_outputs(plan, members, inputs)  # the loop's first call again, so its state matches the batched module's
+    with same_draws(1):
+        loop_outputs(plan, members, fresh(inputs))  # the loop's first call again, so its state matches the batched module's
     for call in range(2, calls + 1):
-        with torch.no_grad():
-            got = module.run_stages(*on_device)[0]
-        _compare_outputs(report, got, loop_outputs(plan, members, inputs), f" (call {call})")
-    for other in more_inputs:
-        _verify_more(report, plan, module, members, tuple(other), device)
+        with torch.no_grad(), same_draws(call):
+            got = module(*on_device())
+        with same_draws(call):
+            want = loop_outputs(plan, members, fresh(inputs))
+        _compare_outputs(report, got, want, f" (call {call})")
+    for k, other in enumerate(more_inputs):
+        _verify_more(report, plan, module, members, tuple(other), device, seed=100 * (k + 1))
     _restore_buffers(members, saved)
     return report
 
 
-def _verify_more(report: VerifyReport, plan: Plan, module, members: list[nn.Module], inputs: tuple, device) -> None:
+def _note_alike_members(report: VerifyReport, outputs: list[Any], rtol: float) -> None:
+    """A note when two members' loop outputs are equal within `rtol`: a plan that ran one member's weights for the
+    other would pass this check (identical members, fine-tuned copies a little apart)."""
+    flat = []
+    for out in outputs:
+        leaves = [x.detach().reshape(-1).to(torch.float64).cpu() for x in tree_flatten(out)[0]
+                  if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel()]
+        if not leaves:
+            return
+        v = torch.cat([t.real if t.is_complex() else t for t in leaves])
+        flat.append(v[:: max(1, v.numel() // 4096)].nan_to_num(0.0, 0.0, 0.0))
+    if len({v.numel() for v in flat}) != 1:
+        return
+    rows = torch.stack(flat)
+    scale = rows.abs().amax(1).clamp_min(1e-30)
+    for i in range(1, len(flat)):
+        close = ((rows[:i] - rows[i]).abs().amax(1) <= rtol * scale[i]).nonzero()
+        if close.numel():
+            j = int(close[0])
+            report.notes.append(f"members {j} and {i} give the same outputs within rtol {rtol:g}: this check cannot tell "
+                                "them apart, so a plan that ran one's weights for the other would pass; verify with "
+                                "members that differ (other seeds) to check the member order too")
+            return
+
+
+def _verify_more(report: VerifyReport, plan: Plan, module, members: list[nn.Module], inputs: tuple, device,
+                 seed: int = 100) -> None:
     """Compare `report.calls` more calls on another input set, state carried over from the calls before."""
     shape = describe_inputs(inputs)
     before = _buffers(members)
     try:
-        loop_outputs(plan, members[:1], inputs)  # can the model itself take these inputs?
+        with same_draws(seed):
+            loop_outputs(plan, members[:1], fresh(inputs))  # can the model itself take these inputs?
     except Exception as e:  # any failure of the user's own model here means: not a shape it takes
         report.notes.append(f"input shape {shape} not compared: the member loop itself fails on it ({type(e).__name__}: {_first_line(e)})")
         return
     finally:
         _restore_buffers(members[:1], before[:1])
-    on_device = tree_map(lambda x: x.to(resolve_device(device)) if isinstance(x, torch.Tensor) else x, inputs)
+    target = resolve_device(device)
     for call in range(1, report.calls + 1):
         name = f"out @ {shape} (call {call})"
         try:
-            with torch.no_grad():
-                got = module(*on_device)
+            with torch.no_grad(), same_draws(seed + call):
+                got = module(*tree_map(lambda x: x.to(target) if isinstance(x, torch.Tensor) else x, fresh(inputs)))
         except InputError as e:
             if call == 1:
                 report.notes.append(f"input shape {shape} refused up front by the plan: {_first_line(e)}")
@@ -302,10 +431,10 @@ def _verify_more(report: VerifyReport, plan: Plan, module, members: list[nn.Modu
         except StagewiseError as e:
             report.outputs.append(ErrorRow(f"{name} failed: {_first_line(e)[:120]}", float("inf"), float("inf"), False))
             return
-        _compare_outputs(report, got, loop_outputs(plan, members, inputs), f" @ {shape}" + (f" (call {call})" if call > 1 else ""))
+        with same_draws(seed + call):
+            want = loop_outputs(plan, members, fresh(inputs))
+        _compare_outputs(report, got, want, f" @ {shape}" + (f" (call {call})" if call > 1 else ""))
     report.shapes.append(shape)
-
-
 
 
 def describe_inputs(inputs: Sequence[Any]) -> str:

@@ -21,7 +21,7 @@ import networkx as nx
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace
@@ -315,7 +315,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         TraceError when both tracers fail (both reasons in the message), the
         traced graph does not run on the example inputs, or an open_modules name matches no module.
     """
-    example_inputs = tuple(example_inputs)
+    # copies: the graph runs on them below, and a forward() that writes its inputs in place would write the caller's
+    example_inputs = tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
     refusal = hooks_refusal(model, type(model).__name__) or global_hooks_refusal("the batched module")
     if refusal:
         raise TraceError(refusal)

@@ -127,7 +127,7 @@ def test_integer_outputs_must_be_equal(monkeypatch):
             ids[1, 0] += 1
             return ids, mask
         module.forward = wrong
-        module.run_stages = lambda *a, keep=False: (wrong(*a), real_env(module, a, keep))
+        module.run_stages = lambda *a, keep=False, run=None: (wrong(*a), real_env(module, a, keep))
         return module
 
     def real_env(module, a, keep):
@@ -136,7 +136,8 @@ def test_integer_outputs_must_be_equal(monkeypatch):
     monkeypatch.setattr(verify_module, "build", build)
     report = executor.verify(plan, members, (x,))
     assert not report.ok
-    assert [r.ok for r in report.outputs if "out[0]" in r.name] == [False, False]
+    ids_rows = [r.ok for r in report.outputs if "out[0]" in r.name]
+    assert len(ids_rows) >= 2 and not any(ids_rows)
     assert all(r.ok for r in report.outputs if "out[1]" in r.name)
 
 
@@ -188,10 +189,10 @@ def test_a_dropped_output_leaf_is_a_mismatch(monkeypatch):
 
     def build(*args, **kwargs):
         module = real(*args, **kwargs)
-        run = module.run_stages
+        real_run = module.run_stages
 
-        def fewer(*a, keep=False):
-            out, env = run(*a, keep=keep)
+        def fewer(*a, keep=False, run=None):
+            out, env = real_run(*a, keep=keep, run=run)
             return {"y": out["y"]}, env
         module.run_stages = fewer
         return module

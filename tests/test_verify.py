@@ -56,7 +56,11 @@ def test_untouched_plan_matches_with_small_errors(two_stages):
     src, plan = two_stages
     report = executor.verify(plan, src.members(N), src.example_inputs)
     assert report.ok and report.to_text().splitlines()[-1].startswith("MATCH:")
-    assert list(rows(report, "boundaries")) == ["fc1", "fc2"] and list(rows(report, "outputs")) == ["out", "out (call 2)"]
+    assert list(rows(report, "boundaries")) == ["fc1", "fc2"]
+    first, second = src.example_inputs[0].shape[0], executor.resized_inputs(plan, src.example_inputs)[0].shape[0]
+    # by default a second batch size too (shapes can be baked into a trace)
+    assert list(rows(report, "outputs")) == ["out", "out (call 2)", f"out @ [{second}, 64]", f"out @ [{second}, 64] (call 2)"]
+    assert len(report.shapes) == 2 and first != second
     assert report.calls == 2 and "2 consecutive calls" in report.to_text()
     assert all(r.max_rel <= 1e-6 and r.ok for r in report.outputs + report.boundaries)
 
@@ -179,4 +183,4 @@ def test_report_json_carries_the_verdict(two_stages, monkeypatch):
     tampered_build(monkeypatch, "fc2.bias", 1, 0.5)
     d = executor.verify(plan, src.members(N), src.example_inputs).to_json()
     assert d["ok"] is False and d["n_members"] == N and d["rtol"] == verify_module.DEFAULT_RTOL and d["calls"] == 2
-    assert [r["ok"] for r in d["outputs"]] == [False, False]
+    assert [r["ok"] for r in d["outputs"]] == [False] * 4  # two calls at two batch sizes
