@@ -194,6 +194,7 @@ class BatchedModule(nn.Module):
         self._output_is_leaf = self._output_tree.is_leaf()
         # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
         self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]  # a traced None is shared (InputSpec)
+        self._traced_tensors = frozenset(i.name for i in plan.inputs if i.shape is not None)  # inputs traced as tensors
         self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
         stage_of = {n: s.id for s in plan.stages for n in s.nodes}
         read_outside = {}
@@ -424,6 +425,10 @@ class BatchedModule(nn.Module):
                     raise overlapping_rows_refusal(name)
                 env[name] = Batched(x)
             else:
+                if x is None and name in self._traced_tensors:
+                    # `if mask is not None:` took the tensor branch at trace time: the graph would apply None as a tensor
+                    raise InputError(f"input {name!r} was traced as a tensor, got None: the plan holds the branch forward() "
+                                     f"took for a tensor there; pass a tensor, or re-plan with None in the example inputs")
                 env[name] = Shared(x)
         if self._checks_traced:
             self._check_traced_shapes(inputs)

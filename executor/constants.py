@@ -48,6 +48,8 @@ _ATEN_SCALAR_TO_TENSOR = {  # export graphs: the overload that takes a tensor op
 }
 _LEAKY = {F.leaky_relu, torch.ops.aten.leaky_relu.default}
 _IGNORED_IN_EVAL = (nn.modules.dropout._DropoutNd,)  # their config has no effect outside training
+# settings a module's forward() never reads (only its constructor: the initial values of its parameters)
+_CONSTRUCTION_ONLY = {nn.PReLU: {"init"}}
 
 
 def leaky_relu_per_member(x: torch.Tensor, negative_slope: torch.Tensor) -> torch.Tensor:
@@ -307,6 +309,8 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
         key = diff.where[len(str(node.target)) + 1:]
         mod, attr = _config_owner(leaf, key)
         if isinstance(mod, _IGNORED_IN_EVAL) and not mod.training and attr != MODULES_KEY:
+            return
+        if attr in _CONSTRUCTION_ONLY.get(type(mod), ()):
             return
         if key == MODULES_KEY:
             raise _refuse(diff, attr_diffs, f"{type(leaf).__name__} holds submodules of other classes in some members.")

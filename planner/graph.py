@@ -118,11 +118,16 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
     after them keep their defaults (see `_fx_trace`). `opened`: module paths fx traces
     inside (planner.opening); export traces inside every module anyway.
     """
-    try:
-        gm = _fx_trace(model, len(example_inputs), opened)
-        return gm, "fx", ""
-    except Exception as e:  # fx raises many types for untraceable Python
-        fx_error = f"{type(e).__name__}: {_first_line(e)}"
+    nones = [i for i, x in enumerate(example_inputs) if x is None]
+    if nones:
+        # fx makes every given input a graph value, so `if mask is not None:` would take the tensor branch for a None
+        fx_error = f"example input(s) {nones} are None, which torch.fx traces as values (`is not None` holds)"
+    else:
+        try:
+            gm = _fx_trace(model, len(example_inputs), opened)
+            return gm, "fx", ""
+        except Exception as e:  # fx raises many types for untraceable Python
+            fx_error = f"{type(e).__name__}: {_first_line(e)}"
     try:
         gm = _export(model, example_inputs)
     except Exception as e:

@@ -53,7 +53,8 @@ def traced_specs(gm: torch.fx.GraphModule, tracer: str, values: dict[str, Any]) 
 
 def _export_spec(name: str, val: Any, ranges: dict, symbols: dict[str, str], small_ok: dict[str, int]) -> InputSpec:
     if not isinstance(val, torch.Tensor):
-        return InputSpec(name, dtype=type(val).__name__ if val is not None else "NoneType")
+        number = val if isinstance(val, (bool, int, float)) else None  # export specialised on it: kept to retrace with
+        return InputSpec(name, dtype=type(val).__name__ if val is not None else "NoneType", value=number)
     shape, dynamic = [], []
     for d, size in enumerate(val.shape):
         fixed = size if isinstance(size, int) else size.node.maybe_as_int()  # a SymInt can hold a plain 12
@@ -84,10 +85,11 @@ def example_inputs_from(specs: Sequence[InputSpec], device: torch.device | str |
     Tracing only looks at shapes and dtypes (export runs on fake tensors), so the
     values do not matter; zeros keep integer inputs in range.
     """
-    if not specs or any(s.dtype is None or (s.shape is None and s.dtype != "NoneType") for s in specs):
-        return None  # unknown, or a Python number export specialised on (its value is not recorded)
+    if not specs or any(s.dtype is None or (s.shape is None and s.dtype != "NoneType" and s.value is None) for s in specs):
+        return None  # unknown, or a Python number whose value the plan does not record (fx, or an older file)
     try:
-        return tuple(None if s.shape is None else torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs)
+        return tuple((s.value if s.dtype != "NoneType" else None) if s.shape is None
+                     else torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs)
     except (AttributeError, TypeError):  # a dtype name this torch does not know
         return None
 

@@ -202,6 +202,9 @@ class InputSpec:
     shape: tuple[int, ...] | None = None  # one member's traced shape; None for a non-tensor input or when unknown
     dtype: str | None = None  # "float32", "int64"...; a Python type name ("int") for a non-tensor; None when unknown
     dynamic_dims: tuple[DynamicDim, ...] = ()  # dims accepted at other sizes; every other dim is fixed at `shape`
+    # a Python number a torch.export trace took as a constant (its guard refuses other values): what `build`
+    # retraces with when no example inputs are given; None otherwise
+    value: bool | int | float | None = None
 
     def __post_init__(self) -> None:
         # an input traced as None (an optional input left out) has no member axis: shared whatever was asked
@@ -214,6 +217,8 @@ class InputSpec:
         if self.dtype is not None:
             d.update(shape=list(self.shape) if self.shape is not None else None, dtype=self.dtype,
                      dynamic_dims=[dd.to_json() for dd in self.dynamic_dims])
+        if self.value is not None:
+            d["value"] = self.value
         return d
 
     @staticmethod
@@ -234,7 +239,11 @@ class InputSpec:
         bad = [x.dim for x in dims if x.dim >= rank]
         if bad:
             raise PlanFileError(f"{where}: dynamic dim {bad[0]} is outside its traced shape {shape}; fix it or re-create the plan")
-        return InputSpec(name, InputMode(d.get("mode", "shared")), tuple(shape) if shape is not None else None, dtype, dims)
+        value = d.get("value")
+        if value is not None and (type(value).__name__ != dtype or not isinstance(value, (bool, int, float))):
+            raise PlanFileError(f"{where}: value must be a number of its dtype {dtype!r}, got {value!r}; fix it or re-create the plan")
+        return InputSpec(name, InputMode(d.get("mode", "shared")), tuple(shape) if shape is not None else None, dtype, dims,
+                         value)
 
     def dynamic_dim(self, dim: int) -> DynamicDim | None:
         """The DynamicDim for `dim`, or None when the trace fixed that dim."""

@@ -220,6 +220,9 @@ class StateSnapshot:
     # tensors held as plain module attributes (`self.count = torch.zeros(1)`, not a buffer): (module, name, the tensor,
     # a copy, its version). No per-member copy of them is kept (they are constants), so a change is refused
     held: dict[str, tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+    # every parameter and buffer slot: (module, table, key, the tensor), to put back one replaced while tracing
+    # (`self.step += 1` on a buffer proxied by fx leaves an fx Proxy in the module)
+    slots: list[tuple[str, nn.Module, str, str, Any]] = field(default_factory=list)
 
     @staticmethod
     def take(model: nn.Module) -> "StateSnapshot":
@@ -228,13 +231,22 @@ class StateSnapshot:
             tensors = {k: t.detach().clone() for k, t in live.items()}
             held = {f"{path}.{k}" if path else k: (mod, k, v, v.detach().clone(), v._version)
                     for path, mod in model.named_modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
-        return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held)
+        slots = [(f"{path}.{k}" if path else k, mod, table, k, t) for path, mod in model.named_modules(remove_duplicate=False)
+                 for table in ("_parameters", "_buffers") for k, t in getattr(mod, table).items()]
+        return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held,
+                             slots)
 
     def restore_if_changed(self, model: nn.Module) -> StateChange:
         """Compare with `model` now; put changed tensors back. Returns what had changed."""
+        replaced = set()
+        for name, mod, table, k, t in self.slots:
+            if getattr(mod, table).get(k) is not t:
+                getattr(mod, table)[k] = t
+                replaced.add(name)
         now = dict([*model.named_parameters(), *model.named_buffers()])
         changed = [k for k, t in self.tensors.items()
                    if k in now and (now[k]._version != self.versions[k] or not _same_tensor(now[k], t))]
+        changed += sorted(k for k in replaced & self.tensors.keys() if k not in changed)
         with torch.no_grad():
             for k in changed:
                 now[k].copy_(self.tensors[k])

@@ -121,3 +121,38 @@ def test_only_writes_someone_still_reads_are_recorded_in_place():
     assert operator.imul in _augmented_nodes("list")
     targets = _augmented_nodes("nobody")  # `out += identity` in every ResNet: the graph stays as fx records it
     assert operator.add in targets and operator.iadd not in targets
+
+
+class StepCounter(nn.Module):
+    """`self.step += 1` on a buffer, then read: fx's trace with buffers as graph values assigns a Proxy to it."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.how = nn.Linear(4, 4), how
+        self.register_buffer("step", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.step += 1
+        y = self.fc(x)
+        if self.how == "ema":
+            decay = 1.0 - 1.0 / (self.step.float() + 1)
+            self.ema.mul_(decay).add_((1 - decay) * y.mean(0))
+            return y - self.ema
+        return y / (self.step + 1)
+
+
+@pytest.mark.parametrize("how", ["ema", "divide"])
+def test_a_buffer_counter_read_after_its_augmented_assignment_matches_the_loop_and_the_model_is_left_whole(how):
+    """Was: a raw torch.fx TraceError, and the model's buffer left as an fx Proxy (later eager calls returned a
+    Proxy or skipped the EMA update)."""
+    torch.manual_seed(0)
+    members = [StepCounter(how).eval() for _ in range(N)]
+    x = torch.randn(2, 4)
+    model = copy.deepcopy(members[0])
+    graph = planner.trace(model, (x,))
+    assert type(model._buffers["step"]) is torch.Tensor and int(model.step) == 0
+    ens = executor.build(planner.propose(graph, n_members=N), copy.deepcopy(members))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)

@@ -210,3 +210,81 @@ def test_torch_func_grad_through_a_plan_with_a_loop_stage_matches_the_loop():
         torch.testing.assert_close(g, torch.stack([m.get_parameter(name).grad for m in members]), rtol=1e-6, atol=1e-7)
     with torch.no_grad():  # and the module runs on after it
         torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]))
+
+
+# --- None and Python numbers among the example inputs ------------------------------------------------------
+
+class Optional_(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, scale=None):
+        y = self.fc(x)
+        if mask is not None:
+            y = y.masked_fill(~mask, 0.0)
+        if scale is not None:
+            y = y * scale
+        return y
+
+
+def test_an_explicit_none_input_traces_and_a_number_input_rebuilds_from_the_plan_file(tmp_path):
+    """Was: fx traced the None as a value (`~mask` failed: a TraceError blaming the example inputs), and an export
+    plan with a Python-number input could not be built from its file (its value was not recorded)."""
+    members = _members(Optional_)
+    x = torch.randn(2, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x, None, 2.0))
+    assert graph.tracer == "export"
+    path = tmp_path / "plan.json"
+    planner.propose(graph, n_members=N).save(path)
+    plan = planner.Plan.load(path)
+    assert plan.inputs[-1].value == 2.0
+    ens = executor.build(plan, members)  # no example inputs: the plan's own
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x, None, 2.0), torch.stack([m(x, None, 2.0) for m in members]))
+        with pytest.raises(InputError, match="scale == 2.0"):
+            ens(x, None, 3.0)
+
+
+def test_prelu_members_with_other_initial_slopes_build_and_match_the_loop():
+    """Was refused ("PReLU.init cannot be given per member"): `init` only sets the initial weight, which is state."""
+    members = [nn.Sequential(nn.Linear(4, 4), nn.PReLU(4, init=a)).eval() for a in (0.1, 0.25, 0.3)]
+    x = torch.randn(2, 4)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(-x.abs()), torch.stack([m(-x.abs()) for m in members]))
+
+
+class FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return nn.functional.dropout(self.l(x), 0.5, self.training)
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_functional_dropout_forced_to_wide_draws_as_the_loop_draws(mode):
+    """Was: vmap's raw "called random operation while in randomness error mode", with "check the input shapes"."""
+    members = [m.train() for m in _members(FunctionalDropout)]
+    x = torch.randn(5, 6) if mode == "shared" else torch.randn(N, 5, 6)
+    ens, _ = _build(members, ((x if mode == "shared" else x[0]),), mode=mode, strategy="wide")
+    ens.train()
+    torch.manual_seed(3)
+    got = ens(x)
+    torch.manual_seed(3)
+    want = torch.stack([m(x if mode == "shared" else x[i]) for i, m in enumerate(members)])
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+
+
+def test_none_for_an_input_traced_as_a_tensor_is_an_input_error():
+    """Was a vmap TypeError from inside the stage (`~None`)."""
+    members = _members(Optional_)
+    x, mask = torch.randn(2, 4), torch.rand(2, 4) > 0.3
+    ens, _ = _build(members, (x, mask))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
+        with pytest.raises(InputError, match="'mask' was traced as a tensor, got None"):
+            ens(x, None)

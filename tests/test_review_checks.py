@@ -196,3 +196,12 @@ def test_later_calls_are_checked_through_forward(monkeypatch):
     report = executor.verify(plan, members, (x,))
     by_name = {r.name: r.ok for r in report.outputs}
     assert not report.ok and by_name["out"] and not by_name["out (call 2)"]  # the first call runs stage by stage
+
+
+def test_one_small_low_precision_parameter_does_not_loosen_the_check():
+    """Was: any bfloat16 parameter gave the whole float32 model bfloat16's rtol (3e-2, 300x looser)."""
+    float32 = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    gated = copy.deepcopy(float32)
+    gated.register_parameter("gate", nn.Parameter(torch.ones(1, dtype=torch.bfloat16)))
+    assert verify_module.members_rtol([gated]) == verify_module.DEFAULT_RTOL
+    assert verify_module.members_rtol([copy.deepcopy(float32).to(torch.bfloat16)]) == verify_module.DTYPE_RTOL["bfloat16"]

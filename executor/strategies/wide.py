@@ -427,7 +427,7 @@ def draws_while_training(module: torch.nn.Module) -> bool:
 
 # vmap errors that say it cannot run the call at all (not that the call is wrong): the member loop stands in
 _VMAP_CANNOT = re.compile(r"[Bb]atching rule not implemented|vmap: .*(\.item\(\)|data-dependent)|"
-                          r"We could not generate a fallback")
+                          r"We could not generate a fallback|vmap: called random operation")  # the last: F.dropout & co
 
 
 def _member_loop(mod: Any, state: dict, args: tuple, kwargs: dict, n: int, stateless: bool = False) -> Any:
