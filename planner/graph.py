@@ -211,6 +211,12 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                          "time and keeps as a constant")
     if fixed:
         _drop_concrete_placeholders(gm, fixed)
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and str(n.target).startswith("**")]:
+        # forward(x, **kwargs): positional example inputs pass no keywords, yet fx made the dict a graph input
+        if node.users:  # read (`kwargs.get("scale", 1.0)`): torch.export traces it as the empty dict it is
+            raise TraceError(f"forward() reads its {node.target} (torch.fx would take the dict as an input)")
+        gm.graph.erase_node(node)
+        gm.recompile()
     return gm
 
 

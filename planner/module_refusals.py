@@ -14,6 +14,7 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.utils.prune
 import torch.nn.modules.module as torch_module
 from torch import nn
 
@@ -198,6 +199,13 @@ def hooks_refusal(model: nn.Module, who: str) -> str | None:
     hooks = module_hooks(model)
     if not hooks:
         return None
+    pruned = [path for path, mod in model.named_modules() for hook in getattr(mod, "_forward_pre_hooks", {}).values()
+              if isinstance(hook, torch.nn.utils.prune.BasePruningMethod)]
+    if pruned:
+        return (f"{who} is pruned with torch.nn.utils.prune at {', '.join(repr(p or type(model).__name__) for p in pruned[:3])}: "
+                "its hook recomputes `weight = weight_orig * weight_mask` before every call, which a traced graph would "
+                "run with member 0's mask for every member. Make the pruning permanent before planning "
+                "(torch.nn.utils.prune.remove(module, 'weight') on each member): the masked weights become plain parameters")
     shown = ", ".join(f"{k}: {v}" for k, v in list(hooks.items())[:3])
     return (f"{who} has module hooks ({shown}{', ...' if len(hooks) > 3 else ''}) that a traced graph cannot run per member: "
             "a hook on the model itself is never traced, and one on a submodule would run member 0's hook for every member. "

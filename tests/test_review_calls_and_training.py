@@ -288,3 +288,36 @@ def test_none_for_an_input_traced_as_a_tensor_is_an_input_error():
         torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
         with pytest.raises(InputError, match="'mask' was traced as a tensor, got None"):
             ens(x, None)
+
+
+def test_a_pruned_model_is_refused_with_prune_remove_as_the_fix():
+    """Was refused with "handle.remove()" advice, which does not apply to torch.nn.utils.prune."""
+    from torch.nn.utils import prune
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    prune.l1_unstructured(m[0], "weight", amount=0.5)
+    with pytest.raises(TraceError, match=r"pruned.*'0'.*prune.remove\(module, 'weight'\)"):
+        planner.trace(m, (torch.randn(2, 4),))
+    prune.remove(m[0], "weight")
+    planner.trace(m, (torch.randn(2, 4),))
+
+
+class Keywords(nn.Module):
+    def __init__(self, reads):
+        super().__init__()
+        self.l, self.reads = nn.Linear(4, 4), reads
+
+    def forward(self, x, **kwargs):
+        return self.l(x) * (kwargs.get("scale", 2.0) if self.reads else 1.0)
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_forward_taking_keywords_traces_without_them_and_matches_the_loop(reads):
+    """Was: fx made the **kwargs dict a graph input; read, the trace failed with "'list' object has no attribute
+    'get'" blaming the example inputs, unread, the batched module wanted two inputs."""
+    members = _members(lambda: Keywords(reads))
+    x = torch.randn(2, 4)
+    ens, plan = _build(members, (x,))
+    assert [i.name for i in plan.inputs] == ["x"]
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
