@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from stagewise import executor, planner
 from stagewise.executor import baselines
@@ -368,7 +368,7 @@ def run_row(row: Row, dev: torch.device, cfg: Config, deadline: float) -> dict:
                 if name == "loop":
                     got = baselines.stack_outputs(got)
                 if name != "floor":
-                    rec["rel_err"] = max_rel_error(_in_dtypes_of(got, want), want)
+                    rec["rel_err"] = max_rel_error(got, want)
                     rec["wrong"] = not rec["rel_err"] <= rtol
                 del got
             calls[name] = call
@@ -694,18 +694,5 @@ def _run(args: argparse.Namespace, dev: torch.device, cfg: Config, rows_to_run: 
     return 0
 
 
-def _in_dtypes_of(got, want):
-    """`got` with each floating tensor cast to the dtype of the reference's tensor there (a bfloat16 way is judged
-    against the float32 loop at bfloat16's tolerance; max_rel_error alone counts another dtype as wrong)."""
-    g_leaves, spec = tree_flatten(got)
-    w_leaves = tree_flatten(want)[0]
-    if len(g_leaves) != len(w_leaves):
-        return got
-    cast = [g.to(w.dtype) if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and g.is_floating_point()
-            and w.is_floating_point() else g for g, w in zip(g_leaves, w_leaves)]
-    return tree_unflatten(cast, spec)
-
-
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -31,8 +31,8 @@ from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
 from stagewise.executor.strategies.compiled import with_compile_mode
 from stagewise.executor.strategies.wide import with_conv_form
 from stagewise.executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
-from stagewise.executor.values import Batched, as_batched, n_first
-from stagewise.executor.verify import DEFAULT_RTOL, same_draws, same_number
+from stagewise.executor.values import Batched, as_batched, leaf_paths, n_first
+from stagewise.executor.verify import DEFAULT_RTOL, dtype_clash, same_draws, same_number
 
 Progress = Optional[Callable[[int, int, str], None]]
 
@@ -41,9 +41,9 @@ Progress = Optional[Callable[[int, int, str], None]]
 
 def max_rel_error(got: Any, want: Any) -> float:
     """Worst member's normwise error: max|got-want| / max|want| per member, N-first trees."""
-    g_leaves, g_spec = tree_flatten(got)
-    w_leaves, w_spec = tree_flatten(want)
-    if len(g_leaves) != len(w_leaves) or g_spec != w_spec:  # other leaves, or the same in another structure (keys)
+    g_leaves = tree_flatten(got)[0]
+    w_leaves = tree_flatten(want)[0]
+    if len(g_leaves) != len(w_leaves) or leaf_paths(got) != leaf_paths(want):  # other leaves, or under other keys
         return math.inf
     worst = 0.0
     for g, w in zip(g_leaves, w_leaves):
@@ -56,7 +56,7 @@ def max_rel_error(got: Any, want: Any) -> float:
                 return math.inf
             continue
         g = torch.as_tensor(g)
-        if g.shape != w.shape or g.dtype != w.dtype:
+        if g.shape != w.shape or dtype_clash(g.dtype, w.dtype):
             return math.inf
         if w.numel() == 0:
             continue

@@ -24,6 +24,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from stagewise.executor.values import leaf_paths
 from stagewise.planner.errors import MemberError
 from stagewise.planner.graph import (PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal,
                                      plain_attributes, retrace)
@@ -92,7 +93,7 @@ def _leaves(node: torch.fx.Node) -> list:
 
 
 def _structure(node: torch.fx.Node) -> Any:
-    return torch.utils._pytree.tree_flatten((node.args, node.kwargs))[1]
+    return leaf_paths((node.args, node.kwargs))  # keys and positions: a tuple and a list of one config are alike
 
 
 def _same(a: Any, b: Any) -> bool:

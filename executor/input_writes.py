@@ -85,9 +85,18 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
 
 
 def rows_overlap(x: torch.Tensor) -> bool:
-    """Whether elements of `x` may share memory (stride 0: `base.expand(N, ...)`; windows: `unfold`, as_strided).
+    """Whether two members' rows of `x` (its dim 0) may share memory (stride 0: `base.expand(N, ...)`; windows:
+    `unfold`, as_strided). Memory shared inside one member's row (a broadcast dim) is the loop's too.
 
-    Sufficient test for no overlap: each dim's stride, dims taken by stride, reaches past all the smaller ones."""
+    Rows are apart when the member stride reaches past one row's extent; otherwise (interleaved rows) a
+    sufficient test decides: each dim's stride, dims taken by stride, reaches past all the smaller ones."""
+    if x.dim() == 0 or x.shape[0] < 2 or x[0].numel() == 0:
+        return False
+    step = abs(x.stride(0))
+    if step == 0:
+        return True
+    if step >= 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape[1:], x.stride()[1:])):
+        return False
     reach = 1
     for size, stride in sorted(((s, abs(st)) for s, st in zip(x.shape, x.stride()) if s > 1), key=lambda p: p[1]):
         if stride < reach:

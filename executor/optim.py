@@ -77,8 +77,10 @@ Imports nothing of ours except planner.errors.
 """
 from __future__ import annotations
 
+import linecache
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -385,14 +387,21 @@ _OWN_CODE = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
 
 
 def _written_by_user() -> bool:
-    """Whether the code writing a param group's "lr" right now is the user's: not torch's (load_state_dict, a
-    scheduler) nor stagewise's own, judged by the file of the first frame past _MemberGroup."""
+    """Whether the code writing a param group's "lr" right now is the user's and writes an lr of its own (an
+    absolute value): not torch's (load_state_dict, a scheduler) nor stagewise's, judged by the file of the first
+    frame past _MemberGroup, and not relative to the group's own lr, judged by its source line (`g["lr"] *= 0.1`,
+    `g["lr"] = g["initial_lr"] * f`: each member's lr scaled, as N torch optimizers would scale it)."""
     frame = sys._getframe(3)  # past this function, _MemberGroup._check_lr and __setitem__
     while frame is not None and frame.f_code.co_name in ("__setitem__", "update", "setdefault"):
         frame = frame.f_back
-    if frame is None:
+    if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_OWN_CODE):
         return False
-    return not os.path.abspath(frame.f_code.co_filename).startswith(_OWN_CODE)
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    return not _RELATIVE_LR.search(line)
+
+
+# a write of the group's lr relative to itself: an augmented assignment, or the lr / initial_lr read on the right
+_RELATIVE_LR = re.compile(r"""\[\s*["']lr["']\s*\]\s*(\*|/|\+|-|\*\*)=|["'](initial_)?lr["']\s*\].*=.*\[\s*["'](initial_)?lr["']\s*\]|initial_lr""")
 
 
 def _scheduler_problem(scheduler: Any, group: dict, old: float, new: float) -> str | None:
@@ -443,6 +452,16 @@ class _MemberGroup(dict):
     def __reduce__(self):
         """Pickle and deepcopy rebuild it whole (item by item, __setitem__ would run before owner/n/ranges exist)."""
         return _rebuild_member_group, (dict(self), self.owner, self.n, self.ranges)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """dict.update past __setitem__ (`group.update(lr=0.5)`) would skip the checks: each key goes through it."""
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key in self.ranges and "member_lr" in self:

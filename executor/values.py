@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from stagewise.planner.errors import ExecutionError
 
@@ -105,6 +105,26 @@ class Batched:
 @dataclass(frozen=True)
 class PerMember:
     values: list
+
+
+def leaf_paths(tree: Any) -> tuple:
+    """Where each leaf of `tree` sits, by keys and positions alone: a dict, an OrderedDict (a model output class),
+    a dataclass with the same fields are alike, so are a list and a tuple; other keys are not (`{self.name: y}`)."""
+    try:
+        flat = tree_flatten_with_path(tree)[0]
+    except Exception:  # noqa: BLE001 - a container type registered without key paths: its structure as a whole
+        return (repr(tree_flatten(tree)[1]),)
+    return tuple(tuple(_key(k) for k in path) for path, _ in flat)
+
+
+def _key(k: Any) -> Any:
+    if isinstance(k, MappingKey):
+        return k.key
+    if isinstance(k, SequenceKey):
+        return k.idx
+    if isinstance(k, GetAttrKey):
+        return k.name
+    return str(k)
 
 
 def _is_tensor(x: Any) -> bool:

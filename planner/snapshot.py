@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 
@@ -223,6 +224,9 @@ class StateSnapshot:
     # every parameter and buffer slot: (module, table, key, the tensor), to put back one replaced while tracing
     # (`self.step += 1` on a buffer proxied by fx leaves an fx Proxy in the module)
     slots: list[tuple[str, nn.Module, str, str, Any]] = field(default_factory=list)
+    # every module's attributes as they were (shallow), to take back fx Proxies a trace left in them
+    # (`if self.cache is None: self.cache = self.fc.weight.sum(0)` ran on graph values)
+    attrs_before: list[tuple[nn.Module, dict]] = field(default_factory=list)
 
     @staticmethod
     def take(model: nn.Module) -> "StateSnapshot":
@@ -234,10 +238,19 @@ class StateSnapshot:
         slots = [(f"{path}.{k}" if path else k, mod, table, k, t) for path, mod in model.named_modules(remove_duplicate=False)
                  for table in ("_parameters", "_buffers") for k, t in getattr(mod, table).items()]
         return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held,
-                             slots)
+                             slots, [(mod, dict(vars(mod))) for mod in model.modules()])
 
     def restore_if_changed(self, model: nn.Module) -> StateChange:
-        """Compare with `model` now; put changed tensors back. Returns what had changed."""
+        """Compare with `model` now; put changed tensors back, and attributes a trace left holding fx Proxies (a cache
+        forward() fills lazily, set while traced: the graph computes it, the model keeps what it held). Returns what
+        had changed (not the Proxies: what fills a cache is in the graph)."""
+        for mod, before in self.attrs_before:
+            for k, v in list(vars(mod).items()):
+                if before.get(k) is not v and _holds_proxy(v):
+                    if k in before:
+                        mod.__dict__[k] = before[k]
+                    else:
+                        del mod.__dict__[k]
         replaced = set()
         for name, mod, table, k, t in self.slots:
             if getattr(mod, table).get(k) is not t:
@@ -263,6 +276,17 @@ class StateSnapshot:
                 self.held[key] = (mod, k, tensor, saved, tensor._version)
                 moved.append(key)
         return StateChange(changed, sorted(moved))
+
+
+def _holds_proxy(v: Any) -> bool:
+    """Whether `v` is an fx Proxy, or a list, tuple or dict holding one (one level down)."""
+    if isinstance(v, torch.fx.Proxy):
+        return True
+    if isinstance(v, (list, tuple)):
+        return any(isinstance(x, torch.fx.Proxy) for x in v)
+    if isinstance(v, dict):
+        return any(isinstance(x, torch.fx.Proxy) for x in v.values())
+    return False
 
 
 def config_fields(model: nn.Module, attributes: list[str]) -> dict[str, Any]:

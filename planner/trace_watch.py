@@ -299,7 +299,9 @@ _MAY_ALIAS = set(VIEW_NAMES) | {
     "chunk", "split", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit", "movedim", "moveaxis",
     "swapaxes", "swapdims", "diagonal", "unfold", "view_as_real", "view_as_complex", "real", "imag", "contiguous", "to",
     "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "cpu", "cuda", "expand_as", "reshape_as",
-    "broadcast_to", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "adjoint", "requires_grad_", "getattr"}
+    "broadcast_to", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "adjoint", "requires_grad_", "getattr",
+    "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "positive",
+    "broadcast_tensors", "identity", "clone_if_needed", "as_tensor", "resolve_conj", "resolve_neg", "align_as"}
 _NOT_TENSORS = ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout")
 
 
@@ -325,9 +327,28 @@ class AugmentedWrites:
         for site, old, new in self.out_of_place:
             if site in self.in_place_sites or old not in order or new not in order:
                 continue
-            if any(order[u] > order[new] for a in _storage_sharers(alias_chain(old)[-1]) for u in a.users if u is not new):
+            if any(order[u] > order[new] for a in _storage_sharers(_storage_root(old)) for u in a.users if u is not new):
                 found.add(site)
         return found
+
+
+def _may_alias(node: torch.fx.Node) -> bool:
+    """Whether `node`'s result may share storage with its first argument (see _MAY_ALIAS)."""
+    name = base_name(node)
+    if name == "getattr" and len(node.args) > 1 and node.args[1] in _NOT_TENSORS:
+        return False
+    return node.op == "call_module" or name in _MAY_ALIAS or is_inplace(node)
+
+
+def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The value `node` may share storage with furthest back: through views, dtype and device moves that may return
+    the tensor itself (`.float()` of a float), and modules (nn.Identity, Dropout in eval), up to 64 steps."""
+    for _ in range(64):
+        first = node.args[0] if node.op in ("call_function", "call_method", "call_module") and node.args else None
+        if not isinstance(first, torch.fx.Node) or not _may_alias(node):
+            return node
+        node = first
+    return node
 
 
 def _storage_sharers(root: torch.fx.Node) -> list[torch.fx.Node]:
@@ -335,12 +356,7 @@ def _storage_sharers(root: torch.fx.Node) -> list[torch.fx.Node]:
     seen, todo = {root}, [root]
     while todo:
         for u in todo.pop().users:
-            if u in seen:
-                continue
-            name = base_name(u)
-            if name == "getattr" and len(u.args) > 1 and u.args[1] in _NOT_TENSORS:
-                continue
-            if u.op == "call_module" or name in _MAY_ALIAS or is_inplace(u):
+            if u not in seen and _may_alias(u):
                 seen.add(u)
                 todo.append(u)
     return list(seen)

@@ -26,6 +26,7 @@ class Reads(nn.Module):
     def __init__(self, how):
         super().__init__()
         self.fc, self.out, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
+        self.drop = nn.Dropout(0.5)
 
     def forward(self, x):
         h = self.fc(x)
@@ -59,13 +60,26 @@ class Reads(nn.Module):
                 kept.append(h)
                 h += self.out(h).tanh()
             return torch.cat(kept, -1)
+        if self.how == "same_dtype_move":  # .float() of a float tensor is the tensor itself: g is h
+            g = h.float()
+            g += x
+            return h * 2 + g
+        if self.how == "eval_dropout":  # Dropout in eval returns its input
+            g = self.drop(h)
+            g += x
+            return h * 2 + g
+        if self.how == "broadcast":
+            a, _ = torch.broadcast_tensors(h, x)
+            h += 1
+            return a * 2
         if self.how == "nobody":  # the common case: nothing else sees the old h, traced as before (out of place)
             h += x
             return self.out(h)
         raise AssertionError(self.how)
 
 
-HOWS = ["view_before", "list", "other_name", "explicit_dunder", "chunk", "loop_of_layers", "nobody"]
+HOWS = ["view_before", "list", "other_name", "explicit_dunder", "chunk", "loop_of_layers", "same_dtype_move",
+        "eval_dropout", "broadcast", "nobody"]
 
 
 def _members(how):

@@ -187,6 +187,15 @@ def test_an_lr_written_by_user_code_while_member_lrs_differ_is_refused():
     with pytest.raises(OptimizerError, match=r"set_hyperparameter\('lr', 0.004\)"):
         for g in opt.param_groups:
             g["lr"] = 0.004
+    with pytest.raises(OptimizerError, match="set_hyperparameter"):
+        opt.param_groups[0].update(lr=0.004)  # dict.update does not pass __setitem__ by itself
+    for g in opt.param_groups:  # relative to the group's own lr: each member's lr scaled, as on N torch optimizers
+        g["lr"] *= 0.5
+    torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor([0.005, 0.01, 0.02], dtype=torch.float64))
+    opt.param_groups[0]["initial_lr"] = 1.0
+    for g in opt.param_groups:
+        g["lr"] = g["initial_lr"] * 0.1  # a schedule written by hand as a factor of the base (timm's habit)
+    torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor([0.001, 0.002, 0.004], dtype=torch.float64))
     same = StackedSGD([torch.zeros(N, 2, requires_grad=True)], N, lr=0.01)
     for g in same.param_groups:  # every member at the same lr: the write sets it, as on a torch optimizer
         g["lr"] = 0.004
@@ -321,3 +330,38 @@ def test_a_forward_taking_keywords_traces_without_them_and_matches_the_loop(read
     assert [i.name for i in plan.inputs] == ["x"]
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+def test_rows_overlap_looks_between_members_only():
+    from stagewise.executor.input_writes import rows_overlap
+
+    assert rows_overlap(torch.randn(4, 3).expand(N, 4, 3))  # every member the same rows
+    assert rows_overlap(torch.randn(4 * (N + 4)).as_strided((N, 5, 4), (4, 4, 1)))  # windows
+    assert not rows_overlap(torch.randn(N, 1, 4).expand(N, 3, 4))  # a broadcast inside each member's own row
+    assert not rows_overlap(torch.randn(5, N, 4).transpose(0, 1))
+    assert not rows_overlap(torch.randn(N, 6, 4)[:, ::2])
+    assert not rows_overlap(torch.randn(N, 3, 8, 8).to(memory_format=torch.channels_last))
+
+
+class LazyCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.cache = nn.Linear(4, 4), None
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = self.fc.weight.detach().sum(0)
+        return self.fc(x) + self.cache
+
+
+def test_a_cache_filled_lazily_from_parameters_leaves_the_model_whole_and_verify_runs():
+    """Was: planner.trace left an fx Proxy in the model's `cache` (its forward then returned a Proxy), and verify
+    failed with KeyError: 'sum_1' (the member traced again after running takes the other branch)."""
+    m = LazyCache()
+    x = torch.randn(5, 4)
+    planner.trace(m, (x,))
+    assert m.cache is None and type(m(x)) is torch.Tensor
+    members = _members(LazyCache)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    report = executor.verify(plan, members, (x,))
+    assert report.ok and any("not compared" in n for n in report.notes)

@@ -205,3 +205,26 @@ def test_one_small_low_precision_parameter_does_not_loosen_the_check():
     gated.register_parameter("gate", nn.Parameter(torch.ones(1, dtype=torch.bfloat16)))
     assert verify_module.members_rtol([gated]) == verify_module.DEFAULT_RTOL
     assert verify_module.members_rtol([copy.deepcopy(float32).to(torch.bfloat16)]) == verify_module.DTYPE_RTOL["bfloat16"]
+
+
+class TwoFunctionalDropouts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(self.fc(x), 0.5, self.training)
+        return torch.nn.functional.dropout(h * 2, 0.5, self.training)
+
+
+def test_a_wide_stage_drawing_in_two_ops_is_named_as_the_cause():
+    """Was a MISMATCH with no note: wide draws op by op for every member, the loop member by member."""
+    members = _members(TwoFunctionalDropouts, train=True)
+    x = torch.randn(4, 8)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n_members=N)
+    while len(plan.stages) > 1:
+        plan = planner.merge(plan, graph, plan.stages[0].id, plan.stages[1].id)
+    plan = planner.set_options(plan, graph, plan.stages[0].id, strategy="wide")
+    report = executor.verify(plan, members, (x,))
+    assert not report.ok and any("more than one place" in n for n in report.notes)

@@ -418,6 +418,22 @@ def _vmap_call(fn: Callable, state: dict, args: tuple, kwargs: dict) -> Any:
     return tree_map(lambda t: NFirst(t) if isinstance(t, torch.Tensor) else t, out)
 
 
+_RANDOM_FUNCTIONS = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
+                     "rrelu", "gumbel_softmax"}
+
+
+def random_ops(gm: torch.fx.GraphModule) -> int:
+    """How many ops of a stage module may draw random numbers (in training): `wide` runs each one per member in
+    turn, so a stage with several draws them in another order than the member loop does."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            count += draws_while_training(gm.get_submodule(str(node.target)))
+        elif node.op in ("call_function", "call_method"):
+            count += _is_random(node) or getattr(node.target, "__name__", str(node.target)) in _RANDOM_FUNCTIONS
+    return count
+
+
 def draws_while_training(module: torch.nn.Module) -> bool:
     """Whether `module` draws random numbers in training mode: a dropout of p > 0 in it (nn.Dropout & co, or
     nn.MultiheadAttention's attention dropout)."""
