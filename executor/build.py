@@ -106,6 +106,7 @@ def capture_backend(device: torch.device) -> Any:
 
 # torch's words for a failure the inputs likely caused (their shape, dtype or values): only then is a stage's
 # failure reported as InputError with shape advice
+_LIFTED_TROUBLE = re.compile(r"doesn't match the broadcast shape|in-place|inplace", re.I)
 _INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
 
 
@@ -507,6 +508,15 @@ class BatchedModule(nn.Module):
     def _input_error(self, program: StageProgram, e: ExecutionError) -> StagewiseError:
         """The error to raise for a stage's failure: an InputError when torch failed in a stage fed by the
         model inputs (most likely their shape or dtype), else `e` itself."""
+        lifted = [n[len(LIFTED_PREFIX):] for n in program.state_names if n.startswith(LIFTED_PREFIX)]
+        if lifted and e.__cause__ is not None and _LIFTED_TROUBLE.search(str(e.__cause__)):
+            # a sweep's number, now one per member, written in place into a tensor forward() makes alike for every
+            # member (`buckets += math.log(self.max_distance)`): under vmap that tensor cannot take per-member values
+            return ExecutionError(
+                f"{str(e).split('; stage inputs were')[0]}. The stage reads numbers the members hold differently "
+                f"(lifted per member at {', '.join(lifted[:3])}), and a tensor it makes alike for every member cannot "
+                f"take them in place under vmap; run it as a loop: planner.exclude(plan, graph, {program.stage.id!r}) "
+                "(or planner.set_options(..., strategy='loop')), or give every member the same value")
         read = [n for n in program.input_names if n in self._input_names]
         if not read or e.__cause__ is None or isinstance(e.__cause__, StagewiseError):
             return e

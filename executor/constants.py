@@ -37,14 +37,17 @@ LIFTED_PREFIX = "_stagewise_const_"  # buffers this module adds to the traced gr
 _ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.floordiv, operator.mod,
                operator.gt, operator.lt, operator.ge, operator.le, operator.eq, operator.ne,
                torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.clamp,
-               torch.minimum, torch.maximum, torch.gt, torch.lt, torch.ge, torch.le, torch.remainder, torch.fmod}
+               torch.minimum, torch.maximum, torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne, torch.remainder,
+               torch.fmod}
 _ARITHMETIC_METHODS = {"add", "sub", "mul", "div", "pow", "clamp", "__add__", "__sub__", "__mul__", "__truediv__",
                        "__radd__", "__rsub__", "__rmul__", "__rtruediv__", "__pow__", "__rpow__", "__floordiv__",
-                       "__mod__", "gt", "lt", "ge", "le", "__gt__", "__lt__", "__ge__", "__le__", "remainder", "fmod"}
+                       "__mod__", "gt", "lt", "ge", "le", "eq", "ne", "__gt__", "__lt__", "__ge__", "__le__", "__eq__",
+                       "__ne__", "remainder", "fmod"}
 _ATEN_SCALAR_TO_TENSOR = {  # export graphs: the overload that takes a tensor operand
     "add": torch.ops.aten.add.Tensor, "sub": torch.ops.aten.sub.Tensor, "mul": torch.ops.aten.mul.Tensor,
     "div": torch.ops.aten.div.Tensor, "rsub": torch.ops.aten.rsub.Tensor, "pow": torch.ops.aten.pow.Tensor_Tensor,
     "gt": torch.ops.aten.gt.Tensor, "lt": torch.ops.aten.lt.Tensor, "ge": torch.ops.aten.ge.Tensor, "le": torch.ops.aten.le.Tensor,
+    "eq": torch.ops.aten.eq.Tensor, "ne": torch.ops.aten.ne.Tensor,
     "remainder": torch.ops.aten.remainder.Tensor, "fmod": torch.ops.aten.fmod.Tensor,
 }
 _LEAKY = {F.leaky_relu, torch.ops.aten.leaky_relu.default}
@@ -332,6 +335,8 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
             return
         raise _refuse(diff, attr_diffs, f"{type(mod).__name__}.{attr} cannot be given per member"
                       + (f" (a setting inside the leaf module {type(leaf).__name__} at {node.target})." if mod is not leaf else "."))
+    if _dropout_off(node):  # F.dropout(x, p, training=False), aten.dropout(x, p, False): p has no effect
+        return
     if not _numbers(diff.values):
         raise _refuse(diff, attr_diffs, "It is not a number.")
     if not _liftable(node, diff.where):
@@ -348,6 +353,20 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
     elif isinstance(node.target, torch._ops.OpOverload):
         base = node.target._schema.name.split("::")[-1]
         node.target = _ATEN_SCALAR_TO_TENSOR[base]
+
+
+_DROPOUTS = {"dropout", "alpha_dropout", "feature_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
+
+
+def _dropout_off(node: torch.fx.Node) -> bool:
+    """Whether `node` is a functional dropout called with training off (its rate then changes nothing)."""
+    if node.op != "call_function" or _op_name(node).split(".")[0] not in _DROPOUTS:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):  # aten: dropout(input, p, train)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+    else:  # F.dropout(input, p=0.5, training=True, inplace=False)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    return train is False
 
 
 def _numbers(values: list) -> bool:

@@ -5,6 +5,7 @@ member parameters, an lr written into a stacked optimizer's param group, torch.f
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -365,3 +366,55 @@ def test_a_cache_filled_lazily_from_parameters_leaves_the_model_whole_and_verify
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
     report = executor.verify(plan, members, (x,))
     assert report.ok and any("not compared" in n for n in report.notes)
+
+
+# --- sweeps through torch.export (every Hugging Face model traces that way) ------------------------------------
+
+class Sweep(nn.Module):
+    """A sweep's number used three ways; a branch on a shape sends the trace to torch.export."""
+
+    def __init__(self, value, how):
+        super().__init__()
+        self.value, self.how = value, how
+        self.emb, self.fc = nn.Embedding(8, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[1] > 100:
+            x = x * 2
+        if self.how == "dropout":  # rate swept, members in eval: no effect
+            return torch.nn.functional.dropout(self.fc(x), self.value, self.training)
+        if self.how == "eq":  # an id swept (CLIP's eos_token_id)
+            return self.fc(x) * (torch.arange(x.shape[1]) == self.value).float()[None, :, None]
+        t = x.shape[1]  # T5's buckets: the number added in place into a tensor made alike for every member
+        rel = torch.arange(t)[None, :] - torch.arange(t)[:, None]
+        buckets = torch.zeros_like(rel)
+        buckets += (torch.log(rel.abs().float() + 1) / math.log(self.value)).to(torch.long).clamp(max=7)
+        return x + self.emb(buckets).mean(-1).mean(-1)[None, :, None]
+
+
+@pytest.mark.parametrize("how, values", [("dropout", (0.1, 0.3, 0.5)), ("eq", (1, 3, 5))])
+def test_export_sweeps_over_an_eval_dropout_rate_and_a_compared_id_match_the_loop(how, values):
+    """Were refused: aten.dropout(x, p, False) and aten.eq.Scalar took "a plain Python value" (fx lifted them)."""
+    members = [Sweep(v, how).eval() for v in values]
+    x = torch.randn(2, 8, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    assert graph.tracer == "export"
+    ens = executor.build(planner.propose(graph, n_members=N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+def test_a_swept_number_written_in_place_into_a_shared_tensor_names_the_stage_to_exclude():
+    """Was: an InputError blaming the input shapes on every call (vmap cannot write [N] values into the one tensor
+    forward() makes for every member)."""
+    members = [Sweep(v, "buckets").eval() for v in (128.0, 3.0, 2.0)]
+    x = torch.randn(2, 8, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n_members=N)
+    ens = executor.build(plan, members)
+    with torch.no_grad(), pytest.raises(ExecutionError, match=r"numbers the members hold differently.*planner.exclude"):
+        ens(x)
+    stage = next(s.id for s in plan.stages if s.mode.value == "batched")
+    ens = executor.build(planner.exclude(plan, graph, stage), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
