@@ -16,14 +16,7 @@ from stagewise.planner.snapshot import StateSnapshot
 def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
     """The value `node` writes in place (`x.add_()`, `x += 1` as export records it, F.relu(x, inplace=True),
     nn.ReLU(inplace=True)(x)), or None."""
-    first = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-    if first is None:
-        return None
-    if is_inplace(node) or (node.op == "call_function" and node.kwargs.get("inplace") is True):
-        return first
-    if node.op == "call_module" and getattr(gm.get_submodule(str(node.target)), "inplace", False) is True:
-        return first
-    return None
+    return node.args[0] if is_inplace(node) else None
 
 
 def _shared_write_refusal(where: str, name: str) -> InputError:

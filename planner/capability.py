@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 from torch import nn
+import torch.nn.functional as F
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -66,8 +67,8 @@ def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     first argument) back, at most 16 steps."""
     chain = [node]
     while len(chain) <= 16:
-        if node.op in ("call_method", "call_function") and node.args and isinstance(node.args[0], torch.fx.Node):
-            if base_name(node) in VIEW_NAMES or _is_inplace_target(node):
+        if node.op in ("call_method", "call_function", "call_module") and node.args and isinstance(node.args[0], torch.fx.Node):
+            if (node.op != "call_module" and base_name(node) in VIEW_NAMES) or is_inplace(node):
                 node = node.args[0]
                 chain.append(node)
                 continue
@@ -75,10 +76,31 @@ def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
+# functions with an `inplace` flag, and its position when passed positionally
+_INPLACE_FLAG_AT = {F.relu: 1, F.relu6: 1, F.selu: 1, F.silu: 1, F.mish: 1, F.hardswish: 1, F.hardsigmoid: 1,
+                    F.elu: 2, F.celu: 2, F.leaky_relu: 2, F.hardtanh: 3, F.threshold: 3, F.dropout: 3,
+                    F.alpha_dropout: 3, F.feature_alpha_dropout: 3, F.dropout1d: 3, F.dropout2d: 3, F.dropout3d: 3,
+                    F.rrelu: 4}
+
+
 def is_inplace(node: torch.fx.Node) -> bool:
-    """An fx op that writes into its first argument (`x.add_(y)`, `operator.iadd`, `aten.add_`)."""
-    return (node.op in ("call_function", "call_method") and _is_inplace_target(node)
-            and bool(node.args) and isinstance(node.args[0], torch.fx.Node))
+    """An fx op that writes into its first argument: `x.add_(y)`, `operator.iadd`, `aten.add_`, and an `inplace`
+    flag set: `F.relu(x, inplace=True)`, `nn.ReLU(inplace=True)(x)`."""
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if node.op in ("call_function", "call_method"):
+        if _is_inplace_target(node) or node.kwargs.get("inplace") is True:
+            return True
+        at = _INPLACE_FLAG_AT.get(node.target) if node.op == "call_function" else None
+        return at is not None and len(node.args) > at and node.args[at] is True
+    if node.op == "call_module":
+        owner = node.graph.owning_module
+        try:
+            module = owner.get_submodule(str(node.target)) if owner is not None else None
+        except AttributeError:
+            return False
+        return getattr(module, "inplace", False) is True
+    return False
 
 
 def _root_attr(node: torch.fx.Node) -> Optional[str]:

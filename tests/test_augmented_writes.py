@@ -170,3 +170,41 @@ def test_a_buffer_counter_read_after_its_augmented_assignment_matches_the_loop_a
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+
+
+@torch.fx.wrap
+def _branch_on_value(x):
+    return x * 2 if x.mean().item() > 0 else x * 3  # `.item()`: its stage is excluded (a member loop)
+
+
+class ReadThenActivateInPlace(nn.Module):
+    """h is read by an excluded stage, then activated in place: the write must wait for that read."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.fc1, self.fc3, self.how = nn.Linear(4, 8), nn.Linear(8, 2), how
+        self.r = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        a = _branch_on_value(h)
+        if self.how == "module":
+            self.r(h)
+        elif self.how == "functional":
+            torch.nn.functional.relu(h, inplace=True)
+        else:
+            torch.nn.functional.leaky_relu(h, 0.1, True)  # the flag passed by position
+        return self.fc3(a + h)
+
+
+@pytest.mark.parametrize("how", ["module", "functional", "positional"])
+def test_in_place_activations_wait_for_earlier_readers_in_other_stages(how):
+    """Was: nn.ReLU(inplace=True) / F.relu(..., inplace=True) were not known as writes, so the default plan ran
+    them in the stage before the excluded reader (off by 1.43)."""
+    torch.manual_seed(0)
+    members = [ReadThenActivateInPlace(how) for _ in range(N)]
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
