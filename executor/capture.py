@@ -356,6 +356,8 @@ class CapturedPlan(nn.Module):
 
     def forward(self, *inputs):
         self._check_mode()
+        if getattr(self.ens, "_state_replaced", [False])[0]:  # a tensor of the state tree replaced: re-read first
+            self.ens._follow_replaced_state()
         if getattr(self.ens, "_stacked", None) is not self._tensors_of:  # `.to()` replaced the state tensors
             self._state, self._tensors_of = _state_tensors(self.ens), getattr(self.ens, "_stacked", None)
             self._params = [t for t in self._state if isinstance(t, nn.Parameter)]

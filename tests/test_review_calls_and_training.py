@@ -418,3 +418,25 @@ def test_a_swept_number_written_in_place_into_a_shared_tensor_names_the_stage_to
     ens = executor.build(planner.exclude(plan, graph, stage), members)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+def test_capture_reads_a_state_tensor_replaced_since_its_last_call():
+    """Was: the captured module replayed the old tensors after `ens.stacked.<m>.bias = nn.Parameter(...)` or
+    load_state_dict(assign=True) (off by 2.3) until the module itself was called once."""
+    members = _members(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x = torch.randn(3, 4)
+    ens, _ = _build(members, (x,))
+    ens.eval()
+    fast = executor.capture(ens, backend=executor.ReplayBackend())
+    with torch.no_grad():
+        fast(x)
+        new_bias = torch.randn(N, 2)
+        ens.stacked.get_submodule("2").bias = nn.Parameter(new_bias)
+        for i, m in enumerate(members):
+            m[2].bias.data.copy_(new_bias[i])
+        torch.testing.assert_close(fast(x), torch.stack([m(x) for m in members]))
+        state = {k: v + 0.5 for k, v in ens.state_dict().items()}
+        ens.load_state_dict(state, assign=True)
+        for i, m in enumerate(members):
+            m.load_state_dict({k[len("stacked."):]: v[i] for k, v in state.items() if k.startswith("stacked.")})
+        torch.testing.assert_close(fast(x), torch.stack([m(x) for m in members]))
