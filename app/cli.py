@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from stagewise import planner
 from stagewise import executor
@@ -27,23 +28,49 @@ def _load(model: str, weights: list[str] | None, trust_archive: bool = False, op
     return src, graph
 
 
-def _check_plan_output(path: str | None) -> None:
-    """Refuse an -o destination that cannot be written, before any slow work."""
+def _same_file(a: str | None, b: str | None) -> bool:
+    try:
+        return bool(a and b) and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def _one_of_the_inputs(path: str | None, args, *, plan_too: bool) -> str | None:
+    """Which of the command's own input files `path` is ("the model file", ...), or None."""
+    named = [("the model file", getattr(args, "model", None))]
+    named += [("a weights file", w) for w in (getattr(args, "weights", None) or [])]
+    if plan_too:
+        named.append(("the plan file", getattr(args, "plan", None)))
+    return next((what for what, other in named if _same_file(path, other)), None)
+
+
+def _check_plan_output(path: str | None, args=None) -> None:
+    """Refuse an -o destination that cannot be written, or that is the model or a weights file, before any slow
+    work (the plan given to `profile` may be replaced by the tuned one: that is what -o there is for)."""
     problem = path and writable_problem(path)
     if problem:
         raise planner.PlanFileError(f"cannot write plan file {path}: {problem}; "
                                     "check that the folder exists and is writable, or pass another -o path")
+    clash = args is not None and _one_of_the_inputs(path, args, plan_too=False)
+    if clash:
+        raise planner.PlanFileError(f"-o {path} is {clash} of this command, which the plan would replace; "
+                                    "pass another -o path (plan files end in .json)")
 
 
-def _check_trace_output(path: str | None) -> None:
+def _check_trace_output(path: str | None, args=None) -> None:
     problem = path and writable_problem(path)
     if problem:
         raise planner.OutputFileError(f"cannot write the chrome trace {path}: {problem}; "
                                       "pass --trace a path in an existing, writable folder")
+    clash = args is not None and (_one_of_the_inputs(path, args, plan_too=True)
+                                  or ("the -o plan file" if _same_file(path, getattr(args, "output", None)) else None))
+    if clash:
+        raise planner.OutputFileError(f"--trace {path} is {clash} of this command, which the trace would replace; "
+                                      "pass another --trace path (chrome traces end in .json)")
 
 
 def cmd_plan(args) -> int:
-    _check_plan_output(args.output)
+    _check_plan_output(args.output, args)
     src, graph = _load(args.model, args.weights, args.trust_archive, args.open)
     if graph.tracer_note:
         print(f"note: {graph.tracer_note}")
@@ -158,8 +185,8 @@ def cmd_profile(args) -> int:
         _on_every_rank(args, lambda check, plan, members, inputs, device: check.profile_sharded(
             plan, members, inputs, device=device, repeats=args.repeats, train=args.train, autotune=args.autotune))
         return 0
-    _check_plan_output(args.output)  # both checked before the (long) profile, not after it
-    _check_trace_output(args.trace)
+    _check_plan_output(args.output, args)  # both checked before the (long) profile, not after it
+    _check_trace_output(args.trace, args)
     plan = planner.Plan.load(args.plan)
     _, members, inputs = _members_and_inputs(plan, args)
     progress = _progress_bar() if sys.stderr.isatty() or args.progress else None

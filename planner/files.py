@@ -72,6 +72,8 @@ def writable_problem(path: str | os.PathLike) -> str | None:
     path = Path(path)
     if path.is_dir():
         return "it is a folder"
+    if path.exists() and (not os.access(path, os.W_OK) or not path.stat().st_mode & 0o222):
+        return "it is read-only (an atomic replace would go past that; make it writable first)"  # root: by its mode bits
     folder = path.parent
     if not folder.is_dir():
         return f"the folder {folder} does not exist"

@@ -404,3 +404,24 @@ def test_plan_capture_flag_sets_whole_plan_capture(tmp_path, capsys):
     assert planner.Plan.load(out_path).capture
     code, out, _ = run_cli(capsys, "plan", MLP, "-n", 2, "-o", out_path)
     assert code == 0 and "whole-plan capture" not in out and not planner.Plan.load(out_path).capture
+
+
+def test_outputs_never_replace_the_commands_own_inputs_or_a_read_only_file(tmp_path, capsys, mlp_plan):
+    """Was: `plan model.py -o model.py` replaced the model source with JSON, `profile ... --trace plan.json` the
+    plan with a chrome trace, and a read-only plan file was replaced (an atomic rename goes past its mode)."""
+    model = tmp_path / "model.py"
+    model.write_text(Path(MLP).read_text())
+    before = model.read_text()
+    code, _, err = run_cli(capsys, "plan", model, "-n", "3", "-o", model)
+    assert_one_line_error(code, err, "plan", "-o", "the model file")
+    assert model.read_text() == before
+    plan_text = mlp_plan.read_text()
+    code, _, err = run_cli(capsys, "profile", mlp_plan, MLP, "--repeats", "2", "--trace", mlp_plan)
+    assert_one_line_error(code, err, "profile", "--trace", "the plan file")
+    assert mlp_plan.read_text() == plan_text
+    locked = tmp_path / "locked.json"
+    locked.write_text("{}")
+    locked.chmod(0o444)
+    code, _, err = run_cli(capsys, "plan", MLP, "-n", "3", "-o", locked)
+    assert_one_line_error(code, err, "plan", "read-only")
+    assert locked.read_text() == "{}"
