@@ -598,6 +598,17 @@ class BatchedModule(nn.Module):
         new._make_captured()
         return new
 
+    def __getstate__(self) -> dict:
+        """Pickled (torch.save(ens)) without what is made from the state (runners, per-member views, the capture):
+        __setstate__ makes them again, as a deepcopy does."""
+        return {k: v for k, v in self.__dict__.items() if k not in _MADE_FROM_STATE}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
+        self._build_runners()
+        self._make_captured()
+
     def _refuse_global_hooks(self) -> None:
         """ExecutionError naming the global module hooks registered since build (see planner.graph.global_hooks)."""
         refusal = global_hooks_refusal("the batched module")

@@ -155,6 +155,10 @@ class _Watched(dict):
         super().__delitem__(key)
         self.changed[0] = True
 
+    def __reduce__(self):
+        """Pickled as the flag and the items (unpickling fills a dict subclass item by item before its attributes)."""
+        return _Watched, (self.changed, dict(self))
+
 
 class StateNode(nn.Module):
     """A module of the stacked state tree. Replacing one of its tensors (`tree.fc.bias = nn.Parameter(...)`,

@@ -134,7 +134,7 @@ class OpeningTracer(torch.fx.Tracer):
     so what forward() computes from them (`self.B.t()`, `self.pe[:16]`) is recorded as ops on them
     instead of run once at trace time on member 0's buffer and stored as a constant."""
 
-    def __init__(self, opened: Iterable[str], proxy_buffers: bool = False):
+    def __init__(self, opened: Iterable[str] = (), proxy_buffers: bool = False):  # no arguments: unpickling a GraphModule
         super().__init__()
         self.opened = with_ancestors(opened)
         self.proxy_buffer_attributes = proxy_buffers

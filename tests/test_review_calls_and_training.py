@@ -440,3 +440,39 @@ def test_capture_reads_a_state_tensor_replaced_since_its_last_call():
         for i, m in enumerate(members):
             m.load_state_dict({k[len("stacked."):]: v[i] for k, v in state.items() if k.startswith("stacked.")})
         torch.testing.assert_close(fast(x), torch.stack([m(x) for m in members]))
+
+
+# --- the whole module through torch.save / torch.load ----------------------------------------------------------
+
+class Swept(nn.Module):
+    def __init__(self, slope):
+        super().__init__()
+        self.fc1, self.fc2, self.slope = nn.Linear(4, 8), nn.Linear(8, 2), slope
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.leaky_relu(self.bn(self.fc1(x)), self.slope) * self.slope)
+
+
+@pytest.mark.parametrize("strategy", [None, "loop", "wide"])  # None: vmap stages and BatchNorm's loop stage
+def test_a_pickled_batched_module_loads_and_runs_and_trains_like_the_loop(tmp_path, strategy):
+    """Was: torch.save(ens) failed on a runner's local function (after torch had truncated the file), or saved a
+    file that could not be loaded ('_Watched' object has no attribute 'changed')."""
+    members = [Swept(s) for s in (0.1, 0.2, 0.3)]
+    x = torch.randn(5, 4)
+    ens, _ = _build(members, (x,), strategy=strategy)
+    path = tmp_path / "ens.pt"
+    torch.save(ens, path)
+    loaded = torch.load(path, weights_only=False)
+    for m in members:
+        m.train()
+    loaded.train()
+    out = loaded(x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    for m in members:
+        m(x).square().sum().backward()
+    got = dict(loaded.named_stacked_parameters())
+    torch.testing.assert_close(got["fc1.weight"].grad, torch.stack([m.fc1.weight.grad for m in members]),
+                               rtol=1e-5, atol=1e-6)
+    assert all(p.grad is None for p in ens.parameters())  # the saved module is untouched by the loaded one's step
