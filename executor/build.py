@@ -480,6 +480,9 @@ class BatchedModule(nn.Module):
             if in_place:
                 # an in-place write must land in one [N, ...] tensor that later stages read too
                 # (vmap cannot write a batched value into a shared one; a loop would write N times into it)
+                if any(type(a) is PerMember for a in args):
+                    _stack_views_with_their_bases(env, input_names, n)  # `v = h[:, :3]` from a loop stage: v stays h's view
+                    args = [env[name] for name in input_names]
                 args = [as_batched(a, n, runner.device_for(args)) for a in args]
                 env.update(zip(input_names, args))
             try:
@@ -701,6 +704,33 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
     return module
+
+
+def _stack_views_with_their_bases(env: dict[str, Any], names: Sequence[str], n: int) -> None:
+    """Stack each PerMember value of `names` that is a view of another PerMember value in `env` (a loop stage handed
+    on `h` and `v = h[:, :3]`) together with its base: the base becomes one [N, ...] tensor and every value viewing it
+    a view of that tensor, so an in-place write through the view reaches the base (stacked apart, it reached a copy)."""
+    for name in names:
+        view = env.get(name)
+        if type(view) is not PerMember or not all(isinstance(v, torch.Tensor) and v._base is not None for v in view.values):
+            continue
+        bases = [v._base for v in view.values]
+        owner = next((k for k, b in env.items() if type(b) is PerMember and len(b.values) == n
+                      and all(x is base for x, base in zip(b.values, bases))), None)
+        if owner is None or not all(b.is_contiguous() and b.shape == bases[0].shape for b in bases):
+            continue
+        stacked = torch.stack(bases)
+        env[owner] = Batched(stacked)
+        for k, other in list(env.items()):  # every value a view of those bases, the written one among them
+            if type(other) is not PerMember or not all(isinstance(v, torch.Tensor) and v._base is b
+                                                       for v, b in zip(other.values, bases)):
+                continue
+            first = other.values[0]
+            rel = first.storage_offset() - bases[0].storage_offset()
+            if all(v.shape == first.shape and v.stride() == first.stride() and v.storage_offset() - b.storage_offset() == rel
+                   for v, b in zip(other.values, bases)):
+                env[k] = Batched(stacked.as_strided((n, *first.shape), (stacked.stride(0), *first.stride()),
+                                                    stacked.storage_offset() + rel))
 
 
 def _plain_containers(x: Any) -> Any:

@@ -69,3 +69,36 @@ def test_rows_of_one_tensor_takes_only_the_same_view_of_every_row():
     assert rows_of_one_tensor([base[0][1], base[0][2], base[0][3]]) is None  # all in member 0's row
     assert rows_of_one_tensor([base[2], base[1], base[0]]) is None
     assert rows_of_one_tensor([base[i].clone() for i in range(3)]) is None
+
+
+class WritesThroughAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        v = h[:, :3]
+        v.mul_(2)  # writes h through the view
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("first", ["loop", "wide", "vmap"])
+def test_a_write_through_a_view_handed_on_by_a_loop_stage_reaches_its_base(first):
+    """Was: the loop stage's h and v = h[:, :3] were stacked into two copies, so the next stage's write through v
+    never reached h (off by 1.0)."""
+    torch.manual_seed(0)
+    members = [WritesThroughAView() for _ in range(N)]
+    x = torch.randn(5, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.split(planner.propose(graph, n_members=N), graph, "s0", at="mul_")
+    plan = planner.set_options(plan, graph, "s0", strategy=first)
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    ens(x).square().sum().backward()  # and in training
+    for m in members:
+        m(x).square().sum().backward()
+    got = dict(ens.named_stacked_parameters())
+    torch.testing.assert_close(got["fc1.weight"].grad, torch.stack([m.fc1.weight.grad for m in members]),
+                               rtol=1e-5, atol=1e-6)
