@@ -196,6 +196,7 @@ class BatchedModule(nn.Module):
         # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
         self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]  # a traced None is shared (InputSpec)
         self._traced_tensors = frozenset(i.name for i in plan.inputs if i.shape is not None)  # inputs traced as tensors
+        self.__dict__["_shapes"] = {k: t.shape for k, t in stacked.items()}  # [N, *member shape] of every stacked tensor
         self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
         stage_of = {n: s.id for s in plan.stages for n in s.nodes}
         read_outside = {}
@@ -268,10 +269,10 @@ class BatchedModule(nn.Module):
             member_states = [{k: v[k] for k in p.state_names} for v in views]
             runners.append(runner_for(p, self.n_members, stacked, member_states))
         self.runners = runners
-        # the state read through per-member views (loop runners); batched runners read the stacked tensors
-        # themselves, so a plan without loop stages watches nothing on the per-call path
-        watched = {k for p, r in zip(self.programs, self.runners) if isinstance(r, LoopRunner) for k in p.state_names}
-        self._storage = [(self._stacked[k], _data_ptr(self._stacked[k])) for k in sorted(watched)]
+        # every stacked tensor: loop runners read them through per-member views made here (new storage: made again),
+        # and a tensor given new storage of another shape (`p.data = t` without the member axis) is refused by name
+        # where vmap would refuse it, the loop read row i of whatever it got, and wide broadcast it (_check_layout)
+        self._storage = [(self._stacked[k], _data_ptr(self._stacked[k])) for k in sorted(self._stacked)]
         # what the views were made under: which watched tensors required grad, and whether in inference mode
         # (a view of a frozen tensor stays out of autograd after requires_grad_(True); an inference view forever)
         self.__dict__["_views_made"] = (tuple(t.requires_grad for t, _ in self._storage), torch.is_inference_mode_enabled())
@@ -299,6 +300,7 @@ class BatchedModule(nn.Module):
         gradients are recorded and the views cannot carry them (see _build_runners)."""
         for t, ptr in self._storage:
             if _data_ptr(t) != ptr:
+                self._check_layout()
                 self._build_runners()
                 return
         if torch.is_grad_enabled() and self._views_stale():
@@ -312,11 +314,23 @@ class BatchedModule(nn.Module):
             return True
         return any(t.requires_grad != was for (t, _), was in zip(self._storage, requires))
 
+    def _check_layout(self) -> None:
+        """ExecutionError naming a stacked tensor whose shape is no longer the one built ([N, *member shape])."""
+        for k, shape in self.__dict__.get("_shapes", {}).items():
+            t = self._stacked.get(k)
+            if t is not None and t.shape != shape:
+                raise ExecutionError(
+                    f"the stacked state {k!r} is now shaped {list(t.shape)}, where the batched module holds it as "
+                    f"{list(shape)} (member axis first, N={self.n_members}): each member's row would be read from "
+                    f"whatever it got. Give it its [N, ...] shape again (to set every member: .data = t.expand("
+                    f"{self.n_members}, *t.shape).clone(); one member: p.data[i].copy_(t))")
+
     def _follow_replaced_state(self) -> None:
         """Read the tensors of the state tree anew after one was replaced (see members.StateNode): the runners and the
         whole-plan capture were built on the old ones."""
         self._state_replaced[0] = False
         self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
+        self._check_layout()
         self._build_runners()
         self._make_captured()
 

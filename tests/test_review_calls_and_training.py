@@ -476,3 +476,20 @@ def test_a_pickled_batched_module_loads_and_runs_and_trains_like_the_loop(tmp_pa
     torch.testing.assert_close(got["fc1.weight"].grad, torch.stack([m.fc1.weight.grad for m in members]),
                                rtol=1e-5, atol=1e-6)
     assert all(p.grad is None for p in ens.parameters())  # the saved module is untouched by the loaded one's step
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop", "wide"])
+@pytest.mark.parametrize("shape", [(2,), (1, 2), (N + 1, 2)])
+def test_state_given_storage_without_its_member_axis_is_refused_by_name(strategy, shape):
+    """Was: the loop read row i of whatever it got ([2] -> one number per member, [N+1, 2] -> the extra row
+    ignored) and wide broadcast a [1, 2] to every member, all without a word; vmap refused in its own words."""
+    members = _members(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    x = torch.randn(3, 4)
+    ens, _ = _build(members, (x,), strategy=strategy)
+    with torch.no_grad():
+        ens(x)
+        ens.stacked.get_submodule("2").bias.data = torch.zeros(shape)
+        with pytest.raises(ExecutionError, match=r"'2.bias' is now shaped .*member axis first"):
+            ens(x)
+        ens.stacked.get_submodule("2").bias.data = torch.zeros(N, 2)  # its shape again: runs, and reads it
+        torch.testing.assert_close(ens(x), torch.stack([m(x) - m[2].bias for m in members]))
