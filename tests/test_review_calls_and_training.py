@@ -493,3 +493,22 @@ def test_state_given_storage_without_its_member_axis_is_refused_by_name(strategy
             ens(x)
         ens.stacked.get_submodule("2").bias.data = torch.zeros(N, 2)  # its shape again: runs, and reads it
         torch.testing.assert_close(ens(x), torch.stack([m(x) - m[2].bias for m in members]))
+
+
+class AttentionWithoutWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.m = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        out, _ = self.m(x, x, x, need_weights=False)  # the second item is None
+        return out
+
+
+def test_wide_takes_a_none_item_of_a_modules_outputs():
+    """Was: `vmap ... must only return Tensors, got NoneType` (the getitem rule's None read as "no rule")."""
+    members = _members(AttentionWithoutWeights)
+    x = torch.randn(2, 5, 8)
+    ens, _ = _build(members, (x,), strategy="wide")
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)

@@ -344,6 +344,8 @@ class WideRunner(Runner):
             # an export graph's checks (_assert_tensor_metadata: dtype, device): the same for the stacked tensor
             return fn(*tree_map(lambda x: x.t if is_nf(x) else x, args, is_leaf=is_nf),
                       **tree_map(lambda x: x.t if is_nf(x) else x, kwargs, is_leaf=is_nf))
+        if name == "getitem" and not is_nf(args[0]) and not _any_nf(args[1:]):
+            return args[0][args[1]]  # an item of a container (a module's output tuple): None is an item too
         out = wide_ops.call_function(fn, name, args, kwargs, n) if name in _RULED else None
         if out is None:
             if node.name in self._per_member:
