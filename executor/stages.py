@@ -51,12 +51,14 @@ class StageProgram:
     def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
         """Cut `stage` out of `gm`. `users_outside[n]` says whether node n is read outside its stage."""
         nodes = {n.name: n for n in gm.graph.nodes}
+        order = {name: i for i, name in enumerate(nodes)}
+        listed = sorted(stage.nodes, key=lambda name: order.get(name, len(order)))  # a plan file may list them otherwise
         inside = set(stage.nodes)
         g = torch.fx.Graph()
         env: dict[str, torch.fx.Node] = {}
         inputs: list[str] = []
         state: list[str] = []
-        for name in stage.nodes:
+        for name in listed:
             for dep in nodes[name].all_input_nodes:
                 if dep.name in inside or dep.name in env:
                     continue
@@ -66,11 +68,11 @@ class StageProgram:
                     continue
                 env[dep.name] = g.placeholder(f"in_{dep.name}")
                 inputs.append(dep.name)
-        for name in stage.nodes:
+        for name in listed:
             node = nodes[name]
             env[name] = g.node_copy(node, lambda x: env[x.name])
             state += _state_of(gm, node, state_keys)
-        outputs = [n for n in stage.nodes if users_outside.get(n)]
+        outputs = [n for n in listed if users_outside.get(n)]
         g.output(tuple(env[n] for n in outputs))
         shown = ", ".join(stage.nodes[:4]) + (", ..." if len(stage.nodes) > 4 else "")
         guard_sparse_embeddings(gm, g, f"{stage.id} ({shown})")

@@ -512,3 +512,19 @@ def test_wide_takes_a_none_item_of_a_modules_outputs():
     ens, _ = _build(members, (x,), strategy="wide")
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_file_listing_a_stages_nodes_out_of_order_builds_and_matches_the_loop(tmp_path):
+    """Was a bare KeyError from build (`stagewise run`: "unexpected KeyError")."""
+    import json
+
+    members = _members(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+    x = torch.randn(5, 8)
+    path = tmp_path / "plan.json"
+    planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N).save(path)
+    data = json.loads(path.read_text())
+    data["stages"][0]["nodes"].reverse()
+    path.write_text(json.dumps(data))
+    ens = executor.build(planner.Plan.load(path), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
