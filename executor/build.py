@@ -25,7 +25,8 @@ from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatte
 from stagewise.planner import budget
 from stagewise.planner.capability import is_inplace
 from stagewise.planner.files import temp_beside
-from stagewise.planner.errors import DeviceError, ExecutionError, InputError, MemberError, PlanMismatchError, StagewiseError
+from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
+                                      StagewiseError)
 from stagewise.planner.graph import (ModelGraph, fingerprint_lines, global_hooks_present, global_hooks_refusal,
                                       registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
@@ -774,6 +775,16 @@ def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]
     from safetensors.torch import save_file  # a required dependency (pyproject); imported where used
 
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputFileError(f"cannot save member weights into {folder}: it is a file, not a folder; pass a folder path")
+    extra = sorted(p.name for p in folder.glob("member_*.safetensors")
+                   if p.stem[len("member_"):].isdigit() and int(p.stem[len("member_"):]) >= module.n_members) \
+        if folder.is_dir() else []
+    if extra:
+        # a set of more members saved here before: loading the folder would mix the two sets
+        raise OutputFileError(f"{folder} holds member files of a larger set ({', '.join(extra[:3])}"
+                              f"{', ...' if len(extra) > 3 else ''}) beside the {module.n_members} this would write; "
+                              "pass an empty folder, or move those files away first")
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, state in enumerate(module.member_state_dicts()):

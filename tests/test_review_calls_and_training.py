@@ -528,3 +528,21 @@ def test_a_plan_file_listing_a_stages_nodes_out_of_order_builds_and_matches_the_
     ens = executor.build(planner.Plan.load(path), members)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+def test_member_weights_never_mix_two_sets_in_one_folder(tmp_path):
+    """Was: saving 2 members where 3 had been saved left member_002 beside them (loading the folder gave 3), and a
+    folder path naming a file raised a raw FileExistsError."""
+    from stagewise.planner.errors import OutputFileError
+
+    x = torch.randn(3, 4)
+    three, _ = _build(_members(lambda: nn.Linear(4, 2)), (x,))
+    executor.save_member_weights(three, tmp_path / "w")
+    members = _members(lambda: nn.Linear(4, 2))[:2]
+    two = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=2), members)
+    with pytest.raises(OutputFileError, match="larger set.*member_002"):
+        executor.save_member_weights(two, tmp_path / "w")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputFileError, match="it is a file"):
+        executor.save_member_weights(two, tmp_path / "afile")
+    assert len(executor.save_member_weights(two, tmp_path / "two")) == 2
