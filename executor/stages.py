@@ -25,7 +25,7 @@ try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch 
 except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
-from stagewise.planner.capability import is_inplace
+from stagewise.planner.capability import is_inplace_op
 from stagewise.planner.opening import no_mha_fastpath
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Stage, Strategy
@@ -79,7 +79,10 @@ class StageProgram:
         guard_padding_rows(gm, g)
         module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
-                            writes_in_place=any(is_inplace(n) for n in g.nodes))
+                            # by name only: an activation with an `inplace` flag writes the value it is given as
+                            # the loop does, member by member (stacking a loop stage's rows for it into one tensor
+                            # would share one version counter among the members' backward)
+                            writes_in_place=any(is_inplace_op(n) for n in g.nodes))
 
 
 # where each embedding function takes `sparse` positionally

@@ -83,6 +83,12 @@ _INPLACE_FLAG_AT = {F.relu: 1, F.relu6: 1, F.selu: 1, F.silu: 1, F.mish: 1, F.ha
                     F.rrelu: 4}
 
 
+def is_inplace_op(node: torch.fx.Node) -> bool:
+    """An in-place op by its name alone (`x.add_(y)`, `operator.iadd`, `aten.add_`), not an `inplace` flag."""
+    return (node.op in ("call_function", "call_method") and _is_inplace_target(node)
+            and bool(node.args) and isinstance(node.args[0], torch.fx.Node))
+
+
 def is_inplace(node: torch.fx.Node) -> bool:
     """An fx op that writes into its first argument: `x.add_(y)`, `operator.iadd`, `aten.add_`, and an `inplace`
     flag set: `F.relu(x, inplace=True)`, `nn.ReLU(inplace=True)(x)`."""

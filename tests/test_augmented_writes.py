@@ -208,3 +208,32 @@ def test_in_place_activations_wait_for_earlier_readers_in_other_stages(how):
     ens = executor.build(plan, copy.deepcopy(members))
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+
+
+class ConvBnReluInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True)
+        self.fc = nn.Linear(4 * 5 * 5, 3)
+
+    def forward(self, x):
+        return self.fc(self.act(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("strategy", [None, Strategy.LOOP])
+def test_training_through_an_in_place_activation_matches_the_loop(strategy):
+    """Was (under the loop strategy): autograd's "modified by an inplace operation" on backward, once the module
+    form of ReLU counted as a write: its stage's input rows were stacked into one tensor sharing a version counter."""
+    torch.manual_seed(0)
+    members = [ConvBnReluInPlace() for _ in range(N)]
+    x = torch.randn(2, 2, 5, 5)
+    ens = executor.build(_plan(members, x, strategy), copy.deepcopy(members))
+    out = ens(x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    for m in members:
+        m(x).square().sum().backward()
+    got = dict(ens.named_stacked_parameters())
+    for name in ("conv.weight", "fc.weight"):
+        want = torch.stack([m.get_parameter(name).grad for m in members])
+        torch.testing.assert_close(got[name].grad, want, rtol=1e-4, atol=1e-5)
