@@ -273,10 +273,10 @@ class BatchedModule(nn.Module):
         # every stacked tensor: loop runners read them through per-member views made here (new storage: made again),
         # and a tensor given new storage of another shape (`p.data = t` without the member axis) is refused by name
         # where vmap would refuse it, the loop read row i of whatever it got, and wide broadcast it (_check_layout)
-        self._storage = [(self._stacked[k], _data_ptr(self._stacked[k])) for k in sorted(self._stacked)]
+        self._storage = [(self._stacked[k], _data_ptr(self._stacked[k]), self._stacked[k].shape) for k in sorted(self._stacked)]
         # what the views were made under: which watched tensors required grad, and whether in inference mode
         # (a view of a frozen tensor stays out of autograd after requires_grad_(True); an inference view forever)
-        self.__dict__["_views_made"] = (tuple(t.requires_grad for t, _ in self._storage), torch.is_inference_mode_enabled())
+        self.__dict__["_views_made"] = (tuple(t.requires_grad for t, _, _ in self._storage), torch.is_inference_mode_enabled())
 
     @property
     def runners(self) -> list[Runner]:
@@ -299,8 +299,8 @@ class BatchedModule(nn.Module):
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
         per-member views would go on reading the old one. An in-place update needs nothing. Also when
         gradients are recorded and the views cannot carry them (see _build_runners)."""
-        for t, ptr in self._storage:
-            if _data_ptr(t) != ptr:
+        for t, ptr, shape in self._storage:
+            if _data_ptr(t) != ptr or t.shape != shape:  # new storage, or `p.data = p.data[0]` (the same address)
                 self._check_layout()
                 self._build_runners()
                 return
@@ -313,7 +313,7 @@ class BatchedModule(nn.Module):
         requires, inference = self.__dict__["_views_made"]
         if inference and not torch.is_inference_mode_enabled():
             return True
-        return any(t.requires_grad != was for (t, _), was in zip(self._storage, requires))
+        return any(t.requires_grad != was for (t, _, _), was in zip(self._storage, requires))
 
     def _check_layout(self) -> None:
         """ExecutionError naming a stacked tensor whose shape is no longer the one built ([N, *member shape])."""

@@ -493,6 +493,12 @@ def test_state_given_storage_without_its_member_axis_is_refused_by_name(strategy
             ens(x)
         ens.stacked.get_submodule("2").bias.data = torch.zeros(N, 2)  # its shape again: runs, and reads it
         torch.testing.assert_close(ens(x), torch.stack([m(x) - m[2].bias for m in members]))
+        bias = ens.stacked.get_submodule("2").bias
+        bias.data = bias.data[0]  # another shape at the same address
+        with pytest.raises(ExecutionError, match="is now shaped"):
+            ens(x)
+        bias.data = torch.zeros(N, 2)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) - m[2].bias for m in members]))
 
 
 class AttentionWithoutWeights(nn.Module):
