@@ -5,6 +5,7 @@ called on its own input. float32, tight tolerance (normwise per member).
 """
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
@@ -178,3 +179,30 @@ def test_autotune_tries_each_conv_form_and_the_plan_reproduces_the_choice(sample
     runner = executor.build(again, src.members(3)).runners[0]
     assert isinstance(runner, WideRunner)
     assert executor.verify(again, src.members(3), src.example_inputs).ok, "the tuned plan, rebuilt from JSON"
+
+
+class ConvThenGroupNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c, self.gn = nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        return self.gn(self.c(x))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_channels_last_conv_form_before_a_norm_vmap_runs_matches_the_loop(split):
+    """Was: "NYI: querying is_contiguous inside of vmap for memory_format other than torch.contiguous_format" when
+    GroupNorm (no wide rule) ran under vmap on grouped_nhwc's rows, in the same wide stage or a vmap stage after it."""
+    torch.manual_seed(0)
+    members = [ConvThenGroupNorm().eval() for _ in range(3)]
+    x = torch.randn(2, 3, 6, 6)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n_members=3)
+    if split:
+        plan = planner.split(plan, graph, "s0", at="gn")
+    plan = planner.set_options(plan, graph, "s0", strategy="wide", note="[wide: conv=grouped_nhwc]")
+    ens = executor.build(plan, members)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)

@@ -413,7 +413,7 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
 
 def _vmap_call(fn: Callable, state: dict, args: tuple, kwargs: dict) -> Any:
     """vmap of one op: batched operands on dim 0, shared ones broadcast."""
-    unwrap = lambda x: x.t if is_nf(x) else x  # noqa: E731
+    unwrap = lambda x: _dense_images(x.t) if is_nf(x) else x  # noqa: E731
     dims = tree_map(lambda x: 0 if is_nf(x) else None, (args, kwargs), is_leaf=is_nf)
     a, kw = tree_map(unwrap, (args, kwargs), is_leaf=is_nf)
     out = vmap(fn, in_dims=(0 if state else None, dims[0], dims[1]), randomness="error")(state, a, kw)
@@ -485,11 +485,17 @@ def _bind(value: Any) -> Any:
     return spec.unflatten([NFirst(x) if d == 0 else x for x, d in zip(leaves, dim_leaves)])
 
 
+def _dense_images(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the standard layout if it is a batch of images in another (the grouped_nhwc conv form's channels-last
+    rows): vmap cannot query such a tensor's layout (GroupNorm and InstanceNorm do), "NYI ... memory_format"."""
+    return t.contiguous() if t.dim() >= 5 and not t.is_contiguous() else t
+
+
 def _unbind(value: Any, n: int) -> Any:
     """A stage output as a boundary value: Batched if anything in it is per member, else Shared."""
     if type(value) is NFirst:
-        return Batched(value.t)
+        return Batched(_dense_images(value.t))
     if not _any_nf(value):
         return Shared(value)
-    return Batched(tree_map(lambda x: x.t if is_nf(x) else (x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, torch.Tensor) else x),
+    return Batched(tree_map(lambda x: _dense_images(x.t) if is_nf(x) else (x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, torch.Tensor) else x),
                             value, is_leaf=is_nf))
