@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import pickle
 import re
 from pathlib import Path
 import dataclasses
@@ -189,9 +190,9 @@ class BatchedModule(nn.Module):
         self._out_spec = graph.out_spec
         self.__dict__["_input_guard"] = graph.input_guard  # export's input check on one member's inputs; a function, not a submodule
         output_node = next(n for n in graph.gm.graph.nodes if n.op == "output")
-        self._output_args = _plain_containers(output_node.args[0])  # fx's immutable_list/dict: the user gets list/dict
-        # the output's structure, flattened once: per call only its leaves are looked up
-        leaves, self._output_tree = tree_flatten(self._output_args)
+        # the output's structure, flattened once: per call only its leaves are looked up (the nodes themselves are
+        # not kept: an export graph's do not pickle); fx's immutable_list/dict as list/dict, what the model returns
+        leaves, self._output_tree = tree_flatten(_plain_containers(output_node.args[0]))
         self._output_leaves = [(x.name, None) if isinstance(x, torch.fx.Node) else (None, x) for x in leaves]
         self._output_is_leaf = self._output_tree.is_leaf()
         # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
@@ -287,8 +288,8 @@ class BatchedModule(nn.Module):
     def runners(self, runners: list[Runner]) -> None:
         self.__dict__["_runners"] = runners
         # the flat program the per-call path runs: per stage (program, runner, input names, output names,
-        # whether it writes in place, (output index, state key) of state handed on as itself)
-        self.__dict__["_steps"] = [(p, r, tuple(p.input_names), tuple(p.output_names), p.writes_in_place, tuple(so))
+        # how it writes in place (_Writes, None if it does not), (output index, state key) of state handed on as itself)
+        self.__dict__["_steps"] = [(p, r, tuple(p.input_names), tuple(p.output_names), _Writes.of(p, r), tuple(so))
                                    for p, r, so in zip(self.programs, runners, self._state_outputs)]
         # a strategy that carries no gradients (cuda_graph): calls that would record autograd are refused
         self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
@@ -490,16 +491,11 @@ class BatchedModule(nn.Module):
     def _run_steps(self, env: dict[str, Any], steps: list) -> None:
         """Run `steps` (a slice of the flat program) on the boundary values in `env`, adding their outputs to it."""
         n = self.n_members
-        for program, runner, input_names, output_names, in_place, state_out in steps:
+        for program, runner, input_names, output_names, writes, state_out in steps:
             args = [env[name] for name in input_names]
-            if in_place:
-                # an in-place write must land in one [N, ...] tensor that later stages read too
-                # (vmap cannot write a batched value into a shared one; a loop would write N times into it)
-                if any(type(a) is PerMember for a in args):
-                    _stack_views_with_their_bases(env, input_names, n)  # `v = h[:, :3]` from a loop stage: v stays h's view
-                    args = [env[name] for name in input_names]
-                args = [as_batched(a, n, runner.device_for(args)) for a in args]
-                env.update(zip(input_names, args))
+            copies = None
+            if writes is not None:
+                args, copies, runner = writes.inputs(env, input_names, args, runner, n)
             try:
                 outs = runner(args)
             except ExecutionError as e:
@@ -507,6 +503,8 @@ class BatchedModule(nn.Module):
                 if error is e:
                     raise
                 raise error from e
+            if copies:
+                _write_back(copies)
             env.update(zip(output_names, outs))
             for k, key in state_out:
                 if key is not None:
@@ -618,8 +616,15 @@ class BatchedModule(nn.Module):
 
     def __getstate__(self) -> dict:
         """Pickled (torch.save(ens)) without what is made from the state (runners, per-member views, the capture):
-        __setstate__ makes them again, as a deepcopy does."""
-        return {k: v for k, v in self.__dict__.items() if k not in _MADE_FROM_STATE}
+        __setstate__ makes them again, as a deepcopy does. torch.export's guard function does not pickle: a loaded
+        module checks its inputs against the plan's traced shapes (check_call_inputs) without it."""
+        state = {k: v for k, v in self.__dict__.items() if k not in _MADE_FROM_STATE}
+        if state.get("_input_guard") is not None:
+            try:
+                pickle.dumps(state["_input_guard"])
+            except Exception:  # a local function of torch.export: pickling it fails after torch.save emptied the file
+                state["_input_guard"] = None
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -721,31 +726,122 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     return module
 
 
-def _stack_views_with_their_bases(env: dict[str, Any], names: Sequence[str], n: int) -> None:
-    """Stack each PerMember value of `names` that is a view of another PerMember value in `env` (a loop stage handed
-    on `h` and `v = h[:, :3]`) together with its base: the base becomes one [N, ...] tensor and every value viewing it
-    a view of that tensor, so an in-place write through the view reaches the base (stacked apart, it reached a copy)."""
-    for name in names:
-        view = env.get(name)
-        if type(view) is not PerMember or not all(isinstance(v, torch.Tensor) and v._base is not None for v in view.values):
-            continue
-        bases = [v._base for v in view.values]
-        owner = next((k for k, b in env.items() if type(b) is PerMember and len(b.values) == n
-                      and all(x is base for x, base in zip(b.values, bases))), None)
-        if owner is None or not all(b.is_contiguous() and b.shape == bases[0].shape for b in bases):
-            continue
-        stacked = torch.stack(bases)
-        env[owner] = Batched(stacked)
-        for k, other in list(env.items()):  # every value a view of those bases, the written one among them
-            if type(other) is not PerMember or not all(isinstance(v, torch.Tensor) and v._base is b
-                                                       for v, b in zip(other.values, bases)):
-                continue
-            first = other.values[0]
-            rel = first.storage_offset() - bases[0].storage_offset()
-            if all(v.shape == first.shape and v.stride() == first.stride() and v.storage_offset() - b.storage_offset() == rel
-                   for v, b in zip(other.values, bases)):
-                env[k] = Batched(stacked.as_strided((n, *first.shape), (stacked.stride(0), *first.stride()),
-                                                    stacked.storage_offset() + rel))
+@dataclasses.dataclass(frozen=True)
+class _Writes:
+    """How the inputs of a stage that writes in place are handed to it, so that every write lands where the member
+    loop's would: in the value itself, seen by every other value sharing its storage (a view taken before, its base)."""
+
+    into_shared: frozenset[str]  # inputs that become [N, ...] copies when shared (a loop would write N times into one)
+    loop: Runner  # the stage run member by member: the stage's own runner if it is a loop, else made on first need
+
+    @staticmethod
+    def of(program: StageProgram, runner: Runner) -> "_Writes | None":
+        if not program.writes_in_place:
+            return None
+        # a write by an op's name may reach an input through calls the graph does not show as views: all inputs
+        into = frozenset(program.input_names if program.writes_by_name else program.written_inputs)
+        return _Writes(into, runner if isinstance(runner, LoopRunner) else None)
+
+    def inputs(self, env: dict[str, Any], names: Sequence[str], args: list, runner: Runner, n: int) -> tuple[list, list, Runner]:
+        """(the stage's arguments, the stacked copies to write back after it ran, the runner to run it with).
+
+        Shared inputs it writes become [N, ...] copies, in `env` too (later stages read the written values).
+        A loop stage gets per-member values as they are: each member writes its own tensors, as the loop does.
+        A batched strategy gets stacked copies of them; after the run, each copy the stage wrote (its version
+        counter moved) is written back into the members' tensors, where every value viewing them sees it. Where
+        per-member values share storage (h and v = h[:, :3] both handed on, or one tensor every member holds),
+        separate copies would part what one write reaches: the stage then runs member by member (`_loop_of`)."""
+        device = runner.device_for(args)
+        per_member = [k for k, a in enumerate(args) if type(a) is PerMember]
+        if per_member and self.loop is not runner and _storage_shared([args[k] for k in per_member]):
+            runner = self._loop_of(runner)
+        out, copies = list(args), []
+        for k, (name, a) in enumerate(zip(names, args)):
+            if type(a) is PerMember:
+                if isinstance(runner, LoopRunner):
+                    continue
+                b = as_batched(a, n, device)
+                leaves = _tensor_leaves(b.tree)
+                if not _shares_storage(leaves, a.values[0]):  # rows of a stacked state tensor are written as themselves
+                    copies.append((b, a, [x._version for x in leaves]))
+                out[k] = b
+            elif name in self.into_shared:
+                out[k] = env[name] = as_batched(a, n, device)
+        if isinstance(runner, LoopRunner) and torch.is_grad_enabled():
+            out = self._own_rows(out, names, copies, n)
+        return out, copies, runner
+
+    def _own_rows(self, args: list, names: Sequence[str], copies: list, n: int) -> list:
+        """For a loop, each member's own copy of its rows of the [N, ...] values the stage writes that record
+        gradients, written back after the run: rows of one tensor share its version counter, so an op that saves
+        its written output for backward (ReLU(inplace=True)) would find it changed by the next member's write.
+        Not where the stage's inputs share storage: copies would part what one write reaches (rows stay views)."""
+        written = [k for k, (name, a) in enumerate(zip(names, args)) if type(a) is Batched and name in self.into_shared
+                   and any(x.requires_grad for x in _tensor_leaves(a.tree))]
+        if not written or _storage_shared([a if type(a) is PerMember else PerMember([a.tree]) for a in args
+                                           if type(a) is not Shared]):
+            return args
+        out = list(args)
+        for k in written:
+            rows = PerMember([tree_map(lambda x: x[i].clone() if isinstance(x, torch.Tensor) else x, args[k].tree)
+                              for i in range(n)])
+            copies.append((rows, args[k], None))
+            out[k] = rows
+        return out
+
+    def _loop_of(self, runner: Runner) -> Runner:
+        if self.loop is None:
+            from stagewise.executor.strategies import BoundLoopRunner  # the strategies import this module's neighbours
+            object.__setattr__(self, "loop", BoundLoopRunner(runner.program, runner.n_members, runner.stacked,
+                                                             runner.member_states))
+        return self.loop
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+
+
+def _storage_of(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # torch.func's wrappers hold no storage of their own
+        return None
+
+
+def _storage_shared(values: list[PerMember]) -> bool:
+    """Whether two tensors among the per-member `values` (any member, any leaf) share storage, or one has none we can see."""
+    seen: set[int] = set()
+    for v in values:
+        for member in v.values:
+            for x in _tensor_leaves(member):
+                ptr = _storage_of(x)
+                if ptr is None or ptr in seen:
+                    return True
+                seen.add(ptr)
+    return False
+
+
+def _shares_storage(leaves: list[torch.Tensor], member: Any) -> bool:
+    mine = {_storage_of(x) for x in leaves}
+    return any(_storage_of(x) in mine for x in _tensor_leaves(member))
+
+
+def _write_back(copies: list) -> None:
+    """After a stage ran on copies of its inputs (_Writes.inputs), write each copy it wrote into the values it copied:
+    (stacked copy, the members' tensors) or (the members' own rows, the stacked tensor), with the copy's versions."""
+    for copy_, original, versions in copies:
+        if type(copy_) is Batched:
+            leaves = _tensor_leaves(copy_.tree)
+            for j, (x, v) in enumerate(zip(leaves, versions)):
+                if x._version != v:
+                    for i, member in enumerate(original.values):
+                        _tensor_leaves(member)[j].copy_(x[i])
+        else:
+            targets = _tensor_leaves(original.tree)
+            for i, member in enumerate(copy_.values):
+                for x, target in zip(_tensor_leaves(member), targets):
+                    if x._version != 0:
+                        target[i].copy_(x)
 
 
 def _plain_containers(x: Any) -> Any:

@@ -6,17 +6,12 @@ import torch
 from torch import nn
 
 from stagewise.executor.members import state_device
+from stagewise.executor.values import span
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import InputError
 from stagewise.planner.graph import ModelGraph
 from stagewise.planner.plan import InputMode, Plan
 from stagewise.planner.snapshot import StateSnapshot
-
-
-def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
-    """The value `node` writes in place (`x.add_()`, `x += 1` as export records it, F.relu(x, inplace=True),
-    nn.ReLU(inplace=True)(x)), or None."""
-    return node.args[0] if is_inplace(node) else None
 
 
 def _shared_write_refusal(where: str, name: str) -> InputError:
@@ -43,7 +38,8 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
     shared = {n for n in names if plan.input_mode(n) is not InputMode.PER_MEMBER}
     shown = set()
     for node in graph.gm.graph.nodes:
-        written = _written_in_place(graph.gm, node)
+        # `x.add_()`, `x += 1` as export records it, F.relu(x, inplace=True), nn.ReLU(inplace=True)(x)
+        written = node.args[0] if is_inplace(node) else None
         root = alias_chain(written)[-1] if written is not None else None
         if root is not None and root.op == "placeholder":
             if root.name in shared:
@@ -88,7 +84,7 @@ def rows_overlap(x: torch.Tensor) -> bool:
     step = abs(x.stride(0))
     if step == 0:
         return True
-    if step >= 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape[1:], x.stride()[1:])):
+    if step >= span(x[0]):
         return False
     reach = 1
     for size, stride in sorted(((s, abs(st)) for s, st in zip(x.shape, x.stride()) if s > 1), key=lambda p: p[1]):

@@ -25,7 +25,7 @@ try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch 
 except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
-from stagewise.planner.capability import is_inplace_op
+from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op
 from stagewise.planner.opening import no_mha_fastpath
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Stage, Strategy
@@ -33,6 +33,14 @@ from stagewise.executor.constants import LIFTED_PREFIX
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value,
                                        reset_number_context, reset_stage_device, set_number_context,
                                        set_stage_device)
+
+
+class StageRetracer(torch.fx.Tracer):
+    """What an unpickled stage module (torch.load of a BatchedModule) is traced again with, from its code: buffers
+    stay graph attributes. The default tracer runs ops on a buffer once and keeps the result as a constant, so
+    `select(self.mem, 0, 0)` of a stage traced by torch.export would become a stale copy of the member's row."""
+
+    proxy_buffer_attributes = True
 
 
 @dataclass
@@ -45,7 +53,12 @@ class StageProgram:
     output_names: list[str]  # stage nodes read outside the stage, in output order
     state_names: list[str]  # member state (params/buffers) the stage reads, full dotted names
     describe: str = ""  # "s1 (linear, relu, ...)" for error messages
-    writes_in_place: bool = False  # some node updates a value in place (x.add_(y), operator.iadd, ...)
+    # some node updates a value in place: x.add_(y), operator.iadd, ..., and activations with an `inplace` flag
+    writes_in_place: bool = False
+    # the inputs whose storage a node writes, as the graph shows it (through view-like calls): those that arrive
+    # shared become per-member copies; every input does when an op named in place writes (writes_by_name)
+    written_inputs: tuple[str, ...] = ()
+    writes_by_name: bool = False  # some op writes by its name (x.add_(y)), not by an `inplace` flag
 
     @staticmethod
     def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
@@ -78,11 +91,13 @@ class StageProgram:
         guard_sparse_embeddings(gm, g, f"{stage.id} ({shown})")
         guard_padding_rows(gm, g)
         module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
+        module._tracer_cls = StageRetracer  # how torch.load makes the module again from its code
+        writers = [n for n in g.nodes if is_inplace(n)]
+        roots = {alias_chain(n.args[0])[-1] for n in writers}
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
-                            # by name only: an activation with an `inplace` flag writes the value it is given as
-                            # the loop does, member by member (stacking a loop stage's rows for it into one tensor
-                            # would share one version counter among the members' backward)
-                            writes_in_place=any(is_inplace_op(n) for n in g.nodes))
+                            writes_in_place=bool(writers),
+                            written_inputs=tuple(name for name in inputs if env[name] in roots),
+                            writes_by_name=any(is_inplace_op(n) for n in writers))
 
 
 # where each embedding function takes `sparse` positionally

@@ -287,14 +287,14 @@ def rows_of_one_tensor(values: list) -> torch.Tensor | None:
                 or x.storage_offset() != first.storage_offset() + i * step:
             return None
     offset = first.storage_offset() - base.storage_offset()
-    if not 0 <= offset < step or (first.numel() and _span(first) > step):
+    if not 0 <= offset < step or (first.numel() and span(first) > step):
         return None  # not inside member 0's row: not the same view of every row
     if offset == 0 and first.shape == base.shape[1:] and first.stride() == base.stride()[1:]:
         return base
     return base.as_strided((n, *first.shape), (step, *first.stride()), first.storage_offset())
 
 
-def _span(x: torch.Tensor) -> int:
+def span(x: torch.Tensor) -> int:
     """How many elements from its first to its last one `x` spans in its storage, its first one counted."""
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
 

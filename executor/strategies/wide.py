@@ -384,10 +384,7 @@ def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[
     groups: dict[str, list[torch.fx.Node]] = {}
     # values written in place somewhere (`h.relu_()` between q = a(h) and k = b(h)): a group reading one of them
     # would run every Linear at the first one, before the write; fx records no edge for it
-    written = {alias_chain(n.args[0])[-1] for n in gm.graph.nodes
-               if n.args and isinstance(n.args[0], torch.fx.Node)
-               and (is_inplace(n) or n.kwargs.get("inplace") is True
-                    or (n.op == "call_module" and getattr(gm.get_submodule(n.target), "inplace", False) is True))}
+    written = {alias_chain(n.args[0])[-1] for n in gm.graph.nodes if is_inplace(n)}
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
             continue

@@ -1,0 +1,80 @@
+"""torch.save / torch.load of a BatchedModule for every sample model and for a torch.export-traced stateful model:
+the loaded module answers like the member loop, call after call.
+
+Was: a plan traced by torch.export could not be saved (export's guard function does not pickle; torch.save had
+emptied the file by then), and once it could, its stage modules came back wrong: torch.fx traces an unpickled
+GraphModule again from its code, running ops on buffers once and keeping the results as constants, so a stage
+handing on `self.mem[0]` held a stale copy of the row (off by 3.0, without a word)."""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from stagewise import executor, planner
+from conftest import SAMPLE_NAMES, load_sample
+
+N = 3
+
+
+def _round_trip(ens):
+    buffer = io.BytesIO()
+    torch.save(ens, buffer)
+    buffer.seek(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own FutureWarning about pytree specs
+        return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_every_sample_saved_and_loaded_answers_like_the_loop(name, mode):
+    src, graph = load_sample(name)
+    plan = planner.propose(graph, n_members=N, input_mode=mode)
+    members = src.members(N)
+    loaded = _round_trip(executor.build(plan, copy.deepcopy(members), example_inputs=src.example_inputs))
+    inputs = executor.batched_inputs(plan, src.example_inputs, seed=1)
+    per_member = [spec.mode.value == "per_member" for spec in plan.inputs]
+    with torch.no_grad():
+        for _ in range(2):  # a module holding state (a buffer forward() writes) must go on from where it was
+            got = loaded(*inputs)
+            want = torch.stack([m(*(x[i] if pm else x for x, pm in zip(inputs, per_member))) for i, m in enumerate(members)])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class Memory(nn.Module):
+    """forward() writes a buffer row: torch.export traces it (fx cannot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(6, 6)
+        self.register_buffer("mem", torch.randn(4, 6))
+
+    def forward(self, x):
+        y = self.l(x)
+        self.mem[0] = y.mean(0).detach()
+        return y @ self.mem.t()
+
+
+@pytest.mark.parametrize("strategy", [None, "loop", "wide"])
+def test_an_export_plan_writing_state_saved_and_loaded_answers_like_the_loop(strategy):
+    torch.manual_seed(0)
+    members = [Memory().eval() for _ in range(N)]
+    x = torch.randn(2, 6)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    assert graph.tracer == "export"
+    plan = planner.propose(graph, n_members=N)
+    if strategy is not None:
+        for stage in plan.stages:
+            if stage.mode.value == "batched":
+                plan = planner.set_options(plan, graph, stage.id, strategy=strategy)
+    loaded = _round_trip(executor.build(plan, copy.deepcopy(members)))
+    with torch.no_grad():
+        for _ in range(3):  # each call writes the row the next one reads
+            torch.testing.assert_close(loaded(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    for state, m in zip(loaded.member_state_dicts(), members):
+        torch.testing.assert_close(state["mem"], m.mem)
