@@ -32,12 +32,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from stagewise.planner.errors import MemberError, ModelLoadError, StagewiseError
+from stagewise.planner.errors import InputError, MemberError, ModelLoadError, StagewiseError
 from stagewise.planner.files import temp_beside
 from stagewise.planner.plan import InputMode, Plan
 from stagewise.executor.build import BatchedModule, build
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("STAGEWISE_DIST_TIMEOUT_S", "300"))  # a collective waits this long for a slow or dead rank
+_RANK_MIX = 0x9E3779B97F4A7C15  # spreads ranks over the seed space (forward's per-rank random stream)
 MemberFactory = Callable[[range], Sequence[nn.Module]]  # this rank's global member indices -> its members, in order
 
 
@@ -217,10 +218,20 @@ class ShardedModule(nn.Module):
         return values
 
     def local_inputs(self, inputs: Sequence[Any]) -> tuple:
-        """The inputs this rank runs, on its device: per_member ones' rows of its members, shared ones as given."""
+        """The inputs this rank runs, on its device: per_member ones' rows of its members, shared ones as given.
+
+        Raises InputError for a per_member input without exactly N rows on dim 0: a slice of k rows
+        would run on this rank's k members (each rank the same rows) and one row would be refused by
+        some ranks only, so only the whole [N, ...] input is taken (the refusal BatchedModule makes)."""
         out = []
         for spec, x in zip(self.plan.inputs, inputs):
-            if spec.mode is InputMode.PER_MEMBER and isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == self.n_members:
+            if spec.mode is InputMode.PER_MEMBER:
+                if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.n_members:
+                    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise InputError(
+                        f"input {spec.name!r} is per_member, so it needs a leading member axis of size {self.n_members}; "
+                        f"got {got}. Stack one input per member (all {self.n_members}: each rank takes its rows), or plan "
+                        "it as 'shared'; for rows already sliced to this rank's members, call `.module`")
                 x = x[self.member_indices.start:self.member_indices.stop]
             out.append(x)
         out += list(inputs[len(out):])  # too many inputs: the module's own InputError says so
@@ -228,21 +239,50 @@ class ShardedModule(nn.Module):
 
     def forward(self, *inputs):
         """Whole-model inputs (per_member [N, ...]) -> this rank's outputs, k-first. Every rank must call it
-        (a failure on one rank raises DistributedError on all). For inputs already sliced, call `.module`."""
+        (a failure on one rank raises DistributedError on all). For inputs already sliced, call `.module`.
+
+        Random numbers (dropout masks in training, any random op): each rank draws from its own stream,
+        seeded by one draw of torch's CPU generator (so the caller's stream advances alike on every rank)
+        mixed with this process's global rank, and restored afterwards (`torch.random.fork_rng` on CPU and
+        this rank's device). Seeding every rank alike, as usual, therefore still gives members on different
+        ranks (and dp replicas) their own masks, and the same seed reproduces the same run for the same
+        world layout. It cannot match the single-process loop draw for draw: the masks differ from those
+        of one process, but no two members share them.
+        """
         with agreed("the forward of each rank's members", self._group):
-            out = self.module(*self.local_inputs(inputs))
+            local = self.local_inputs(inputs)
+            with self._own_random_stream():
+                out = self.module(*local)
         return out
+
+    @contextlib.contextmanager
+    def _own_random_stream(self) -> Iterator[None]:
+        """Inside: CPU and this rank's device generators seeded for this rank alone (see forward); restored after."""
+        draw = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())  # the caller's stream: one draw, every rank
+        seed = (draw + _RANK_MIX * (dist.get_rank() + 1)) % 2 ** 63  # odd multiplier: low 32 bits differ per rank too
+        cuda = [self.device.index if self.device.index is not None else torch.cuda.current_device()] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.default_generators[cuda[0]].manual_seed(seed)
+            yield
 
     def gather(self, out):
         """All ranks' k-first outputs -> N-first outputs (member order), on every rank; not differentiable."""
         leaves, spec = tree_flatten(out)
         with agreed("gathering outputs", self._group):
-            for x in leaves:
-                if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != len(self.member_indices)):
-                    raise DistributedError(f"gather: an output of shape {list(x.shape)} has no member axis of {len(self.member_indices)}; "
-                                           "pass the outputs of forward()")
+            self._check_member_axis(leaves, "gather")
         self._same_layout_on_every_rank(leaves, spec, "gather")
         return tree_unflatten([self._gather_tensor(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+    def _check_member_axis(self, leaves: list, what: str) -> None:
+        """DistributedError unless every tensor leaf leads with this rank's k members (the outputs of forward())."""
+        k = len(self.member_indices)
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] != k):
+                raise DistributedError(f"{what}: an output of shape {list(x.shape)} has no member axis of {k} (this rank's "
+                                       f"members {self.member_indices.start}-{self.member_indices.stop - 1}); pass the "
+                                       "outputs of forward(), not gathered ones")
 
     def _same_layout_on_every_rank(self, leaves: list, spec, what: str) -> None:
         """DistributedError on every rank unless every rank's outputs have one structure, the same shapes after the
@@ -281,6 +321,7 @@ class ShardedModule(nn.Module):
         """The ensemble mean over all N members of each floating output, on every rank (an all-reduce, not a gather)."""
         leaves, spec = tree_flatten(out)
         with agreed("averaging outputs", self._group):
+            self._check_member_axis(leaves, "mean")  # gathered [N, ...] outputs would count every member world times
             bad = [list(x.shape) for x in leaves if isinstance(x, torch.Tensor) and not x.is_floating_point()]
             if bad:
                 raise DistributedError(f"mean: output(s) of shape {bad} are not floating point; use gather() for them")
@@ -333,28 +374,50 @@ class ShardedModule(nn.Module):
         return paths
 
     def load_checkpoint(self, folder: str | Path) -> None:
-        """Load this rank's members from a folder written by save_checkpoint with any number of ranks. Collective."""
+        """Load this rank's members from a folder written by save_checkpoint with any number of ranks. Collective.
+
+        Every rank reads its member files and checks each tensor's name, shape and dtype against its stacked
+        state first; only when every rank's files fit does any rank write. Raises DistributedError on every
+        rank (naming the file, the key, and the expected and found shape or dtype) and leaves every rank's
+        members as they were when a file is missing or does not fit.
+        """
         from safetensors.torch import load_file
 
         folder = Path(folder)
+        loaded = []
         with agreed(f"loading the checkpoint from {folder}", self._group):
             count = len(list(folder.glob("member_*.safetensors")))
             if count != self.n_members:
                 raise ModelLoadError(f"checkpoint {folder} holds {count} member files but the plan has {self.n_members} members; "
                                      f"load it into plan.with_n_members({count}) or pick the right folder")
             stacked, keys = self.module.stacked_state, self.module._member_keys
-            loaded = []
             for g in self.member_indices:
-                state = load_file(str(folder / f"member_{g:03d}.safetensors"), device=str(self.device))
-                if set(state) != set(keys):
-                    raise ModelLoadError(f"{folder}/member_{g:03d}.safetensors has keys that differ from the model's "
-                                         f"(missing {sorted(set(keys) - set(state))[:3]}, extra {sorted(set(state) - set(keys))[:3]}); "
-                                         "it was saved from another architecture")
+                path = folder / f"member_{g:03d}.safetensors"
+                state = load_file(str(path), device=str(self.device))
+                _check_member_file(path, state, {k: stacked[k][0] for k in keys})
                 loaded.append(state)
-            with torch.no_grad():  # copy only once every file read: a failed load leaves the module as it was
-                for j, state in enumerate(loaded):
-                    for k in keys:
-                        stacked[k][j].copy_(state[k])
+        with torch.no_grad():  # every rank's files fit (agreed above): the copies cannot fail half-way
+            for j, state in enumerate(loaded):
+                for k in keys:
+                    stacked[k][j].copy_(state[k])
+
+
+def _check_member_file(path: Path, state: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """ModelLoadError unless `state` has exactly `want`'s keys, each with its shape and dtype (one member's row)."""
+    if set(state) != set(want):
+        raise ModelLoadError(f"{path} has keys that differ from the model's "
+                             f"(missing {sorted(set(want) - set(state))[:3]}, extra {sorted(set(state) - set(want))[:3]}); "
+                             "it was saved from another architecture")
+    for k, row in want.items():
+        got = state[k]
+        if got.shape != row.shape:
+            raise ModelLoadError(f"{path}: {k!r} has shape {list(got.shape)}, the model's member has {list(row.shape)}; "
+                                 "it was saved from a model of another size: load it into a plan of that model, or pick "
+                                 "the right folder")
+        if got.dtype != row.dtype:
+            raise ModelLoadError(f"{path}: {k!r} is {str(got.dtype).removeprefix('torch.')}, the model's member holds "
+                                 f"{str(row.dtype).removeprefix('torch.')}; it was saved at another precision: load it into "
+                                 "a plan of that dtype (planner.set_dtype), or convert the file")
 
 
 def build_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory], group=None,

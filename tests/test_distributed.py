@@ -45,11 +45,12 @@ def rank_env() -> dict:
             "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # the caller's path too (make test-gpu imports the checkout through it)
 
 
-def run_job(job: str, world: int, out: Path) -> list[dict]:
-    """Start `world` ranks of `job`, wait for all (bounded), return what each rank wrote."""
+def run_job(job: str, world: int, out: Path, script: str = __file__) -> list[dict]:
+    """Start `world` ranks of `job` (run by `script`: this file's jobs, or another file's), wait for all (bounded),
+    return what each rank wrote."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs = [subprocess.Popen([PYTHON, __file__, job, str(r), str(world), str(port), str(out)], env=rank_env(),
+    procs = [subprocess.Popen([PYTHON, script, job, str(r), str(world), str(port), str(out)], env=rank_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = []
     deadline = time.monotonic() + JOB_LIMIT_S
