@@ -43,7 +43,13 @@ def run(job_dir: Path) -> dict:
     from stagewise import executor
     from stagewise import planner
 
+    from stagewise.app.jobs import TASKS
+    from stagewise.planner.errors import StagewiseError
+
     req = json.loads((job_dir / "request.json").read_text())
+    if req.get("task") not in TASKS:  # before any work: an unknown task must not run a profile in its place
+        raise StagewiseError(f"{job_dir / 'request.json'}: unknown task {req.get('task')!r}; the task is one of "
+                             f"{', '.join(TASKS)} (start jobs with app.jobs.start)")
     progress = Progress(job_dir / "progress.jsonl")
     progress("loading the model", 0.0)
     # the app passes the user's "Trust this archive" choice; a request without it trusts nothing

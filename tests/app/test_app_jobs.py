@@ -1,6 +1,7 @@
 """Worker processes: results come back as files, and a crash there is an error result, not a dead app."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -387,3 +388,15 @@ def test_a_forged_job_id_in_the_address_is_refused(tmp_path, monkeypatch, forged
     assert ("not a job id of this app" if ".." in forged else "no job profile-zzzz9999") in shown
     assert _session_job(at) is None
     assert "job" not in at.query_params
+
+
+def test_a_request_with_an_unknown_task_runs_nothing_and_says_so(tmp_path):
+    """Was: any task but "verify" ran a profile (autotune and all) in its place."""
+    from stagewise.app import worker
+
+    (tmp_path / "request.json").write_text(json.dumps({"task": "verfy", "model_path": str(tmp_path / "never_read.py"),
+                                                       "plan": residual_plan().to_json()}))
+    assert worker.main([str(tmp_path)]) == 1
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert not res["ok"] and "unknown task 'verfy'" in res["error"] and "profile, verify" in res["error"]
+    assert not (tmp_path / "progress.jsonl").exists()  # not even "loading the model"
