@@ -25,8 +25,9 @@ try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch 
 except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
-from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op
+from stagewise.planner.capability import is_inplace, is_inplace_op
 from stagewise.planner.opening import no_mha_fastpath
+from stagewise.planner.trace_watch import storage_root
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
@@ -53,7 +54,8 @@ class StageProgram:
     output_names: list[str]  # stage nodes read outside the stage, in output order
     state_names: list[str]  # member state (params/buffers) the stage reads, full dotted names
     describe: str = ""  # "s1 (linear, relu, ...)" for error messages
-    # some node updates a value in place: x.add_(y), operator.iadd, ..., and activations with an `inplace` flag
+    # some node updates a value from outside the stage in place (an input, state): x.add_(y), operator.iadd, ...
+    # (those wherever they write), and activations with an `inplace` flag (ReLU(inplace=True)) writing such a value
     writes_in_place: bool = False
     # the inputs whose storage a node writes, as the graph shows it (through view-like calls): those that arrive
     # shared become per-member copies; every input does when an op named in place writes (writes_by_name)
@@ -92,12 +94,15 @@ class StageProgram:
         guard_padding_rows(gm, g)
         module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
         module._tracer_cls = StageRetracer  # how torch.load makes the module again from its code
+        # what the stage's in-place nodes may write (through views, `.float()` of a float, Dropout in eval, ...):
+        # an input or state counts; a value made inside the stage (conv -> bn -> ReLU(inplace=True)) does not
         writers = [n for n in g.nodes if is_inplace(n)]
-        roots = {alias_chain(n.args[0])[-1] for n in writers}
+        roots = {storage_root(n.args[0], every_module=False) for n in writers}
+        written = tuple(name for name in inputs if env[name] in roots)
+        by_name = any(is_inplace_op(n) for n in writers)
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
-                            writes_in_place=bool(writers),
-                            written_inputs=tuple(name for name in inputs if env[name] in roots),
-                            writes_by_name=any(is_inplace_op(n) for n in writers))
+                            writes_in_place=by_name or bool(written) or any(r.op == "get_attr" for r in roots),
+                            written_inputs=written, writes_by_name=by_name)
 
 
 # where each embedding function takes `sparse` positionally

@@ -327,25 +327,39 @@ class AugmentedWrites:
         for site, old, new in self.out_of_place:
             if site in self.in_place_sites or old not in order or new not in order:
                 continue
-            if any(order[u] > order[new] for a in _storage_sharers(_storage_root(old)) for u in a.users if u is not new):
+            if any(order[u] > order[new] for a in _storage_sharers(storage_root(old)) for u in a.users if u is not new):
                 found.add(site)
         return found
 
 
-def _may_alias(node: torch.fx.Node) -> bool:
+# modules that may hand back the tensor they are given (Dropout in eval or at p=0, Flatten's view); storage_root
+# with every_module=False treats only these so, and every other module's result as new memory
+_PASSING_MODULES = (torch.nn.Identity, torch.nn.modules.dropout._DropoutNd, torch.nn.Flatten, torch.nn.Unflatten)
+
+
+def _may_alias(node: torch.fx.Node, every_module: bool = True) -> bool:
     """Whether `node`'s result may share storage with its first argument (see _MAY_ALIAS)."""
     name = base_name(node)
     if name == "getattr" and len(node.args) > 1 and node.args[1] in _NOT_TENSORS:
         return False
-    return node.op == "call_module" or name in _MAY_ALIAS or is_inplace(node)
+    if node.op == "call_module":
+        if every_module:
+            return True
+        owner = node.graph.owning_module
+        try:
+            return isinstance(owner.get_submodule(str(node.target)), _PASSING_MODULES) if owner is not None else True
+        except AttributeError:
+            return True
+    return name in _MAY_ALIAS or is_inplace(node)
 
 
-def _storage_root(node: torch.fx.Node) -> torch.fx.Node:
+def storage_root(node: torch.fx.Node, every_module: bool = True) -> torch.fx.Node:
     """The value `node` may share storage with furthest back: through views, dtype and device moves that may return
-    the tensor itself (`.float()` of a float), and modules (nn.Identity, Dropout in eval), up to 64 steps."""
+    the tensor itself (`.float()` of a float), and modules (nn.Identity, Dropout in eval; with every_module=False
+    only those of _PASSING_MODULES), up to 64 steps."""
     for _ in range(64):
         first = node.args[0] if node.op in ("call_function", "call_method", "call_module") and node.args else None
-        if not isinstance(first, torch.fx.Node) or not _may_alias(node):
+        if not isinstance(first, torch.fx.Node) or not _may_alias(node, every_module):
             return node
         node = first
     return node

@@ -31,6 +31,19 @@ class ActivationInPlace(nn.Module):
         return self.l2(h) + 0.5 * r
 
 
+class ThroughIdentity(ActivationInPlace):
+    """The write reaches h through a module handing it back (nn.Identity; Dropout in eval does the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.same = nn.Identity()
+
+    def forward(self, x):
+        h = self.l1(x)
+        r = self.act(self.same(h))
+        return self.l2(h) + 0.5 * r
+
+
 class NonContiguousBase(nn.Module):
     def __init__(self):
         super().__init__()
@@ -83,6 +96,7 @@ class BothHandedOn(nn.Module):
 CASES = {
     # the model, and the nodes each of which starts a stage (the first stage runs as a loop)
     "activation": (ActivationInPlace, ["act", "l2"]),
+    "through_identity": (ThroughIdentity, ["same", "l2"]),
     "non_contiguous_base": (NonContiguousBase, ["add_", "l2"]),
     "base_written": (BaseWrittenViewReadLater, ["add_", "l2"]),
     "only_views": (OnlyViewsHandedOn, ["mul_", "l2"]),
