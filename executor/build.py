@@ -761,9 +761,9 @@ class _Writes:
                 if isinstance(runner, LoopRunner):
                     continue
                 b = as_batched(a, n, device)
-                leaves = _tensor_leaves(b.tree)
-                if not _shares_storage(leaves, a.values[0]):  # rows of a stacked state tensor are written as themselves
-                    copies.append((b, a, [x._version for x in leaves]))
+                leaves = tree_flatten(b.tree)[0]  # every leaf, as the members' trees have them (a number: a [N] tensor)
+                if not _shares_storage(_tensor_leaves(leaves), a.values[0]):  # rows of stacked state: written as such
+                    copies.append((b, a, [x._version if isinstance(x, torch.Tensor) else None for x in leaves]))
                 out[k] = b
             elif name in self.into_shared:
                 out[k] = env[name] = as_batched(a, n, device)
@@ -828,19 +828,21 @@ def _shares_storage(leaves: list[torch.Tensor], member: Any) -> bool:
 
 def _write_back(copies: list) -> None:
     """After a stage ran on copies of its inputs (_Writes.inputs), write each copy it wrote into the values it copied:
-    (stacked copy, the members' tensors) or (the members' own rows, the stacked tensor), with the copy's versions."""
+    (stacked copy, the members' tensors) or (the members' own rows, the stacked tensor). Leaves pair by position in
+    the value's tree (the members' trees and the stacked one have one structure)."""
     for copy_, original, versions in copies:
         if type(copy_) is Batched:
-            leaves = _tensor_leaves(copy_.tree)
-            for j, (x, v) in enumerate(zip(leaves, versions)):
-                if x._version != v:
+            for j, (x, v) in enumerate(zip(tree_flatten(copy_.tree)[0], versions)):
+                if v is not None and x._version != v:
                     for i, member in enumerate(original.values):
-                        _tensor_leaves(member)[j].copy_(x[i])
+                        target = tree_flatten(member)[0][j]
+                        if isinstance(target, torch.Tensor):
+                            target.copy_(x[i])
         else:
-            targets = _tensor_leaves(original.tree)
+            targets = tree_flatten(original.tree)[0]
             for i, member in enumerate(copy_.values):
-                for x, target in zip(_tensor_leaves(member), targets):
-                    if x._version != 0:
+                for x, target in zip(tree_flatten(member)[0], targets):
+                    if isinstance(x, torch.Tensor) and x._version != 0:
                         target[i].copy_(x)
 
 

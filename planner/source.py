@@ -10,6 +10,7 @@ import ast
 import contextlib
 import importlib.util
 import io
+import itertools
 import json
 import logging
 import math
@@ -73,8 +74,13 @@ def load_source(path: str | Path, weights: Sequence[str | Path] | None = None, *
     raise ModelLoadError(f"{p.name}: unknown model format {p.suffix!r}; pass a .py model file or a .pt2 torch.export archive")
 
 
+_LOADS = itertools.count()
+
+
 def _import_file(p: Path):
-    module_name = f"_stagewise_model_{p.stem}_{abs(hash(str(p.resolve())))}"
+    # Every load gets its own module name: a module loaded earlier stays importable by its name, so what was built
+    # from it (stage graphs calling its torch.fx.wrap'd functions) still pickles after the file is loaded again.
+    module_name = f"_stagewise_model_{p.stem}_{abs(hash(str(p.resolve())))}_{next(_LOADS)}"
     spec = importlib.util.spec_from_file_location(module_name, p)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{p}: cannot be imported as a Python module; check the file name ends in .py")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from stagewise import executor, planner
-from conftest import SAMPLE_NAMES, load_sample
+from conftest import SAMPLE_NAMES, SAMPLES_DIR, load_sample
 
 N = 3
 
@@ -78,3 +78,21 @@ def test_an_export_plan_writing_state_saved_and_loaded_answers_like_the_loop(str
             torch.testing.assert_close(loaded(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
     for state, m in zip(loaded.member_state_dicts(), members):
         torch.testing.assert_close(state["mem"], m.mem)
+
+
+def test_a_module_built_from_a_file_still_saves_after_the_file_is_loaded_again():
+    # Was: loading the file again replaced its module under the same name, so a stage calling the file's
+    # torch.fx.wrap'd function no longer pickled (ObjMismatchError), as when the app loads the file again.
+    path = SAMPLES_DIR / "data_dependent.py"
+    src = planner.load_model_file(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(src.model, src.example_inputs)
+    plan = planner.propose(graph, n_members=N)
+    members = src.members(N)
+    ens = executor.build(plan, copy.deepcopy(members), example_inputs=src.example_inputs)
+    planner.load_model_file(path)
+    loaded = _round_trip(ens)
+    x = src.example_inputs[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
