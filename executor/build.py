@@ -733,6 +733,7 @@ class _Writes:
 
     into_shared: frozenset[str]  # inputs that become [N, ...] copies when shared (a loop would write N times into one)
     loop: Runner  # the stage run member by member: the stage's own runner if it is a loop, else made on first need
+    views_out: bool  # an output may be a view of a written input: the stage must run on the values themselves
 
     @staticmethod
     def of(program: StageProgram, runner: Runner) -> "_Writes | None":
@@ -740,7 +741,7 @@ class _Writes:
             return None
         # a write by an op's name may reach an input through calls the graph does not show as views: all inputs
         into = frozenset(program.input_names if program.writes_by_name else program.written_inputs)
-        return _Writes(into, runner if isinstance(runner, LoopRunner) else None)
+        return _Writes(into, runner if isinstance(runner, LoopRunner) else None, program.outputs_view_written)
 
     def inputs(self, env: dict[str, Any], names: Sequence[str], args: list, runner: Runner, n: int) -> tuple[list, list, Runner]:
         """(the stage's arguments, the stacked copies to write back after it ran, the runner to run it with).
@@ -750,10 +751,12 @@ class _Writes:
         A batched strategy gets stacked copies of them; after the run, each copy the stage wrote (its version
         counter moved) is written back into the members' tensors, where every value viewing them sees it. Where
         per-member values share storage (h and v = h[:, :3] both handed on, or one tensor every member holds),
-        separate copies would part what one write reaches: the stage then runs member by member (`_loop_of`)."""
+        separate copies would part what one write reaches, and where an output may be a view of a written input,
+        it would be a view of the copy, which later writes into the input miss: the stage then runs member by member
+        (`_loop_of`) on the values themselves."""
         device = runner.device_for(args)
         per_member = [k for k, a in enumerate(args) if type(a) is PerMember]
-        if per_member and self.loop is not runner and _storage_shared([args[k] for k in per_member]):
+        if per_member and self.loop is not runner and (self.views_out or _storage_shared([args[k] for k in per_member])):
             runner = self._loop_of(runner)
         out, copies = list(args), []
         for k, (name, a) in enumerate(zip(names, args)):
@@ -763,7 +766,7 @@ class _Writes:
                 b = as_batched(a, n, device)
                 leaves = tree_flatten(b.tree)[0]  # every leaf, as the members' trees have them (a number: a [N] tensor)
                 if not _shares_storage(_tensor_leaves(leaves), a.values[0]):  # rows of stacked state: written as such
-                    copies.append((b, a, [x._version if isinstance(x, torch.Tensor) else None for x in leaves]))
+                    copies.append((b, a, [_version(x) for x in leaves]))
                 out[k] = b
             elif name in self.into_shared:
                 out[k] = env[name] = as_batched(a, n, device)
@@ -775,10 +778,11 @@ class _Writes:
         """For a loop, each member's own copy of its rows of the [N, ...] values the stage writes that record
         gradients, written back after the run: rows of one tensor share its version counter, so an op that saves
         its written output for backward (ReLU(inplace=True)) would find it changed by the next member's write.
-        Not where the stage's inputs share storage: copies would part what one write reaches (rows stay views)."""
+        Not where the stage's inputs share storage (copies would part what one write reaches) or an output may be a
+        view of a written input (it would miss later writes): there rows stay views."""
         written = [k for k, (name, a) in enumerate(zip(names, args)) if type(a) is Batched and name in self.into_shared
                    and any(x.requires_grad for x in _tensor_leaves(a.tree))]
-        if not written or _storage_shared([a if type(a) is PerMember else PerMember([a.tree]) for a in args
+        if not written or self.views_out or _storage_shared([a if type(a) is PerMember else PerMember([a.tree]) for a in args
                                            if type(a) is not Shared]):
             return args
         out = list(args)
@@ -826,6 +830,14 @@ def _shares_storage(leaves: list[torch.Tensor], member: Any) -> bool:
     return any(_storage_of(x) in mine for x in _tensor_leaves(member))
 
 
+def _version(x: Any) -> int | None:
+    """`x`'s version counter, which moves when it is written; -1 for an inference tensor (made under
+    torch.inference_mode(), which keeps none: always written back); None for a non-tensor (never)."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    return -1 if x.is_inference() else x._version
+
+
 def _write_back(copies: list) -> None:
     """After a stage ran on copies of its inputs (_Writes.inputs), write each copy it wrote into the values it copied:
     (stacked copy, the members' tensors) or (the members' own rows, the stacked tensor). Leaves pair by position in
@@ -833,7 +845,7 @@ def _write_back(copies: list) -> None:
     for copy_, original, versions in copies:
         if type(copy_) is Batched:
             for j, (x, v) in enumerate(zip(tree_flatten(copy_.tree)[0], versions)):
-                if v is not None and x._version != v:
+                if v is not None and (v == -1 or x._version != v):
                     for i, member in enumerate(original.values):
                         target = tree_flatten(member)[0][j]
                         if isinstance(target, torch.Tensor):
@@ -842,7 +854,7 @@ def _write_back(copies: list) -> None:
             targets = tree_flatten(original.tree)[0]
             for i, member in enumerate(copy_.values):
                 for x, target in zip(tree_flatten(member)[0], targets):
-                    if isinstance(x, torch.Tensor) and x._version != 0:
+                    if isinstance(x, torch.Tensor) and (x.is_inference() or x._version != 0):
                         target[i].copy_(x)
 
 

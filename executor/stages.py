@@ -61,6 +61,9 @@ class StageProgram:
     # shared become per-member copies; every input does when an op named in place writes (writes_by_name)
     written_inputs: tuple[str, ...] = ()
     writes_by_name: bool = False  # some op writes by its name (x.add_(y)), not by an `inplace` flag
+    # an output may be (a view of) an input the stage may write (`r = h.add_(1)` handed on): copies of the input
+    # would hand on a view of the copy, which later writes into the input do not reach
+    outputs_view_written: bool = False
 
     @staticmethod
     def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
@@ -100,9 +103,11 @@ class StageProgram:
         roots = {storage_root(n.args[0], every_module=False) for n in writers}
         written = tuple(name for name in inputs if env[name] in roots)
         by_name = any(is_inplace_op(n) for n in writers)
+        may_write = {env[name] for name in (inputs if by_name else written)}
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
                             writes_in_place=by_name or bool(written) or any(r.op == "get_attr" for r in roots),
-                            written_inputs=written, writes_by_name=by_name)
+                            written_inputs=written, writes_by_name=by_name,
+                            outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs))
 
 
 # where each embedding function takes `sparse` positionally

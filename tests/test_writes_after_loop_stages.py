@@ -93,6 +93,18 @@ class BothHandedOn(nn.Module):
         return self.l2(y)
 
 
+class OutputIsTheWrittenInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.l1(x)
+        r = h.add_(1.0)  # r is h: a stage handing r on must hand on h itself, not a copy the next write misses
+        h.mul_(2.0)
+        return self.l2(r) + self.l2(h)
+
+
 CASES = {
     # the model, and the nodes each of which starts a stage (the first stage runs as a loop)
     "activation": (ActivationInPlace, ["act", "l2"]),
@@ -105,7 +117,7 @@ CASES = {
 
 
 def _ensemble(case, second, first="loop"):
-    cls, cuts = CASES[case]
+    cls, cuts = CASES[case] if isinstance(case, str) else case
     torch.manual_seed(0)
     members = [cls() for _ in range(N)]
     x = torch.randn(5, 4)
@@ -136,3 +148,40 @@ def test_a_write_after_a_loop_stage_reaches_every_value_sharing_the_members_stor
         torch.testing.assert_close(got[name].grad, torch.stack([dict(m.named_parameters())[name].grad for m in members]),
                                    rtol=1e-5, atol=1e-6)
     assert executor.verify(plan, members, (x,)).ok
+
+
+@pytest.mark.parametrize("first, second", [("loop", "vmap"), ("loop", "wide"), ("loop", "loop"), ("vmap", "loop"),
+                                           ("wide", "loop"), ("vmap", "vmap")])
+def test_a_stage_handing_on_the_input_it_wrote_hands_on_the_value_itself(first, second):
+    # Was: a batched stage wrote a copy of h and handed the copy on as r, and a loop stage in training handed on its
+    # own rows: the later h.mul_(2) missed r (off 1.8 without a word).
+    plan, members, x = _ensemble((OutputIsTheWrittenInput, ["add_", "mul_"]), second, first)
+    ens = executor.build(plan, copy.deepcopy(members))
+    want = torch.stack([m(x) for m in members])
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), want, rtol=1e-6, atol=1e-6)
+    got = ens(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    want.square().sum().backward()
+    try:
+        got.square().sum().backward()
+    except RuntimeError as e:  # a loop over rows of one tensor that writes them and saves them for backward: loud
+        assert "modified by an inplace operation" in str(e)
+        return
+    stacked = dict(ens.named_stacked_parameters())
+    for name in ("l1.weight", "l2.weight"):
+        torch.testing.assert_close(stacked[name].grad, torch.stack([dict(m.named_parameters())[name].grad for m in members]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("first, second", [("loop", "vmap"), ("loop", "wide"), ("vmap", "loop")])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_writes_after_a_loop_stage_under_inference_mode(case, first, second):
+    # Was: torch.inference_mode() made the stacked copies inference tensors, which keep no version counter:
+    # RuntimeError ("Inference tensors do not track version counter") on every call.
+    plan, members, x = _ensemble(case, second, first)
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.inference_mode():
+        got = ens(x)
+        want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
