@@ -26,7 +26,8 @@ Check = Callable[["ModelGraph", torch.fx.Node], Optional[str]]  # noqa: F821 (Mo
 PROBE_MEMBERS = 2  # members stacked for the probe: enough to exercise the batching rules
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor}
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.setitem}  # `h[i] = v` writes h
 
 
 def chain(*checks: Check) -> Check:
@@ -51,12 +52,21 @@ def base_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
+# the same writes called as methods: `h.__setitem__(i, v)`, `h.__iadd__(y)`
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
 def _is_inplace_target(node: torch.fx.Node) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
     name = base_name(node)
+    if node.op == "call_method" and name in _INPLACE_DUNDERS:
+        return True
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
+
+_VIEW_ATTRIBUTES = ("data", "T", "mT", "H", "mH", "real", "imag")  # `h.data` is h's storage: a write into it writes h
 
 VIEW_NAMES = ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze",
                "slice", "expand", "as_strided", "alias", "t", "transpose", "permute", "unflatten", "view_as")
@@ -68,12 +78,17 @@ def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     chain = [node]
     while len(chain) <= 16:
         if node.op in ("call_method", "call_function", "call_module") and node.args and isinstance(node.args[0], torch.fx.Node):
-            if (node.op != "call_module" and base_name(node) in VIEW_NAMES) or is_inplace(node):
+            if (node.op != "call_module" and base_name(node) in VIEW_NAMES) or is_inplace(node) or _view_attribute(node):
                 node = node.args[0]
                 chain.append(node)
                 continue
         break
     return chain
+
+
+def _view_attribute(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is getattr and len(node.args) > 1
+            and node.args[1] in _VIEW_ATTRIBUTES)
 
 
 # functions with an `inplace` flag, and its position when passed positionally

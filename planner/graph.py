@@ -37,7 +37,7 @@ from stagewise.planner.module_refusals import (  # noqa: F401
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch)
-from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes,
+from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes, out_as_copies,
                                       views_as_reshapes)
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
@@ -217,6 +217,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
             raise TraceError(f"forward() reads its {node.target} (torch.fx would take the dict as an input)")
         gm.graph.erase_node(node)
         gm.recompile()
+    out_as_copies(gm)
     return gm
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.capability import alias_chain, is_inplace
+from stagewise.planner.errors import TraceError
 from stagewise.planner.trace_watch import _inference_mode_as_no_grad
 
 
@@ -87,7 +88,32 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
     _detach_out_of_place(gm)
+    out_as_copies(gm)
     return gm
+
+
+def out_as_copies(gm: torch.fx.GraphModule) -> None:
+    """`f(..., out=t)` -> `t.copy_(f(...))`, the same write, as an op every part of stagewise reads as one.
+
+    An `out=` keyword writes into `t`, yet nothing else names the write: without this the planner saw a pure op and
+    could put a later read of `t` before it. `copy_` writes `t` as its first argument and returns it, as `out=` does.
+    A tuple of outs (`torch.max(x, 1, out=(v, i))`) is refused, naming the plain form."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        out = node.kwargs.get("out") if node.op in ("call_function", "call_method") else None
+        if out is None:
+            continue
+        if not isinstance(out, torch.fx.Node):
+            raise TraceError(f"forward() calls {getattr(node.target, '__name__', node.target)} with a tuple of out= "
+                             "tensors, which stagewise does not follow as writes; assign the results instead "
+                             "(`v, i = torch.max(x, 1)`)")
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
+        with gm.graph.inserting_before(node):
+            value = gm.graph.create_node(node.op, node.target, node.args, kwargs)
+        node.op, node.target, node.args, node.kwargs = "call_method", "copy_", (out, value), {}
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def _detach_out_of_place(gm: torch.fx.GraphModule) -> None:
