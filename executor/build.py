@@ -41,6 +41,7 @@ from stagewise.executor.members import (check_same_requires_grad, copy_member, g
                                        stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound
+from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, n_first, reset_call_number_context,
@@ -226,6 +227,7 @@ class BatchedModule(nn.Module):
                                 if _state_itself(gm_nodes[name], keys) is not None] for p in self.programs]
         self._build_runners()
         self._make_captured()
+        watch_stacked_parameters(self)  # torch optimizers that would mix the members are refused at their first step
         # modes this module cannot be switched to (True = training) -> why: forward() reads self.training (see mode_bound)
         self._mode_bound: dict[bool, str] = {}
         self._traced_modes = ""  # the members' modes when built, in words
@@ -612,6 +614,7 @@ class BatchedModule(nn.Module):
         new._stacked = {k: tree_tensor(new.stacked, k) for k in self._stacked}
         new._build_runners()
         new._make_captured()
+        watch_stacked_parameters(new)
         return new
 
     def __getstate__(self) -> dict:
@@ -631,6 +634,7 @@ class BatchedModule(nn.Module):
         self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
         self._build_runners()
         self._make_captured()
+        watch_stacked_parameters(self)
 
     def _refuse_global_hooks(self) -> None:
         """ExecutionError naming the global module hooks registered since build (see planner.graph.global_hooks)."""

@@ -82,10 +82,12 @@ import math
 import os
 import re
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stagewise.planner.errors import OptimizerError
 
@@ -277,6 +279,8 @@ class _StackedOptimizer(torch.optim.Optimizer):
         for p, s in self.state.items():
             if isinstance(s.get("step"), torch.Tensor):  # torch leaves "step" where it was saved
                 s["step"] = s["step"].to(device=p.device, dtype=torch.float32)
+            if isinstance(s.get("momentum_members"), torch.Tensor):  # torch casts state to the params' dtype
+                s["momentum_members"] = s["momentum_members"].to(device=p.device, dtype=torch.bool)
             for k, v in s.items():
                 if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != self.n_members):
                     raise OptimizerError(f"{type(self).__name__}: saved state {k!r} has shape {tuple(v.shape)}, "
@@ -841,14 +845,15 @@ class StackedLRScheduler:
         owner, device = type(self).__name__, self._device_of(optimizer)
         return _check_range(owner, name, _member_vector(owner, name, value, optimizer.n_members, device), low)
 
-    def _member_lr(self, base: torch.Tensor, epoch: int) -> torch.Tensor:
+    def _member_lr(self, base: torch.Tensor, epoch: int, scale: float) -> torch.Tensor:
+        """The members' lr multipliers at `epoch`; `scale` is the group's shared lr (the effective lr is scale x this)."""
         raise NotImplementedError
 
     def step(self) -> None:
         """Advance one epoch and write every member's lr in place."""
         self.last_epoch += 1
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["member_lr"].copy_(self._member_lr(base, self.last_epoch))
+            group["member_lr"].copy_(self._member_lr(base, self.last_epoch, float(group["lr"])))
 
     def get_last_lr(self) -> list[torch.Tensor]:
         """Effective per-member lr of each group (shared scale x member lr), [N] each."""
@@ -876,7 +881,7 @@ class StackedStepLR(StackedLRScheduler):
         self.gamma = self._vector(optimizer, "gamma", gamma, 0.0)
         super().__init__(optimizer)
 
-    def _member_lr(self, base, epoch):
+    def _member_lr(self, base, epoch, scale):
         return base * self.gamma ** torch.floor(epoch / self.step_size)
 
 
@@ -894,5 +899,44 @@ class StackedCosineLR(StackedLRScheduler):
         self.eta_min = self._vector(optimizer, "eta_min", eta_min, 0.0)
         super().__init__(optimizer)
 
-    def _member_lr(self, base, epoch):
-        return self.eta_min + (base - self.eta_min) * (1 + torch.cos(math.pi * epoch / self.T_max)) / 2
+    def _member_lr(self, base, epoch, scale):
+        # eta_min is an lr, the members' values multipliers of the group's shared lr: members given one lr keep it
+        # there (the scale), so their floor in multiplier units is eta_min / scale
+        eta = self.eta_min / scale if scale > 0 else self.eta_min
+        return eta + (base - eta) * (1 + torch.cos(math.pi * epoch / self.T_max)) / 2
+
+
+# --- torch optimizers that would mix members -------------------------------------------------
+
+# torch.optim classes whose update of a tensor is not elementwise: on a batched module's stacked [N, ...] parameters
+# they would mix the members, without a word. What each does, and the fix.
+_MIXING = [(getattr(torch.optim, name, None), why) for name, why in (
+    ("LBFGS", "takes its dot products, curvature history and line search over all its parameters together, so "
+              "every member would get one step size and one curvature from all members' gradients"),
+    ("Adafactor", "factors its second moment over the last two dims of each tensor and scales each update by the "
+                  "tensor's RMS, so a stacked [N, d] parameter (a bias) is one matrix of all members"),
+    ("Muon", "orthogonalizes each 2-D parameter as one matrix, so a stacked [N, d] parameter (a bias) is one matrix "
+             "of all members"),
+) if getattr(torch.optim, name, None) is not None]
+_BATCHED_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_WATCH: list = []  # the global optimizer hook's handle, once registered
+
+
+def watch_stacked_parameters(module: torch.nn.Module) -> None:
+    """Refuse, at its first step, a torch optimizer of `_MIXING` stepping `module`'s stacked parameters."""
+    _BATCHED_MODULES.add(module)
+    if not _WATCH:
+        _WATCH.append(register_optimizer_step_pre_hook(_refuse_mixing))
+
+
+def _refuse_mixing(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    why = next((why for kind, why in _MIXING if isinstance(optimizer, kind)), None)
+    if why is None or not _BATCHED_MODULES:
+        return None
+    stacked = {id(p) for module in list(_BATCHED_MODULES) for p in module.parameters()}
+    if any(id(p) in stacked for group in optimizer.param_groups for p in group["params"]):
+        raise OptimizerError(
+            f"torch.optim.{type(optimizer).__name__} on a batched module's parameters: it {why}. Use a stacked "
+            "optimizer (executor.StackedSGD / StackedAdam / StackedAdamW) on ens.parameters(), or run this optimizer "
+            "on each member's own copy (ens.member_state_dicts())")
+    return None

@@ -418,6 +418,29 @@ def test_cosine_lr_per_member_matches_torch(n):
     assert pair.error() <= TOL
 
 
+@pytest.mark.parametrize("lr", [0.05, [0.05, 0.05, 0.05], [0.05, 0.1, 0.2]])
+def test_cosine_lr_floor_is_eta_min_whether_members_share_one_lr_or_not(lr):
+    # Was: members given one lr keep it as the shared scale, and eta_min was taken as a multiplier of it:
+    # they annealed to 0.05 * 0.001 instead of 0.001.
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    opt = StackedSGD([p], 3, lr=lr)
+    sched = StackedCosineLR(opt, T_max=10, eta_min=0.001)
+    lrs = lr if isinstance(lr, list) else [lr] * 3
+    refs = []
+    for member_lr in lrs:
+        q = torch.nn.Parameter(torch.zeros(2))
+        ref = torch.optim.SGD([q], lr=member_lr)
+        refs.append((ref, torch.optim.lr_scheduler.CosineAnnealingLR(ref, T_max=10, eta_min=0.001)))
+    for _ in range(13):
+        want = torch.tensor([ref.param_groups[0]["lr"] for ref, _ in refs], dtype=torch.float64)
+        torch.testing.assert_close(opt.get_hyperparameter("lr").double(), want, rtol=1e-9, atol=1e-12)
+        opt.step()
+        sched.step()
+        for ref, ref_sched in refs:
+            ref.step()
+            ref_sched.step()
+
+
 @pytest.mark.parametrize("torch_sched", ["step", "exponential", "cosine"])
 def test_torch_schedulers_scale_every_member(torch_sched):
     """torch.optim.lr_scheduler drives the shared scale group["lr"]: each member gets base_lr_i * f(t)."""
@@ -432,10 +455,12 @@ def test_torch_schedulers_scale_every_member(torch_sched):
 
 # --- state dict round trip ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("opt_name", ["sgd", "sgd_one_without_momentum", "adam", "adamw"])
 def test_state_dict_round_trip_continues_like_uninterrupted(opt_name):
+    # sgd_one_without_momentum: was, the members-with-a-buffer mask came back as floats and step() raised TypeError
     n, kind = 3, "conv"
     cls, kw = {"sgd": (StackedSGD, sgd_setup(n, "nesterov")[1]), "adam": (StackedAdam, adam_setup(n, amsgrad=True)[1]),
+               "sgd_one_without_momentum": (StackedSGD, dict(lr=[0.05, 0.1, 0.02], momentum=[0.9, 0.0, 0.5])),
                "adamw": (StackedAdamW, adam_setup(n)[1])}[opt_name]
     base = make_member(kind, 0)
     names = [name for name, _ in base.named_parameters()]
@@ -582,3 +607,36 @@ def test_loading_a_state_dict_for_another_n_is_refused():
     other = StackedAdam([torch.zeros(2, 4, requires_grad=True), torch.zeros(2, requires_grad=True)], 2)
     with pytest.raises(planner.OptimizerError, match=r"lr has 3 values .*n_members=2"):
         other.load_state_dict(opt.state_dict())
+
+
+# --- torch optimizers that would mix the members -----------------------------------------------
+
+@pytest.mark.parametrize("kind", [k for k in ("LBFGS", "Adafactor", "Muon") if hasattr(torch.optim, k)])
+def test_a_torch_optimizer_that_would_mix_members_is_refused_at_its_first_step(kind):
+    # Was: LBFGS (one line search over all members) and Adafactor (an [N, d] bias factored as one matrix) trained
+    # the batched module's members off their own runs (3.5e-1 and 5.2e-2) without a word.
+    from stagewise import executor
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)) for _ in range(3)]
+    x = torch.randn(6, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=3)
+    for ens in (executor.build(plan, members), copy.deepcopy(executor.build(plan, members))):
+        # Muon itself refuses the 3-D stacked weights; the stacked [N, d] biases it would take as matrices
+        opt = getattr(torch.optim, kind)([p for p in ens.parameters() if kind != "Muon" or p.dim() == 2], lr=0.01)
+        before = [p.detach().clone() for p in ens.parameters()]
+
+        def closure():
+            opt.zero_grad()
+            loss = ens(x).square().sum()
+            loss.backward()
+            return loss
+
+        closure()
+        with pytest.raises(planner.OptimizerError, match=rf"torch.optim.{kind} on a batched module's parameters.*StackedAdam"):
+            opt.step(closure)
+        assert all(torch.equal(a, b) for a, b in zip(before, ens.parameters()))  # refused before it changed anything
+    plain = nn.Linear(4, 2)  # the same optimizer on a model of its own steps as ever
+    opt = getattr(torch.optim, kind)([plain.weight], lr=0.01)
+    plain(x).square().sum().backward()
+    opt.step(lambda: plain(x).square().sum())
