@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.executor.candidates import max_rel_error
-from stagewise.executor.stages import Runner, StageProgram
+from stagewise.executor.stages import LoopRunner, Runner, StageProgram
 from stagewise.executor.values import Batched, PerMember, Shared, n_first
 
 GRAD_RTOL = 1e-4  # float32 gradients summed in different orders
@@ -48,8 +48,12 @@ def fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n:
     params = [t for t in runner.stacked.values() if t.requires_grad]
     fixed = None if program.writes_in_place else _with_grad_leaves(fresh())
 
+    by_member = program.writes_in_place and isinstance(runner, LoopRunner)
+
     def call() -> list:
         args, leaves = fixed if fixed is not None else (fresh(), [])
+        if by_member:
+            args = _own_rows(args, n)
         outs = runner(args)
         loss = sum((x.float().sum() for v in outs for x in float_leaves(n_first(v, n))), torch.zeros((), device=_device(params, leaves)))
         targets = params + leaves
@@ -59,6 +63,21 @@ def fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n:
         return [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
 
     return call
+
+
+def _own_rows(args: list, n: int) -> list:
+    """Each member's own copy of its rows of the [N, ...] values, for a stage run member by member that writes in
+    place, as the batched module hands them (build._Writes): rows of one tensor share its version counter, so an op
+    that saves its written output for backward (ReLU(inplace=True)) would find it changed by the next member's write.
+    Not where the values share storage (copies would part what one write reaches)."""
+    batched = [a for a in args if isinstance(a, Batched)]
+    ptrs = [x.untyped_storage().data_ptr() for a in batched for x in tree_flatten(a.tree)[0] if isinstance(x, torch.Tensor)]
+    ptrs += [x.untyped_storage().data_ptr() for a in args if isinstance(a, PerMember)
+             for x in tree_flatten(a.values)[0] if isinstance(x, torch.Tensor)]
+    if not batched or len(set(ptrs)) != len(ptrs):
+        return args
+    return [PerMember([tree_map(lambda x: x[i].clone() if isinstance(x, torch.Tensor) else x, a.tree) for i in range(n)])
+            if isinstance(a, Batched) else a for a in args]
 
 
 def _device(params: list, leaves: list) -> torch.device | None:

@@ -302,3 +302,36 @@ def test_training_through_any_strategy_equals_n_torch_runs(strategy, opt_name):
                         assert err <= 1e-5 * theirs.abs().max().item() + 1e-9, f"step {k} member {i} {name} {sk}: {err:.2e}"
     assert torch.equal(ens.member_state_dicts()[0]["unused.weight"], members[0].unused.weight.detach())
     assert not opt.state.get(stacked["unused.weight"]) and not opt.state.get(stacked["fc.bias"])
+
+
+class NormThenReLUInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.act, self.out = nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(inplace=True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.act(self.bn(self.fc(x))))
+
+
+@pytest.mark.parametrize("strategies", [["loop"], ["vmap"], ["wide"], None])
+def test_training_autotune_checks_an_in_place_activation_after_a_loop_stage(strategies):
+    # Was: the check ran the stage's loop reference on rows of one [N, ...] tensor, so ReLU(inplace=True) saved a row
+    # the next member's write changed, and autotune(train=True) raised torch's "modified by an inplace operation".
+    members = []
+    for i in range(3):
+        torch.manual_seed(i)
+        members.append(NormThenReLUInPlace())
+    x = torch.randn(3, 8, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x[0],)), n_members=3, input_mode="per_member")
+    assert any(s.mode.value == "excluded" for s in plan.stages)  # BatchNorm in training runs as a loop
+    tuned = executor.autotune(plan, members, (x,), train=True, budget="quick", strategies=strategies)
+    ens = executor.build(tuned, copy.deepcopy(members))
+    ens.train()
+    ens(x).square().sum().backward()
+    for i, m in enumerate(members):
+        m.train()
+        m(x[i]).square().sum().backward()
+    stacked = dict(ens.named_stacked_parameters())
+    for name in ("fc.weight", "out.weight"):
+        torch.testing.assert_close(stacked[name].grad, torch.stack([dict(m.named_parameters())[name].grad for m in members]),
+                                   rtol=1e-4, atol=1e-5)
