@@ -22,6 +22,7 @@ import torch
 import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace
@@ -137,6 +138,12 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
                 f"{type(model).__name__} returns a {cache.group(1).rpartition('.')[2]} (a key/value cache for generation) "
                 "that neither tracer can carry; build the model with use_cache=False (config.use_cache = False)"
             ) from None
+        if _packs_sequences(model, example_inputs):
+            raise TraceError(
+                f"{type(model).__name__}.forward() packs sequences (pack_padded_sequence / pack_sequence): a "
+                "PackedSequence's batch sizes come from the lengths' values, which neither torch.fx nor torch.export can "
+                "follow. Run the RNN on the padded batch and mask the padding instead (e.g. gather each sequence's "
+                "last valid step by its length), or keep the packing outside the model") from None
         raise TraceError(
             f"{type(model).__name__} cannot be traced. torch.fx failed: {fx_error}. "
             f"torch.export failed: {type(e).__name__}: {_first_line(e)}. "
@@ -146,6 +153,31 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
         return gm, "export", (f"torch.fx could not trace inside the opened modules {', '.join(opened)} ({fx_error}); "
                               "traced with torch.export, which opens every module")
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
+
+
+class _PackingSeen(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("_pack_padded_sequence", "pack_sequence", "pack_padded_sequence"):
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+def _packs_sequences(model: nn.Module, example_inputs: tuple) -> bool:
+    """Whether forward() on the example inputs packs sequences (why neither tracer could follow it). The model's
+    state and the random streams are as they were afterwards."""
+    watch, before = _PackingSeen(), StateSnapshot.take(model)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), watch:
+            model(*example_inputs)
+    except Exception:  # only a diagnosis: a forward() that fails says nothing either way
+        pass
+    finally:
+        before.restore_if_changed(model)
+    return watch.seen
 
 
 _CACHE_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")

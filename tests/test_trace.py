@@ -446,3 +446,25 @@ def test_fx_parameters_given_by_the_example_stay_inputs():
     torch.testing.assert_close(ens(x, mask), _loop(members, x, mask), rtol=1e-5, atol=1e-6)
     again = planner.retrace(copy.deepcopy(members[0]), "fx", None, ["x", "mask"])
     assert again.fingerprint == graph.fingerprint
+
+
+def test_packed_sequences_are_refused_naming_them_and_the_fix():
+    # Was: both tracers' errors (`__cuda_array_interface__` must be a dict; zeros() got a FakeTensor) and advice about
+    # Python control flow, which says nothing of the packing.
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.r, self.bn = nn.LSTM(5, 4, batch_first=True), nn.BatchNorm1d(7)
+
+        def forward(self, x, lengths):
+            p = pack_padded_sequence(self.bn(x), lengths, batch_first=True, enforce_sorted=False)
+            y, (h, c) = self.r(p)
+            return pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])[0], h
+
+    model = Packed()
+    stats = model.bn.running_mean.clone()
+    with pytest.raises(planner.TraceError, match=r"packs sequences .*mask the padding"):
+        planner.trace(model, (torch.randn(2, 7, 5), torch.tensor([7, 4])))
+    assert torch.equal(model.bn.running_mean, stats)  # the look at forward() changed nothing
