@@ -48,6 +48,7 @@ graph itself is checked everywhere.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -330,6 +331,25 @@ class CapturedPlan(nn.Module):
         # why stages must run outside every graph, read from their options (compile mode reduce-overhead)
         self._known_eager = [r for r in (eager_reason(step[0]) for step in ens._steps) if r is not None]
         self.captures = 0  # how many graphs were captured (a re-capture counts again)
+
+    def __deepcopy__(self, memo: dict) -> "CapturedPlan":
+        """A capture of a copy of the batched module, with the same settings, capturing its own graphs at its first
+        call (a graph replays into the tensors it was captured on, which a copy does not share)."""
+        new = CapturedPlan(copy.deepcopy(self.ens, memo), **self._settings(memo))
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self) -> dict:
+        """Pickled (torch.save) as the batched module and the settings: the graphs are captured again after loading."""
+        return {"ens": self.ens, **self._settings({})}
+
+    def __setstate__(self, state: dict) -> None:
+        CapturedPlan.__init__(self, state.pop("ens"), **state)
+
+    def _settings(self, memo: dict) -> dict:
+        kind = type(self.backend)
+        backend = kind() if kind in (CudaGraphBackend, ReplayBackend) else copy.deepcopy(self.backend, memo)
+        return {"clone_outputs": self.clone_outputs, "max_signatures": self.max_signatures, "backend": backend}
 
     def _state_key(self) -> tuple:
         """When a graph must be captured again: the state's storages (a graph reads those of capture time), and the

@@ -787,3 +787,31 @@ def test_autotune_races_the_wide_whole_plan_graph_when_a_stage_stays_a_loop(repl
         torch.testing.assert_close(ens(x), loop(members, x), rtol=1e-5, atol=1e-6)
     found, _ = labels({planner.Strategy.VMAP, planner.Strategy.LOOP})
     assert WHOLE_GRAPH_WIDE not in found
+
+
+def test_a_captured_plan_copies_and_saves_with_its_own_graphs():
+    # Was: copy.deepcopy of a captured plan raised (its graphs' tensors are not graph leaves), and torch.save too.
+    import io
+
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval() for _ in range(3)]
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=3)
+    fast = capture(executor.build(plan, copy.deepcopy(members)), backend=ReplayBackend(), clone_outputs=False)
+    want = torch.stack([m(x) for m in members]).detach()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), want)
+        twin = copy.deepcopy(fast)
+        buffer = io.BytesIO()
+        torch.save(fast, buffer)
+        buffer.seek(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = torch.load(buffer, weights_only=False)
+        for other in (twin, loaded):
+            assert other.clone_outputs is False and isinstance(other.backend, ReplayBackend)
+            torch.testing.assert_close(other(x), want)
+            for p in other.ens.parameters():  # its own state: a change reaches its replays, not the original's
+                p.add_(1.0)
+            assert not torch.allclose(other(x), want)
+            torch.testing.assert_close(fast(x), want)
