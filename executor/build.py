@@ -737,7 +737,9 @@ class _Writes:
 
     into_shared: frozenset[str]  # inputs that become [N, ...] copies when shared (a loop would write N times into one)
     loop: Runner  # the stage run member by member: the stage's own runner if it is a loop, else made on first need
-    views_out: bool  # an output may be a view of a written input: the stage must run on the values themselves
+    # an output may be a view of a written input, or a write goes through `.data` (no version counter shows it):
+    # the stage must run on the values themselves
+    views_out: bool
 
     @staticmethod
     def of(program: StageProgram, runner: Runner) -> "_Writes | None":
@@ -745,7 +747,8 @@ class _Writes:
             return None
         # a write by an op's name may reach an input through calls the graph does not show as views: all inputs
         into = frozenset(program.input_names if program.writes_by_name else program.written_inputs)
-        return _Writes(into, runner if isinstance(runner, LoopRunner) else None, program.outputs_view_written)
+        return _Writes(into, runner if isinstance(runner, LoopRunner) else None,
+                       program.outputs_view_written or program.writes_untracked)
 
     def inputs(self, env: dict[str, Any], names: Sequence[str], args: list, runner: Runner, n: int) -> tuple[list, list, Runner]:
         """(the stage's arguments, the stacked copies to write back after it ran, the runner to run it with).
@@ -755,9 +758,10 @@ class _Writes:
         A batched strategy gets stacked copies of them; after the run, each copy the stage wrote (its version
         counter moved) is written back into the members' tensors, where every value viewing them sees it. Where
         per-member values share storage (h and v = h[:, :3] both handed on, or one tensor every member holds),
-        separate copies would part what one write reaches, and where an output may be a view of a written input,
-        it would be a view of the copy, which later writes into the input miss: the stage then runs member by member
-        (`_loop_of`) on the values themselves."""
+        separate copies would part what one write reaches; where an output may be a view of a written input, it
+        would be a view of the copy, which later writes into the input miss; and a write through `.data` moves no
+        version counter, so it would not be written back: the stage then runs member by member (`_loop_of`) on the
+        values themselves."""
         device = runner.device_for(args)
         per_member = [k for k, a in enumerate(args) if type(a) is PerMember]
         if per_member and self.loop is not runner and (self.views_out or _storage_shared([args[k] for k in per_member])):

@@ -25,7 +25,7 @@ try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch 
 except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
-from stagewise.planner.capability import is_inplace, is_inplace_op
+from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op
 from stagewise.planner.opening import no_mha_fastpath
 from stagewise.planner.trace_watch import storage_root
 from stagewise.planner.errors import ExecutionError
@@ -64,6 +64,9 @@ class StageProgram:
     # an output may be (a view of) an input the stage may write (`r = h.add_(1)` handed on): copies of the input
     # would hand on a view of the copy, which later writes into the input do not reach
     outputs_view_written: bool = False
+    # a write through `.data` of an input (`h.data.add_(1)`), which moves no version counter of the input's: a copy of
+    # the input would not show it was written
+    writes_untracked: bool = False
 
     @staticmethod
     def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
@@ -107,7 +110,14 @@ class StageProgram:
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
                             writes_in_place=by_name or bool(written) or any(r.op == "get_attr" for r in roots),
                             written_inputs=written, writes_by_name=by_name,
-                            outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs))
+                            outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs),
+                            writes_untracked=any(_through_data(n.args[0]) for n in writers))
+
+
+def _through_data(node: torch.fx.Node) -> bool:
+    """Whether `node` is reached from an earlier value through `.data` (views and in-place ops between)."""
+    return any(a.op == "call_function" and a.target is getattr and len(a.args) > 1 and a.args[1] == "data"
+               for a in alias_chain(node))
 
 
 # where each embedding function takes `sparse` positionally

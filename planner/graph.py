@@ -37,7 +37,8 @@ from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
-    RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch)
+    RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
+    storage_root, storage_sharers)
 from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes, out_as_copies,
                                       views_as_reshapes)
 
@@ -507,9 +508,10 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
 
     fx records `buf.add_(v)` with no edge to later reads of `buf`, so a stage
     reading it could run before the update. Each in-place node gets an edge from
-    every earlier and to every later reader of the value it writes (its view
-    chain; for module state, every get_attr of the same target). Edges follow
-    graph order, so the DAG stays acyclic and node order stays topological.
+    every earlier and to every later reader of the value it writes: every value that
+    may share its storage (views of its storage root, forward and back, through
+    movedim, chunk, .data, ...; for module state, every get_attr of the same target).
+    Edges follow graph order, so the DAG stays acyclic and node order stays topological.
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -517,9 +519,10 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     for node in nodes:
         if not is_inplace(node):
             continue
-        aliases = set(alias_chain(node.args[0]))
-        for root in [a for a in aliases if a.op == "get_attr"]:
-            aliases |= {n for n in nodes if n.op == "get_attr" and n.target == root.target}
+        roots = {alias_chain(node.args[0])[-1], storage_root(node.args[0], every_module=False)}
+        for root in [r for r in roots if r.op == "get_attr"]:
+            roots |= {n for n in nodes if n.op == "get_attr" and n.target == root.target}
+        aliases = set(alias_chain(node.args[0])) | {a for r in roots for a in storage_sharers(r, every_module=False)}
         touched = aliases | {u for a in aliases for u in a.users}
         for other in sorted(touched - {node}, key=pos.__getitem__):
             edges.append((other.name, node.name) if pos[other] < pos[node] else (node.name, other.name))

@@ -23,7 +23,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from stagewise.planner.capability import VIEW_NAMES, alias_chain, base_name, is_inplace
+from stagewise.planner.capability import ALWAYS_VIEWS, VIEW_NAMES, alias_chain, base_name, is_inplace
 from stagewise.planner.errors import TraceError
 
 
@@ -295,7 +295,7 @@ _AUGMENTED = {"__iadd__": (operator.iadd, operator.add), "__isub__": (operator.i
 # ops whose result may share storage with their first argument (views, in-place ops, modules such as nn.Identity,
 # dtype/device moves that may return the tensor itself). Broad on purpose: a value wrongly counted as an alias
 # only makes a write be recorded in place, which is what eager does anyway
-_MAY_ALIAS = set(VIEW_NAMES) | {
+_MAY_ALIAS = set(VIEW_NAMES) | ALWAYS_VIEWS | {
     "chunk", "split", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit", "movedim", "moveaxis",
     "swapaxes", "swapdims", "diagonal", "unfold", "view_as_real", "view_as_complex", "real", "imag", "contiguous", "to",
     "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "cpu", "cuda", "expand_as", "reshape_as",
@@ -327,7 +327,7 @@ class AugmentedWrites:
         for site, old, new in self.out_of_place:
             if site in self.in_place_sites or old not in order or new not in order:
                 continue
-            if any(order[u] > order[new] for a in _storage_sharers(storage_root(old)) for u in a.users if u is not new):
+            if any(order[u] > order[new] for a in storage_sharers(storage_root(old)) for u in a.users if u is not new):
                 found.add(site)
         return found
 
@@ -365,12 +365,13 @@ def storage_root(node: torch.fx.Node, every_module: bool = True) -> torch.fx.Nod
     return node
 
 
-def _storage_sharers(root: torch.fx.Node) -> list[torch.fx.Node]:
-    """`root` and every value that may share its storage (see _MAY_ALIAS), following users forward."""
+def storage_sharers(root: torch.fx.Node, every_module: bool = True) -> list[torch.fx.Node]:
+    """`root` and every value that may share its storage (see _MAY_ALIAS; modules as in storage_root), following
+    users forward."""
     seen, todo = {root}, [root]
     while todo:
         for u in todo.pop().users:
-            if u not in seen and _may_alias(u):
+            if u not in seen and _may_alias(u, every_module):
                 seen.add(u)
                 todo.append(u)
     return list(seen)

@@ -92,6 +92,21 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     return gm
 
 
+def _functional_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The overload of `op`'s packet that takes the same arguments but writes none (`aten.mul.out` -> `aten.mul.Tensor`)."""
+    def writes(arg) -> bool:
+        return arg.alias_info is not None and arg.alias_info.is_write
+
+    want = [(a.name, str(a.type)) for a in op._schema.arguments if not writes(a)]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        if not any(writes(a) for a in other._schema.arguments) and \
+                [(a.name, str(a.type)) for a in other._schema.arguments] == want:
+            return other
+    return None
+
+
 def out_as_copies(gm: torch.fx.GraphModule) -> None:
     """`f(..., out=t)` -> `t.copy_(f(...))`, the same write, as an op every part of stagewise reads as one.
 
@@ -107,9 +122,15 @@ def out_as_copies(gm: torch.fx.GraphModule) -> None:
             raise TraceError(f"forward() calls {getattr(node.target, '__name__', node.target)} with a tuple of out= "
                              "tensors, which stagewise does not follow as writes; assign the results instead "
                              "(`v, i = torch.max(x, 1)`)")
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):  # an aten graph's `aten.mul.out`: its functional overload
+            target = _functional_overload(target)
+            if target is None:
+                raise TraceError(f"forward() calls {node.target} with out=, whose functional form stagewise cannot "
+                                 "find; assign the result instead of passing out=")
         kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
         with gm.graph.inserting_before(node):
-            value = gm.graph.create_node(node.op, node.target, node.args, kwargs)
+            value = gm.graph.create_node(node.op, target, node.args, kwargs)
         node.op, node.target, node.args, node.kwargs = "call_method", "copy_", (out, value), {}
         changed = True
     if changed:
