@@ -704,7 +704,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
-            f"({_first_difference(plan, graph)}); the plan was made for another model: re-plan with `stagewise plan`"
+            f"({_first_difference(plan, graph)}); the plan was made for another model, or for this one by an earlier "
+            "stagewise that traced it otherwise (out= writes now trace as copy_): re-plan with `stagewise plan`"
         )
     validate(plan, graph)
     check_same_requires_grad(members)
