@@ -507,6 +507,8 @@ class BatchedModule(nn.Module):
                 raise error from e
             if copies:
                 _write_back(copies)
+                if writes.views_out:
+                    outs = writes.outputs(outs, copies)
             env.update(zip(output_names, outs))
             for k, key in state_out:
                 if key is not None:
@@ -738,9 +740,8 @@ class _Writes:
 
     into_shared: frozenset[str]  # inputs that become [N, ...] copies when shared (a loop would write N times into one)
     loop: Runner  # the stage run member by member: the stage's own runner if it is a loop, else made on first need
-    # an output may be a view of a written input, or a write goes through `.data` (no version counter shows it):
-    # the stage must run on the values themselves
-    views_out: bool
+    views_out: bool  # an output may be a view of a written input: it must view the input itself, not a copy
+    untracked: bool  # a write goes through `.data`, which moves no version counter: copies are written back anyway
 
     @staticmethod
     def of(program: StageProgram, runner: Runner) -> "_Writes | None":
@@ -748,8 +749,8 @@ class _Writes:
             return None
         # a write by an op's name may reach an input through calls the graph does not show as views: all inputs
         into = frozenset(program.input_names if program.writes_by_name else program.written_inputs)
-        return _Writes(into, runner if isinstance(runner, LoopRunner) else None,
-                       program.outputs_view_written or program.writes_untracked)
+        return _Writes(into, runner if isinstance(runner, LoopRunner) else None, program.outputs_view_written,
+                       program.writes_untracked)
 
     def inputs(self, env: dict[str, Any], names: Sequence[str], args: list, runner: Runner, n: int) -> tuple[list, list, Runner]:
         """(the stage's arguments, the stacked copies to write back after it ran, the runner to run it with).
@@ -765,7 +766,8 @@ class _Writes:
         values themselves."""
         device = runner.device_for(args)
         per_member = [k for k, a in enumerate(args) if type(a) is PerMember]
-        if per_member and self.loop is not runner and (self.views_out or _storage_shared([args[k] for k in per_member])):
+        if per_member and self.loop is not runner and (self.views_out or self.untracked
+                                                       or _storage_shared([args[k] for k in per_member])):
             runner = self._loop_of(runner)
         out, copies = list(args), []
         for k, (name, a) in enumerate(zip(names, args)):
@@ -787,20 +789,46 @@ class _Writes:
         """For a loop, each member's own copy of its rows of the [N, ...] values the stage writes that record
         gradients, written back after the run: rows of one tensor share its version counter, so an op that saves
         its written output for backward (ReLU(inplace=True)) would find it changed by the next member's write.
-        Not where the stage's inputs share storage (copies would part what one write reaches) or an output may be a
-        view of a written input (it would miss later writes): there rows stay views."""
+        Not where the stage's inputs share storage (copies would part what one write reaches): there rows stay views.
+        Outputs that view a copy are made views of the value itself after the write-back (`outputs`); a copy laid
+        out otherwise than its row could not be, so there rows stay views too."""
         written = [k for k, (name, a) in enumerate(zip(names, args)) if type(a) is Batched and name in self.into_shared
                    and any(x.requires_grad for x in _tensor_leaves(a.tree))]
-        if not written or self.views_out or _storage_shared([a if type(a) is PerMember else PerMember([a.tree]) for a in args
+        if not written or _storage_shared([a if type(a) is PerMember else PerMember([a.tree]) for a in args
                                            if type(a) is not Shared]):
             return args
-        out = list(args)
+        out, own = list(args), []
         for k in written:
             rows = PerMember([tree_map(lambda x: x[i].clone() if isinstance(x, torch.Tensor) else x, args[k].tree)
                               for i in range(n)])
-            copies.append((rows, args[k], None))
+            if self.views_out and any(c.stride() != x[i].stride() for i, member in enumerate(rows.values)
+                                      for c, x in zip(_tensor_leaves(member), _tensor_leaves(args[k].tree))):
+                return args
+            own.append((rows, args[k], "always" if self.untracked else None))
             out[k] = rows
+        copies += own
         return out
+
+    def outputs(self, outs: list, copies: list) -> list:
+        """`outs` with every per-member tensor that views a member's own copy of its rows (`_own_rows`) made the same
+        view of the row itself, which the copy was written back into: later writes into the value reach it."""
+        rows = {}
+        for copy_, original, _ in copies:
+            if type(copy_) is PerMember:
+                for i, member in enumerate(copy_.values):
+                    for c, x in zip(_tensor_leaves(member), _tensor_leaves(original.tree)):
+                        rows[_storage_of(c)] = (c, x[i])
+        if not rows:
+            return outs
+
+        def back(t: Any) -> Any:
+            hit = rows.get(_storage_of(t)) if isinstance(t, torch.Tensor) else None
+            if hit is None:
+                return t
+            c, row = hit
+            return row.as_strided(t.size(), t.stride(), row.storage_offset() + t.storage_offset() - c.storage_offset())
+
+        return [PerMember([tree_map(back, v) for v in o.values]) if type(o) is PerMember else o for o in outs]
 
     def _loop_of(self, runner: Runner) -> Runner:
         if self.loop is None:
@@ -863,7 +891,7 @@ def _write_back(copies: list) -> None:
             targets = tree_flatten(original.tree)[0]
             for i, member in enumerate(copy_.values):
                 for x, target in zip(tree_flatten(member)[0], targets):
-                    if isinstance(x, torch.Tensor) and (x.is_inference() or x._version != 0):
+                    if isinstance(x, torch.Tensor) and (versions == "always" or x.is_inference() or x._version != 0):
                         target[i].copy_(x)
 
 

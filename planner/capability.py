@@ -68,12 +68,13 @@ def _is_inplace_target(node: torch.fx.Node) -> bool:
 
 _VIEW_ATTRIBUTES = ("data", "T", "mT", "H", "mH", "real", "imag")  # `h.data` is h's storage: a write into it writes h
 
-# calls whose result is always a view of their first argument (or views, for the splits), besides VIEW_NAMES, and
-# those that return it itself where no copy is needed (contiguous(), reshape_as): a write into the result writes it
+# calls whose result is always a view of their first argument (or views, for the splits), besides VIEW_NAMES: a write
+# into the result writes it. Not those that copy where they must (contiguous(), .to(), F.unfold): a write into such a
+# copy is not one into an input (the ordering edges still count them: trace_watch._MAY_ALIAS)
 ALWAYS_VIEWS = frozenset({
-    "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal", "unfold", "chunk", "split", "unbind", "tensor_split",
+    "movedim", "moveaxis", "swapaxes", "swapdims", "diagonal", "chunk", "split", "unbind", "tensor_split",
     "split_with_sizes", "hsplit", "vsplit", "dsplit", "expand_as", "view_as_real", "view_as_complex", "real", "imag",
-    "adjoint", "broadcast_to", "contiguous", "reshape_as", "ravel", "mT", "mH", "T", "H"})
+    "adjoint", "broadcast_to"})
 
 VIEW_NAMES = ("view", "reshape", "__getitem__", "getitem", "select", "narrow", "detach", "flatten", "squeeze", "unsqueeze",
                "slice", "expand", "as_strided", "alias", "t", "transpose", "permute", "unflatten", "view_as")
@@ -85,7 +86,8 @@ def alias_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     chain = [node]
     while len(chain) <= 16:
         if node.op in ("call_method", "call_function", "call_module") and node.args and isinstance(node.args[0], torch.fx.Node):
-            if ((node.op != "call_module" and (base_name(node) in VIEW_NAMES or base_name(node) in ALWAYS_VIEWS))
+            name = base_name(node) if node.op != "call_module" else ""
+            if (name in VIEW_NAMES or name in ALWAYS_VIEWS or (name == "unfold" and node.op == "call_method")
                     or is_inplace(node) or _view_attribute(node)):
                 node = node.args[0]
                 chain.append(node)

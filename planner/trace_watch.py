@@ -343,7 +343,7 @@ def _may_alias(node: torch.fx.Node, every_module: bool = True) -> bool:
     if name == "getattr" and len(node.args) > 1 and node.args[1] in _NOT_TENSORS:
         return False
     if node.op == "call_module":
-        if every_module:
+        if every_module or is_inplace(node):  # nn.ReLU(inplace=True) hands back the tensor it wrote
             return True
         owner = node.graph.owning_module
         try:

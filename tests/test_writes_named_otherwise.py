@@ -192,3 +192,64 @@ def test_out_keyword_in_a_torch_export_trace():
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
     for state, m in zip(ens.member_state_dicts(), members):
         torch.testing.assert_close(state["buf"], m.buf)
+
+
+class WritesACopyOfItsInput(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.b = nn.Parameter(torch.randn(12, 1) if how == "unfold" else torch.randn(3))
+        self.lin = nn.Linear(9, 4) if how == "unfold" else nn.Linear(3, 4)
+
+    def forward(self, x):  # x: [B, 3, 4, 4]
+        if self.how == "unfold":
+            p = torch.nn.functional.unfold(x, 2)  # im2col: a new tensor
+        else:
+            p = x.flatten(2).transpose(1, 2).contiguous()  # a copy of the permuted input
+        p += self.b
+        return self.lin(p)
+
+
+@pytest.mark.parametrize("how", ["unfold", "contiguous"])
+def test_a_write_into_a_copy_of_a_shared_input_is_not_refused(how):
+    # Was (for a while): contiguous() and F.unfold were taken for views, and the write into their copy for a write
+    # of the shared input: InputError on a model the loop runs without touching x.
+    torch.manual_seed(0)
+    members = [WritesACopyOfItsInput(how) for _ in range(N)]
+    x = torch.randn(2, 3, 4, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+
+
+class HandsOnWhatItWrote(nn.Module):
+    def __init__(self, functional):
+        super().__init__()
+        self.functional, self.bn1, self.bn2, self.r = functional, nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.bn1(x)  # in training: a loop stage
+        r = torch.nn.functional.relu(h, inplace=True) if self.functional else self.r(h)  # r is h
+        z = self.bn2(r)
+        r.add_(1.0)  # writes h too
+        return h + z
+
+
+@pytest.mark.parametrize("functional", [True, False])
+def test_an_in_place_activation_module_hands_on_the_tensor_it_wrote(functional):
+    # Was: nn.ReLU(inplace=True)'s result was taken for new memory, so the stage handed on a copy of h as r and
+    # the later r.add_(1) missed h (off 1.0).
+    torch.manual_seed(0)
+    members = [HandsOnWhatItWrote(functional).train() for _ in range(N)]
+    for m in members:
+        with torch.no_grad():
+            m.bn1.weight.uniform_(0.5, 1.5)
+            m.bn2.bias.normal_()
+    x = torch.randn(4, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    ens = executor.build(plan, copy.deepcopy(members)).train()
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got, want = ens(x.clone()), torch.stack([m(x.clone()) for m in members])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -36,9 +36,10 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import ExecutionError, PlanFileError
-from stagewise.planner.capability import alias_chain, is_inplace
+from stagewise.planner.capability import is_inplace
 from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageOptions
+from stagewise.planner.trace_watch import storage_root
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_ops
 from stagewise.executor.strategies.wide_layers import (CONV_FORMS, ELEMENTWISE_MODULES, conv, conv_forms,
@@ -384,13 +385,13 @@ def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[
     groups: dict[str, list[torch.fx.Node]] = {}
     # values written in place somewhere (`h.relu_()` between q = a(h) and k = b(h)): a group reading one of them
     # would run every Linear at the first one, before the write; fx records no edge for it
-    written = {alias_chain(n.args[0])[-1] for n in gm.graph.nodes if is_inplace(n)}
+    written = {storage_root(n.args[0], every_module=False) for n in gm.graph.nodes if is_inplace(n)}
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
             continue
         mod = gm.get_submodule(node.target)
         if (type(mod) is torch.nn.Linear and module_rule(mod) is not None and f"{node.target}.weight" in stacked
-                and alias_chain(node.args[0])[-1] not in written):
+                and storage_root(node.args[0], every_module=False) not in written):
             groups.setdefault(node.args[0].name, []).append(node)
     fused = {}
     for nodes in groups.values():
