@@ -147,3 +147,33 @@ def test_wide_runs_what_vmap_cannot_once_per_member(cls, train):
         for i, m in enumerate(reference):
             # a bias right before BatchNorm has a gradient of 0 up to float noise: atol covers that noise
             torch.testing.assert_close(p.grad[i], dict(m.named_parameters())[name].grad, rtol=1e-4, atol=1e-4)
+
+
+def test_wide_batch_norm_refuses_an_input_rank_the_module_refuses():
+    # Was: an unbatched image ([3, 8, 8]) through Conv2d then BatchNorm2d: the module raises "expected 4D input", but
+    # wide's BatchNorm read dim 2 (H) as channels and, with H equal to the channels, answered without a word.
+    class ConvNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return self.bn(self.c(x))
+
+    members = []
+    for i in range(3):
+        torch.manual_seed(i)
+        m = ConvNorm().eval()
+        with torch.no_grad():
+            m.bn.running_mean.normal_()
+            m.bn.running_var.uniform_(0.5, 2.0)
+        members.append(m)
+    example = (torch.randn(4, 3, 8, 8),)
+    graph = planner.trace(copy.deepcopy(members[0]), example)
+    plan = planner.propose(graph, n_members=3)
+    plan = planner.set_options(plan, graph, plan.stages[0].id, strategy="wide")
+    ens = executor.build(plan, copy.deepcopy(members), example)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(*example), torch.stack([m(*example) for m in members]), rtol=1e-5, atol=1e-5)
+        with pytest.raises(planner.InputError, match="expected 4D input"):
+            ens(torch.randn(3, 8, 8))

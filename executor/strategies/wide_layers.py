@@ -211,14 +211,19 @@ def pool(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> A
     return NFirst(unfold_channels(y, n))
 
 
+# the per-member input ranks each BatchNorm takes (one member's [B, C, ...])
+_BN_RANKS = ((nn.BatchNorm1d, (2, 3)), (nn.BatchNorm2d, (4,)), (nn.BatchNorm3d, (5,)))
+
+
 def batch_norm(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -> Any:
     """Eval-mode BatchNorm: y = x * scale + shift with per-member [N, C] scale/shift."""
     if module.training or state.get("running_mean") is None or kwargs:
         return None
     x = args[0]
+    ranks = next((r for kind, r in _BN_RANKS if isinstance(module, kind)), ())
+    if (x.rank if is_nf(x) else x.dim()) not in ranks:  # what the module refuses (BatchNorm2d of one unbatched
+        return None  # image) vmap runs, to fail as the loop does: channels here are read from dim 2
     t = as_nfirst(x, n)
-    if t.dim() < 3:
-        return None
     scale = torch.rsqrt(state["running_var"] + module.eps)
     if "weight" in state:
         scale = scale * state["weight"]
