@@ -110,11 +110,15 @@ def _members_and_inputs(plan, args):
 
 def cmd_run(args) -> int:
     if args.distributed:
+        if args.grads:
+            raise StagewiseError("--grads is not yet checked per rank under --distributed; run without --distributed "
+                                 "(one process, all members) to compare gradients")
         return _run_distributed(args)
     plan = planner.Plan.load(args.plan)
     _, members, inputs = _members_and_inputs(plan, args)
     other = resized_inputs(plan, inputs)  # a second batch size: a shape baked into the trace shows there
-    report = executor.verify(plan, members, inputs, rtol=args.rtol, device=args.device, more_inputs=[other] if other else ())
+    report = executor.verify(plan, members, inputs, rtol=args.rtol, device=args.device, more_inputs=[other] if other else (),
+                             grads=args.grads)
     print(planner.format_stage_table(plan))
     print()
     print(report.to_text())
@@ -287,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="max normwise relative error (default: the plan dtype's, float32 1e-4; see README 'Precision')")
     sr.add_argument("--trust-archive", action="store_true",
                     help="load a .pt2 archive even if parts of it must be unpickled (this runs code from the file: only for files you trust)")
+    sr.add_argument("--grads", action="store_true",
+                    help="also compare one call with gradients on: outputs and every parameter's gradient (for training)")
     sr.add_argument("--distributed", action="store_true",
                     help="under torchrun: each rank verifies its slice of the members; rank 0 prints the table")
     sr.set_defaults(func=cmd_run)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -74,10 +74,11 @@ class VerifyReport:
     calls: int = 1  # consecutive calls compared per input shape (state updated in forward carries over between them)
     shapes: list[str] = field(default_factory=list)  # the input shapes compared, first one first
     notes: list[str] = field(default_factory=list)  # input shapes not compared, and why
+    gradients: list[ErrorRow] = field(default_factory=list)  # verify(grads=True): each parameter's gradient
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.outputs) and all(r.ok for r in self.boundaries)
+        return all(r.ok for r in self.outputs) and all(r.ok for r in self.boundaries) and all(r.ok for r in self.gradients)
 
     @property
     def max_rel(self) -> float:
@@ -86,11 +87,12 @@ class VerifyReport:
     def to_json(self) -> dict:
         return {"n_members": self.n_members, "rtol": self.rtol, "ok": self.ok, "calls": self.calls,
                 "shapes": self.shapes, "notes": self.notes,
-                "outputs": [asdict(r) for r in self.outputs], "boundaries": [asdict(r) for r in self.boundaries]}
+                "outputs": [asdict(r) for r in self.outputs], "boundaries": [asdict(r) for r in self.boundaries],
+                "gradients": [asdict(r) for r in self.gradients]}
 
     def to_text(self) -> str:
         lines = [f"{'value':<28} {'max abs':>11} {'max rel':>11}  ok"]
-        for kind, rows in (("output", self.outputs), ("boundary", self.boundaries)):
+        for kind, rows in (("output", self.outputs), ("boundary", self.boundaries), ("grad", self.gradients)):
             for r in rows:
                 lines.append(f"{kind + ' ' + r.name:<28} {r.max_abs:>11.3e} {r.max_rel:>11.3e}  {'yes' if r.ok else 'NO'}")
         lines += [f"note: {n}" for n in self.notes]
@@ -309,7 +311,7 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float | None = None, device=None,
-           calls: int = 2, more_inputs: Sequence[Sequence[Any]] | None = None) -> VerifyReport:
+           calls: int = 2, more_inputs: Sequence[Sequence[Any]] | None = None, grads: bool = False) -> VerifyReport:
     """Build the plan, run it and the member loop on `inputs`, and compare.
 
     Args:
@@ -328,6 +330,10 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
             take is skipped, and one the plan refuses up front with InputError (a torch.export
             trace specialised to the traced shape) is noted; both in `notes`. Any other failure
             of the batched module there is a mismatch.
+        grads: also one call with gradients on, as training runs it: its outputs, and every stacked parameter's
+            gradient of one random projection of the outputs against each member's own backward (normwise per
+            member, over the member's whole gradient where a parameter's own is near zero; rtol at least
+            GRADS_RTOL). Off by default: an inference plan need not train (sparse embeddings, shared parameters).
     Every run gets its own copy of the inputs (a forward() that writes them in place), and the
     batched module and the loop draw random numbers from the same seeded state, call by call
     (Dropout in training); the caller's random state is left as it was.
@@ -405,10 +411,63 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
         with same_draws(call):
             want = loop_outputs(plan, members, fresh(inputs))
         _compare_outputs(report, got, want, f" (call {call})")
+    if grads:
+        _verify_grads(report, plan, module, members, inputs, on_device, max(rtol, GRADS_RTOL), seed=calls + 1)
     for k, other in enumerate(more_inputs):
         _verify_more(report, plan, module, members, tuple(other), device, seed=100 * (k + 1))
     _restore_buffers(members, saved)
     return report
+
+
+GRADS_RTOL = 1e-4  # float32 gradients summed in other orders (as executor.stage_grads checks a stage's)
+
+
+def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: Sequence[nn.Module],
+                  inputs: tuple, on_device: Callable[[], Any], rtol: float, seed: int) -> None:
+    """One call with gradients on: the outputs, and each stacked parameter's gradient of sum(outputs * w) (w one random
+    weight per output element, the same on both sides) against each member's own backward."""
+    params = [(name, p) for name, p in module.named_stacked_parameters() if p.requires_grad]
+    if not params:
+        report.notes.append("gradients not compared: no parameter requires grad")
+        return
+    with same_draws(seed):
+        got = module(*on_device())
+    with same_draws(seed):
+        want = [m(*member_inputs(plan, fresh(inputs), i)) for i, m in enumerate(members)]
+    _compare_outputs(report, got, want, " (with gradients)")
+    got_leaves = [x for x in tree_flatten(got)[0] if isinstance(x, torch.Tensor)]
+    want_leaves = [[x for x in tree_flatten(w)[0] if isinstance(x, torch.Tensor)] for w in want]
+    generator = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(g.shape, generator=generator, dtype=torch.float64)
+               if g.is_floating_point() and g.requires_grad else None for g in got_leaves]
+    if not any(w is not None for w in weights):
+        report.notes.append("gradients not compared: no output records gradients")
+        return
+    loss = sum((g.double() * w.to(g.device)).sum() for g, w in zip(got_leaves, weights) if w is not None)
+    got_grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    per_member = []
+    for i, (m, leaves) in enumerate(zip(members, want_leaves)):
+        own = dict(m.named_parameters(remove_duplicate=False))
+        targets = [own.get(name) for name, _ in params]
+        loss_i = sum((x.double() * w[i].to(x.device)).sum() for x, w in zip(leaves, weights)
+                     if w is not None and x.requires_grad)
+        found = [t for t in targets if t is not None and t.requires_grad]
+        grads_i = dict(zip(map(id, found), torch.autograd.grad(loss_i, found, allow_unused=True))) if found and \
+            isinstance(loss_i, torch.Tensor) else {}
+        per_member.append([None if t is None else grads_i.get(id(t)) for t in targets])
+    # a member's scale: its whole gradient's norm (a gradient that is zero in exact arithmetic, a key bias under
+    # softmax, comes out as rounding noise: measured against the member's scale, not its own)
+    scales = [math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads if g is not None)) for grads in per_member]
+    for k, (name, p) in enumerate(params):
+        if any(grads[k] is None for grads in per_member) or got_grads[k] is None:
+            report.notes.append(f"gradient of {name} not compared: some member's or the batched module's is missing")
+            continue
+        worst_abs = worst_rel = 0.0
+        for i, grads in enumerate(per_member):
+            diff = float((got_grads[k][i].detach().double().cpu() - grads[k].detach().double().cpu()).norm())
+            scale = max(float(grads[k].double().norm()), 1e-3 * scales[i], 1e-30)
+            worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / scale)
+        report.gradients.append(ErrorRow(name, worst_abs, worst_rel, worst_rel <= rtol))
 
 
 def _note_alike_members(report: VerifyReport, outputs: list[Any], rtol: float) -> None:

@@ -425,3 +425,11 @@ def test_outputs_never_replace_the_commands_own_inputs_or_a_read_only_file(tmp_p
     code, _, err = run_cli(capsys, "plan", MLP, "-n", "3", "-o", locked)
     assert_one_line_error(code, err, "plan", "read-only")
     assert locked.read_text() == "{}"
+
+
+def test_run_with_grads_compares_every_parameters_gradient(mlp_plan, capsys):
+    code, out, err = run_cli(capsys, "run", mlp_plan, MLP, "--grads")
+    assert code == 0, err
+    assert "output out (with gradients)" in out and "grad fc1.weight" in out and "MATCH" in out
+    code, _, err = run_cli(capsys, "run", mlp_plan, MLP, "--grads", "--distributed")
+    assert code == 2 and "--grads is not yet checked per rank" in err

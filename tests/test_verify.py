@@ -3,10 +3,12 @@ stacked state, a runner that swaps members) are caught in the outputs and at the
 with the error the comparison should measure, and real tolerances decide both ways."""
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
 import torch
+from torch import nn
 
 from stagewise import executor
 from stagewise import planner
@@ -184,3 +186,46 @@ def test_report_json_carries_the_verdict(two_stages, monkeypatch):
     d = executor.verify(plan, src.members(N), src.example_inputs).to_json()
     assert d["ok"] is False and d["n_members"] == N and d["rtol"] == verify_module.DEFAULT_RTOL and d["calls"] == 2
     assert [r["ok"] for r in d["outputs"]] == [False] * 4  # two calls at two batch sizes
+
+
+class _DataWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.l1(x) * 1.0
+        h.add_(1.0)
+        return self.l2(torch.neg(h))
+
+
+def test_verify_with_grads_compares_outputs_and_gradients_with_gradients_on(monkeypatch):
+    # A plan can answer right without gradients and wrong with them (a loop stage's own rows in training): the
+    # training-mode call and every parameter's gradient are compared against each member's own backward.
+    build_module = importlib.import_module("stagewise.executor.build")
+
+    torch.manual_seed(0)
+    members = [_DataWrite() for _ in range(3)]
+    x = torch.randn(5, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n_members=3)
+    plan = planner.split(plan, graph, plan.stages[0].id, at="add_")
+    plan = planner.split(plan, graph, plan.stages[1].id, at="neg")  # the write alone in a loop stage, read after it
+    plan = planner.set_options(plan, graph, plan.stages[1].id, strategy="loop")
+    report = executor.verify(plan, members, (x,), grads=True)
+    assert report.ok, report.to_text()
+    assert {r.name for r in report.gradients} == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
+    assert "grad l1.weight" in report.to_text() and report.to_json()["gradients"]
+    # the same plan with the write-back of a loop stage's own rows lost: fine without gradients, caught with them
+    monkeypatch.setattr(build_module, "_write_back", lambda copies: None)
+    assert executor.verify(plan, members, (x,)).ok
+    broken = executor.verify(plan, members, (x,), grads=True)
+    assert not broken.ok and any(not r.ok for r in broken.outputs if "with gradients" in r.name)
+
+
+def test_verify_with_grads_on_a_model_with_nothing_to_train():
+    members = [nn.Sequential(nn.Linear(4, 3)).requires_grad_(False) for _ in range(3)]
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=3)
+    report = executor.verify(plan, members, (x,), grads=True)
+    assert report.ok and not report.gradients and any("no parameter requires grad" in n for n in report.notes)
