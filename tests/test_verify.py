@@ -229,3 +229,31 @@ def test_verify_with_grads_on_a_model_with_nothing_to_train():
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=3)
     report = executor.verify(plan, members, (x,), grads=True)
     assert report.ok and not report.gradients and any("no parameter requires grad" in n for n in report.notes)
+
+
+def test_verify_with_grads_catches_outputs_that_record_no_gradient_and_a_failing_backward(monkeypatch):
+    build_module = importlib.import_module("stagewise.executor.build")
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)) for _ in range(3)]
+    x = torch.randn(5, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=3)
+    outputs = build_module.BatchedModule._outputs
+    monkeypatch.setattr(build_module.BatchedModule, "_outputs", lambda self, env: outputs(self, env).detach())
+    report = executor.verify(plan, members, (x,), grads=True)  # was: only a note, and MATCH
+    assert not report.ok and any("records no gradient" in r.name for r in report.gradients)
+
+    monkeypatch.setattr(build_module.BatchedModule, "_outputs", outputs)
+    monkeypatch.setattr(torch.autograd, "grad", _raising_grad(torch.autograd.grad))  # the batched backward fails
+    report = executor.verify(plan, members, (x,), grads=True)  # was: the RuntimeError itself
+    assert not report.ok and any(r.name.startswith("gradients: RuntimeError") for r in report.gradients)
+
+
+def _raising_grad(grad):
+    calls = []
+
+    def first_call_raises(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace operation")
+        return grad(*args, **kwargs)
+    return first_call_raises
