@@ -417,7 +417,9 @@ def scenarios(job: str, rank: int, out: Path, results: dict):
         yield "rank 2 exits", lambda: rank_exits(rank, out, results)
 
 
-def rank_main(job: str, rank: int, world: int, port: int, out: Path) -> None:
+def rank_main(job: str, rank: int, world: int, port: int, out: Path, make_scenarios=None) -> None:
+    """One rank: run each (name, thunk) of `make_scenarios(job, rank, out, results)` (this file's `scenarios` by
+    default), writing what each returns (or its traceback) to rank{rank}.json as it goes."""
     import warnings
 
     import torch.distributed as dist
@@ -428,7 +430,7 @@ def rank_main(job: str, rank: int, world: int, port: int, out: Path) -> None:
                             timeout=timedelta(seconds=TIMEOUT_S))
     results: dict = {}
     path = out / f"rank{rank}.json"
-    for name, thunk in scenarios(job, rank, out, results):
+    for name, thunk in (make_scenarios or scenarios)(job, rank, out, results):
         try:
             got = thunk()
             if got is not None:

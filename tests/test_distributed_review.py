@@ -11,10 +11,7 @@ gloo ranks runs every scenario and writes OUT/rank{r}.json.
 from __future__ import annotations
 
 import copy
-import json
 import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -23,7 +20,7 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_distributed import TIMEOUT_S, expect_error, rel, run_job, scenario, setup  # noqa: E402
+from test_distributed import expect_error, rel, run_job, scenario, setup  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -206,24 +203,9 @@ def scenarios(job: str, out: Path):
 
 
 def rank_main(job: str, rank: int, world: int, port: int, out: Path) -> None:
-    import warnings
+    from test_distributed import rank_main as run_rank
 
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")  # vmap-fallback and export warnings are expected in these samples
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
-    results: dict = {}
-    path = out / f"rank{rank}.json"
-    for name, thunk in scenarios(job, out):
-        try:
-            results[name] = thunk()
-        except Exception:  # recorded for the test to show; the next scenario may still run
-            results[name] = {"unexpected": traceback.format_exc()[-3000:]}
-        path.write_text(json.dumps(results))
-    dist.barrier()  # leave together (gloo can abort a rank whose peer tears down under its last read)
-    dist.destroy_process_group()
+    run_rank(job, rank, world, port, out, lambda job, rank, out, results: scenarios(job, out))
 
 
 if __name__ == "__main__":
