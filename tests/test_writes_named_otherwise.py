@@ -253,3 +253,40 @@ def test_an_in_place_activation_module_hands_on_the_tensor_it_wrote(functional):
         with torch.set_grad_enabled(grad):
             got, want = ens(x.clone()), torch.stack([m(x.clone()) for m in members])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class HeadsAfterAnInPlaceActivation(nn.Module):
+    """An actor-critic trunk: the write (ReLU(inplace=True)) comes before both heads read its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.pi, self.v = nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        return self.pi(h) + 2.0 * self.v(h)
+
+
+def test_wide_fuses_sibling_linears_after_a_write_they_all_see():
+    from stagewise.executor.strategies.wide import _sibling_linears
+
+    torch.manual_seed(0)
+    members = [HeadsAfterAnInPlaceActivation() for _ in range(N)]
+    x = torch.randn(6, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    stacked = {f"{k}": None for k, _ in members[0].named_parameters()}
+    assert _sibling_linears(graph.gm, stacked) == {"pi": ["pi", "v"]}  # was: not fused (the trunk is written)
+    plan = planner.propose(graph, n_members=N)
+    for stage in plan.stages:
+        if stage.mode.value == "batched":
+            plan = planner.set_options(plan, graph, stage.id, strategy="wide")
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    ens(x).square().sum().backward()
+    for m in members:
+        m(x).square().sum().backward()
+    got = dict(ens.named_stacked_parameters())
+    for name in ("fc.weight", "pi.weight", "v.weight"):
+        torch.testing.assert_close(got[name].grad, torch.stack([dict(m.named_parameters())[name].grad for m in members]),
+                                   rtol=1e-5, atol=1e-6)

@@ -383,18 +383,25 @@ def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[
     along the output axis instead of one small GEMM per layer.
     """
     groups: dict[str, list[torch.fx.Node]] = {}
-    # values written in place somewhere (`h.relu_()` between q = a(h) and k = b(h)): a group reading one of them
-    # would run every Linear at the first one, before the write; fx records no edge for it
-    written = {storage_root(n.args[0], every_module=False) for n in gm.graph.nodes if is_inplace(n)}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # where each storage is written in place: a group whose input is written between its first Linear and its last
+    # (`q = a(h); h.relu_(); k = b(h)`) would run every Linear at the first one, before the write (fx records no
+    # edge for it); a write before them all (`h = relu_(fc(x)); q, k = a(h), b(h)`) is one they all see
+    writes: dict[torch.fx.Node, list[int]] = {}
+    for n in gm.graph.nodes:
+        if is_inplace(n):
+            writes.setdefault(storage_root(n.args[0], every_module=False), []).append(order[n])
     for node in gm.graph.nodes:
         if node.op != "call_module" or node.kwargs or len(node.args) != 1 or not isinstance(node.args[0], torch.fx.Node):
             continue
         mod = gm.get_submodule(node.target)
-        if (type(mod) is torch.nn.Linear and module_rule(mod) is not None and f"{node.target}.weight" in stacked
-                and storage_root(node.args[0], every_module=False) not in written):
+        if type(mod) is torch.nn.Linear and module_rule(mod) is not None and f"{node.target}.weight" in stacked:
             groups.setdefault(node.args[0].name, []).append(node)
     fused = {}
     for nodes in groups.values():
+        first, last = order[nodes[0]], order[nodes[-1]]
+        if any(first < at < last for at in writes.get(storage_root(nodes[0].args[0], every_module=False), ())):
+            continue
         mods = [gm.get_submodule(x.target) for x in nodes]
         same = all(m.in_features == mods[0].in_features and (m.bias is None) == (mods[0].bias is None) for m in mods)
         if len(nodes) >= 2 and same and all(f"{x.target}.bias" in stacked for x in nodes if mods[0].bias is not None):
