@@ -878,7 +878,10 @@ def _version(x: Any) -> int | None:
 def _write_back(copies: list) -> None:
     """After a stage ran on copies of its inputs (_Writes.inputs), write each copy it wrote into the values it copied:
     (stacked copy, the members' tensors) or (the members' own rows, the stacked tensor). Leaves pair by position in
-    the value's tree (the members' trees and the stacked one have one structure)."""
+    the value's tree (the members' trees and the stacked one have one structure). The third element says which were
+    written: for a stacked copy each leaf's version before the run (-1: an inference tensor, written back always;
+    None: not a tensor); for own rows None (those whose version moved) or "always" (a write through `.data`, which
+    moves none)."""
     for copy_, original, versions in copies:
         if type(copy_) is Batched:
             for j, (x, v) in enumerate(zip(tree_flatten(copy_.tree)[0], versions)):
