@@ -53,6 +53,10 @@ def test_the_readme_has_python_blocks():
 def test_every_python_block_runs_as_written(index, workdir):
     block = BLOCKS[index]
     result = run_block(block, workdir)
+    if result.returncode != 0 and "torch.distributed" in block and "terminate called without an active exception" in result.stderr:
+        # torch's gloo threads aborting at interpreter exit after the block's work (seen only on a loaded machine;
+        # its output is whole): once more, and any other failure, or this one twice, is the test's to report
+        result = run_block(block, workdir)
     assert result.returncode == 0, f"README python block {index + 1} fails:\n{block}\n{result.stderr[-3000:]}"
     if "verify(" in block:  # a block that prints a verify report must show a match
         assert re.search(r"^MATCH: batched vs loop", result.stdout, flags=re.M), result.stdout
