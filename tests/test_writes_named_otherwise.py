@@ -17,6 +17,14 @@ from stagewise.planner.errors import TraceError
 
 N = 3
 
+
+def assert_like_the_loop(ens, members, x, grad=False):
+    """The batched module against the member loop on two calls in a row, at the batch of `x` and at another."""
+    with torch.set_grad_enabled(grad):
+        for batch in (x, torch.cat([x, x[:3]])):
+            for _ in range(2):
+                torch.testing.assert_close(ens(batch), torch.stack([m(batch) for m in members]), rtol=1e-6, atol=1e-6)
+
 FORMS = {
     "out_keyword": lambda h: torch.add(h, 1.0, out=h),
     "clamp_out": lambda h: torch.clamp(h, min=0.0, out=h),
@@ -50,8 +58,7 @@ def test_a_write_named_otherwise_keeps_later_reads_after_it(form):
     graph = planner.trace(copy.deepcopy(members[0]), (x,))
     plan = planner.propose(graph, n_members=N)
     ens = executor.build(plan, copy.deepcopy(members))
-    with torch.no_grad():
-        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    assert_like_the_loop(ens, members, x)
     assert executor.verify(plan, members, (x,)).ok
 
 
@@ -105,8 +112,7 @@ def test_a_write_through_any_view_stays_after_an_earlier_read_in_an_excluded_sta
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
     assert any(s.mode.value == "excluded" for s in plan.stages)
     ens = executor.build(plan, copy.deepcopy(members))
-    with torch.no_grad():
-        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    assert_like_the_loop(ens, members, x)
 
 
 @pytest.mark.parametrize("view", sorted(VIEW_WRITES))
@@ -134,8 +140,7 @@ def test_wide_fuses_no_sibling_linears_across_a_write_through_any_view(view):
         if stage.mode.value == "batched":
             plan = planner.set_options(plan, graph, stage.id, strategy="wide")
     ens = executor.build(plan, copy.deepcopy(members))
-    with torch.no_grad():
-        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    assert_like_the_loop(ens, members, x)
 
 
 class ThroughDataInALoop(nn.Module):
@@ -162,7 +167,7 @@ def test_a_write_through_data_in_a_loop_stage_lands_when_gradients_are_on():
                          next(s.id for s in plan.stages if "add_" in s.nodes))
     assert any({"getattr_1", "add_"} <= set(s.nodes) for s in plan.stages)
     ens = executor.build(plan, copy.deepcopy(members))
-    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    assert_like_the_loop(ens, members, x, grad=True)
 
 
 class OutUnderExport(nn.Module):
@@ -219,8 +224,7 @@ def test_a_write_into_a_copy_of_a_shared_input_is_not_refused(how):
     x = torch.randn(2, 3, 4, 4)
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
     ens = executor.build(plan, copy.deepcopy(members))
-    with torch.no_grad():
-        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    assert_like_the_loop(ens, members, x)
 
 
 class HandsOnWhatItWrote(nn.Module):
@@ -281,8 +285,7 @@ def test_wide_fuses_sibling_linears_after_a_write_they_all_see():
         if stage.mode.value == "batched":
             plan = planner.set_options(plan, graph, stage.id, strategy="wide")
     ens = executor.build(plan, copy.deepcopy(members))
-    with torch.no_grad():
-        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+    assert_like_the_loop(ens, members, x)
     ens(x).square().sum().backward()
     for m in members:
         m(x).square().sum().backward()
