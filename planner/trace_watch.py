@@ -316,7 +316,8 @@ class AugmentedWrites:
     them in place too. Sites are source lines (filename, line), the same in every trace of the model."""
 
     def __init__(self) -> None:
-        self.out_of_place: list[tuple[tuple[str, int], torch.fx.Node, torch.fx.Node]] = []
+        # (site, old value, the out-of-place result, the cast back to the old value's dtype or None)
+        self.out_of_place: list[tuple[tuple[str, int], torch.fx.Node, torch.fx.Node, torch.fx.Node | None]] = []
         self.in_place_sites: set[tuple[str, int]] = set()
 
     def observed(self, gm: torch.fx.GraphModule) -> set[tuple[str, int]]:
@@ -324,10 +325,12 @@ class AugmentedWrites:
         after the write; fx's out-of-place record then hands that reader the unwritten tensor."""
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         found = set()
-        for site, old, new in self.out_of_place:
+        for site, old, new, cast in self.out_of_place:
             if site in self.in_place_sites or old not in order or new not in order:
                 continue
-            if any(order[u] > order[new] for a in storage_sharers(storage_root(old)) for u in a.users if u is not new):
+            own = (new, cast)  # the write itself reads the old value, and so does its cast back to the old dtype
+            sharers = storage_sharers(storage_root(old), skip=own)
+            if any(order[u] > order[new] for a in sharers for u in a.users if u not in own):
                 found.add(site)
         return found
 
@@ -365,13 +368,13 @@ def storage_root(node: torch.fx.Node, every_module: bool = True) -> torch.fx.Nod
     return node
 
 
-def storage_sharers(root: torch.fx.Node, every_module: bool = True) -> list[torch.fx.Node]:
+def storage_sharers(root: torch.fx.Node, every_module: bool = True, skip: tuple = ()) -> list[torch.fx.Node]:
     """`root` and every value that may share its storage (see _MAY_ALIAS; modules as in storage_root), following
-    users forward."""
+    users forward; not through the nodes in `skip`."""
     seen, todo = {root}, [root]
     while todo:
         for u in todo.pop().users:
-            if u not in seen and _may_alias(u, every_module):
+            if u not in seen and u not in skip and _may_alias(u, every_module):
                 seen.add(u)
                 todo.append(u)
     return list(seen)
@@ -388,10 +391,40 @@ def _augmented(ops: tuple[Any, Any], owner: int, writes: AugmentedWrites) -> Any
         if alias_chain(self.node)[-1].op in ("placeholder", "get_attr") or site in writes.in_place_sites:
             return self.tracer.create_proxy("call_function", in_place, (self, other), {})
         result = plain(self, other)  # `h += y` on an intermediate: `h + y`, as fx records it without this watch
-        if isinstance(result, torch.fx.Proxy):
-            writes.out_of_place.append((site, self.node, result.node))
-        return result
+        if not isinstance(result, torch.fx.Proxy):
+            return result
+        cast = None
+        if isinstance(other, torch.fx.Proxy) and not _number_like(self.node) and not _number_like(other.node):
+            # a tensor on the right may promote (bf16 `h += p` with a float32 p): `h + y` is float32 where the
+            # in-place write keeps h's dtype, rounding the sum to it. type_as(h) is that rounding, and nothing
+            # where the dtypes agree (the graph is the same whatever dtypes a later run has)
+            cast = result.type_as(self)
+        writes.out_of_place.append((site, self.node, result.node, cast.node if cast is not None else None))
+        return cast if cast is not None else result
     return augmented
+
+
+# values that are numbers, not tensors, in a traced graph: sizes and their arithmetic (`n = x.shape[0]; n += k`)
+_NUMBER_METHODS = {"size", "dim", "numel", "nelement", "item", "tolist", "stride", "storage_offset", "element_size",
+                   "__len__", "ndimension", "get_device"}
+_NUMBER_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod,
+                      operator.pow, operator.neg, operator.pos, operator.getitem, max, min, int, float, abs, round}
+
+
+def _number_like(node: torch.fx.Node, depth: int = 0) -> bool:
+    """Whether `node` surely holds a number or a size (x.shape[0], x.size(1) * 2, len(x)) rather than a tensor."""
+    if depth > 32:
+        return False
+    if node.op == "call_method":
+        return node.target in _NUMBER_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is len or (node.target is getattr and len(node.args) > 1 and node.args[1] in _NOT_TENSORS):
+        return True
+    if node.target in _NUMBER_ARITHMETIC:
+        proxied = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        return bool(proxied) and all(_number_like(a, depth + 1) for a in proxied)
+    return False
 
 
 @contextlib.contextmanager
