@@ -35,6 +35,8 @@ from stagewise.planner.plan import InputMode, Plan, Stage
 from stagewise.planner.validate import stage_graph, validate
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
+from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
+from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
 from stagewise.executor.members import (check_same_requires_grad, copy_member, gradient_hooks, shared_across_members,
@@ -296,7 +298,8 @@ class BatchedModule(nn.Module):
         # a strategy that carries no gradients (cuda_graph): calls that would record autograd are refused
         self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
         self.__dict__["_grad_checks"] = (self._inference_only or bool(self.__dict__.get("_shared_across"))
-                                         or bool(self.__dict__.get("_ties_apart")) or bool(self.__dict__.get("_grad_hooks")))
+                                         or bool(self.__dict__.get("_ties_apart")) or bool(self.__dict__.get("_grad_hooks"))
+                                         or bool(self.__dict__.get("_lost_backwards")))
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
@@ -382,6 +385,20 @@ class BatchedModule(nn.Module):
                 "hooks on the stacked parameters instead (for name, p in ens.named_stacked_parameters(): "
                 "p.register_hook(...), p is [N, ...]), then remove them from the members; inference (torch.no_grad()) "
                 "is unaffected")
+        lost = self.__dict__.get("_lost_backwards") or ()
+        if any(name.endswith(".CheckpointFunction") for name in lost):
+            raise ExecutionError(
+                "forward() uses torch.utils.checkpoint with use_reentrant=True, and this plan was traced with torch.export, "
+                "which keeps the checkpointed region as it runs forward, with gradients off: nothing before or inside it "
+                "would be trained. Pass use_reentrant=False (torch's recommended form, which torch.fx traces), or train "
+                "the members in a loop; inference (torch.no_grad()) is unaffected")
+        if lost:
+            raise ExecutionError(
+                f"forward() calls the autograd.Function {', '.join(lost[:3])}, and this plan was traced with torch.export, "
+                "which records the ops of its forward and drops the backward it defines: gradients here would be those of "
+                "the forward's ops, not the member loop's. Make forward() traceable by torch.fx, which keeps the Function "
+                "as one call (see the README's model-file contract), or train the members in a loop; inference "
+                "(torch.no_grad()) is unaffected")
         apart = self.__dict__.get("_ties_apart") or {}
         if apart and any(p.requires_grad for p in self._stacked.values()):
             tie, tied_in = next(iter(apart.items()))
@@ -507,8 +524,7 @@ class BatchedModule(nn.Module):
                 raise error from e
             if copies:
                 _write_back(copies)
-                if writes.views_out:
-                    outs = writes.outputs(outs, copies)
+                outs = writes.outputs(outs, copies) if writes.views_out or isinstance(copies[-1], OwnStretch) else outs
             env.update(zip(output_names, outs))
             for k, key in state_out:
                 if key is not None:
@@ -725,6 +741,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_shared_across"] = shared_across_members(members)
     module.__dict__["_ties_apart"] = ties_apart(members)
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
+    module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place
     module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
@@ -786,48 +803,23 @@ class _Writes:
         return out, copies, runner
 
     def _own_rows(self, args: list, names: Sequence[str], copies: list, n: int) -> list:
-        """For a loop, each member's own copy of its rows of the [N, ...] values the stage writes that record
-        gradients, written back after the run: rows of one tensor share its version counter, so an op that saves
-        its written output for backward (ReLU(inplace=True)) would find it changed by the next member's write.
-        Not where the stage's inputs share storage (copies would part what one write reaches): there rows stay views.
-        Outputs that view a copy are made views of the value itself after the write-back (`outputs`); a copy laid
-        out otherwise than its row could not be, so there rows stay views too."""
-        written = [k for k, (name, a) in enumerate(zip(names, args)) if type(a) is Batched and name in self.into_shared
-                   and any(x.requires_grad for x in _tensor_leaves(a.tree))]
-        if not written or _storage_shared([a if type(a) is PerMember else PerMember([a.tree]) for a in args
-                                           if type(a) is not Shared]):
-            return args
-        out, own = list(args), []
-        for k in written:
-            rows = PerMember([tree_map(lambda x: x[i].clone() if isinstance(x, torch.Tensor) else x, args[k].tree)
-                              for i in range(n)])
-            if self.views_out and any(c.stride() != x[i].stride() for i, member in enumerate(rows.values)
-                                      for c, x in zip(_tensor_leaves(member), _tensor_leaves(args[k].tree))):
-                return args
-            own.append((rows, args[k], "always" if self.untracked else None))
-            out[k] = rows
-        copies += own
+        """For a loop, each member's own copy of the memory its values share with other members' (own_storage):
+        rows of one tensor share its version counter, so an op that saves a value for backward (ReLU(inplace=True),
+        a Linear reading `r` before `h.mul_(2)` writes it) would find it changed by the next member's write. The
+        copies a member wrote are written back after the run (`_write_back`), and outputs viewing a copy are made
+        the same views of the original (`outputs`)."""
+        written = [k for k, name in enumerate(names) if name in self.into_shared]
+        out, stretches = own_storage(args, n, written, always=self.untracked)
+        copies += stretches
         return out
 
     def outputs(self, outs: list, copies: list) -> list:
-        """`outs` with every per-member tensor that views a member's own copy of its rows (`_own_rows`) made the same
-        view of the row itself, which the copy was written back into: later writes into the value reach it."""
-        rows = {}
-        for copy_, original, _ in copies:
-            if type(copy_) is PerMember:
-                for i, member in enumerate(copy_.values):
-                    for c, x in zip(_tensor_leaves(member), _tensor_leaves(original.tree)):
-                        rows[_storage_of(c)] = (c, x[i])
-        if not rows:
+        """`outs` with every per-member tensor that views a member's own copy of its memory (`_own_rows`) made the
+        same view of the original, which the copy was written back into: later writes into the value reach it."""
+        stretches = [c for c in copies if isinstance(c, OwnStretch)]
+        if not stretches:
             return outs
-
-        def back(t: Any) -> Any:
-            hit = rows.get(_storage_of(t)) if isinstance(t, torch.Tensor) else None
-            if hit is None:
-                return t
-            c, row = hit
-            return row.as_strided(t.size(), t.stride(), row.storage_offset() + t.storage_offset() - c.storage_offset())
-
+        back = as_original(stretches)
         return [PerMember([tree_map(back, v) for v in o.values]) if type(o) is PerMember else o for o in outs]
 
     def _loop_of(self, runner: Runner) -> Runner:
@@ -877,25 +869,21 @@ def _version(x: Any) -> int | None:
 
 def _write_back(copies: list) -> None:
     """After a stage ran on copies of its inputs (_Writes.inputs), write each copy it wrote into the values it copied:
-    (stacked copy, the members' tensors) or (the members' own rows, the stacked tensor). Leaves pair by position in
-    the value's tree (the members' trees and the stacked one have one structure). The third element says which were
-    written: for a stacked copy each leaf's version before the run (-1: an inference tensor, written back always;
-    None: not a tensor); for own rows None (those whose version moved) or "always" (a write through `.data`, which
-    moves none)."""
-    for copy_, original, versions in copies:
-        if type(copy_) is Batched:
-            for j, (x, v) in enumerate(zip(tree_flatten(copy_.tree)[0], versions)):
-                if v is not None and (v == -1 or x._version != v):
-                    for i, member in enumerate(original.values):
-                        target = tree_flatten(member)[0][j]
-                        if isinstance(target, torch.Tensor):
-                            target.copy_(x[i])
-        else:
-            targets = tree_flatten(original.tree)[0]
-            for i, member in enumerate(copy_.values):
-                for x, target in zip(tree_flatten(member)[0], targets):
-                    if isinstance(x, torch.Tensor) and (versions == "always" or x.is_inference() or x._version != 0):
-                        target[i].copy_(x)
+    (stacked copy, the members' tensors, each leaf's version before the run) or a member's own copy of its memory
+    (own_storage.OwnStretch). Leaves pair by position in the value's tree (the members' trees and the stacked one
+    have one structure). A stacked leaf is written back where its version moved, always where it was -1 (an
+    inference tensor, made under torch.inference_mode(), which keeps none), never where None (not a tensor)."""
+    own_storage_write_back([c for c in copies if isinstance(c, OwnStretch)])
+    for entry in copies:
+        if isinstance(entry, OwnStretch):
+            continue
+        copy_, original, versions = entry
+        for j, (x, v) in enumerate(zip(tree_flatten(copy_.tree)[0], versions)):
+            if v is not None and (v == -1 or x._version != v):
+                for i, member in enumerate(original.values):
+                    target = tree_flatten(member)[0][j]
+                    if isinstance(target, torch.Tensor):
+                        target.copy_(x[i])
 
 
 def _plain_containers(x: Any) -> Any:

@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.executor.candidates import max_rel_error
+from stagewise.executor.own_storage import own_storage
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram
 from stagewise.executor.values import Batched, PerMember, Shared, n_first
 
@@ -66,18 +67,11 @@ def fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n:
 
 
 def _own_rows(args: list, n: int) -> list:
-    """Each member's own copy of its rows of the [N, ...] values, for a stage run member by member that writes in
-    place, as the batched module hands them (build._Writes): rows of one tensor share its version counter, so an op
-    that saves its written output for backward (ReLU(inplace=True)) would find it changed by the next member's write.
-    Not where the values share storage (copies would part what one write reaches)."""
-    batched = [a for a in args if isinstance(a, Batched)]
-    ptrs = [x.untyped_storage().data_ptr() for a in batched for x in tree_flatten(a.tree)[0] if isinstance(x, torch.Tensor)]
-    ptrs += [x.untyped_storage().data_ptr() for a in args if isinstance(a, PerMember)
-             for x in tree_flatten(a.values)[0] if isinstance(x, torch.Tensor)]
-    if not batched or len(set(ptrs)) != len(ptrs):
-        return args
-    return [PerMember([tree_map(lambda x: x[i].clone() if isinstance(x, torch.Tensor) else x, a.tree) for i in range(n)])
-            if isinstance(a, Batched) else a for a in args]
+    """Each member's own copy of the memory its values share with other members', for a stage run member by member
+    that writes in place, as the batched module hands them (build._Writes, own_storage): rows of one tensor share its
+    version counter, so an op that saves a value for backward (ReLU(inplace=True)) would find it changed by the next
+    member's write. Nothing is written back: only the gradients are kept."""
+    return own_storage(args, n, range(len(args)))[0]
 
 
 def _device(params: list, leaves: list) -> torch.device | None:

@@ -292,6 +292,10 @@ def classify_vmap_error(node: torch.fx.Node, e: BaseException) -> str:
     """A one-line reason from a vmap failure."""
     text = first_line(e)
     low = text.lower()
+    if "autograd.function with functorch transforms" in low:
+        return (f"the autograd.Function {node.args[0] if node.args else _op_name(node)} says no vmap rule (a "
+                "setup_context staticmethod with a vmap staticmethod or generate_vmap_rule = True would batch it): "
+                "each member runs it, with its own backward")
     if ".item()" in low or "item()" in low or "data-dependent" in low or "data dependent" in low:
         return f"data-dependent value (.item() / Python control flow on a tensor) in {_op_name(node)}"
     if "random" in low:

@@ -37,7 +37,7 @@ from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
-    RANDOM_OPS, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
+    RANDOM_OPS, _autograd_functions_kept, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     storage_root, storage_sharers)
 from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes, out_as_copies,
                                       views_as_reshapes)
@@ -195,7 +195,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     """
     fixed = _defaults_not_given(model, given)
     with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, \
-            _input_writes_recorded() as writes:
+            _input_writes_recorded() as writes, _autograd_functions_kept() as inlined_functions:
 
         def fx(proxy_buffers: bool = False) -> torch.fx.GraphModule:
             gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
@@ -251,6 +251,8 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
         gm.graph.erase_node(node)
         gm.recompile()
     out_as_copies(gm)
+    # custom autograd.Functions fx had to trace through (an argument no graph holds): their backward is not in the graph
+    gm.meta["stagewise_lost_backwards"] = tuple(sorted(inlined_functions))
     return gm
 
 

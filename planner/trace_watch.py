@@ -447,3 +447,132 @@ def _input_writes_recorded():
                         delattr(torch.fx.Proxy, name)
                 else:
                     setattr(torch.fx.Proxy, name, method)
+
+
+# --- custom autograd.Functions ----------------------------------------------------------------------------------
+# fx runs `MyFn.apply(x)` on proxies: the C apply calls MyFn.forward with them, and the graph records the forward's
+# ops alone. The backward the Function defines (a straight-through estimator, a gradient reversal) is lost, and
+# every strategy would train with the gradient of the forward's ops instead, without a word. While fx traces, a call
+# of a Function's apply on proxies is recorded as one node, `apply_autograd_function("module.Qualname#k", *args)`,
+# which calls the Function itself: vmap batches it where the Function says how (setup_context with a vmap
+# staticmethod or generate_vmap_rule), else its stage runs member by member, each member through its own backward.
+
+_FUNCTIONS: dict[str, type] = {}  # key -> the Function class, for the graphs of this process (see function_key)
+_FUNCTION_KEYS: dict[type, str] = {}
+
+
+def function_key(cls: type) -> str:
+    """The name a graph calls the autograd.Function `cls` by: "module.Qualname", with "#k" when another class of
+    this process has that name (two model files defining `class RoundSTE` each)."""
+    if cls in _FUNCTION_KEYS:
+        return _FUNCTION_KEYS[cls]
+    key = f"{cls.__module__}.{cls.__qualname__}"
+    if key in _FUNCTIONS:
+        key = f"{key}#{sum(k.split('#')[0] == key for k in _FUNCTIONS)}"
+    _FUNCTIONS[key] = cls
+    _FUNCTION_KEYS[cls] = key
+    return key
+
+
+def _function_of(key: str) -> type:
+    cls = _FUNCTIONS.get(key)
+    if cls is not None:
+        return cls
+    import importlib
+
+    parts = key.partition("#")[0].split(".")  # another process (a pickled plan): import it
+    found: Any = None
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[split:]:
+                found = getattr(found, name)
+        except AttributeError:
+            found = None
+        break
+    if not (isinstance(found, type) and issubclass(found, torch.autograd.Function)):
+        raise TraceError(f"the graph calls the autograd.Function {key.split('#')[0]}, which this process cannot find "
+                         "(it was defined inside a function or in a script run as __main__); define it at the top level "
+                         "of an importable module, or trace the model again in this process")
+    _FUNCTIONS[key] = found
+    return found
+
+
+def apply_autograd_function(key: str, *args: Any, **kwargs: Any) -> Any:
+    """`Function.apply(*args, **kwargs)` of the autograd.Function a graph names by `key` (see function_key)."""
+    return _function_of(key).apply(*args, **kwargs)
+
+
+# arguments a graph node can hold besides other nodes
+_GRAPH_CONSTANTS = (int, float, bool, complex, str, type(None), type(Ellipsis), slice, torch.dtype, torch.device,
+                    torch.layout, torch.memory_format, torch.Size)
+
+
+def own_backward(cls: type) -> bool:
+    """Whether the autograd.Function `cls` is a user's, whose backward may differ from its forward's derivative
+    (torch's own, such as reentrant checkpointing's, recompute or restate it)."""
+    return not (cls.__module__ == "torch" or cls.__module__.startswith("torch."))
+
+
+@contextlib.contextmanager
+def _autograd_functions_kept():
+    """While inside, `SomeFunction.apply(...)` with an fx proxy among its arguments is recorded as one graph node
+    calling the Function (apply_autograd_function), not as the ops of its forward. Yields the set of the Functions
+    that could not be (an argument a graph cannot hold, such as a callable): those are traced through, and their
+    backward is lost (build refuses training on such a graph)."""
+    owner = threading.get_ident()
+    inlined: set[str] = set()
+    with _PATCHING:
+        original = vars(torch.autograd.Function)["apply"]
+        plain = original.__func__
+
+        def apply(cls, *args, **kwargs):
+            leaves = tree_flatten((args, kwargs))[0]
+            proxies = [a for a in leaves if isinstance(a, torch.fx.Proxy)]
+            if not proxies or threading.get_ident() != owner or not own_backward(cls):
+                return plain(cls, *args, **kwargs)
+            if not all(isinstance(a, (torch.fx.Proxy, *_GRAPH_CONSTANTS)) for a in leaves):
+                inlined.add(f"{cls.__module__}.{cls.__qualname__}")
+                return plain(cls, *args, **kwargs)
+            return proxies[0].tracer.create_proxy("call_function", apply_autograd_function, (function_key(cls), *args),
+                                                  kwargs, name=_node_name(cls))
+
+        try:
+            torch.autograd.Function.apply = classmethod(apply)
+            yield inlined
+        finally:
+            torch.autograd.Function.apply = original
+
+
+def _node_name(cls: type) -> str:
+    """A graph node name for a call of `cls` (RoundSTE -> round_ste)."""
+    import re
+
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", cls.__name__).lower() or "autograd_function"
+
+
+@contextlib.contextmanager
+def _autograd_functions_seen():
+    """Yields a set that gets the name of each autograd.Function whose apply runs while inside (this thread):
+    torch.export records the ops of such a Function's forward, and its own backward is lost."""
+    owner = threading.get_ident()
+    seen: set[str] = set()
+    with _PATCHING:
+        original = vars(torch.autograd.Function)["apply"]
+        plain = original.__func__
+
+        def apply(cls, *args, **kwargs):
+            # reentrant checkpointing runs its region under no_grad and recomputes it in its backward: export keeps
+            # the region with gradients off
+            if threading.get_ident() == owner and (own_backward(cls) or cls.__qualname__ == "CheckpointFunction"):
+                seen.add(f"{cls.__module__}.{cls.__qualname__}")
+            return plain(cls, *args, **kwargs)
+
+        try:
+            torch.autograd.Function.apply = classmethod(apply)
+            yield seen
+        finally:
+            torch.autograd.Function.apply = original

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import TraceError
-from stagewise.planner.trace_watch import _inference_mode_as_no_grad
+from stagewise.planner.trace_watch import _autograd_functions_seen, _inference_mode_as_no_grad
 
 
 def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
@@ -78,13 +78,15 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     args = tuple(example_inputs)
     auto = tree_map(lambda v: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None, args)
     try:
-        with _quiet_on_failure(), _inference_mode_as_no_grad():
+        with _quiet_on_failure(), _inference_mode_as_no_grad(), _autograd_functions_seen() as functions:
             ep = torch.export.export(model, args, dynamic_shapes=auto, strict=False)
     except Exception:  # export raises many types; the static export below reports its own failure
-        with _quiet_on_failure(), _inference_mode_as_no_grad():
+        with _quiet_on_failure(), _inference_mode_as_no_grad(), _autograd_functions_seen() as functions:
             ep = torch.export.export(model, args, strict=False)
     gm = ep.module()
     gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
+    # custom autograd.Functions export recorded as their forward's ops: their own backward is not in the graph
+    gm.meta["stagewise_lost_backwards"] = tuple(sorted(functions))
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
     _detach_out_of_place(gm)

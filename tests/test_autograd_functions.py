@@ -1,0 +1,179 @@
+"""Custom torch.autograd.Functions (straight-through estimators, gradient reversal) keep their own backward.
+
+fx used to trace through `Fn.apply` and record the forward's ops alone: every strategy trained with the gradient of
+those ops, without a word (a straight-through `round` gave zero gradients; a reversal the wrong sign). A Function
+called on traced values is now one graph node calling it: vmap batches it where the Function gives a vmap rule,
+else its stage runs member by member, each through its own backward. Where the graph cannot keep it (torch.export,
+an argument no graph holds), training is refused by name; inference is unaffected."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from stagewise import executor, planner
+from stagewise.planner.errors import ExecutionError
+from stagewise.planner.plan import Strategy
+
+N = 3
+
+
+class RoundSTE(torch.autograd.Function):
+    """Rounds forward, passes the gradient straight through (no vmap rule: old-style forward(ctx, ...))."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Reverse(torch.autograd.Function):
+    """Identity forward, the gradient reversed and scaled (setup_context with generate_vmap_rule: vmap batches it)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, scale):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.scale * g, None
+
+
+class TakesACallable(torch.autograd.Function):
+    """An argument no graph node can hold (a function): traced through, its backward lost."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, 3 * g
+
+
+class Uses(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(6, 6), nn.Linear(6, 2), how
+
+    def forward(self, x):
+        h = self.a(x) * 4
+        if self.how == "ste":
+            h = RoundSTE.apply(h)
+        elif self.how == "reverse":
+            h = Reverse.apply(h, 0.5)
+        elif self.how == "callable":
+            h = TakesACallable.apply(torch.tanh, h)
+        elif self.how == "export_ste":  # a branch on a size: fx cannot trace it, torch.export can
+            h = RoundSTE.apply(h + 1 if h.shape[0] > 2 else h)
+        elif self.how == "reentrant_checkpoint":
+            h = checkpoint(torch.tanh, h, use_reentrant=True)
+        return self.b(h)
+
+
+def _members(how):
+    out = []
+    for i in range(N):
+        torch.manual_seed(i)
+        out.append(Uses(how).train())
+    return out
+
+
+def _grads_like_the_loop(ens, members, x):
+    out = ens(x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    for m in members:
+        m(x).square().sum().backward()
+    got = dict(ens.named_stacked_parameters())
+    for name, _ in members[0].named_parameters():
+        torch.testing.assert_close(got[name].grad, torch.stack([m.get_parameter(name).grad for m in members]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", [None, Strategy.VMAP, Strategy.LOOP, Strategy.WIDE])
+@pytest.mark.parametrize("how", ["ste", "reverse"])
+def test_a_custom_function_trains_with_its_own_backward(how, strategy):
+    """Was: a.weight's gradient all zeros (ste) or of the wrong sign and scale (reverse), every member, no error."""
+    members = _members(how)
+    x = torch.randn(4, 6)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    assert graph.tracer == "fx"
+    plan = planner.propose(graph, n_members=N)
+    if strategy is not None:
+        for stage in plan.stages:
+            if stage.mode.value == "batched":
+                plan = planner.set_options(plan, graph, stage.id, strategy=strategy.value)
+    _grads_like_the_loop(executor.build(plan, copy.deepcopy(members)), members, x)
+    assert executor.verify(plan, members, (x,), grads=True).ok
+
+
+def test_a_function_without_a_vmap_rule_runs_member_by_member_and_says_why():
+    members = _members("ste")
+    graph = planner.trace(members[0], (torch.randn(4, 6),))
+    plan = planner.propose(graph, n_members=N)
+    (stage,) = [s for s in plan.stages if "round_ste" in s.nodes]
+    assert stage.mode.value == "excluded" and "RoundSTE" in stage.reason and "own backward" in stage.reason
+    (batched,) = [s for s in planner.propose(planner.trace(_members("reverse")[0], (torch.randn(4, 6),)), N).stages]
+    assert batched.mode.value == "batched"  # generate_vmap_rule: one vmapped stage, the Function inside it
+
+
+def test_a_batched_module_with_a_function_node_saves_and_loads():
+    members = _members("ste")
+    x = torch.randn(4, 6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), copy.deepcopy(members))
+    buf = io.BytesIO()
+    torch.save(ens, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), ens(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how, says", [("callable", "TakesACallable"), ("export_ste", "RoundSTE"),
+                                       ("reentrant_checkpoint", "use_reentrant=False")])
+def test_training_is_refused_where_the_graph_lost_a_functions_backward(how, says):
+    """torch.export records a Function's forward ops (and a reentrant checkpoint's region with gradients off); fx
+    traces through a Function taking a callable. Was: trained with the forward ops' gradient (or none), silently."""
+    members = _members(how)
+    x = torch.randn(4, 6)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n_members=N)
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():  # inference is unaffected
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=says):
+        ens(x)
+    assert not executor.verify(plan, members, (x,), grads=True).ok
+
+
+def test_two_functions_of_one_name_stay_apart():
+    from stagewise.planner.trace_watch import _function_of, function_key
+
+    def make(k):
+        class RoundSTE(torch.autograd.Function):  # noqa: N801 - the same qualified name each time
+            @staticmethod
+            def forward(ctx, x):
+                return x * k
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * k
+        return RoundSTE
+
+    one, two = make(2), make(3)
+    assert function_key(one) != function_key(two)
+    assert _function_of(function_key(one)) is one and _function_of(function_key(two)) is two
