@@ -77,11 +77,12 @@ Imports nothing of ours except planner.errors.
 """
 from __future__ import annotations
 
+import ast
 import linecache
 import math
 import os
-import re
 import sys
+import textwrap
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -390,22 +391,103 @@ _OWN_CODE = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
              *(os.path.join(_PACKAGE, part) + os.sep for part in ("executor", "planner", "app")))
 
 
-def _written_by_user() -> bool:
-    """Whether the code writing a param group's "lr" right now is the user's and writes an lr of its own (an
-    absolute value): not torch's (load_state_dict, a scheduler) nor stagewise's, judged by the file of the first
-    frame past _MemberGroup, and not relative to the group's own lr, judged by its source line (`g["lr"] *= 0.1`,
+def _written_by_user() -> str | None:
+    """How the user's code writing a param group's "lr" right now writes it, where that is not as N torch optimizers
+    would: "absolute" (an lr of its own), "derived" (computed from the group's lr otherwise than by a factor: a floor,
+    an offset); None where it is torch's (load_state_dict, a scheduler) or stagewise's code, judged by the file of
+    the first frame past _MemberGroup, or a pure scaling of the group's own lr (`_scales_own_lr`: `g["lr"] *= 0.1`,
     `g["lr"] = g["initial_lr"] * f`: each member's lr scaled, as N torch optimizers would scale it)."""
     frame = sys._getframe(3)  # past this function, _MemberGroup._check_lr and __setitem__
     while frame is not None and frame.f_code.co_name in ("__setitem__", "update", "setdefault"):
         frame = frame.f_back
     if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_OWN_CODE):
-        return False
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
-    return not _RELATIVE_LR.search(line)
+        return None
+    stmt = _statement_at(frame.f_code.co_filename, frame.f_lineno)
+    if _scales_own_lr(stmt):
+        return None
+    return "derived" if _reads_own_lr(stmt) else "absolute"
 
 
-# a write of the group's lr relative to itself: an augmented assignment, or the lr / initial_lr read on the right
-_RELATIVE_LR = re.compile(r"""\[\s*["']lr["']\s*\]\s*(\*|/|\+|-|\*\*)=|["'](initial_)?lr["']\s*\].*=.*\[\s*["'](initial_)?lr["']\s*\]|initial_lr""")
+def _statement_at(filename: str, lineno: int) -> ast.stmt | None:
+    """The statement starting at `lineno` of `filename` (up to 12 lines long), parsed; None if it cannot be."""
+    lines = [linecache.getline(filename, lineno + k) for k in range(12)]
+    for k in range(1, len(lines) + 1):
+        text = textwrap.dedent("".join(lines[:k]))
+        try:
+            body = ast.parse(text).body
+        except SyntaxError:
+            continue
+        return body[0] if len(body) == 1 else None
+    return None
+
+
+_LR_KEYS = ("lr", "initial_lr")
+
+
+def _lr_read(node: ast.AST, group: str) -> bool:
+    """Whether `node` is `<group>["lr"]` or `<group>["initial_lr"]` (`group`: the ast dump of the written group)."""
+    return (isinstance(node, ast.Subscript) and ast.dump(node.value) == group and isinstance(node.slice, ast.Constant)
+            and node.slice.value in _LR_KEYS)
+
+
+def _reads_an_lr(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in _LR_KEYS
+               for n in ast.walk(node))
+
+
+def _proportional(node: ast.AST, group: str) -> bool:
+    """Whether `node` is the group's own lr times or divided by factors that read no lr (`g["lr"] * 0.5`,
+    `g["initial_lr"] * f(step) / 2`): the same expression on N torch optimizers scales each member's lr by one
+    factor. A floor, an offset or a condition (`max(g["lr"] * 0.5, 1e-3)`, `g["lr"] + 1e-4`) does not."""
+    if _lr_read(node, group):
+        return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return (_proportional(node.left, group) and not _reads_an_lr(node.right)) or \
+               (_proportional(node.right, group) and not _reads_an_lr(node.left))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return _proportional(node.left, group) and not _reads_an_lr(node.right)
+    return False
+
+
+def _lr_writes(stmt: ast.stmt | None) -> list[tuple[str, ast.AST | None, bool]]:
+    """The writes of a group's "lr" in `stmt` (and in statements and comprehensions inside it: a one-line `for`):
+    (the written group's ast dump, the value written, whether it is an augmented `*=` / `/=` by a factor) for
+    `g["lr"] = v`, `g["lr"] op= v` (the value None), `g.__setitem__("lr", v)` and `g.update(lr=v)`."""
+    def lr_key(target: ast.AST) -> bool:
+        return isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) and target.slice.value == "lr"
+
+    found: list[tuple[str, ast.AST | None, bool]] = []
+    for node in ast.walk(stmt) if stmt is not None else ():
+        if isinstance(node, ast.AugAssign) and lr_key(node.target):
+            factor = isinstance(node.op, (ast.Mult, ast.Div)) and not _reads_an_lr(node.value)
+            found.append((ast.dump(node.target.value), None, factor))
+        elif isinstance(node, ast.Assign):
+            found += [(ast.dump(t.value), node.value, False) for t in node.targets if lr_key(t)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            group = ast.dump(node.func.value)
+            if node.func.attr == "__setitem__" and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) \
+                    and node.args[0].value == "lr":
+                found.append((group, node.args[1], False))
+            elif node.func.attr == "update" and not node.args:
+                found += [(group, k.value, False) for k in node.keywords if k.arg == "lr"]
+    return found
+
+
+def _scales_own_lr(stmt: ast.stmt | None) -> bool:
+    """Whether the statement writing a group's "lr" scales that group's own lr by a factor (see _proportional):
+    `g["lr"] *= f`, `g["lr"] /= f`, `g["lr"] = g["lr"] * f`, `g.__setitem__("lr", g["initial_lr"] * f)`,
+    `g.update(lr=g["lr"] * f)`."""
+    writes = _lr_writes(stmt)
+    return bool(writes) and all(factor or (value is not None and _proportional(value, group))
+                                for group, value, factor in writes)
+
+
+def _reads_own_lr(stmt: ast.stmt | None) -> bool:
+    """Whether a write in `stmt` computes the value from the written group's own lr (or writes it by `+=`, `**=`)."""
+    for group, value, _ in _lr_writes(stmt):
+        if value is None or any(_lr_read(n, group) for n in ast.walk(value)):
+            return True
+    return False
 
 
 def _scheduler_problem(scheduler: Any, group: dict, old: float, new: float) -> str | None:
@@ -485,7 +567,19 @@ class _MemberGroup(dict):
             return  # every member has lr = the scale itself: any scheduler acts as on one torch optimizer
         scheduler = _writing_scheduler()
         if scheduler is None:
-            if _written_by_user() and float(value) != float(self["lr"]):
+            how = _written_by_user()
+            if how == "derived" and float(value) != float(self["lr"]):
+                # `g["lr"] = max(g["lr"] * 0.5, 1e-3)`: on N torch optimizers the floor acts on each member's own lr
+                lrs = (self["lr"] * self["member_lr"]).tolist()
+                raise OptimizerError(
+                    f"{self.owner}: param_groups[...]['lr'] = {float(value):g} computed from the group's lr otherwise than "
+                    f"by a factor (a floor, an offset, a condition) while the members' lrs differ "
+                    f"({[round(x, 8) for x in lrs[:4]]}{', ...' if len(lrs) > 4 else ''}): group['lr'] is a scale shared by "
+                    "all members here, and N torch optimizers would apply that computation to each member's own lr. "
+                    "Compute the members' lrs and set them: lrs = opt.get_hyperparameter('lr'); "
+                    "opt.set_hyperparameter('lr', (lrs * 0.5).clamp(min=1e-3)); a pure factor (g['lr'] *= f, "
+                    "g['lr'] = g['initial_lr'] * f) or torch.optim.lr_scheduler.LambdaLR also works")
+            if how == "absolute" and float(value) != float(self["lr"]):
                 # `for g in opt.param_groups: g["lr"] = get_lr(it)`: N torch optimizers would all run at that lr; here
                 # it would scale each member's own lr (member i at lr * member_lr[i]), silently another schedule
                 lrs = (self["lr"] * self["member_lr"]).tolist()

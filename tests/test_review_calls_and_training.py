@@ -203,6 +203,37 @@ def test_an_lr_written_by_user_code_while_member_lrs_differ_is_refused():
     torch.testing.assert_close(same.get_hyperparameter("lr"), torch.full((N,), 0.004, dtype=torch.float64))
 
 
+def test_an_lr_from_a_config_or_with_a_floor_is_refused_and_pure_factors_in_any_form_scale_each_member():
+    """Was: the source line was matched by a pattern, so `g["lr"] = cfg["lr"] * warm` (an absolute lr read from a
+    config) scaled each member's own lr (0.001..0.03 -> 5e-6..1.5e-4 where N torch optimizers run at 5e-3), and
+    `g["lr"] = max(g["lr"] * 0.5, 2e-3)` put the floor on the shared scale (2e-6.. instead of 2e-3), both without a
+    word; `g.__setitem__("lr", g["lr"] * 0.1)` was refused."""
+    lrs = [0.01, 0.02, 0.04]
+    opt = StackedSGD([torch.zeros(N, 2, requires_grad=True)], N, lr=lrs)
+    cfg = {"lr": 5e-3}
+    with pytest.raises(OptimizerError, match=r"set_hyperparameter\('lr', 0.0025\)"):
+        for g in opt.param_groups:
+            g["lr"] = cfg["lr"] * 0.5
+    with pytest.raises(OptimizerError, match="otherwise than by a factor"):
+        for g in opt.param_groups:
+            g["lr"] = max(g["lr"] * 0.5, 2e-3)
+    with pytest.raises(OptimizerError, match="otherwise than by a factor"):
+        for g in opt.param_groups:
+            g["lr"] += 1e-3  # an offset: lr_i + 1e-3 on each torch optimizer
+    torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor(lrs, dtype=torch.float64))  # nothing written
+    warm = 0.5
+    for g in opt.param_groups: g["lr"] = g["lr"] * warm  # noqa: E701 - one line, as in many training loops
+    [g.__setitem__("lr", g["lr"] / 2) for g in opt.param_groups]
+    for g in opt.param_groups:
+        g.update(lr=2 * g["lr"] * 0.5)
+    for g in opt.param_groups:
+        g["lr"] = (
+            g["lr"]
+            * 2
+        )
+    torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor(lrs, dtype=torch.float64) / 2)
+
+
 # --- torch.func.grad over functional_call of the batched module -----------------------------------------------
 
 def test_torch_func_grad_through_a_plan_with_a_loop_stage_matches_the_loop():
