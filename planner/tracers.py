@@ -90,6 +90,7 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
     _detach_out_of_place(gm)
+    _drop_self_copies(gm)
     out_as_copies(gm)
     return gm
 
@@ -153,6 +154,29 @@ def _detach_out_of_place(gm: torch.fx.GraphModule) -> None:
             for user in list(getattr(source, "users", ())):
                 if user in later:
                     user.replace_input_with(source, node)
+    if changed:
+        gm.recompile()
+
+
+def _drop_self_copies(gm: torch.fx.GraphModule) -> None:
+    """Drop export's `aten.copy_(buf, v)` where `v` is `buf` itself, written in place (`self.n += 1` traces as
+    `v = aten.add_(buf, 1)`, then the copy of the mutated buffer back into it): a copy of a tensor into itself changes
+    nothing but its version counter, and in training that bump made a later backward fail on a value an op saved
+    (`x * self.n` saves n), where the member loop trains."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default or node.users \
+                or len(node.args) != 2 or node.kwargs:
+            continue
+        dst, src = node.args
+        for _ in range(64):  # back through in-place ops on the same tensor (not views)
+            if src is dst or not (isinstance(src, torch.fx.Node) and src.op == "call_function" and is_inplace(src)
+                                  and src.args and isinstance(src.args[0], torch.fx.Node)):
+                break
+            src = src.args[0]
+        if src is dst:
+            gm.graph.erase_node(node)
+            changed = True
     if changed:
         gm.recompile()
 

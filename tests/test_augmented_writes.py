@@ -301,3 +301,39 @@ def test_gradients_through_an_augmented_assignment_that_rounds_match_the_loop():
     for name, _ in members[0].named_parameters():
         torch.testing.assert_close(got[name].grad, torch.stack([m.get_parameter(name).grad for m in members]),
                                    rtol=1e-2, atol=1e-2)
+
+
+class FloatCounter(nn.Module):
+    """A float buffer counted up in forward() and read after: torch.export traces it with a copy of the buffer into
+    itself at the end."""
+
+    def __init__(self, start):
+        super().__init__()
+        self.l = nn.Linear(6, 6)
+        self.register_buffer("n", torch.zeros(()) + start)
+
+    def forward(self, x):
+        self.n += 1
+        return self.l(x) * self.n
+
+
+def test_training_with_a_float_buffer_counter_matches_the_loop():
+    """Was: "modified by an inplace operation" at backward: the copy of n into itself (a no-op) bumped the version
+    of the stacked buffer that `* self.n` had saved."""
+    torch.manual_seed(0)
+    members = [FloatCounter(i).train() for i in range(N)]
+    x = torch.randn(4, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    assert not any("copy_" in node for s in plan.stages for node in s.nodes)
+    ens = executor.build(plan, copy.deepcopy(members)).train()
+    for _ in range(2):
+        got = ens(x)
+        want = torch.stack([m(x) for m in members])
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        got.square().sum().backward()
+        want.square().sum().backward()
+    stacked = dict(ens.named_stacked_parameters())
+    for name in ("l.weight", "l.bias"):
+        torch.testing.assert_close(stacked[name].grad, torch.stack([m.get_parameter(name).grad for m in members]),
+                                   rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack([s["n"] for s in ens.member_state_dicts()]), torch.stack([m.n for m in members]))
