@@ -174,6 +174,13 @@ def _own_rows(value: Any, n: int) -> Any:
     return value
 
 
+# torch.func.vmap does not apply a caller's autocast: the batched module's stages compute in the state's dtype
+AUTOCAST_WARNING = (
+    "the batched module is called under torch.autocast, which torch.func.vmap does not apply: its stages compute in the "
+    "state's dtype and its outputs come back in it (float32 where the member loop's would be bfloat16/float16; the "
+    "values agree within that precision). For low-precision compute, set the plan's dtype instead "
+    "(planner.set_dtype(plan, 'bfloat16')) and call the module outside autocast")
+
 _MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_storage", "_views_made", "_captured")
 _IMMUTABLE = ("_output_tree", "_out_spec", "_input_guard")  # shared by a deepcopy (pytree specs, export's guard function)
 
@@ -605,6 +612,8 @@ class BatchedModule(nn.Module):
                 "member's parametrized weights once per call anyway)")
         if self.training in self._mode_refused:  # the flag set by hand (train() refuses before it sets it)
             raise self._mode_refused_now()
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            warnings.warn(AUTOCAST_WARNING, stacklevel=4)  # the caller, past nn.Module.__call__
         if self._state_replaced[0]:
             self._follow_replaced_state()
         captured = self.__dict__["_captured"]

@@ -186,3 +186,21 @@ def test_tf32_scope_works_where_the_caller_used_torchs_newer_precision_flags():
         assert (matmul.fp32_precision, conv.fp32_precision) == ("tf32", "ieee")
     finally:
         matmul.fp32_precision, conv.fp32_precision = saved
+
+
+def test_a_call_under_autocast_warns_that_vmap_does_not_apply_it():
+    """Was silent: the member loop under torch.autocast answers in bfloat16, the batched module in float32."""
+    import warnings
+
+    from stagewise.executor.build import AUTOCAST_WARNING
+
+    members = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
+    x = torch.randn(3, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), 2), members)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ens(x)
+        assert not seen
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ens(x)
+    assert [str(w.message) for w in seen] == [AUTOCAST_WARNING] and seen[0].filename == __file__
