@@ -112,6 +112,8 @@ def capture_backend(device: torch.device) -> Any:
 # torch's words for a failure the inputs likely caused (their shape, dtype or values): only then is a stage's
 # failure reported as InputError with shape advice
 _LIFTED_TROUBLE = re.compile(r"doesn't match the broadcast shape|in-place|inplace", re.I)
+# a failure naming a low-precision dtype: the op has no kernel for it (rfft: "Unsupported dtype BFloat16")
+_LOW_PRECISION_TROUBLE = re.compile(r"dtype (BFloat16|Half)\b|not implemented for '(BFloat16|Half)'|(BFloat16|Half) is not supported")
 _INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
 
 
@@ -585,10 +587,15 @@ class BatchedModule(nn.Module):
         try:
             out, env = self._run_plain(*inputs, keep=keep, run=run)  # bind_inputs casts the floating inputs
         except (ExecutionError, InputError) as e:  # a stage fed by the model inputs reports InputError
-            if "not implemented for 'Half'" not in str(e):
-                raise
-            raise ExecutionError(f"{str(e).split('. Check')[0]}: this op has no float16 kernel on {next(iter(self._stacked.values())).device.type}; "
-                                 "use dtype 'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
+            device = next(iter(self._stacked.values())).device.type
+            if "not implemented for 'Half'" in str(e):
+                raise ExecutionError(f"{str(e).split('. Check')[0]}: this op has no float16 kernel on {device}; use dtype "
+                                     "'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
+            if _LOW_PRECISION_TROUBLE.search(str(e)):  # an op with no kernel for the plan's dtype (fft in bfloat16)
+                raise ExecutionError(f"{str(e).split('. Check')[0]}: this op does not run in {self.plan.dtype} on {device}; "
+                                     "keep this plan float32 (planner.set_dtype(plan, 'float32'))"
+                                     + (" or try 'float16' on CUDA" if self.plan.dtype == "bfloat16" else "")) from e
+            raise
         return _cast_floating(out, caller, only=dtype), env  # outputs in the plan's precision; a float64 one stays float64
 
     def forward(self, *inputs, **named):

@@ -204,3 +204,22 @@ def test_a_call_under_autocast_warns_that_vmap_does_not_apply_it():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ens(x)
     assert [str(w.message) for w in seen] == [AUTOCAST_WARNING] and seen[0].filename == __file__
+
+
+def test_an_op_with_no_bfloat16_kernel_is_named_as_such_not_blamed_on_the_inputs():
+    """Was: InputError "check the input shapes" for torch.fft.rfft in a bfloat16 plan."""
+    class Spectrum(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.fft.rfft(self.l(x)).abs()
+
+    members = [Spectrum() for _ in range(2)]
+    x = torch.randn(3, 8)
+    plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x,)), 2), "bfloat16")
+    from stagewise.planner.errors import ExecutionError
+
+    with pytest.raises(ExecutionError, match="does not run in bfloat16 on cpu; keep this plan float32"):
+        executor.build(plan, members)(x)
