@@ -114,6 +114,9 @@ def capture_backend(device: torch.device) -> Any:
 _LIFTED_TROUBLE = re.compile(r"doesn't match the broadcast shape|in-place|inplace", re.I)
 # a failure naming a low-precision dtype: the op has no kernel for it (rfft: "Unsupported dtype BFloat16")
 _LOW_PRECISION_TROUBLE = re.compile(r"dtype (BFloat16|Half)\b|not implemented for '(BFloat16|Half)'|(BFloat16|Half) is not supported")
+# float32 and low-precision operands meeting in one op (an export graph's baked casts)
+_MIXED_DTYPES = re.compile(r"dtype mismatch|same dtype|Expected: Float, Got|mixed dtype|expected scalar type|"
+                           r"expected m1 and m2|found at least two|float != c10::(BFloat16|Half)|(BFloat16|Half) != float", re.I)
 _INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
 
 
@@ -591,6 +594,15 @@ class BatchedModule(nn.Module):
             if "not implemented for 'Half'" in str(e):
                 raise ExecutionError(f"{str(e).split('. Check')[0]}: this op has no float16 kernel on {device}; use dtype "
                                      "'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
+            if self.plan.tracer == "export" and _MIXED_DTYPES.search(str(e)):
+                # torch.export baked the trace's float32 into the graph (`h.to(torch.float32)` in an RMSNorm, a
+                # cast back to the input's dtype, dtype checks): those values meet the low-precision weights
+                raise ExecutionError(
+                    f"{str(e).split('. Check')[0]}: this plan was traced with torch.export, which fixes the dtypes the "
+                    f"model's casts had at trace time (float32) into the graph, so float32 values meet the {self.plan.dtype} "
+                    "weights. A low-precision plan of such a graph is not supported yet: keep this plan float32 "
+                    "(planner.set_dtype(plan, 'float32')), or make forward() traceable by torch.fx, whose graph casts to "
+                    "the dtype the values have when it runs") from e
             if _LOW_PRECISION_TROUBLE.search(str(e)):  # an op with no kernel for the plan's dtype (fft in bfloat16)
                 raise ExecutionError(f"{str(e).split('. Check')[0]}: this op does not run in {self.plan.dtype} on {device}; "
                                      "keep this plan float32 (planner.set_dtype(plan, 'float32'))"

@@ -223,3 +223,29 @@ def test_an_op_with_no_bfloat16_kernel_is_named_as_such_not_blamed_on_the_inputs
 
     with pytest.raises(ExecutionError, match="does not run in bfloat16 on cpu; keep this plan float32"):
         executor.build(plan, members)(x)
+
+
+def test_a_low_precision_plan_of_an_export_graph_with_baked_float32_casts_says_why_it_fails():
+    """Was: InputError "check the input shapes" (a Hugging Face Llama in bfloat16): torch.export baked the cast back
+    to the input's dtype (float32 at trace time), and float32 values met the bfloat16 weights."""
+    class RMSNormed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = self.l(x)
+            if h.shape[0] > 1:  # a branch on a size: fx cannot trace it, torch.export can
+                h = h + 1
+            variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+            return self.out((h * torch.rsqrt(variance + 1e-6)).to(h.dtype))
+
+    from stagewise.planner.errors import ExecutionError
+
+    members = [RMSNormed() for _ in range(2)]
+    x = torch.randn(3, 8)
+    graph = planner.trace(members[0], (x,))
+    assert graph.tracer == "export"
+    plan = planner.set_dtype(planner.propose(graph, 2), "bfloat16")
+    with pytest.raises(ExecutionError, match="traced with torch.export, which fixes the dtypes"):
+        executor.build(plan, members)(x)
