@@ -201,10 +201,7 @@ def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs
                 for d, size in enumerate(val.shape):
                     if not isinstance(size, int) and size.node.maybe_as_int() is None:
                         where.setdefault(str(size.node.expr), []).append((i, d))
-    ok: dict[str, int] = {}
-    for expr, dims in where.items():
-        if ranges.get(expr, (None,))[0] != 2:
-            continue
+    def smallest_for(dims: list[tuple[int, int]]) -> int:
         smallest = 2
         for k in (1, 0):
             small = list(leaves)
@@ -216,7 +213,18 @@ def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs
             if not all(_same_outputs(model, gm, tree_unflatten(v, spec), StateSnapshot) for v in (small, drawn)):
                 break
             smallest = k
-        ok[expr] = smallest
+        return smallest
+
+    checked = [expr for expr in where if ranges.get(expr, (None,))[0] == 2]
+    size_of = {expr: leaves[where[expr][0][0]].shape[where[expr][0][1]] for expr in checked}
+    ok: dict[str, int] = {}
+    for expr in checked:
+        ok[expr] = smallest_for(where[expr])
+        alike = [e for e in checked if e != expr and size_of[e] == size_of[expr]]
+        if ok[expr] == 2 and alike:
+            # export may give one axis two symbols (input_ids' batch and attention_mask's): cut alone, the model
+            # itself fails (a mask of one row for two sequences); cut with every dim of the same example size
+            ok[expr] = smallest_for([dim for e in (expr, *alike) for dim in where[e]])
     gm.meta["stagewise_small_ok"] = ok
 
 

@@ -124,3 +124,26 @@ def test_gpt2_with_its_cache_is_refused_with_the_fix():
     with warnings.catch_warnings(), pytest.raises(planner.TraceError, match=r"GPT2Model returns a DynamicCache .*use_cache=False"):
         warnings.simplefilter("ignore")
         planner.trace(make(), inputs(2, 8, torch.Generator().manual_seed(0)))
+
+
+def test_batch_one_with_an_attention_mask_runs_where_export_gave_the_mask_its_own_batch_symbol():
+    """Was: InputError "torch.export traced that dim for sizes of 2 and more" at batch 1 (ALBERT, GPT-NeoX, MPNet):
+    export gave input_ids' and attention_mask's batch dims separate symbols, and the mask's, cut to one row alone,
+    made the model itself fail; dims of one example size are now cut together when one alone cannot be."""
+    cfg = transformers.AlbertConfig(embedding_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                    intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=32)
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(transformers.AlbertModel(cfg).eval())
+    g = torch.Generator().manual_seed(0)
+    ids, mask = _ids(2, 8, g), torch.ones(2, 8, dtype=torch.long)
+    mask[0, 6:] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(copy.deepcopy(members[0]), (ids, mask))
+        ens = executor.build(planner.propose(graph, N), copy.deepcopy(members))
+        with torch.no_grad():
+            got = ens(ids[:1], mask[:1])["last_hidden_state"]
+            want = torch.stack([m(ids[:1], mask[:1])["last_hidden_state"] for m in members])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
