@@ -8,6 +8,8 @@ verdict comes from PyTorch itself, not from a hand-written allow-list.
 """
 from __future__ import annotations
 
+import contextlib
+
 import operator
 import warnings
 from typing import Callable, Optional
@@ -260,7 +262,7 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
         leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
         return tuple(leaves) if leaves else torch.zeros(())
 
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _vmap_fallback_off():
         warnings.simplefilter("always")
         try:
             with torch.no_grad():
@@ -288,10 +290,26 @@ def _draws_random(node: torch.fx.Node) -> bool:
     return name in _RANDOM_NAMES
 
 
+@contextlib.contextmanager
+def _vmap_fallback_off():
+    """vmap raises where an op has no batching rule, instead of running it member by member with a warning: the
+    warning is the only other sign, and it does not always reach Python (an aten op's, such as torch.export's
+    _scaled_dot_product_flash_attention_for_cpu, went to stderr and the op counted as batchable)."""
+    functorch = torch._C._functorch
+    was = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(False)
+    try:
+        yield
+    finally:
+        functorch._set_vmap_fallback_enabled(was)
+
+
 def classify_vmap_error(node: torch.fx.Node, e: BaseException) -> str:
     """A one-line reason from a vmap failure."""
     text = first_line(e)
     low = text.lower()
+    if "hit the vmap fallback" in low:
+        return f"no batching rule for {_op_name(node)} (vmap would fall back to a slow per-member loop)"
     if "autograd.function with functorch transforms" in low:
         return (f"the autograd.Function {node.args[0] if node.args else _op_name(node)} says no vmap rule (a "
                 "setup_context staticmethod with a vmap staticmethod or generate_vmap_rule = True would batch it): "

@@ -171,3 +171,30 @@ def test_classify_vmap_error(message, words):
 
 def test_classify_empty_message():
     assert "fails under vmap: ValueError: ValueError" in classify_vmap_error(_Node(), ValueError())
+
+
+def test_an_aten_attention_op_without_a_batching_rule_is_not_counted_as_batchable():
+    """Was batchable in a torch.export graph: vmap's fallback warning for the aten op went to stderr, not Python,
+    so every Hugging Face attention ran through vmap's per-member fallback instead of `wide`."""
+    import warnings
+
+    from stagewise import planner
+
+    class Attend(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            if x.shape[0] > 1:  # a branch on a size: traced with torch.export
+                x = x * 2
+            q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(Attend(), (torch.randn(2, 5, 8),))
+    assert graph.tracer == "export"
+    attention = [n for n in graph.dag if "scaled_dot_product" in str(graph.dag.nodes[n].get("target"))]
+    assert attention and all(not graph.dag.nodes[n]["batchable"] for n in attention)
+    assert "no batching rule" in graph.dag.nodes[attention[0]]["reason"]
