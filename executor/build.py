@@ -405,12 +405,15 @@ class BatchedModule(nn.Module):
                 "would be trained. Pass use_reentrant=False (torch's recommended form, which torch.fx traces), or train "
                 "the members in a loop; inference (torch.no_grad()) is unaffected")
         if lost:
+            how = ("this plan was traced with torch.export, which records the ops of its forward and drops the backward "
+                   "it defines" if self.plan.tracer == "export" else
+                   "torch.fx had to trace through it (it writes its input, ctx.mark_dirty, or takes an argument a graph "
+                   "cannot hold, such as a function), recording the ops of its forward and not the backward it defines")
             raise ExecutionError(
-                f"forward() calls the autograd.Function {', '.join(lost[:3])}, and this plan was traced with torch.export, "
-                "which records the ops of its forward and drops the backward it defines: gradients here would be those of "
-                "the forward's ops, not the member loop's. Make forward() traceable by torch.fx, which keeps the Function "
-                "as one call (see the README's model-file contract), or train the members in a loop; inference "
-                "(torch.no_grad()) is unaffected")
+                f"forward() calls the autograd.Function {', '.join(lost[:3])}, and {how}: gradients here would be those of "
+                "the forward's ops, not the member loop's. Pass the Function tensors and plain numbers only, and make "
+                "forward() traceable by torch.fx, which keeps such a Function as one call; or train the members in a "
+                "loop; inference (torch.no_grad()) is unaffected")
         apart = self.__dict__.get("_ties_apart") or {}
         if apart and any(p.requires_grad for p in self._stacked.values()):
             tie, tied_in = next(iter(apart.items()))

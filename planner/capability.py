@@ -12,7 +12,7 @@ import contextlib
 
 import operator
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
@@ -273,6 +273,28 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
         text = str(w.message)
         if "performance drop" in text or "batching rule" in text:
             return f"no batching rule for {_op_name(node)} (vmap would fall back to a slow per-member loop)"
+    if node.op == "call_function" and getattr(node.target, "__qualname__", "") == "apply_autograd_function":
+        return _function_backward_check(node, probe, in_dims, state, batched)
+    return None
+
+
+def _function_backward_check(node: torch.fx.Node, probe: Callable, in_dims: Any, state: dict, batched: Any) -> Optional[str]:
+    """A custom autograd.Function with a vmap rule runs its backward under vmap too, where some backwards cannot run
+    (one calling torch.autograd.grad or requires_grad_): run it forward under vmap and backward, as training would."""
+    inputs = tree_map(lambda v: v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
+                      batched)
+    leaves = [v for v in tree_flatten(inputs)[0] if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not leaves:
+        return None
+    try:
+        with torch.enable_grad(), _vmap_fallback_off():
+            outs = vmap(probe, in_dims=(0, in_dims), randomness="error")(state, inputs)
+            total = sum(o.float().sum() for o in outs if o.requires_grad)
+            if isinstance(total, torch.Tensor):
+                torch.autograd.grad(total, leaves, allow_unused=True)
+    except Exception as e:  # noqa: BLE001 - the message is the verdict
+        return (f"the autograd.Function {node.args[0]}'s backward fails under vmap ({type(e).__name__}: "
+                f"{first_line(e)[:120]}): each member runs it, with its own backward")
     return None
 
 

@@ -16,6 +16,7 @@ import pickle
 import sys
 import sysconfig
 import threading
+import types
 from typing import Any
 
 import torch
@@ -493,10 +494,23 @@ def _function_of(key: str) -> type:
         except AttributeError:
             found = None
         break
+    if not (isinstance(found, type) and issubclass(found, torch.autograd.Function)) and parts[0].startswith("_stagewise_model_"):
+        # a model file's module is named per load (planner.source): the same file loaded in this process holds it
+        stem = parts[0].rsplit("_", 2)[0] + "_"
+        for name, module in list(sys.modules.items()):
+            if name.startswith(stem) and name.count("_") == parts[0].count("_"):
+                candidate: Any = module
+                for attr in parts[1:]:
+                    candidate = getattr(candidate, attr, None)
+                if isinstance(candidate, type) and issubclass(candidate, torch.autograd.Function):
+                    found = candidate
+                    break
     if not (isinstance(found, type) and issubclass(found, torch.autograd.Function)):
+        where = ("in a model file this process has not loaded: load it first (planner.load_model_file)"
+                 if parts[0].startswith("_stagewise_model") else
+                 "inside a function or in a script run as __main__: define it at the top level of an importable module")
         raise TraceError(f"the graph calls the autograd.Function {key.split('#')[0]}, which this process cannot find "
-                         "(it was defined inside a function or in a script run as __main__); define it at the top level "
-                         "of an importable module, or trace the model again in this process")
+                         f"(it was defined {where}), or trace the model again in this process")
     _FUNCTIONS[key] = found
     return found
 
@@ -534,7 +548,9 @@ def _autograd_functions_kept():
             proxies = [a for a in leaves if isinstance(a, torch.fx.Proxy)]
             if not proxies or threading.get_ident() != owner or not own_backward(cls):
                 return plain(cls, *args, **kwargs)
-            if not all(isinstance(a, (torch.fx.Proxy, *_GRAPH_CONSTANTS)) for a in leaves):
+            if _marks_dirty(cls) or not all(isinstance(a, (torch.fx.Proxy, torch.Tensor, *_GRAPH_CONSTANTS)) for a in leaves):
+                # an argument no graph holds; or a Function writing its inputs (ctx.mark_dirty), whose write one
+                # opaque node would hide from the ordering of later reads: traced through, its ops recorded
                 inlined.add(f"{cls.__module__}.{cls.__qualname__}")
                 return plain(cls, *args, **kwargs)
             return proxies[0].tracer.create_proxy("call_function", apply_autograd_function, (function_key(cls), *args),
@@ -545,6 +561,19 @@ def _autograd_functions_kept():
             yield inlined
         finally:
             torch.autograd.Function.apply = original
+
+
+def _marks_dirty(cls: type) -> bool:
+    """Whether the Function's forward or setup_context calls ctx.mark_dirty (it writes an input in place)."""
+    todo = [getattr(getattr(cls, name, None), "__code__", None) for name in ("forward", "setup_context")]
+    while todo:
+        code = todo.pop()
+        if code is None:
+            continue
+        if "mark_dirty" in code.co_names:
+            return True
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return False
 
 
 def _node_name(cls: type) -> str:

@@ -177,3 +177,93 @@ def test_two_functions_of_one_name_stay_apart():
     one, two = make(2), make(3)
     assert function_key(one) != function_key(two)
     assert _function_of(function_key(one)) is one and _function_of(function_key(two)) is two
+
+
+class DoublesInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2.0)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class NormsRows(torch.autograd.Function):
+    """A vmap rule, and a backward that calls torch.autograd.grad (which cannot run under vmap)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x / x.norm(dim=-1, keepdim=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = x / x.norm(dim=-1, keepdim=True)
+            return torch.autograd.grad(y, x, g)[0]
+
+
+class Masks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask * 0.5, None
+
+
+class Uses2(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(6, 6), nn.Linear(6, 2), how
+        self.mask = (torch.arange(6) % 2).float()  # a plain tensor attribute, not a buffer
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "dirty":
+            DoublesInPlace.apply(h)
+        elif self.how == "grad_in_backward":
+            h = NormsRows.apply(h)
+        else:
+            h = Masks.apply(h, self.mask)
+        return self.b(h)
+
+
+def test_a_function_writing_its_input_is_seen_writing():
+    """Was (after the Function became one node): `b` read h before the write, off 1.07 without a word."""
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(Uses2("dirty"))
+    x = torch.randn(4, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    with torch.no_grad():
+        torch.testing.assert_close(executor.build(plan, copy.deepcopy(members))(x),
+                                   torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["grad_in_backward", "tensor_attribute"])
+def test_functions_whose_backward_or_arguments_vmap_cannot_take_train_like_the_loop(how):
+    """Was: "call Tensor.requires_grad_() inside of a function being transformed by a functorch transform" at backward
+    (the vmap rule's backward ran under vmap); a tensor attribute argument made fx trace through the Function and
+    training was refused."""
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(Uses2(how).train())
+    x = torch.randn(4, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    _grads_like_the_loop(executor.build(plan, copy.deepcopy(members)), members, x)
