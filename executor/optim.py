@@ -398,7 +398,7 @@ def _written_by_user() -> str | None:
     the first frame past _MemberGroup, or a pure scaling of the group's own lr (`_scales_own_lr`: `g["lr"] *= 0.1`,
     `g["lr"] = g["initial_lr"] * f`: each member's lr scaled, as N torch optimizers would scale it)."""
     frame = sys._getframe(3)  # past this function, _MemberGroup._check_lr and __setitem__
-    while frame is not None and frame.f_code.co_name in ("__setitem__", "update", "setdefault"):
+    while frame is not None and frame.f_code.co_name in ("__setitem__", "update", "setdefault", "__ior__"):
         frame = frame.f_back
     if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_OWN_CODE):
         return None
@@ -408,8 +408,9 @@ def _written_by_user() -> str | None:
     return "derived" if _reads_own_lr(stmt) else "absolute"
 
 
-def _statement_at(filename: str, lineno: int) -> ast.stmt | None:
-    """The statement starting at `lineno` of `filename` (up to 12 lines long), parsed; None if it cannot be."""
+def _statement_at(filename: str, lineno: int) -> ast.AST | None:
+    """The statement starting at `lineno` of `filename` (up to 12 lines long; those of one line, `a; b`, together),
+    parsed; None if it cannot be."""
     lines = [linecache.getline(filename, lineno + k) for k in range(12)]
     for k in range(1, len(lines) + 1):
         text = textwrap.dedent("".join(lines[:k]))
@@ -417,22 +418,30 @@ def _statement_at(filename: str, lineno: int) -> ast.stmt | None:
             body = ast.parse(text).body
         except SyntaxError:
             continue
-        return body[0] if len(body) == 1 else None
+        return body[0] if len(body) == 1 else ast.Module(body=body, type_ignores=[])  # `a; b` on one line: both
     return None
 
 
 _LR_KEYS = ("lr", "initial_lr")
 
 
+def _lr_of(node: ast.AST) -> str | None:
+    """The ast dump of the group `node` reads an lr of (`g["lr"]`, `g["initial_lr"]`, `g.get("lr")`), or None."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in _LR_KEYS:
+        return ast.dump(node.value)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args \
+            and isinstance(node.args[0], ast.Constant) and node.args[0].value in _LR_KEYS:
+        return ast.dump(node.func.value)
+    return None
+
+
 def _lr_read(node: ast.AST, group: str) -> bool:
-    """Whether `node` is `<group>["lr"]` or `<group>["initial_lr"]` (`group`: the ast dump of the written group)."""
-    return (isinstance(node, ast.Subscript) and ast.dump(node.value) == group and isinstance(node.slice, ast.Constant)
-            and node.slice.value in _LR_KEYS)
+    """Whether `node` reads `<group>`'s lr or initial_lr (`group`: the ast dump of the written group)."""
+    return _lr_of(node) == group
 
 
 def _reads_an_lr(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value in _LR_KEYS
-               for n in ast.walk(node))
+    return any(_lr_of(n) is not None for n in ast.walk(node))
 
 
 def _proportional(node: ast.AST, group: str) -> bool:
@@ -441,6 +450,10 @@ def _proportional(node: ast.AST, group: str) -> bool:
     factor. A floor, an offset or a condition (`max(g["lr"] * 0.5, 1e-3)`, `g["lr"] + 1e-4`) does not."""
     if _lr_read(node, group):
         return True
+    if isinstance(node, ast.NamedExpr):  # `(v := g["lr"] * 0.5)`
+        return _proportional(node.value, group)
+    if isinstance(node, ast.IfExp):  # `g["lr"] * 0.5 if cond else g["lr"]`: a factor either way
+        return not _reads_an_lr(node.test) and _proportional(node.body, group) and _proportional(node.orelse, group)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
         return (_proportional(node.left, group) and not _reads_an_lr(node.right)) or \
                (_proportional(node.right, group) and not _reads_an_lr(node.left))
@@ -454,7 +467,7 @@ def _lr_writes(stmt: ast.stmt | None) -> list[tuple[str, ast.AST | None, bool]]:
     (the written group's ast dump, the value written, whether it is an augmented `*=` / `/=` by a factor) for
     `g["lr"] = v`, `g["lr"] op= v` (the value None), `g.__setitem__("lr", v)` and `g.update(lr=v)`."""
     def lr_key(target: ast.AST) -> bool:
-        return isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) and target.slice.value == "lr"
+        return isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) and target.slice.value in _LR_KEYS
 
     found: list[tuple[str, ast.AST | None, bool]] = []
     for node in ast.walk(stmt) if stmt is not None else ():
@@ -469,7 +482,10 @@ def _lr_writes(stmt: ast.stmt | None) -> list[tuple[str, ast.AST | None, bool]]:
                     and node.args[0].value == "lr":
                 found.append((group, node.args[1], False))
             elif node.func.attr == "update" and not node.args:
-                found += [(group, k.value, False) for k in node.keywords if k.arg == "lr"]
+                found += [(group, k.value, False) for k in node.keywords if k.arg in _LR_KEYS]
+        if isinstance(node, ast.Call) and len(node.args) == 3 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in _LR_KEYS and getattr(node.func, "attr", getattr(node.func, "id", "")) == "setitem":
+            found.append((ast.dump(node.args[0]), node.args[2], False))  # operator.setitem(g, "lr", v)
     return found
 
 
@@ -552,45 +568,54 @@ class _MemberGroup(dict):
     def __setitem__(self, key: str, value: Any) -> None:
         if key in self.ranges and "member_lr" in self:
             value = _hyper_vector(self.owner, key, value, self.n, self["member_lr"].device, self.ranges[key])
-        elif key == "lr" and "member_lr" in self:
-            self._check_lr(value)
+        elif key in ("lr", "initial_lr") and "member_lr" in self:
+            self._check_lr(value, key)
             # kept a Python float: torch's schedulers fill_() a tensor lr in place, past this check
             value = float(value)
         super().__setitem__(key, value)
 
-    def _check_lr(self, value: Any) -> None:
-        """Refuse an lr that is not one number, or one a non-proportional scheduler writes while member lrs differ."""
+    def __ior__(self, other: Any) -> "_MemberGroup":
+        """`group |= {...}` (dict.__ior__ would skip the checks): each key goes through __setitem__."""
+        self.update(other)
+        return self
+
+    def _check_lr(self, value: Any, key: str = "lr") -> None:
+        """Refuse an lr (or initial_lr, the base torch's schedulers and hand-written schedules scale) that is not one
+        number, or one a non-proportional scheduler or the user's code writes while member lrs differ."""
         if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise OptimizerError(f"{self.owner}: param_groups[...]['lr'] = {value!r}: group['lr'] is the scale shared by "
+            raise OptimizerError(f"{self.owner}: param_groups[...]['{key}'] = {value!r}: group['{key}'] is the scale shared by "
                                  f"all members; set per-member lrs with opt.set_hyperparameter('lr', values)")
         if not bool((self["member_lr"] != 1).any()):
             return  # every member has lr = the scale itself: any scheduler acts as on one torch optimizer
         scheduler = _writing_scheduler()
         if scheduler is None:
             how = _written_by_user()
-            if how == "derived" and float(value) != float(self["lr"]):
+            changed = how is not None and (key not in self or float(value) != float(self[key]))
+            if how == "derived" and changed:
                 # `g["lr"] = max(g["lr"] * 0.5, 1e-3)`: on N torch optimizers the floor acts on each member's own lr
                 lrs = (self["lr"] * self["member_lr"]).tolist()
                 raise OptimizerError(
-                    f"{self.owner}: param_groups[...]['lr'] = {float(value):g} computed from the group's lr otherwise than "
+                    f"{self.owner}: param_groups[...]['{key}'] = {float(value):g} computed from the group's lr otherwise than "
                     f"by a factor (a floor, an offset, a condition) while the members' lrs differ "
                     f"({[round(x, 8) for x in lrs[:4]]}{', ...' if len(lrs) > 4 else ''}): group['lr'] is a scale shared by "
                     "all members here, and N torch optimizers would apply that computation to each member's own lr. "
                     "Compute the members' lrs and set them: lrs = opt.get_hyperparameter('lr'); "
                     "opt.set_hyperparameter('lr', (lrs * 0.5).clamp(min=1e-3)); a pure factor (g['lr'] *= f, "
                     "g['lr'] = g['initial_lr'] * f) or torch.optim.lr_scheduler.LambdaLR also works")
-            if how == "absolute" and float(value) != float(self["lr"]):
+            if how == "absolute" and changed:
                 # `for g in opt.param_groups: g["lr"] = get_lr(it)`: N torch optimizers would all run at that lr; here
                 # it would scale each member's own lr (member i at lr * member_lr[i]), silently another schedule
                 lrs = (self["lr"] * self["member_lr"]).tolist()
                 raise OptimizerError(
-                    f"{self.owner}: param_groups[...]['lr'] = {float(value):g} written while the members' lrs differ "
+                    f"{self.owner}: param_groups[...]['{key}'] = {float(value):g} written while the members' lrs differ "
                     f"({[round(x, 8) for x in lrs[:4]]}{', ...' if len(lrs) > 4 else ''}): group['lr'] is a scale shared "
                     "by all members here (member i runs at group['lr'] * group['member_lr'][i]), so this would not set "
                     f"the lr it does on a torch optimizer. To give every member this lr: opt.set_hyperparameter('lr', "
                     f"{float(value):g}); per member: opt.set_hyperparameter('lr', [...]); a schedule as a factor of "
                     "each member's own lr: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: ...)")
             return
+        if key != "lr":
+            return  # a scheduler recording the base it scales (setdefault("initial_lr", group["lr"]))
         problem = _scheduler_problem(scheduler, self, float(self["lr"]), float(value))
         if problem is not None:
             raise OptimizerError(f"{self.owner} with per-member lrs {(self['lr'] * self['member_lr']).tolist()}: {problem}")

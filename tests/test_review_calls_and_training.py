@@ -193,7 +193,7 @@ def test_an_lr_written_by_user_code_while_member_lrs_differ_is_refused():
     for g in opt.param_groups:  # relative to the group's own lr: each member's lr scaled, as on N torch optimizers
         g["lr"] *= 0.5
     torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor([0.005, 0.01, 0.02], dtype=torch.float64))
-    opt.param_groups[0]["initial_lr"] = 1.0
+    opt.param_groups[0]["initial_lr"] = opt.param_groups[0]["lr"] * 2  # the base, as a factor of the group's lr
     for g in opt.param_groups:
         g["lr"] = g["initial_lr"] * 0.1  # a schedule written by hand as a factor of the base (timm's habit)
     torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor([0.001, 0.002, 0.004], dtype=torch.float64))
@@ -231,6 +231,29 @@ def test_an_lr_from_a_config_or_with_a_floor_is_refused_and_pure_factors_in_any_
             g["lr"]
             * 2
         )
+    torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor(lrs, dtype=torch.float64) / 2)
+
+
+def test_lr_writes_through_initial_lr_or_dict_merge_are_checked_and_more_factor_forms_scale():
+    """Was silent: `g["initial_lr"] = 0.05` then `g["lr"] = g["initial_lr"] * 1.0` (accepted as a factor), and
+    `g |= {"lr": 0.05}` (dict.__ior__ skipped the check), both scaled each member's own lr; a walrus, a conditional
+    factor, operator.setitem and g.get("lr") were refused."""
+    import operator
+
+    lrs = [0.1, 0.2, 0.4]
+    opt = StackedSGD([torch.zeros(N, 2, requires_grad=True)], N, lr=lrs)
+    g = opt.param_groups[0]
+    with pytest.raises(OptimizerError, match=r"\['initial_lr'\] = 0.05 written"):
+        g["initial_lr"] = 0.05
+    with pytest.raises(OptimizerError, match="set_hyperparameter"):
+        g |= {"lr": 0.05}
+    torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor(lrs, dtype=torch.float64))
+    cond = True
+    g["initial_lr"] = g["lr"]  # the base a hand-written schedule scales: a factor (1) of the group's own lr
+    g["lr"] = (v := g["lr"] * 0.5)  # noqa: F841
+    g["lr"] = g["lr"] * 2 if cond else g["lr"]
+    operator.setitem(g, "lr", g.get("lr") / 2)
+    g["lr"] = g["initial_lr"] * 0.5
     torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor(lrs, dtype=torch.float64) / 2)
 
 
