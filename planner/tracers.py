@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import io
 import logging
+import operator
 import sys
 from typing import Any, Sequence
 
@@ -169,16 +170,49 @@ def _drop_self_copies(gm: torch.fx.GraphModule) -> None:
                 or len(node.args) != 2 or node.kwargs:
             continue
         dst, src = node.args
-        for _ in range(64):  # back through in-place ops on the same tensor (not views)
-            if src is dst or not (isinstance(src, torch.fx.Node) and src.op == "call_function" and is_inplace(src)
-                                  and src.args and isinstance(src.args[0], torch.fx.Node)):
+        for _ in range(64):  # back through in-place ops on the same tensor (not views), and no_grad regions
+            if src is dst or not isinstance(src, torch.fx.Node):
                 break
-            src = src.args[0]
+            if src.op == "call_function" and is_inplace(src) and src.args and isinstance(src.args[0], torch.fx.Node):
+                src = src.args[0]
+                continue
+            through = _region_operand(gm, src)  # `with torch.no_grad(): self.n += 1`: the region hands n back
+            if through is None:
+                break
+            src = through
         if src is dst:
             gm.graph.erase_node(node)
             changed = True
     if changed:
         gm.recompile()
+
+
+def _region_operand(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """For `getitem(wrap_with_set_grad_enabled(flag, submod, *operands), k)`: the operand the region's k-th output is,
+    written in place (its output reached from one of its placeholders through in-place ops alone); else None."""
+    if not (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+            and isinstance(node.args[1], int)):
+        return None
+    region = node.args[0]
+    if not (region.op == "call_function" and region.target is getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+            and len(region.args) >= 2 and isinstance(region.args[1], torch.fx.Node) and region.args[1].op == "get_attr"):
+        return None
+    sub = getattr(gm, str(region.args[1].target), None)
+    if not isinstance(sub, torch.fx.GraphModule):
+        return None
+    placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+    outputs = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    value = outputs[node.args[1]] if isinstance(outputs, (tuple, list)) and node.args[1] < len(outputs) else None
+    for _ in range(64):
+        if not isinstance(value, torch.fx.Node) or value.op == "placeholder":
+            break
+        if not (value.op == "call_function" and is_inplace(value) and value.args and isinstance(value.args[0], torch.fx.Node)):
+            return None
+        value = value.args[0]
+    if not isinstance(value, torch.fx.Node) or value not in placeholders:
+        return None
+    operand = region.args[2 + placeholders.index(value)] if 2 + placeholders.index(value) < len(region.args) else None
+    return operand if isinstance(operand, torch.fx.Node) else None
 
 
 def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> None:

@@ -313,15 +313,22 @@ class FloatCounter(nn.Module):
         self.register_buffer("n", torch.zeros(()) + start)
 
     def forward(self, x):
-        self.n += 1
+        if self.under_no_grad:  # the usual form, and why fx gives way to torch.export
+            with torch.no_grad():
+                self.n += 1
+        else:
+            self.n += 1
         return self.l(x) * self.n
 
 
-def test_training_with_a_float_buffer_counter_matches_the_loop():
+@pytest.mark.parametrize("under_no_grad", [False, True])
+def test_training_with_a_float_buffer_counter_matches_the_loop(under_no_grad):
     """Was: "modified by an inplace operation" at backward: the copy of n into itself (a no-op) bumped the version
     of the stacked buffer that `* self.n` had saved."""
     torch.manual_seed(0)
     members = [FloatCounter(i).train() for i in range(N)]
+    for m in members:
+        m.under_no_grad = under_no_grad
     x = torch.randn(4, 6)
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
     assert not any("copy_" in node for s in plan.stages for node in s.nodes)
