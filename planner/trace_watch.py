@@ -17,7 +17,7 @@ import sys
 import sysconfig
 import threading
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -539,10 +539,8 @@ def _autograd_functions_kept():
     backward is lost (build refuses training on such a graph)."""
     owner = threading.get_ident()
     inlined: set[str] = set()
-    with _PATCHING:
-        original = vars(torch.autograd.Function)["apply"]
-        plain = original.__func__
 
+    def make(plain: Callable) -> Callable:
         def apply(cls, *args, **kwargs):
             leaves = tree_flatten((args, kwargs))[0]
             proxies = [a for a in leaves if isinstance(a, torch.fx.Proxy)]
@@ -555,10 +553,21 @@ def _autograd_functions_kept():
                 return plain(cls, *args, **kwargs)
             return proxies[0].tracer.create_proxy("call_function", apply_autograd_function, (function_key(cls), *args),
                                                   kwargs, name=_node_name(cls))
+        return apply
 
+    with _function_apply_replaced(make):
+        yield inlined
+
+
+@contextlib.contextmanager
+def _function_apply_replaced(make: Callable[[Callable], Callable]):
+    """While inside, torch.autograd.Function.apply is `make(apply)`: a function of (cls, *args, **kwargs) given
+    torch's own apply to call."""
+    with _PATCHING:
+        original = vars(torch.autograd.Function)["apply"]
         try:
-            torch.autograd.Function.apply = classmethod(apply)
-            yield inlined
+            torch.autograd.Function.apply = classmethod(make(original.__func__))
+            yield
         finally:
             torch.autograd.Function.apply = original
 
@@ -589,19 +598,15 @@ def _autograd_functions_seen():
     torch.export records the ops of such a Function's forward, and its own backward is lost."""
     owner = threading.get_ident()
     seen: set[str] = set()
-    with _PATCHING:
-        original = vars(torch.autograd.Function)["apply"]
-        plain = original.__func__
 
+    def make(plain: Callable) -> Callable:
         def apply(cls, *args, **kwargs):
             # reentrant checkpointing runs its region under no_grad and recomputes it in its backward: export keeps
             # the region with gradients off
             if threading.get_ident() == owner and (own_backward(cls) or cls.__qualname__ == "CheckpointFunction"):
                 seen.add(f"{cls.__module__}.{cls.__qualname__}")
             return plain(cls, *args, **kwargs)
+        return apply
 
-        try:
-            torch.autograd.Function.apply = classmethod(apply)
-            yield seen
-        finally:
-            torch.autograd.Function.apply = original
+    with _function_apply_replaced(make):
+        yield seen
