@@ -185,3 +185,17 @@ def check_plan_invariants(plan: planner.Plan, graph: planner.ModelGraph) -> None
     for u, v in dag.edges:  # stage ids are a topological order of the stage graph (so it is acyclic)
         if u in owner and v in owner:
             assert owner[u] <= owner[v], f"edge {u}->{v} goes from {plan.stages[owner[u]].id} back to {plan.stages[owner[v]].id}"
+
+
+def assert_trains_like_the_loop(ens, members, inputs: tuple, names=None, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """One forward and backward (loss: the sum of squares) of the batched module and of each member on `inputs`
+    (shared by every member): the outputs, and the stacked gradients of `names` (every parameter when None), alike."""
+    out = ens(*inputs)
+    want = torch.stack([m(*inputs) for m in members])
+    torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    got = dict(ens.named_stacked_parameters())
+    for name in names or [k for k, _ in members[0].named_parameters()]:
+        torch.testing.assert_close(got[name].grad, torch.stack([m.get_parameter(name).grad for m in members]),
+                                   rtol=rtol, atol=atol)

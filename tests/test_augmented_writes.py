@@ -17,6 +17,8 @@ from torch import nn
 from stagewise import executor, planner
 from stagewise.planner.plan import StageOptions, Strategy
 
+from conftest import assert_trains_like_the_loop
+
 N = 3
 
 
@@ -293,14 +295,7 @@ def test_gradients_through_an_augmented_assignment_that_rounds_match_the_loop():
     torch.manual_seed(0)
     members = [Promotes("bf16_plus_param") for _ in range(N)]
     x = torch.randn(5, 4)
-    ens = executor.build(_plan(members, x), copy.deepcopy(members))
-    ens(x).square().sum().backward()
-    for m in members:
-        m(x).square().sum().backward()
-    got = dict(ens.named_stacked_parameters())
-    for name, _ in members[0].named_parameters():
-        torch.testing.assert_close(got[name].grad, torch.stack([m.get_parameter(name).grad for m in members]),
-                                   rtol=1e-2, atol=1e-2)
+    assert_trains_like_the_loop(executor.build(_plan(members, x), copy.deepcopy(members)), members, (x,), rtol=1e-2, atol=1e-2)
 
 
 class FloatCounter(nn.Module):
@@ -333,14 +328,6 @@ def test_training_with_a_float_buffer_counter_matches_the_loop(under_no_grad):
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
     assert not any("copy_" in node for s in plan.stages for node in s.nodes)
     ens = executor.build(plan, copy.deepcopy(members)).train()
-    for _ in range(2):
-        got = ens(x)
-        want = torch.stack([m(x) for m in members])
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        got.square().sum().backward()
-        want.square().sum().backward()
-    stacked = dict(ens.named_stacked_parameters())
-    for name in ("l.weight", "l.bias"):
-        torch.testing.assert_close(stacked[name].grad, torch.stack([m.get_parameter(name).grad for m in members]),
-                                   rtol=1e-5, atol=1e-6)
+    for _ in range(2):  # gradients accumulate over the two calls on both sides
+        assert_trains_like_the_loop(ens, members, (x,))
     torch.testing.assert_close(torch.stack([s["n"] for s in ens.member_state_dicts()]), torch.stack([m.n for m in members]))

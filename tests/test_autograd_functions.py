@@ -19,6 +19,8 @@ from stagewise import executor, planner
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Strategy
 
+from conftest import assert_trains_like_the_loop
+
 N = 3
 
 
@@ -92,18 +94,6 @@ def _members(how):
     return out
 
 
-def _grads_like_the_loop(ens, members, x):
-    out = ens(x)
-    torch.testing.assert_close(out, torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
-    out.square().sum().backward()
-    for m in members:
-        m(x).square().sum().backward()
-    got = dict(ens.named_stacked_parameters())
-    for name, _ in members[0].named_parameters():
-        torch.testing.assert_close(got[name].grad, torch.stack([m.get_parameter(name).grad for m in members]),
-                                   rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("strategy", [None, Strategy.VMAP, Strategy.LOOP, Strategy.WIDE])
 @pytest.mark.parametrize("how", ["ste", "reverse"])
 def test_a_custom_function_trains_with_its_own_backward(how, strategy):
@@ -117,7 +107,7 @@ def test_a_custom_function_trains_with_its_own_backward(how, strategy):
         for stage in plan.stages:
             if stage.mode.value == "batched":
                 plan = planner.set_options(plan, graph, stage.id, strategy=strategy.value)
-    _grads_like_the_loop(executor.build(plan, copy.deepcopy(members)), members, x)
+    assert_trains_like_the_loop(executor.build(plan, copy.deepcopy(members)), members, (x,))
     assert executor.verify(plan, members, (x,), grads=True).ok
 
 
@@ -266,4 +256,4 @@ def test_functions_whose_backward_or_arguments_vmap_cannot_take_train_like_the_l
         members.append(Uses2(how).train())
     x = torch.randn(4, 6)
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
-    _grads_like_the_loop(executor.build(plan, copy.deepcopy(members)), members, x)
+    assert_trains_like_the_loop(executor.build(plan, copy.deepcopy(members)), members, (x,))
