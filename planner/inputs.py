@@ -37,7 +37,14 @@ def traced_specs(gm: torch.fx.GraphModule, tracer: str, values: dict[str, Any]) 
         ranges = gm.meta.get("stagewise_ranges", {})
         small_ok = gm.meta.get("stagewise_small_ok", {})
         symbols: dict[str, str] = {}  # export's symbol names (s77) -> d0, d1... in order of appearance
-        return {p.name: _export_spec(p.name, p.meta.get("val"), ranges, symbols, small_ok) for p in placeholders}
+        for p in placeholders:  # named first: a dim's small_with may name a symbol of a later input
+            val = p.meta.get("val")
+            for size in val.shape if isinstance(val, torch.Tensor) else ():
+                if not isinstance(size, int) and size.node.maybe_as_int() is None and str(size.node.expr) in ranges:
+                    symbols.setdefault(str(size.node.expr), f"d{len(symbols)}")
+        together = {expr: tuple(symbols[e] for e in others if e in symbols)
+                    for expr, others in gm.meta.get("stagewise_small_together", {}).items()}
+        return {p.name: _export_spec(p.name, p.meta.get("val"), ranges, symbols, small_ok, together) for p in placeholders}
     specs = {}
     for p in placeholders:
         if p.name not in values:
@@ -51,7 +58,8 @@ def traced_specs(gm: torch.fx.GraphModule, tracer: str, values: dict[str, Any]) 
     return specs
 
 
-def _export_spec(name: str, val: Any, ranges: dict, symbols: dict[str, str], small_ok: dict[str, int]) -> InputSpec:
+def _export_spec(name: str, val: Any, ranges: dict, symbols: dict[str, str], small_ok: dict[str, int],
+                 together: dict[str, tuple[str, ...]]) -> InputSpec:
     if not isinstance(val, torch.Tensor):
         number = val if isinstance(val, (bool, int, float)) else None  # export specialised on it: kept to retrace with
         return InputSpec(name, dtype=type(val).__name__ if val is not None else "NoneType", value=number)
@@ -70,7 +78,8 @@ def _export_spec(name: str, val: Any, ranges: dict, symbols: dict[str, str], sma
         symbol = symbols.setdefault(expr, f"d{len(symbols)}")
         # a lower bound of 2 is export's 0/1 specialisation: the graph may hold for sizes 1 and 0 or not;
         # planner.tracers.check_small_sizes ran it there against the model (unchecked: 2)
-        dynamic.append(DynamicDim(d, min=small_ok.get(expr, 2) if lo == 2 else lo, max=hi, symbol=symbol))
+        dynamic.append(DynamicDim(d, min=small_ok.get(expr, 2) if lo == 2 else lo, max=hi, symbol=symbol,
+                                  small_with=together.get(expr, ())))
     return InputSpec(name, shape=tuple(shape), dtype=_dtype_name(val.dtype), dynamic_dims=tuple(dynamic))
 
 
@@ -105,6 +114,7 @@ def check_call_inputs(tracer: str, specs: Sequence[InputSpec], values: Sequence[
     if tracer != "export":
         return
     seen: dict[str, tuple[str, int, int]] = {}  # symbol -> (input, dim, size) of its first use
+    small: list[tuple[str, int, int, tuple[str, ...]]] = []  # (input, dim, size, small_with) below 2, checked at the end
     for spec, value in zip(specs, values):
         if spec.dtype is None or spec.shape is None:
             continue  # a plan file from before specs were recorded, or a non-tensor input (export's guard checks those)
@@ -143,6 +153,16 @@ def check_call_inputs(tracer: str, specs: Sequence[InputSpec], values: Sequence[
                     raise InputError(f"input {spec.name!r} has size {size} at dim {d}{where}, but input {first[0]!r} has "
                                      f"size {first[2]} at dim {first[1]}, and the plan's torch.export trace requires them "
                                      "equal; pass matching sizes")
+            if dyn.small_with and size < 2:
+                small.append((spec.name, d, size, dyn.small_with))
+    for name, d, size, others in small:
+        for symbol in others:
+            other = seen.get(symbol)
+            if other is not None and other[2] != size:
+                raise InputError(f"input {name!r} has size {size} at dim {d}, and input {other[0]!r} size {other[2]} at dim "
+                                 f"{other[1]}; torch.export traced these dims for sizes of 2 and more, and below that the "
+                                 "plan was checked against forward() only with both at one size, so it refuses this rather "
+                                 f"than answer wrong; pass {size} at both, or at least 2 at dim {d} of {name!r}")
 
 
 def _where(spec: InputSpec) -> str:

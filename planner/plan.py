@@ -164,6 +164,9 @@ class DynamicDim:
     min: int = 0  # smallest accepted size (0: no lower bound)
     max: int | None = None  # largest accepted size (None: no upper bound)
     symbol: str = ""  # dims with the same symbol ("d0", ...), in any input, must have equal sizes; "" = free
+    # symbols of dims that must have this dim's size when it is below 2 (checked there only together with them:
+    # input_ids' and attention_mask's batch, which export gave symbols of their own)
+    small_with: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"dim": self.dim}
@@ -173,16 +176,21 @@ class DynamicDim:
             d["max"] = self.max
         if self.symbol:
             d["symbol"] = self.symbol
+        if self.small_with:
+            d["small_with"] = list(self.small_with)
         return d
 
     @staticmethod
     def from_json(d: Any, *, where: str) -> "DynamicDim":
         if isinstance(d, Mapping):
             dim, lo, hi, sym = d.get("dim"), d.get("min", 0), d.get("max"), d.get("symbol", "")
-            if _is_size(dim) and _is_size(lo) and (hi is None or _is_size(hi)) and isinstance(sym, str):
-                return DynamicDim(dim, lo, hi, sym)
+            small_with = d.get("small_with", [])
+            if _is_size(dim) and _is_size(lo) and (hi is None or _is_size(hi)) and isinstance(sym, str) \
+                    and isinstance(small_with, list) and all(isinstance(x, str) for x in small_with):
+                return DynamicDim(dim, lo, hi, sym, tuple(small_with))
         raise PlanFileError(f"{where}: each dynamic_dims entry must be an object like {{\"dim\": 0}} "
-                            f"(optional integer min/max, string symbol), got {d!r}; fix it or re-create the plan with `stagewise plan`")
+                            f"(optional integer min/max, string symbol, list of symbols small_with), got {d!r}; fix it "
+                            "or re-create the plan with `stagewise plan`")
 
 
 def _is_size(v: Any) -> bool:

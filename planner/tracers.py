@@ -252,14 +252,19 @@ def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs
     checked = [expr for expr in where if ranges.get(expr, (None,))[0] == 2]
     size_of = {expr: leaves[where[expr][0][0]].shape[where[expr][0][1]] for expr in checked}
     ok: dict[str, int] = {}
+    together: dict[str, list[str]] = {}
     for expr in checked:
         ok[expr] = smallest_for(where[expr])
         alike = [e for e in checked if e != expr and size_of[e] == size_of[expr]]
         if ok[expr] == 2 and alike:
             # export may give one axis two symbols (input_ids' batch and attention_mask's): cut alone, the model
-            # itself fails (a mask of one row for two sequences); cut with every dim of the same example size
+            # itself fails (a mask of one row for two sequences); cut with every dim of the same example size, and
+            # accepted below 2 only with those dims at its size (that is all that was checked)
             ok[expr] = smallest_for([dim for e in (expr, *alike) for dim in where[e]])
+            if ok[expr] < 2:
+                together[expr] = alike
     gm.meta["stagewise_small_ok"] = ok
+    gm.meta["stagewise_small_together"] = together
 
 
 def _same_outputs(model: nn.Module, gm: torch.fx.GraphModule, args: tuple, snapshot_type: Any) -> bool:

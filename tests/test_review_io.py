@@ -259,3 +259,43 @@ def test_a_branch_on_a_buffer_value_is_never_member_0s():
         return
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
 
+
+
+class _OneRowAgainstMany(torch.nn.Module):
+    """At one row of x against several of y forward() takes another path; export gives x's and y's rows symbols of
+    their own, and x cut to one row alone is where the graph and forward() differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        if x.shape[0] == 1 and y.shape[0] > 1:
+            x = x * 0.5
+        return self.l(x).mean(0) + self.l(y).mean(0)
+
+
+def test_a_size_below_two_checked_only_together_with_another_dim_is_accepted_only_together():
+    """Was (for a few commits): x at one row was accepted with y at any size, because the check had passed with
+    both at one row; x[1], y[4] answered off by 0.52 without a word. Now: both at one size, or an InputError."""
+    import copy
+    import warnings
+
+    from stagewise import executor, planner
+
+    torch.manual_seed(0)
+    members = [_OneRowAgainstMany() for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(4, 8), torch.randn(4, 8)))
+    plan = planner.propose(graph, 3)
+    assert graph.tracer == "export"
+    assert planner.Plan.from_json(plan.to_json()).inputs == plan.inputs  # small_with survives the plan file
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        for a, b in [(4, 4), (1, 1), (4, 1)]:
+            x, y = torch.randn(a, 8), torch.randn(b, 8)
+            torch.testing.assert_close(ens(x, y), torch.stack([m(x, y) for m in members]), rtol=1e-5, atol=1e-6)
+        for a, b in [(1, 4), (1, 3)]:
+            with pytest.raises(planner.InputError, match="checked against forward\\(\\) only with both at one size"):
+                ens(torch.randn(a, 8), torch.randn(b, 8))
