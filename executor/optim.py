@@ -465,13 +465,20 @@ def _proportional(node: ast.AST, group: str) -> bool:
 def _lr_writes(stmt: ast.stmt | None) -> list[tuple[str, ast.AST | None, bool]]:
     """The writes of a group's "lr" in `stmt` (and in statements and comprehensions inside it: a one-line `for`):
     (the written group's ast dump, the value written, whether it is an augmented `*=` / `/=` by a factor) for
-    `g["lr"] = v`, `g["lr"] op= v` (the value None), `g.__setitem__("lr", v)` and `g.update(lr=v)`."""
+    `g["lr"] = v`, `g["lr"] op= v` (the value None), `g.__setitem__("lr", v)`, `operator.setitem(g, "lr", v)`,
+    `g.update(lr=v)`, `g.update({"lr": v})` and `g |= {"lr": v}`."""
     def lr_key(target: ast.AST) -> bool:
         return isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) and target.slice.value in _LR_KEYS
 
+    def from_dict(group: str, d: ast.AST) -> list[tuple[str, ast.AST | None, bool]]:  # `g |= {...}`, g.update({...})
+        return [(group, v, False) for k, v in zip(d.keys, d.values) if isinstance(k, ast.Constant) and k.value in _LR_KEYS] \
+            if isinstance(d, ast.Dict) else []
+
     found: list[tuple[str, ast.AST | None, bool]] = []
     for node in ast.walk(stmt) if stmt is not None else ():
-        if isinstance(node, ast.AugAssign) and lr_key(node.target):
+        if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.BitOr):
+            found += from_dict(ast.dump(node.target).replace("Store()", "Load()"), node.value)  # as read on the right
+        elif isinstance(node, ast.AugAssign) and lr_key(node.target):
             factor = isinstance(node.op, (ast.Mult, ast.Div)) and not _reads_an_lr(node.value)
             found.append((ast.dump(node.target.value), None, factor))
         elif isinstance(node, ast.Assign):
@@ -481,8 +488,9 @@ def _lr_writes(stmt: ast.stmt | None) -> list[tuple[str, ast.AST | None, bool]]:
             if node.func.attr == "__setitem__" and len(node.args) == 2 and isinstance(node.args[0], ast.Constant) \
                     and node.args[0].value == "lr":
                 found.append((group, node.args[1], False))
-            elif node.func.attr == "update" and not node.args:
+            elif node.func.attr == "update":
                 found += [(group, k.value, False) for k in node.keywords if k.arg in _LR_KEYS]
+                found += from_dict(group, node.args[0]) if len(node.args) == 1 else []
         if isinstance(node, ast.Call) and len(node.args) == 3 and isinstance(node.args[1], ast.Constant) \
                 and node.args[1].value in _LR_KEYS and getattr(node.func, "attr", getattr(node.func, "id", "")) == "setitem":
             found.append((ast.dump(node.args[0]), node.args[2], False))  # operator.setitem(g, "lr", v)

@@ -253,6 +253,8 @@ def test_lr_writes_through_initial_lr_or_dict_merge_are_checked_and_more_factor_
     g["lr"] = (v := g["lr"] * 0.5)  # noqa: F841
     g["lr"] = g["lr"] * 2 if cond else g["lr"]
     operator.setitem(g, "lr", g.get("lr") / 2)
+    g |= {"lr": g["lr"] * 4}
+    g.update({"lr": g["lr"] / 4})
     g["lr"] = g["initial_lr"] * 0.5
     torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor(lrs, dtype=torch.float64) / 2)
 
