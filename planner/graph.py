@@ -538,17 +538,69 @@ class _Recorder(torch.fx.Interpreter):
         super().__init__(gm)
         self.values: dict[str, Any] = {}
         self.flops: dict[str, int] = {}
+        self.written: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # (opaque node, input whose version it moved)
+        self.aliased: list[tuple[torch.fx.Node, torch.fx.Node]] = []  # (opaque node, input its output shares memory with)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op in ("call_module", "call_function", "call_method"):
+            opaque = _opaque(n)
+            if opaque:  # a user's function or a leaf module: what it writes and hands back, the graph cannot show
+                before = [(a, self.values.get(a.name)) for a in n.all_input_nodes]
+                versions = [(a, v._version) for a, v in before if isinstance(v, torch.Tensor) and not v.is_inference()]
             counter = FlopCounterMode(display=False)
             with counter:
                 out = super().run_node(n)
             self.flops[n.name] = counter.get_total_flops()
+            if opaque:
+                self.written += [(n, a) for a, version in versions if self.values[a.name]._version != version]
+                outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                self.aliased += [(n, a) for a, v in before if isinstance(v, torch.Tensor)
+                                 and any(_same_storage(t, v) for t in outs)]
         else:
             out = super().run_node(n)
         self.values[n.name] = out
         return out
+
+
+def _opaque(n: torch.fx.Node) -> bool:
+    """A node whose body the graph does not show: a torch.fx.wrap'd function of the user's, or a leaf module (not
+    one whose `inplace` flag already says it writes)."""
+    if n.op == "call_module":
+        return not is_inplace(n)
+    if n.op != "call_function" or is_inplace(n):
+        return False
+    module = getattr(n.target, "__module__", None) or ""
+    return not (module.startswith(("torch", "_operator", "operator", "builtins", "math", "stagewise"))
+                or isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _hidden_writes_refusal(gm: torch.fx.GraphModule, rec: "_Recorder") -> str:
+    """Why the graph cannot be planned: a user's function or a leaf module writes a tensor it is given in place, or
+    hands back one it is given (or a view of it) that the graph then writes: the planner cannot keep the other reads
+    of that memory in order with the write it does not see. "" when neither."""
+    if rec.written:
+        node, arg = rec.written[0]
+        return (f"forward() calls {_readable_target(gm, node)}, which writes the tensor it is given as {arg.name!r} in "
+                "place, where the traced graph cannot see it: the plan could not keep the other reads of that tensor "
+                f"after the write. Return a new tensor from it (h = h * s, not h.mul_(s)) and use that, or do the write "
+                "in forward() itself, outside the wrapped function")
+    written_roots = {storage_root(n.args[0]) for n in gm.graph.nodes if is_inplace(n)}
+    for node, arg in rec.aliased:
+        if node.op == "call_module":  # nn.Identity, Dropout in eval, Flatten: the storage analysis knows these
+            continue
+        if storage_root(node) in written_roots or storage_root(arg) in written_roots:
+            return (f"forward() calls {_readable_target(gm, node)}, which hands back the tensor it is given as "
+                    f"{arg.name!r} (or a view of it), and the graph then writes into that memory in place: the planner "
+                    "cannot see that the two share it, and could not keep their reads and writes in order. Return a copy "
+                    "from it (x.clone() where it returns its input unchanged), or write a new tensor (h = h * 2)")
+    return ""
 
 
 def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict]:
@@ -574,6 +626,9 @@ def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict
         with torch.no_grad():
             for name, t in state.items():
                 t.copy_(saved[name])
+    hidden = _hidden_writes_refusal(gm, rec)
+    if hidden:
+        raise TraceError(hidden)
     return rec.values, rec.flops
 
 
