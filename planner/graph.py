@@ -585,16 +585,18 @@ def _hidden_writes_refusal(gm: torch.fx.GraphModule, rec: "_Recorder") -> str:
     """Why the graph cannot be planned: a user's function or a leaf module writes a tensor it is given in place, or
     hands back one it is given (or a view of it) that the graph then writes: the planner cannot keep the other reads
     of that memory in order with the write it does not see. "" when neither."""
-    if rec.written:
-        node, arg = rec.written[0]
+    # a model input written so is found by running member 0 at build (executor.input_writes), with its own message
+    written = [(node, arg) for node, arg in rec.written if storage_root(arg, every_module=False).op != "placeholder"]
+    if written:
+        node, arg = written[0]
         return (f"forward() calls {_readable_target(gm, node)}, which writes the tensor it is given as {arg.name!r} in "
                 "place, where the traced graph cannot see it: the plan could not keep the other reads of that tensor "
                 f"after the write. Return a new tensor from it (h = h * s, not h.mul_(s)) and use that, or do the write "
                 "in forward() itself, outside the wrapped function")
     written_roots = {storage_root(n.args[0]) for n in gm.graph.nodes if is_inplace(n)}
     for node, arg in rec.aliased:
-        if node.op == "call_module":  # nn.Identity, Dropout in eval, Flatten: the storage analysis knows these
-            continue
+        if node.op == "call_module" or storage_root(arg, every_module=False).op == "placeholder":  # nn.Identity, Dropout,
+            continue  # the storage analysis knows these; a model input written is found at build (executor.input_writes)
         if storage_root(node) in written_roots or storage_root(arg) in written_roots:
             return (f"forward() calls {_readable_target(gm, node)}, which hands back the tensor it is given as "
                     f"{arg.name!r} (or a view of it), and the graph then writes into that memory in place: the planner "
