@@ -595,8 +595,10 @@ def _hidden_writes_refusal(gm: torch.fx.GraphModule, rec: "_Recorder") -> str:
                 "in forward() itself, outside the wrapped function")
     written_roots = {storage_root(n.args[0]) for n in gm.graph.nodes if is_inplace(n)}
     for node, arg in rec.aliased:
-        if node.op == "call_module" or storage_root(arg, every_module=False).op == "placeholder":  # nn.Identity, Dropout,
-            continue  # the storage analysis knows these; a model input written is found at build (executor.input_writes)
+        # leaf modules handing back their input (nn.Identity, Dropout in eval, Flatten) the storage analysis knows;
+        # a model input written is found at build (executor.input_writes)
+        if node.op == "call_module" or storage_root(arg, every_module=False).op == "placeholder":
+            continue
         if storage_root(node) in written_roots or storage_root(arg) in written_roots:
             return (f"forward() calls {_readable_target(gm, node)}, which hands back the tensor it is given as "
                     f"{arg.name!r} (or a view of it), and the graph then writes into that memory in place: the planner "
