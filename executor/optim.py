@@ -78,6 +78,7 @@ Imports nothing of ours except planner.errors.
 from __future__ import annotations
 
 import ast
+import functools
 import linecache
 import math
 import os
@@ -408,6 +409,7 @@ def _written_by_user() -> str | None:
     return "derived" if _reads_own_lr(stmt) else "absolute"
 
 
+@functools.lru_cache(maxsize=256)  # a hand-written schedule writes from one line every step: parsed once
 def _statement_at(filename: str, lineno: int) -> ast.AST | None:
     """The statement starting at `lineno` of `filename` (up to 12 lines long; those of one line, `a; b`, together),
     parsed; None if it cannot be."""
