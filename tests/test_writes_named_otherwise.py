@@ -25,6 +25,15 @@ def assert_like_the_loop(ens, members, x, grad=False):
             for _ in range(2):
                 torch.testing.assert_close(ens(batch), torch.stack([m(batch) for m in members]), rtol=1e-6, atol=1e-6)
 
+def _wide_everywhere(graph):
+    """The proposed plan with every batched stage run `wide`."""
+    plan = planner.propose(graph, n_members=N)
+    for stage in plan.stages:
+        if stage.mode.value == "batched":
+            plan = planner.set_options(plan, graph, stage.id, strategy="wide")
+    return plan
+
+
 FORMS = {
     "out_keyword": lambda h: torch.add(h, 1.0, out=h),
     "clamp_out": lambda h: torch.clamp(h, min=0.0, out=h),
@@ -135,11 +144,7 @@ def test_wide_fuses_no_sibling_linears_across_a_write_through_any_view(view):
     members = [Siblings() for _ in range(N)]
     x = torch.randn(6, 4)
     graph = planner.trace(copy.deepcopy(members[0]), (x,))
-    plan = planner.propose(graph, n_members=N)
-    for stage in plan.stages:
-        if stage.mode.value == "batched":
-            plan = planner.set_options(plan, graph, stage.id, strategy="wide")
-    ens = executor.build(plan, copy.deepcopy(members))
+    ens = executor.build(_wide_everywhere(graph), copy.deepcopy(members))
     assert_like_the_loop(ens, members, x)
 
 
@@ -280,11 +285,7 @@ def test_wide_fuses_sibling_linears_after_a_write_they_all_see():
     graph = planner.trace(copy.deepcopy(members[0]), (x,))
     stacked = {f"{k}": None for k, _ in members[0].named_parameters()}
     assert _sibling_linears(graph.gm, stacked) == {"pi": ["pi", "v"]}  # was: not fused (the trunk is written)
-    plan = planner.propose(graph, n_members=N)
-    for stage in plan.stages:
-        if stage.mode.value == "batched":
-            plan = planner.set_options(plan, graph, stage.id, strategy="wide")
-    ens = executor.build(plan, copy.deepcopy(members))
+    ens = executor.build(_wide_everywhere(graph), copy.deepcopy(members))
     assert_like_the_loop(ens, members, x)
     ens(x).square().sum().backward()
     for m in members:
