@@ -35,6 +35,7 @@ from stagewise.planner.plan import InputMode, Plan, Stage
 from stagewise.planner.validate import stage_graph, validate
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
+from stagewise.executor.precision import take_dtypes_of_a_trace_in
 from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
 from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
@@ -151,6 +152,14 @@ def register_output_dataclasses(gm: torch.fx.GraphModule) -> None:
         cls = node.target
         if node.op == "call_function" and isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls not in SUPPORTED_NODES:
             register_dataclass(cls)
+
+
+def _has_buffer(module: nn.Module, target: str) -> bool:
+    try:
+        module.get_buffer(target)
+    except AttributeError:
+        return False
+    return True
 
 
 def run_order(plan: Plan, graph: ModelGraph) -> list[Stage]:
@@ -355,8 +364,13 @@ class BatchedModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # the stacked state tree: tied names stay one Parameter
+        kept = self.__dict__.get("_kept_dtypes") or {}
         for m in self.stage_modules:
+            held = {k: m.get_buffer(k) for k in kept if _has_buffer(m, k)}
             m._apply(fn)
+            for k, t in held.items():  # moved where fn moves a tensor of its dtype, not cast
+                owner, _, name = k.rpartition(".")
+                m.get_submodule(owner)._buffers[name] = t.to(device=fn(torch.empty(0, dtype=t.dtype, device=t.device)).device)
         self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
         self._build_runners()
         if "_captured" in self.__dict__:  # not while nn.Module.__init__ sets things up
@@ -598,14 +612,15 @@ class BatchedModule(nn.Module):
                 raise ExecutionError(f"{str(e).split('. Check')[0]}: this op has no float16 kernel on {device}; use dtype "
                                      "'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
             if self.plan.tracer == "export" and _MIXED_DTYPES.search(str(e)):
-                # torch.export baked the trace's float32 into the graph (`h.to(torch.float32)` in an RMSNorm, a
-                # cast back to the input's dtype, dtype checks): those values meet the low-precision weights
+                # torch.export baked the trace's float32 into the graph (`h.to(torch.float32)` in an RMSNorm, a cast
+                # back to the input's dtype, dtype checks), and the trace in the plan's dtype could not replace them
+                why = self.__dict__.get("_precision_refused") or "its dtypes could not be taken from a trace in that dtype"
                 raise ExecutionError(
                     f"{str(e).split('. Check')[0]}: this plan was traced with torch.export, which fixes the dtypes the "
                     f"model's casts had at trace time (float32) into the graph, so float32 values meet the {self.plan.dtype} "
-                    "weights. A low-precision plan of such a graph is not supported yet: keep this plan float32 "
-                    "(planner.set_dtype(plan, 'float32')), or make forward() traceable by torch.fx, whose graph casts to "
-                    "the dtype the values have when it runs") from e
+                    f"weights; stagewise traced member 0 again in {self.plan.dtype} to take its dtypes, but {why}. Keep this "
+                    "plan float32 (planner.set_dtype(plan, 'float32')), or make forward() traceable by torch.fx, whose "
+                    "graph casts to the dtype the values have when it runs") from e
             if _LOW_PRECISION_TROUBLE.search(str(e)):  # an op with no kernel for the plan's dtype (fft in bfloat16)
                 raise ExecutionError(f"{str(e).split('. Check')[0]}: this op does not run in {self.plan.dtype} on {device}; "
                                      "keep this plan float32 (planner.set_dtype(plan, 'float32'))"
@@ -757,6 +772,9 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             "stagewise that traced it otherwise (out= writes now trace as copy_): re-plan with `stagewise plan`"
         )
     validate(plan, graph)
+    # a torch.export graph in bfloat16/float16: the dtypes it baked in at float32 taken from a trace in that dtype
+    precision_refused, kept_dtypes = take_dtypes_of_a_trace_in(graph, plan, private, LOW_PRECISION[plan.dtype], example) \
+        if plan.tracer == "export" and plan.dtype in LOW_PRECISION else ("", {})
     check_same_requires_grad(members)
     written = check_input_writes(private, graph, plan, example)
     bound = mode_bound(private, graph, plan, example)  # before the graph is edited below (lifted constants)
@@ -774,6 +792,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place
+    module.__dict__["_precision_refused"] = precision_refused  # why the export graph kept its float32 dtypes
+    module.__dict__["_kept_dtypes"] = kept_dtypes  # stage constants .to() must not cast (made in forward())
     module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:

@@ -484,11 +484,7 @@ def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | No
             flops=int(flops.get(node.name, 0)),
         )
         dag.add_node(node.name, **info.__dict__)
-        for dep in node.all_input_nodes:
-            dag.add_edge(dep.name, node.name)
-    for u, v in inplace_order_edges(gm):
-        if not dag.has_edge(u, v):
-            dag.add_edge(u, v, order=True)
+    add_edges(dag, gm)
     return ModelGraph(
         gm=gm,
         dag=dag,
@@ -503,6 +499,16 @@ def graph_of(gm: torch.fx.GraphModule, tracer: str, note: str, values: dict | No
         input_guard=getattr(gm, "_guards_fn", None) if tracer == "export" else None,
         opened_modules=tuple(opened),
     )
+
+
+def add_edges(dag: nx.DiGraph, gm: torch.fx.GraphModule) -> None:
+    """The edges of `gm`'s nodes into `dag`: where a node reads another's value, and inplace_order_edges."""
+    for node in gm.graph.nodes:
+        for dep in node.all_input_nodes:
+            dag.add_edge(dep.name, node.name)
+    for u, v in inplace_order_edges(gm):
+        if not dag.has_edge(u, v):
+            dag.add_edge(u, v, order=True)
 
 
 def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:

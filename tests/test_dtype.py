@@ -225,27 +225,136 @@ def test_an_op_with_no_bfloat16_kernel_is_named_as_such_not_blamed_on_the_inputs
         executor.build(plan, members)(x)
 
 
-def test_a_low_precision_plan_of_an_export_graph_with_baked_float32_casts_says_why_it_fails():
-    """Was: InputError "check the input shapes" (a Hugging Face Llama in bfloat16): torch.export baked the cast back
-    to the input's dtype (float32 at trace time), and float32 values met the bfloat16 weights."""
-    class RMSNormed(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+class _RMSNormed(torch.nn.Module):
+    """An RMSNorm as Hugging Face writes it: the variance in float32, the result cast back to the input's dtype.
+    torch.export bakes the trace's dtypes (float32) into both casts and into its dtype checks."""
 
-        def forward(self, x):
-            h = self.l(x)
-            if h.shape[0] > 1:  # a branch on a size: fx cannot trace it, torch.export can
-                h = h + 1
-            variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
-            return self.out((h * torch.rsqrt(variance + 1e-6)).to(h.dtype))
+    def __init__(self):
+        super().__init__()
+        self.l, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
 
-    from stagewise.planner.errors import ExecutionError
+    def forward(self, x):
+        h = self.l(x)
+        if h.shape[0] > 1:  # a branch on a size: fx cannot trace it, torch.export can
+            h = h + 1
+        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.out((h * torch.rsqrt(variance + 1e-6)).to(h.dtype))
 
-    members = [RMSNormed() for _ in range(2)]
-    x = torch.randn(3, 8)
+
+def _export_plan(members, x, dtype):
     graph = planner.trace(members[0], (x,))
     assert graph.tracer == "export"
-    plan = planner.set_dtype(planner.propose(graph, 2), "bfloat16")
-    with pytest.raises(ExecutionError, match="traced with torch.export, which fixes the dtypes"):
+    return planner.set_dtype(planner.propose(graph, len(members)), dtype)
+
+
+def _low_loop(members, dtype, *inputs):
+    """Each member cast to `dtype` and run on its own: what eager forward() computes in that dtype."""
+    import copy
+
+    cast = [t.to(getattr(torch, dtype)) if t.is_floating_point() else t for t in inputs]
+    with torch.no_grad():
+        return torch.stack([copy.deepcopy(m).to(getattr(torch, dtype))(*cast) for m in members])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_plan_of_an_export_graph_casts_where_forward_would_in_that_dtype(dtype):
+    """Was: ExecutionError (a Hugging Face Llama in bfloat16): torch.export baked the cast back to the input's dtype
+    (float32 at trace time) into the graph, and float32 values met the low-precision weights. The dtypes are now
+    those of a trace in the plan's dtype: the module computes what each member cast to that dtype computes."""
+    torch.manual_seed(0)
+    members = [_RMSNormed() for _ in range(N)]
+    x = torch.randn(3, 8)
+    plan = _export_plan(members, x, dtype)
+    with torch.no_grad():
+        got = executor.build(plan, members)(x)
+    assert got.dtype == torch.float32  # back in the caller's dtype
+    torch.testing.assert_close(got, _low_loop(members, dtype, x).float(), rtol=0, atol=2e-2 if dtype == "bfloat16" else 2e-3)
+    report = executor.verify(plan, members, (x,), grads=True)
+    assert report.ok, report.to_text()
+
+
+class _Rotary(torch.nn.Module):
+    """Positions up to 1000 in float32 on purpose (bfloat16 holds integers exactly only up to 256), the result cast
+    to the activations' dtype: a cast-everything-to-the-plan's-dtype rule would compute the angles in bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / 10.0 ** torch.arange(0, 8, dtype=torch.float32), persistent=False)
+
+    def forward(self, x):
+        h = self.l(x)
+        if h.shape[0] > 1:
+            h = h * 2
+        pos = torch.arange(1000 - h.shape[-2], 1000, device=h.device).float()
+        angles = pos[:, None] * self.inv_freq.float()[None, :]
+        return h * angles.cos().to(h.dtype)
+
+
+def test_a_models_own_float32_upcasts_stay_float32_in_a_bfloat16_plan():
+    torch.manual_seed(0)
+    members = [_Rotary() for _ in range(N)]
+    x = torch.randn(4, 5, 8)
+    plan = _export_plan(members, x, "bfloat16")
+    with torch.no_grad():
+        got = executor.build(plan, members)(x)
+        want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(got, _low_loop(members, "bfloat16", x).float(), rtol=0, atol=3e-2)
+    # angles of ~1000 rad in bfloat16 would be off by up to 2 rad: cos off by O(1), not by bfloat16's rounding
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+
+
+class _ScaledAttention(torch.nn.Module):
+    """DeBERTa's `torch.tensor(head_dim, dtype=torch.float)` made in forward(): float32 in eager whatever the model's
+    dtype, and torch.export checks it is, so the batched module must not cast it with the weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.q(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        scale = torch.sqrt(torch.tensor(h.size(-1), dtype=torch.float) * 2)
+        return h / scale.to(dtype=h.dtype)
+
+
+def test_a_float32_constant_forward_makes_stays_float32_in_a_bfloat16_plan():
+    """Was: 'Tensor dtype mismatch! Expected: Float, Got: BFloat16': build's cast reached the graph's constant."""
+    torch.manual_seed(0)
+    members = [_ScaledAttention() for _ in range(N)]
+    x = torch.randn(3, 8)
+    plan = _export_plan(members, x, "bfloat16")
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        got = ens(x)
+    torch.testing.assert_close(got, _low_loop(members, "bfloat16", x).float(), rtol=0, atol=2e-2)
+    ens.to("cpu")  # moved, not cast, by .to(): still float32, still runs
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), got)
+
+
+class _BranchesOnDtype(_RMSNormed):
+    """T5's layer norm: an extra cast only when the weights are low precision. The two traces are then different
+    programs; a rewrite of one by the other could mismatch nodes, so none is made and the error says why."""
+
+    def forward(self, x):
+        h = self.l(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        if self.out.weight.dtype == torch.bfloat16:
+            h = h.to(self.out.weight.dtype) * 1.0
+        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.out((h * torch.rsqrt(variance + 1e-6)).to(h.dtype))
+
+
+def test_a_model_tracing_to_another_program_in_the_plans_dtype_says_so():
+    from stagewise.planner.errors import ExecutionError
+
+    members = [_BranchesOnDtype() for _ in range(2)]
+    x = torch.randn(3, 8)
+    plan = _export_plan(members, x, "bfloat16")
+    with pytest.raises(ExecutionError, match="traced member 0 again in bfloat16 to take its dtypes, but its trace in "
+                                             "torch.bfloat16 is another program: at node"):
         executor.build(plan, members)(x)
