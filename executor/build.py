@@ -36,11 +36,12 @@ from stagewise.planner.validate import stage_graph, validate
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
 from stagewise.executor.precision import take_dtypes_of_a_trace_in
+from stagewise.planner.trace_watch import _grad_mode_reads
 from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
 from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
-from stagewise.executor.members import (check_same_requires_grad, copy_member, gradient_hooks, shared_across_members,
+from stagewise.executor.members import (aliasing_of, check_same_requires_grad, copy_member, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound
@@ -60,6 +61,8 @@ from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, n
 # op and suggesting bfloat16, never a silently wrong answer. "tf32" keeps float32 and enables TF32 only
 # around the module's CUDA calls; on CPU it is a no-op (computes exactly like float32).
 LOW_PRECISION = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_GRAD_MODE_NAME = {"grad": "with gradients on", "no_grad": "with gradients off (torch.no_grad())",
+                   "inference": "under torch.inference_mode()"}
 
 
 class _TF32:
@@ -152,6 +155,36 @@ def register_output_dataclasses(gm: torch.fx.GraphModule) -> None:
         cls = node.target
         if node.op == "call_function" and isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls not in SUPPORTED_NODES:
             register_dataclass(cls)
+
+
+def _grad_modes_refused(reads: set[str], member: nn.Module, plan: Plan, example: tuple | None,
+                        traced: str, grad: bool) -> dict[str, str]:
+    """{"grad" / "no_grad" / "inference": why a call in that mode is refused} for a forward() that read the grad
+    mode while traced (`reads`, _grad_mode_reads) with gradients on or off (`grad`) to the graph whose fingerprint is
+    `traced`: traced again with gradients the other way, a different graph means
+    the batched module would run the traced mode's branch where the member loop takes the other. Inference mode cannot
+    be traced (both tracers see it as torch.no_grad()): where forward() reads it, calls inside it are refused."""
+    if not reads:
+        return {}
+    refused = {}
+    fix = (f"forward() reads {' and '.join(sorted(reads))}, and this module's plan was traced "
+           f"{'with' if grad else 'without'} gradients, whose branch the trace keeps")
+    with torch.set_grad_enabled(not grad):
+        try:
+            other = retrace(member, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules).fingerprint
+        except StagewiseError:
+            other = None
+    if other != traced:
+        mode = "no_grad" if grad else "grad"
+        refused[mode] = (f"{fix}; with gradients {'off' if grad else 'on'} it traces to another graph, which the member "
+                         f"loop would run. For such calls, plan a second module {'inside torch.no_grad()' if grad else 'with gradients on'} "
+                         "(planner.trace and planner.propose in that mode; executor.build follows the plan), or branch "
+                         "outside forward()")
+    if "torch.is_inference_mode_enabled" in reads:
+        refused["inference"] = (f"{fix}; under torch.inference_mode() the member loop may take another branch, which no "
+                                "trace can record (tracing sees inference mode as torch.no_grad()). Call it under "
+                                "torch.no_grad() instead, or branch outside forward()")
+    return refused
 
 
 def _has_buffer(module: nn.Module, target: str) -> bool:
@@ -266,6 +299,9 @@ class BatchedModule(nn.Module):
         self._mode_refused = tuple(mode for mode in bound if mode != member.training)
 
     def _mode_refusal(self, mode: bool, how: str) -> ExecutionError:
+        state = self.__dict__.get("_training_state_refused")
+        if mode and state:  # not the graph: state a layer updates in training that stacking parts (members.Aliasing)
+            return ExecutionError(f"{how} is refused: {state}; evaluation (.eval()) is unaffected")
         wanted = _MODE_NAME[mode]
         to = ("to train, call .train() on the model before planner.trace and on every member before executor.build, and keep "
               "this module for evaluation" if mode else
@@ -276,6 +312,14 @@ class BatchedModule(nn.Module):
         return ExecutionError(
             f"forward() depends on self.training (or on what train()/eval() set){export}: this module was built from members in {self._traced_modes}, and "
             f"{self._mode_bound[mode]}, so {how} would run the traced graph where the member loop runs the {wanted}-mode one; {to}")
+
+    def _check_grad_mode(self) -> None:
+        """ExecutionError for a call in a grad mode whose branch of forward() the trace did not keep (_grad_modes_refused)."""
+        refused = self.__dict__["_grad_mode_refused"]
+        mode = ("inference" if torch.is_inference_mode_enabled() and "inference" in refused else
+                "grad" if torch.is_grad_enabled() else "no_grad")
+        if mode in refused:
+            raise ExecutionError(f"a call {_GRAD_MODE_NAME[mode]} is refused: {refused[mode]}")
 
     def _mode_refused_now(self) -> ExecutionError:
         return self._mode_refusal(self.training, f"a call with the training flag set to {self.training} (without .train()/.eval())")
@@ -320,7 +364,8 @@ class BatchedModule(nn.Module):
         self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
         self.__dict__["_grad_checks"] = (self._inference_only or bool(self.__dict__.get("_shared_across"))
                                          or bool(self.__dict__.get("_ties_apart")) or bool(self.__dict__.get("_grad_hooks"))
-                                         or bool(self.__dict__.get("_lost_backwards")))
+                                         or bool(self.__dict__.get("_lost_backwards"))
+                                         or bool(self.__dict__.get("_aliased_params")))
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
@@ -395,6 +440,15 @@ class BatchedModule(nn.Module):
     def _check_trainable(self) -> None:
         """ExecutionError naming the first stage whose strategy cannot carry gradients, or the parameters members
         share (one tensor in the loop, a copy per member here)."""
+        aliased = [(k, other) for k, other in self.__dict__.get("_aliased_params", ()) if self._stacked[k].requires_grad]
+        if aliased:
+            raise ExecutionError(
+                f"member 0 holds the trainable parameter {aliased[0][0]} (on one memory with {aliased[0][1]}): two "
+                "tensors on one memory, which the batched "
+                "module stacks apart, so an optimizer step on the stacked parameter would leave the other name's copy "
+                "behind where the member loop's moves both. Give the other name its own tensor (a copy), read the "
+                "parameter itself in forward(), or freeze it (requires_grad_(False)); inference (torch.no_grad()) is "
+                "unaffected")
         shared = [k for k in self.__dict__.get("_shared_across", ()) if self._stacked[k].requires_grad]
         if shared:
             raise ExecutionError(
@@ -614,7 +668,8 @@ class BatchedModule(nn.Module):
             if self.plan.tracer == "export" and _MIXED_DTYPES.search(str(e)):
                 # torch.export baked the trace's float32 into the graph (`h.to(torch.float32)` in an RMSNorm, a cast
                 # back to the input's dtype, dtype checks), and the trace in the plan's dtype could not replace them
-                why = self.__dict__.get("_precision_refused") or "its dtypes could not be taken from a trace in that dtype"
+                why = (self.__dict__.get("_precision_refused") or "its state is no longer in that dtype (converted since "
+                       "build: .to(dtype), .double(), .half())")
                 raise ExecutionError(
                     f"{str(e).split('. Check')[0]}: this plan was traced with torch.export, which fixes the dtypes the "
                     f"model's casts had at trace time (float32) into the graph, so float32 values meet the {self.plan.dtype} "
@@ -649,6 +704,8 @@ class BatchedModule(nn.Module):
                 "member's parametrized weights once per call anyway)")
         if self.training in self._mode_refused:  # the flag set by hand (train() refuses before it sets it)
             raise self._mode_refused_now()
+        if self.__dict__.get("_grad_mode_refused"):  # forward() reads the grad mode (a module pickled before: absent)
+            self._check_grad_mode()
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             warnings.warn(AUTOCAST_WARNING, stacklevel=4)  # the caller, past nn.Module.__call__
         if self._state_replaced[0]:
@@ -743,6 +800,7 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         raise MemberError(refusal)
     # the members went through registration hooks; the modules made here from them must not. Outside inference mode:
     # state stacked inside it would be inference tensors, which no later training call (and no version check) can use
+    # (torch.inference_mode(False) turns gradients on: traced with them on, whatever the caller's mode)
     with registration_hooks_off(), torch.inference_mode(False):
         return _build(plan, list(members), example_inputs, device, check_memory)
 
@@ -764,7 +822,14 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     private = copy_member(members[0], 0, "stagewise builds from a private copy of it")
     # made where member 0 lives: an export retrace of a CUDA member on CPU zeros failed ("two different devices")
     example = example_inputs_from(plan.inputs, state_device(private)) or example_inputs
-    graph = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
+    with _grad_mode_reads(private) as reads:
+        graph = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
+    traced_with_grad = True
+    if reads and graph.fingerprint != plan.fingerprint:  # a forward() branching on the grad mode, planned without
+        with torch.no_grad():
+            other = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
+        if other.fingerprint == plan.fingerprint:
+            graph, traced_with_grad = other, False
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
@@ -772,11 +837,14 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             "stagewise that traced it otherwise (out= writes now trace as copy_): re-plan with `stagewise plan`"
         )
     validate(plan, graph)
-    # a torch.export graph in bfloat16/float16: the dtypes it baked in at float32 taken from a trace in that dtype
-    precision_refused, kept_dtypes = take_dtypes_of_a_trace_in(graph, plan, private, LOW_PRECISION[plan.dtype], example) \
-        if plan.tracer == "export" and plan.dtype in LOW_PRECISION else ("", {})
+    grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
     check_same_requires_grad(members)
     written = check_input_writes(private, graph, plan, example)
+    aliasing = aliasing_of(members)  # the members' own tensors: a private copy does not keep their aliasing
+    always, in_training = written_state(graph.gm)
+    refused = aliasing.build_refusal(always) or (aliasing.training_mode_refusal(in_training) if members[0].training else "")
+    if refused:
+        raise MemberError(refused)
     bound = mode_bound(private, graph, plan, example)  # before the graph is edited below (lifted constants)
     register_output_dataclasses(graph.gm)
     stacked = stack_member_state(members, dev)
@@ -784,9 +852,20 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked),
                                        opened=plan.opened_modules)
     stacked.update({k: v.to(dev) for k, v in per_member.items()})
+    # a torch.export graph in bfloat16/float16: the dtypes it baked in at float32 taken from a trace in that dtype (after
+    # the float32 comparisons above: members' constants are told apart, and modes compared, at one dtype)
+    precision_refused, kept_dtypes = take_dtypes_of_a_trace_in(graph, plan, private, LOW_PRECISION[plan.dtype], example) \
+        if plan.tracer == "export" and plan.dtype in LOW_PRECISION else ("", {})
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     module.set_mode_bound(bound, private)
+    training_refused = aliasing.training_mode_refusal(in_training)
+    if training_refused:  # built in eval mode: .train() and a call with the flag set by hand refuse
+        module.__dict__["_training_state_refused"] = training_refused
+        module._mode_bound[True] = training_refused
+        module._mode_refused = tuple({*module._mode_refused, True})
+    module.__dict__["_aliased_params"] = aliasing.parameters()
+    module.__dict__["_grad_mode_refused"] = grad_mode_refused
     module.__dict__["_shared_across"] = shared_across_members(members)
     module.__dict__["_ties_apart"] = ties_apart(members)
     module.__dict__["_grad_hooks"] = gradient_hooks(members)

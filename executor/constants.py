@@ -234,11 +234,33 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
                     f"keys or container types made from a per-member attribute; differing attribute(s): {named}): the "
                     "batched module would give every member member 0's structure. Make the structure the same for "
                     "every member (the same keys), or plan members that differ here separately")
+    for i, g in others.items():
+        _refuse_nested_differences(graph.gm, g.gm, i, attr_diffs)
     for diff in _differences(graph, others, n):
         _lift(graph, diff, attr_diffs, lifted)
     lifted.update(_baked_differences(graph, others, baked, n))
     graph.gm.recompile()
     return lifted
+
+
+def _refuse_nested_differences(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, i: int, attr_diffs: dict) -> None:
+    """MemberError where member `i`'s trace differs from member 0's inside the graph of a higher-order op (a
+    torch.no_grad() region or torch.cond branch torch.export keeps as a graph of its own): a number there is not
+    lifted per member, so every member would run member 0's."""
+    for node in gm.graph.nodes:
+        inner = _attr(gm, str(node.target)) if node.op == "get_attr" else None
+        if not isinstance(inner, torch.fx.GraphModule):
+            continue
+        theirs = _attr(other, str(node.target))
+        if isinstance(theirs, torch.fx.GraphModule) and theirs.code == inner.code:
+            _refuse_nested_differences(inner, theirs, i, attr_diffs)
+            continue
+        named = ", ".join(sorted(attr_diffs)[:4]) or "?"
+        raise MemberError(
+            f"member {i} differs from member 0 inside {node.target} (a torch.no_grad() region or torch.cond branch "
+            f"torch.export keeps as a graph of its own; differing attribute(s): {named}), where a number cannot be given "
+            "per member: every member would run member 0's. Compute what depends on the differing value outside that "
+            "region, or plan members that differ here separately")
 
 
 def _check_training(members: Sequence[nn.Module], suspects: list[int]) -> None:

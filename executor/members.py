@@ -203,3 +203,137 @@ def tree_tensor(tree: nn.Module, name: str) -> torch.Tensor:
     path, _, leaf = name.rpartition(".")
     owner = tree.get_submodule(path) if path else tree
     return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+
+
+def _extent(t: torch.Tensor) -> tuple[torch.device, int, int, int] | None:
+    """(device, storage address, first byte, byte past the last) a tensor's elements may occupy; None without storage."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass or meta tensor with no storage of its own
+        return None
+    if t.numel() == 0 or storage.data_ptr() == 0:
+        return None
+    size = t.element_size()
+    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return t.device, storage.data_ptr(), t.storage_offset() * size, (t.storage_offset() + span) * size
+
+
+def _overlap(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
+
+
+def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], set[str]]:
+    """(state and constants forward() writes in place in any mode: what an in-place node's value may share storage
+    with, a get_attr; the buffers of leaf modules the graph calls, which may update them in training mode: BatchNorm's
+    running statistics)."""
+    from stagewise.planner.capability import is_inplace
+    from stagewise.planner.trace_watch import storage_root
+
+    always, training = set(), set()
+    for node in gm.graph.nodes:
+        if is_inplace(node):
+            root = storage_root(node.args[0], every_module=False)
+            if root.op == "get_attr":
+                always.add(str(root.target))
+        if node.op == "call_module":
+            training |= {f"{node.target}.{k}" for k, _ in gm.get_submodule(str(node.target)).named_buffers()}
+    return always, training
+
+
+def _tensors_of(member: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    """Every state tensor of `member` by name (each name a tied tensor has) with what it is, and its plain tensor
+    attributes (`self.w_ref = self.fc.weight.data`): a trace reads those as constants, or bakes in what forward()
+    computed from them (`self.w_ref.t()`), which training a parameter they alias would leave behind."""
+    out = {k: (p, "parameter") for k, p in member.named_parameters(remove_duplicate=False)}
+    out.update({k: (b, "buffer") for k, b in member.named_buffers(remove_duplicate=False)})
+    for prefix, module in member.named_modules(remove_duplicate=False):
+        # torch's old weight_norm / spectral_norm: the attribute their pre-hook sets anew before every forward()
+        remade = {getattr(h, "name", None) for h in module._forward_pre_hooks.values()
+                  if type(h).__module__.startswith("torch.nn.utils.")}
+        for attr, value in vars(module).items():
+            name = f"{prefix}.{attr}" if prefix else attr
+            if isinstance(value, torch.Tensor) and name not in out and attr not in remade:
+                out[name] = (value, "tensor attribute")
+    return out
+
+
+def _overlapping(items: Sequence[tuple[object, torch.Tensor]], one_object_too: bool = False) -> list[tuple[object, object]]:
+    """Pairs of keys whose tensors are on overlapping memory (grouped by storage first): different tensor objects,
+    or also one object under two keys where `one_object_too`."""
+    by_storage: dict[tuple, list[tuple[object, torch.Tensor, tuple]]] = {}
+    for key, t in items:
+        extent = _extent(t)
+        if extent is not None:
+            by_storage.setdefault(extent[:2], []).append((key, t, extent))
+    return [(a, b) for group in by_storage.values() if len(group) > 1
+            for (a, ta, ea), (b, tb, eb) in itertools.combinations(group, 2) if (one_object_too or ta is not tb) and _overlap(ea, eb)]
+
+
+class Aliasing:
+    """Names whose tensors stacking would part (aliasing_of): one member's two names for one memory that are not one
+    tensor object (a buffer registered as `fc.weight.data` or a view of it, a plain attribute the graph reads; one
+    object stays tied), and one buffer several members hold. Stacking copies each apart, so a write the member loop
+    makes through one name (forward() in place, an optimizer step, BatchNorm's running statistics) would not reach
+    the others."""
+
+    def __init__(self, within: list[tuple[str, str, str, str]], across: dict[str, list[int]]):
+        self.within = within  # (name, its kind, other name, its kind) in member 0 (or the first member with any)
+        self.across = across  # buffer name -> the members holding it as one memory
+
+    _FIX = ("give each name its own tensor (a copy), or read one name in forward() (register the Parameter itself under "
+            "both names to tie them)")
+
+    def build_refusal(self, always: set[str]) -> str:
+        """Why no batched module can be built: forward() writes such a name in place in every mode."""
+        for a, ka, b, kb in self.within:
+            if a in always or b in always:
+                return (f"member 0's {ka} `{a}` and {kb} `{b}` are two tensors on one memory, and forward() writes it in "
+                        "place: the batched module stacks each name apart, so the write would not reach the other name "
+                        f"as it does in the member loop; {self._FIX}")
+        for name, owners in self.across.items():
+            if name in always:
+                return (f"members {owners} hold one tensor as buffer `{name}`, which forward() writes in place: the member "
+                        "loop updates that one tensor member after member, the batched module would update a copy per "
+                        "member; give each member its own buffer (copy.deepcopy the module for each member)")
+        return ""
+
+    def training_mode_refusal(self, in_training: set[str]) -> str:
+        """Why the batched module cannot run in training mode: a layer updates such a buffer there (BatchNorm)."""
+        for a, ka, b, kb in self.within:
+            if a in in_training or b in in_training:
+                return (f"member 0's {ka} `{a}` and {kb} `{b}` are two tensors on one memory, which a layer updates in "
+                        "training mode (BatchNorm's running statistics): the batched module stacks each name apart, so "
+                        f"the update would not reach the other name as it does in the member loop; {self._FIX}")
+        for name, owners in self.across.items():
+            if name in in_training:
+                return (f"members {owners} hold one tensor as buffer `{name}`, which a layer updates in training mode "
+                        "(BatchNorm's running statistics): the member loop updates that one tensor member after member, "
+                        "the batched module a copy per member; give each member its own module (copy.deepcopy)")
+        return ""
+
+    def parameters(self) -> list[tuple[str, str]]:
+        """(parameter, the other name on its memory, in words): an optimizer step on the stacked parameter would leave
+        the other name's copy behind."""
+        return [(a, f"{kb} `{b}`") if ka == "parameter" else (b, f"{ka} `{a}`")
+                for a, ka, b, kb in self.within if "parameter" in (ka, kb)]
+
+
+def aliasing_of(members: Sequence[nn.Module]) -> Aliasing:
+    within: list[tuple[str, str, str, str]] = []
+    for member in members:
+        named = _tensors_of(member)
+        within = [(a, named[a][1], b, named[b][1]) for a, b in _overlapping([(k, t) for k, (t, _) in named.items()])]
+        if within:
+            break  # one member's names are enough to say it
+    across: dict[str, list[int]] = {}
+    for name, _ in members[0].named_buffers(remove_duplicate=False):
+        held = []
+        for i, m in enumerate(members):
+            try:
+                held.append((i, m.get_buffer(name)))
+            except AttributeError:
+                continue
+        owners = sorted({i for pair in _overlapping(held, one_object_too=True) for i in pair})
+        if owners:
+            across[name] = owners
+    return Aliasing(within, across)

@@ -13,12 +13,14 @@ not (forward() branches on the dtype), nothing is replaced and the reason is kep
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from stagewise.executor.constants import LIFTED_PREFIX
 from stagewise.planner.errors import PlanMismatchError, StagewiseError
 from stagewise.planner.graph import ModelGraph, add_edges, retrace
 from stagewise.planner.plan import Plan
@@ -38,24 +40,41 @@ def _source(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _differs(a: Any, b: Any) -> bool:
-    """Whether argument `a` of the first trace and `b` of the second are not the same program apart from dtypes."""
+def _lifted(node: Any) -> bool:
+    """A get_attr of a per-member constant lift_member_constants put where the trace had a number."""
+    return isinstance(node, torch.fx.Node) and node.op == "get_attr" and str(node.target).startswith(LIFTED_PREFIX)
+
+
+def _differs(a: Any, b: Any, pair: dict[torch.fx.Node, torch.fx.Node]) -> bool:
+    """Whether argument `a` of the first trace and `b` of the second are not one program apart from dtypes; `pair`
+    maps the second trace's nodes to the first's."""
+    if _lifted(a) and isinstance(b, (int, float)):  # a number members hold differently, one per member now
+        return False
     if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
-        return not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or _source(a).name != _source(b).name
+        return not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)) or pair.get(_source(b)) is not _source(a)
     if isinstance(a, torch.dtype) or isinstance(b, torch.dtype):
         return not (isinstance(a, torch.dtype) and isinstance(b, torch.dtype))
     if type(a) is float and type(b) is float:  # torch.finfo(x.dtype).min for a mask, an eps: taken from the second
         return False
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+        return len(a) != len(b) or any(_differs(x, y, pair) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
+        return a.keys() != b.keys() or any(_differs(a[k], b[k], pair) for k in a)
     return type(a) is not type(b) or not (a == b or (a != a and b != b))  # NaN equals NaN here
 
 
-def _as_in(b: Any, nodes: dict[str, torch.fx.Node]) -> Any:
-    """Argument `b` of the second trace in the first: its nodes by name, its constants as they are."""
-    return torch.fx.node.map_arg(b, lambda n: nodes[n.name])
+def _as_in(a: Any, b: Any, pair: dict[torch.fx.Node, torch.fx.Node]) -> Any:
+    """Argument `b` of the second trace (its counterpart `a` in the first, _differs) in the first: its nodes their
+    counterparts, its dtypes and floats as they are; a per-member constant of the first stays."""
+    if _lifted(a):
+        return a
+    if isinstance(b, torch.fx.Node):
+        return pair[b]
+    if isinstance(b, (list, tuple)) and not hasattr(b, "_fields"):
+        return type(b)(_as_in(x, y, pair) for x, y in zip(a, b))
+    if isinstance(b, dict):
+        return type(b)({k: _as_in(a[k], b[k], pair) for k in b})
+    return b
 
 
 def _has_dtype(a: Any) -> bool:
@@ -73,43 +92,62 @@ def _describe(node: torch.fx.Node | None) -> str:
     return "nothing" if node is None else f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)})"
 
 
-def dtype_rewrites(gm: torch.fx.GraphModule, low: torch.fx.GraphModule) -> tuple[list[tuple[torch.fx.Node, tuple, dict]], str]:
-    """([(node of `gm` or of a graph it nests, args, kwargs as `low` has them, its nodes by name)], "") where `gm` and
-    `low` are one program apart from dtypes, float constants (torch.finfo(dtype).min) and casts that were no-ops in
-    one of them and not in the other (a node reading `h` in one reads `h.to(torch.float32)` in the other); ([], the
-    first difference) where they are not. The graphs of higher-order ops (a `torch.no_grad()` region) are compared
-    and rewritten as well."""
-    ours, theirs = list(gm.graph.nodes), list(low.graph.nodes)
-    for k in range(max(len(ours), len(theirs))):
-        a = ours[k] if k < len(ours) else None
-        b = theirs[k] if k < len(theirs) else None
-        if a is None or b is None or (a.op, a.name, a.target) != (b.op, b.name, b.target):
-            return [], f"at node {k} the float32 trace has {_describe(a)} where it has {_describe(b)}"
-        if _differs(a.args, b.args) or _differs(dict(a.kwargs), dict(b.kwargs)):
-            return [], f"{a.name} takes other arguments ({a.args}, {dict(a.kwargs)} against {b.args}, {dict(b.kwargs)})"
-    nodes = {n.name: n for n in ours}
-    rewrites = []
-    for a, b in zip(ours, theirs):
-        if a.op == "get_attr":
-            inner, other = _attr(gm, str(a.target)), _attr(low, str(b.target))
-            if isinstance(inner, torch.fx.GraphModule) or isinstance(other, torch.fx.GraphModule):
-                if not (isinstance(inner, torch.fx.GraphModule) and isinstance(other, torch.fx.GraphModule)):
-                    return [], f"{a.name} is a graph in one trace only"
-                nested, why = dtype_rewrites(inner, other)
-                if why:
-                    return [], f"in {a.name}: {why}"
-                rewrites += nested
-            continue
-        args, kwargs = _as_in(tuple(b.args), nodes), _as_in(dict(b.kwargs), nodes)
-        if a.op != "output" and (args != tuple(a.args) or kwargs != dict(a.kwargs)):
-            rewrites.append((a, args, kwargs))
-    return rewrites, ""
-
-
 def _attr(module: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         module = getattr(module, part, None)
     return module
+
+
+@dataclass
+class Rewrites:
+    """What makes a float32 trace the program of a trace in a low-precision dtype (dtype_rewrites)."""
+
+    nodes: list[tuple[torch.fx.Node, tuple, dict]] = field(default_factory=list)  # (node, args, kwargs as there)
+    # (graph module, attribute, the other trace's tensor): a constant whose value depends on the dtype
+    # (`torch.tensor(torch.finfo(dtype).min, dtype=dtype)`), or made in float32 whatever the weights' dtype
+    constants: list[tuple[torch.nn.Module, str, torch.Tensor]] = field(default_factory=list)
+
+
+def dtype_rewrites(gm: torch.fx.GraphModule, low: torch.fx.GraphModule, state: set[str] = frozenset()) -> tuple[Rewrites, str]:
+    """(what to change in `gm` to run it as `low` runs, "") where the two traces are one program apart from dtypes,
+    float constants (torch.finfo(dtype).min), the values of tensor constants that are not member state (`state`), and
+    casts that were no-ops in one of them and not in the other (a node reading `h` in one reads `h.to(torch.float32)`
+    in the other); (nothing, the first difference) where they are not. Nodes pair by position, each with the same op
+    and target (names may differ); per-member constants lift_member_constants added to `gm` stay. The graphs of
+    higher-order ops (a `torch.no_grad()` region) are compared and rewritten as well."""
+    ours = [n for n in gm.graph.nodes if not _lifted(n)]
+    theirs = list(low.graph.nodes)
+    pair: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = Rewrites()
+    for k in range(max(len(ours), len(theirs))):
+        a = ours[k] if k < len(ours) else None
+        b = theirs[k] if k < len(theirs) else None
+        if a is None or b is None or a.op != b.op or (a.op != "get_attr" and a.target != b.target):
+            return Rewrites(), f"at node {k} the float32 trace has {_describe(a)} where it has {_describe(b)}"
+        pair[b] = a
+        if a.op != "get_attr":
+            continue
+        inner, other = _attr(gm, str(a.target)), _attr(low, str(b.target))
+        if isinstance(inner, torch.fx.GraphModule) and isinstance(other, torch.fx.GraphModule):
+            nested, why = dtype_rewrites(inner, other)
+            if why:
+                return Rewrites(), f"in {a.name}: {why}"
+            out.nodes += nested.nodes
+            out.constants += nested.constants
+        elif isinstance(inner, torch.Tensor) and isinstance(other, torch.Tensor) and str(a.target) not in state:
+            if inner.shape != other.shape:
+                return Rewrites(), f"constant {a.target} has shape {list(inner.shape)} there, {list(other.shape)} here"
+            out.constants.append((gm, str(a.target), other))
+        elif str(a.target) != str(b.target):
+            return Rewrites(), f"{a.name} reads {a.target} where it reads {b.target}"
+    for a, b in zip(ours, theirs):
+        if _differs(a.args, b.args, pair) or _differs(dict(a.kwargs), dict(b.kwargs), pair):
+            return Rewrites(), f"{a.name} takes other arguments ({a.args}, {dict(a.kwargs)} against {b.args}, {dict(b.kwargs)})"
+    for a, b in zip(ours, theirs):
+        args, kwargs = _as_in(tuple(a.args), tuple(b.args), pair), _as_in(dict(a.kwargs), dict(b.kwargs), pair)
+        if a.op != "output" and (args != tuple(a.args) or kwargs != dict(a.kwargs)):
+            out.nodes.append((a, args, kwargs))
+    return out, ""
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
@@ -118,22 +156,19 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
 
 def take_dtypes_of_a_trace_in(graph: ModelGraph, plan: Plan, member: nn.Module, dtype: torch.dtype,
                               example: Sequence[Any] | None) -> tuple[str, dict[str, torch.dtype]]:
-    """Make `graph` (a torch.export trace of `member` in float32, which `plan` is for) the program of a trace of
-    `member` cast to `dtype` (its floating example inputs too), where the two differ only as dtype_rewrites allows.
-    Returns ("", {constant: dtype}) when done (or nothing to do): the graph's tensor constants that are not member
-    state and keep another dtype than `dtype` in that trace (`torch.tensor(d, dtype=torch.float)` made in forward(),
-    which `member.to(dtype)` does not cast); else (why it could not be, {}), `graph` then as it was."""
-    refused, kept = _take_dtypes(graph, plan, member, dtype, example)
-    return refused, ({} if refused else kept)
-
-
-def _take_dtypes(graph: ModelGraph, plan: Plan, member: nn.Module, dtype: torch.dtype,
-                 example: Sequence[Any] | None) -> tuple[str, dict[str, torch.dtype]]:
+    """Make `graph` (a torch.export trace of `member` in float32, which `plan` is for, its per-member constants
+    lifted) the program of a trace of `member` cast to `dtype` (its floating example inputs too), where the two differ
+    only as dtype_rewrites allows. Returns ("", {constant: dtype}) when done (or nothing to do): the graph's tensor
+    constants that keep another dtype than `dtype` in that trace (`torch.tensor(d, dtype=torch.float)` made in
+    forward(), which `member.to(dtype)` does not cast); else (why it could not be, {}), `graph` then as it was."""
     if example is None:
         return "there are no example inputs to trace it with", {}
     gm = graph.gm
-    if not any(_has_dtype(n.args) or _has_dtype(dict(n.kwargs))
-               for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes):
+    state = {k for k, _ in member.named_parameters(remove_duplicate=False)} | {k for k, _ in member.named_buffers(remove_duplicate=False)}
+    graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    constants = any(n.op == "get_attr" and str(n.target) not in state and isinstance(_attr(gm, str(n.target)), torch.Tensor)
+                    for n in gm.graph.nodes)
+    if not constants and not any(_has_dtype(n.args) or _has_dtype(dict(n.kwargs)) for m in graphs for n in m.graph.nodes):
         return "", {}  # nothing a trace in another dtype could change
     low = deepcopy_module(member).to(dtype)
     try:
@@ -141,31 +176,41 @@ def _take_dtypes(graph: ModelGraph, plan: Plan, member: nn.Module, dtype: torch.
                          [i.name for i in plan.inputs], plan.opened_modules)
     except StagewiseError as e:
         return f"it could not be traced in {dtype} ({str(e).splitlines()[0][:300]})", {}
-    rewrites, why = dtype_rewrites(gm, traced.gm)
+    rewrites, why = dtype_rewrites(gm, traced.gm, state)
     if why:
         return f"its trace in {dtype} is another program: {why[:400]}", {}
-    before = [(node, node.args, node.kwargs) for node, _, _ in rewrites]
+    before = [(node, node.args, node.kwargs) for node, _, _ in rewrites.nodes]
     edges = list(graph.dag.edges(data=True))
+    known = set(graph.dag.nodes)
 
     def apply(change: list[tuple[torch.fx.Node, tuple, dict]]) -> None:
         for node, args, kwargs in change:
             node.args, node.kwargs = args, kwargs
         graph.dag.remove_edges_from(list(graph.dag.edges))
 
-    apply(rewrites)
+    apply(rewrites.nodes)
     add_edges(graph.dag, gm)
+    graph.dag.remove_nodes_from([n for n in list(graph.dag.nodes) if n not in known])  # per-member constants' get_attr
     try:
         validate(plan, graph)  # a stage now reading a cast another stage makes may break the plan's invariants
     except PlanMismatchError as e:
         apply(before)
         graph.dag.add_edges_from(edges)
         return f"the plan's stages do not fit its trace in {dtype} ({str(e).splitlines()[0][:300]})", {}
-    for graph_module in {id(node.graph.owning_module): node.graph.owning_module for node, _, _ in rewrites}.values():
-        graph_module.recompile()
-    state = {k for k, _ in member.named_parameters(remove_duplicate=False)} | {k for k, _ in member.named_buffers(remove_duplicate=False)}
     kept = {}
-    for node in gm.graph.nodes:
-        theirs = _attr(traced.gm, str(node.target)) if node.op == "get_attr" and str(node.target) not in state else None
-        if isinstance(theirs, torch.Tensor) and theirs.is_floating_point() and theirs.dtype != dtype:
-            kept[str(node.target)] = theirs.dtype
+    for module, target, value in rewrites.constants:
+        owner, _, name = target.rpartition(".")
+        holder = module.get_submodule(owner) if owner else module
+        ours = getattr(holder, name)
+        theirs = value.detach().clone().to(ours.device)
+        if isinstance(ours, nn.Parameter):
+            theirs = nn.Parameter(theirs, requires_grad=ours.requires_grad)
+        if name in holder._buffers:
+            holder._buffers[name] = theirs
+        else:
+            setattr(holder, name, theirs)
+        if module is gm and theirs.is_floating_point() and theirs.dtype != dtype:
+            kept[target] = theirs.dtype
+    for graph_module in {id(node.graph.owning_module): node.graph.owning_module for node, _, _ in rewrites.nodes}.values():
+        graph_module.recompile()
     return "", kept

@@ -134,6 +134,8 @@ def counting_draws(module: Any, drawn: list[str]) -> Any:
                 drawn.append(program.stage.id)
                 if program.stage.options.strategy is Strategy.WIDE and random_ops(program.module) > 1:
                     drawn.append(program.stage.id)  # wide draws op by op for all members: another order too
+                if program.stage.options.strategy is Strategy.COMPILE:
+                    drawn.append(program.stage.id)  # vmapped (in training) or compiled, op by op for all members too
     return run
 
 
@@ -141,8 +143,8 @@ def draw_order_note(drawn: Sequence[str]) -> str:
     """Why the outputs of a plan drawing random numbers in several stages differ from the seeded member loop's."""
     names = list(dict.fromkeys(drawn))
     return (f"stage(s) {', '.join(names[:4])}{', ...' if len(names) > 4 else ''} draw random numbers in more than one "
-            "place: the batched module draws each stage's (or, under wide, each op's) numbers for every member before "
-            "the next one's, the member loop draws member by "
+            "place, or in one wide or compile stage: the batched module draws each stage's (or, under wide and "
+            "compile, each op's) numbers for every member before the next one's, the member loop draws member by "
             "member, so from one seed their draws differ, each member's still fresh and its own. Outputs that "
             "depend on the draws are compared exactly only with one such stage; compare in eval mode (module.eval() "
             "and the members' .eval()) for the rest")
@@ -368,7 +370,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     with same_draws(1):
         want = loop_outputs(plan, members, fresh(inputs))
     _compare_outputs(report, got, want, "")
-    if len(drawn) > 1:
+    if len(drawn) > 1 and not report.ok:  # why the draws did not match the loop's (a compiled stage's may)
         report.notes.append(draw_order_note(drawn))
     _note_alike_members(report, want, rtol)
     _restore_buffers(members, saved)
@@ -388,10 +390,15 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
         report.notes.append(f"stage boundaries {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} not "
                             "compared: a member traced again after running takes another path (a cache forward() "
                             "fills on its first call)")
+    # in a low-precision plan a boundary value past the dtype's range (a mask's torch.finfo(dtype).min, which the
+    # float32 loop has as float32's) is that dtype's largest number there: the float32 loop's is clamped to it
+    dtype = getattr(torch, plan.dtype) if plan.dtype in ("bfloat16", "float16") else None
+    in_range = (lambda v: tree_map(lambda t: t.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max)
+                                   if isinstance(t, torch.Tensor) and t.is_floating_point() else t, v)) if dtype else (lambda v: v)
     for name in (n for n in boundary if n not in missing):
         seen: list[ErrorRow] = []
         for i in range(plan.n_members):
-            rows = compare(f"{name} (member {i})", member_value(env[name], i), per_member[i][name], rtol)
+            rows = compare(f"{name} (member {i})", member_value(env[name], i), in_range(per_member[i][name]), rtol)
             bad = [r for r in rows if not r.ok]
             if bad:
                 report.boundaries.extend(bad)

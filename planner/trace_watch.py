@@ -610,3 +610,36 @@ def _autograd_functions_seen():
 
     with _function_apply_replaced(make):
         yield seen
+
+
+@contextlib.contextmanager
+def _grad_mode_reads(model: nn.Module):
+    """Yields a set that gets "torch.is_grad_enabled" / "torch.is_inference_mode_enabled" when the model's code calls
+    them inside (through the torch module, or names its Python modules imported): a trace keeps the branch the mode
+    at trace time takes, which a call in another mode would run where the member loop takes the other."""
+    reads: set[str] = set()
+    owner = threading.get_ident()
+    watched = {id(f): (f, f"torch.{f.__name__}") for f in (torch.is_grad_enabled, torch.is_inference_mode_enabled)}
+
+    def wrap(f: Any, label: str) -> Any:
+        def read(*args, **kwargs):
+            if threading.get_ident() == owner and _from_model_code(sys._getframe(1)):
+                reads.add(label)
+            return f(*args, **kwargs)
+        return read
+
+    names = {type(m).__module__ for m in model.modules()}
+    spaces = [vars(torch)] + [vars(sys.modules[n]) for n in sorted(names) if n in sys.modules and not n.startswith("torch")]
+    patched = []
+    with _PATCHING:
+        try:
+            for space in spaces:
+                for name, value in list(space.items()):
+                    hit = watched.get(id(value))
+                    if hit is not None and hit[0] is value:
+                        patched.append((space, name, value))
+                        space[name] = wrap(value, hit[1])
+            yield reads
+        finally:
+            for space, name, value in reversed(patched):
+                space[name] = value

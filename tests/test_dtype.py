@@ -358,3 +358,96 @@ def test_a_model_tracing_to_another_program_in_the_plans_dtype_says_so():
     with pytest.raises(ExecutionError, match="traced member 0 again in bfloat16 to take its dtypes, but its trace in "
                                              "torch.bfloat16 is another program: at node"):
         executor.build(plan, members)(x)
+
+
+class _MaskedSweep(torch.nn.Module):
+    """A number per member (an eps sweep) and an additive mask of torch.finfo(dtype).min, no cast of its own."""
+
+    def __init__(self, eps):
+        super().__init__()
+        self.q, self.eps = torch.nn.Linear(8, 8), eps
+
+    def forward(self, x, mask):
+        h = self.q(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        h = h / (h.abs().mean(-1, keepdim=True) + self.eps)
+        scores = h @ h.transpose(-1, -2)
+        scores = scores + (1.0 - mask) * torch.finfo(scores.dtype).min
+        return scores.softmax(-1) @ h
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_members_differing_in_a_number_keep_their_own_in_a_low_precision_export_plan(dtype):
+    """Was (review of the dtype rewrite): NaN for members 1 and 2, no error. The members' numbers were compared after
+    member 0's graph took the low-precision trace's, so float32's finfo.min counted as a per-member difference and
+    became -inf in the plan's dtype."""
+    torch.manual_seed(0)
+    members = [_MaskedSweep(eps) for eps in (0.5, 0.25, 1.0)]
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 1, 5)
+    mask[:, :, 3:] = 0
+    plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x, mask)), N), dtype)
+    with torch.no_grad():
+        got = executor.build(plan, members)(x, mask)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, _low_loop(members, dtype, x, mask).float(), rtol=0,
+                               atol=3e-2 if dtype == "bfloat16" else 5e-3)
+
+
+class _UpcastWithoutGrad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.q(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        with torch.no_grad():  # torch.export keeps the region as a graph of its own
+            s = h.float().pow(2).mean(-1, keepdim=True).to(h.dtype)
+        return h * s
+
+
+def test_an_upcast_inside_a_no_grad_region_is_another_program_in_bfloat16_and_says_so():
+    """The region hands out two values in the float32 trace (`h.float()` is `h` there) and one in the bfloat16 trace:
+    not one program, so nothing is taken, and the float32 dtypes left in the graph fail loudly, naming the region."""
+    from stagewise.planner.errors import ExecutionError
+
+    members = [_UpcastWithoutGrad() for _ in range(N)]
+    x = torch.randn(3, 8)
+    plan = _export_plan(members, x, "bfloat16")
+    with torch.no_grad(), pytest.raises(ExecutionError, match=r"is another program: in submod_\d+: output takes other"):
+        executor.build(plan, members)(x)
+
+
+class _DtypeMin(torch.nn.Module):
+    """HF's padding mask: a tensor of torch.finfo(dtype).min, made in forward(), with a fully masked row."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        h = self.q(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        scores = h @ h.transpose(-1, -2)
+        return torch.where(mask > 0, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype)).softmax(-1) @ h
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_tensor_constant_whose_value_depends_on_the_dtype_takes_the_plans(dtype):
+    """Was: float32's finfo.min kept as the constant, -inf in float16, NaN for the fully masked row; and verify
+    failed the boundary holding it (float16's min against float32's) where every output matched."""
+    torch.manual_seed(0)
+    members = [_DtypeMin() for _ in range(N)]
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5, 5)
+    mask[:, 4, :] = 0
+    plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x, mask)), N), dtype)
+    with torch.no_grad():
+        got = executor.build(plan, members)(x, mask)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, _low_loop(members, dtype, x, mask).float(), rtol=0,
+                               atol=5e-2 if dtype == "bfloat16" else 5e-3)
+    report = executor.verify(plan, members, (x, mask))
+    assert report.ok, report.to_text()
