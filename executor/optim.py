@@ -169,6 +169,25 @@ class _StackedOptimizer(torch.optim.Optimizer):
         self.n_members = n_members
         self._versioned: dict[tuple[str, int], tuple[torch.Tensor, int, Any]] = {}  # see _cached
         super().__init__(params, defaults)
+        self._refuse_grouping_by_dim()
+
+    # torch.amp.GradScaler then hands every step to step() with its found_inf and grad_scale set (also a step it would
+    # skip): step() refuses them (GRAD_SCALER_REFUSAL)
+    _step_supports_amp_scaling = True
+
+    def _refuse_grouping_by_dim(self) -> None:
+        """OptimizerError for single-model code that picks the parameters without weight decay by `p.dim() < 2` (biases,
+        norms): every stacked parameter has the member axis in front, so that group is empty and weight decay reaches
+        all of them."""
+        empty = [g for g in self.param_groups if not g["params"] and "weight_decay" in g and not bool(torch.as_tensor(g["weight_decay"]).any())]
+        decayed = [p for g in self.param_groups if "weight_decay" in g and bool(torch.as_tensor(g["weight_decay"]).any())
+                   for p in g["params"] if p.dim() <= 2]
+        if empty and decayed:
+            raise OptimizerError(
+                f"{type(self).__name__}: a param group without weight decay is empty while another decays parameters "
+                f"of shape {list(decayed[0].shape)} (one vector per member: a bias or a norm's weight). Grouping by "
+                "`p.dim() < 2` (or p.ndim) counts the member axis every stacked parameter has in front; group by name "
+                "(for name, p in ens.named_stacked_parameters()) or by `p.dim() - 1 < 2`")
 
     # group normalisation: user values -> [N] tensors ------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -292,6 +311,9 @@ class _StackedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every member; ``closure`` re-evaluates the loss as in torch.optim."""
+        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            _forget_grad_scaler(self)
+            raise OptimizerError(f"{type(self).__name__}: {GRAD_SCALER_REFUSAL}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1058,12 +1080,44 @@ def watch_stacked_parameters(module: torch.nn.Module) -> None:
         _WATCH.append(register_optimizer_step_pre_hook(_refuse_mixing))
 
 
+GRAD_SCALER_REFUSAL = (
+    "stepped by a torch.amp.GradScaler, which checks all members' gradients together: one member's inf or NaN (a "
+    "diverging member of an lr sweep, an fp16 overflow) skips the step of every member and halves every member's "
+    "scale, where N training runs would skip that member alone. Train the batched module without a scaler: in "
+    "bfloat16 (planner.set_dtype(plan, 'bfloat16'), which needs none) or float32; the same holds for a skip of the "
+    "whole step on a non-finite summed loss")
+
+
+def _forget_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
+    """Drop what a GradScaler set on `optimizer` for its step (it deletes them after a step that returns): a refused
+    step leaves the optimizer as it was, to step without the scaler."""
+    for name in ("found_inf", "grad_scale"):
+        optimizer.__dict__.pop(name, None)
+
+
+def _stepped_by_grad_scaler(depth: int = 6) -> bool:
+    """Whether a torch.amp.GradScaler's step() is among the callers (a torch optimizer's step pre-hook's frames)."""
+    scaler = getattr(torch.amp, "GradScaler", None)
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if scaler is not None and isinstance(frame.f_locals.get("self"), scaler):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _refuse_mixing(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     why = next((why for kind, why in _MIXING if isinstance(optimizer, kind)), None)
-    if why is None or not _BATCHED_MODULES:
+    if not _BATCHED_MODULES or (why is None and not _stepped_by_grad_scaler()):
         return None
     stacked = {id(p) for module in list(_BATCHED_MODULES) for p in module.parameters()}
-    if any(id(p) in stacked for group in optimizer.param_groups for p in group["params"]):
+    if why is None and any(id(p) in stacked for group in optimizer.param_groups for p in group["params"]):
+        name = type(optimizer).__name__ if isinstance(optimizer, _StackedOptimizer) else f"torch.optim.{type(optimizer).__name__}"
+        _forget_grad_scaler(optimizer)
+        raise OptimizerError(f"{name} on a batched module's parameters, {GRAD_SCALER_REFUSAL}")
+    if why is not None and any(id(p) in stacked for group in optimizer.param_groups for p in group["params"]):
         raise OptimizerError(
             f"torch.optim.{type(optimizer).__name__} on a batched module's parameters: it {why}. Use a stacked "
             "optimizer (executor.StackedSGD / StackedAdam / StackedAdamW) on ens.parameters(), or run this optimizer "
