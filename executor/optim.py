@@ -233,6 +233,8 @@ class _StackedOptimizer(torch.optim.Optimizer):
         _check_range(owner, "lr", _member_vector(owner, "lr", group["lr"], n, device), 0.0)
         if isinstance(group["lr"], torch.Tensor):  # a loaded tensor scale: a float, so every write is checked
             dict.__setitem__(group, "lr", float(group["lr"]))
+        if isinstance(group, _MemberGroup):
+            group.remember()
         group["member_lr"] = _check_range(owner, "lr", _member_vector(owner, "lr", group["member_lr"], n, device), 0.0)
         for name, bounds in self._RANGES.items():
             dict.__setitem__(group, name, _hyper_vector(owner, name, group[name], n, device, bounds))
@@ -314,6 +316,9 @@ class _StackedOptimizer(torch.optim.Optimizer):
         if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
             _forget_grad_scaler(self)
             raise OptimizerError(f"{type(self).__name__}: {GRAD_SCALER_REFUSAL}")
+        for group in self.param_groups:
+            if isinstance(group, _MemberGroup):
+                group.check_unseen_writes()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -582,6 +587,30 @@ class _MemberGroup(dict):
     def __init__(self, group: dict, *, owner: str, n: int, ranges: dict):
         super().__init__(group)
         self.owner, self.n, self.ranges = owner, n, ranges
+        self.remember()
+
+    def remember(self) -> None:
+        """Note the lr values as they are now: a later value that is not one of these objects was written past
+        __setitem__ (check_unseen_writes)."""
+        self.seen = {k: dict.get(self, k) for k in ("lr", "initial_lr")}
+
+    def check_unseen_writes(self) -> None:
+        """OptimizerError for an lr written past __setitem__ (`dict.__setitem__(g, "lr", v)`, `dict.update(g, ...)`)
+        while the members' lrs differ: the check of what it means to N torch optimizers never ran. One identity test
+        per key on each step."""
+        for key, before in self.seen.items():
+            now = dict.get(self, key)
+            if now is before:
+                continue
+            if ("member_lr" in self and now is not None and (before is None or float(now) != float(before))
+                    and bool((dict.__getitem__(self, "member_lr") != 1).any())):
+                raise OptimizerError(
+                    f"{self.owner}: param_groups[...]['{key}'] was written past the group's checks (dict.__setitem__ or "
+                    f"dict.update called on the group) while the members' lrs differ: group['lr'] is a scale shared by "
+                    "all members here, and what the write means to N torch optimizers could not be checked. Write it "
+                    f"as g['{key}'] = ... (a factor of the group's own lr scales every member's), or set the members' "
+                    "lrs with opt.set_hyperparameter('lr', values)")
+            self.seen[key] = now
 
     def __reduce__(self):
         """Pickle and deepcopy rebuild it whole (item by item, __setitem__ would run before owner/n/ranges exist)."""
@@ -605,6 +634,8 @@ class _MemberGroup(dict):
             # kept a Python float: torch's schedulers fill_() a tensor lr in place, past this check
             value = float(value)
         super().__setitem__(key, value)
+        if key in ("lr", "initial_lr"):
+            self.seen[key] = value
 
     def __ior__(self, other: Any) -> "_MemberGroup":
         """`group |= {...}` (dict.__ior__ would skip the checks): each key goes through __setitem__."""

@@ -681,3 +681,22 @@ def test_a_grad_scaler_stepping_the_batched_module_is_refused(kind):
     assert all(torch.equal(a, b) for a, b in zip(before, ens.parameters()))  # refused before any change
     opt.step()  # without the scaler it steps
     assert not all(torch.equal(a, b) for a, b in zip(before, ens.parameters()))
+
+
+@pytest.mark.parametrize("write", ["dict_setitem", "dict_update"])
+def test_an_lr_written_past_the_groups_checks_is_refused_at_the_next_step(write):
+    """Was silent: dict.__setitem__(g, "lr", v) / dict.update(g, lr=v) skipped the check of what an absolute lr means
+    while the members' lrs differ (here it would have scaled them: members at 5e-3 * [1, 2, 3] / 1e-3)."""
+    ens, x = _normed_ensemble()
+    opt = StackedAdam(list(ens.parameters()), 3, lr=[1e-3, 2e-3, 3e-3])
+    ens(x).sum().backward()
+    opt.step()
+    for g in opt.param_groups:
+        dict.__setitem__(g, "lr", 5e-3) if write == "dict_setitem" else dict.update(g, lr=5e-3)
+    with pytest.raises(OptimizerError, match=r"written past the group's checks \(dict.__setitem__ or dict.update"):
+        opt.step()
+    alike = StackedAdam(list(ens.parameters()), 3, lr=1e-3)  # one lr for all members: the write sets it
+    for g in alike.param_groups:
+        dict.__setitem__(g, "lr", 5e-3)
+    alike.step()
+    assert alike.get_hyperparameter("lr").tolist() == pytest.approx([5e-3] * 3)
