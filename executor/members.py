@@ -285,30 +285,23 @@ class Aliasing:
 
     def build_refusal(self, always: set[str]) -> str:
         """Why no batched module can be built: forward() writes such a name in place in every mode."""
-        for a, ka, b, kb in self.within:
-            if a in always or b in always:
-                return (f"member 0's {ka} `{a}` and {kb} `{b}` are two tensors on one memory, and forward() writes it in "
-                        "place: the batched module stacks each name apart, so the write would not reach the other name "
-                        f"as it does in the member loop; {self._FIX}")
-        for name, owners in self.across.items():
-            if name in always:
-                return (f"members {owners} hold one tensor as buffer `{name}`, which forward() writes in place: the member "
-                        "loop updates that one tensor member after member, the batched module would update a copy per "
-                        "member; give each member its own buffer (copy.deepcopy the module for each member)")
-        return ""
+        return self._refusal(always, "forward() writes it in place")
 
     def training_mode_refusal(self, in_training: set[str]) -> str:
         """Why the batched module cannot run in training mode: a layer updates such a buffer there (BatchNorm)."""
+        return self._refusal(in_training, "a layer updates it in training mode (BatchNorm's running statistics)")
+
+    def _refusal(self, written: set[str], how: str) -> str:
         for a, ka, b, kb in self.within:
-            if a in in_training or b in in_training:
-                return (f"member 0's {ka} `{a}` and {kb} `{b}` are two tensors on one memory, which a layer updates in "
-                        "training mode (BatchNorm's running statistics): the batched module stacks each name apart, so "
-                        f"the update would not reach the other name as it does in the member loop; {self._FIX}")
+            if a in written or b in written:
+                return (f"member 0's {ka} `{a}` and {kb} `{b}` are two tensors on one memory, and {how}: the batched "
+                        "module stacks each name apart, so the write would not reach the other name as it does in the "
+                        f"member loop; {self._FIX}")
         for name, owners in self.across.items():
-            if name in in_training:
-                return (f"members {owners} hold one tensor as buffer `{name}`, which a layer updates in training mode "
-                        "(BatchNorm's running statistics): the member loop updates that one tensor member after member, "
-                        "the batched module a copy per member; give each member its own module (copy.deepcopy)")
+            if name in written:
+                return (f"members {owners} hold one tensor as buffer `{name}`, and {how}: the member loop updates that "
+                        "one tensor member after member, the batched module would update a copy per member; give each "
+                        "member its own (copy.deepcopy the module for each member)")
         return ""
 
     def parameters(self) -> list[tuple[str, str]]:

@@ -118,7 +118,7 @@ def test_a_buffer_members_share_that_forward_writes_is_refused_at_build():
     """Was: the loop's members saw counts 1, 2, 3 and the batched copies 1 each: off by 0.67 on the first call."""
     counter = torch.zeros(())
     members = [Counted(counter) for _ in range(N)]
-    with pytest.raises(MemberError, match=r"members \[0, 1, 2\] hold one tensor as buffer `n`, which forward\(\) writes"):
+    with pytest.raises(MemberError, match=r"members \[0, 1, 2\] hold one tensor as buffer `n`, and forward\(\) writes it"):
         _build(members)
 
 
@@ -135,7 +135,7 @@ def test_a_batchnorm_members_share_is_refused_in_training_and_runs_in_eval():
     """Was: 3 training calls, then eval: off by 0.18 (each member's copy of the shared running statistics)."""
     bn = nn.BatchNorm1d(16, affine=False)
     members = [m.train() for m in _sharing(bn, Normed)]
-    with pytest.raises(MemberError, match="hold one tensor as buffer `bn.running_mean`, which a layer updates in training"):
+    with pytest.raises(MemberError, match="hold one tensor as buffer `bn.running_mean`, and a layer updates it in training"):
         _build(members)
     members = [m.eval() for m in members]
     ens = _build(members)
