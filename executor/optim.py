@@ -1126,14 +1126,23 @@ def _forget_grad_scaler(optimizer: torch.optim.Optimizer) -> None:
         optimizer.__dict__.pop(name, None)
 
 
-def _stepped_by_grad_scaler(depth: int = 6) -> bool:
-    """Whether a torch.amp.GradScaler's step() is among the callers (a torch optimizer's step pre-hook's frames)."""
+def _grad_scaler_codes() -> frozenset:
+    """The code objects of torch.amp.GradScaler's methods that call an optimizer's step()."""
     scaler = getattr(torch.amp, "GradScaler", None)
+    return frozenset(getattr(scaler, name).__code__ for name in ("step", "_maybe_opt_step") if hasattr(scaler, name))
+
+
+_SCALER_CODES = _grad_scaler_codes()
+
+
+def _stepped_by_grad_scaler(depth: int = 8) -> bool:
+    """Whether a torch.amp.GradScaler's step() is among the callers of a torch optimizer's step pre-hook (code
+    objects compared: a few pointer tests per step of any optimizer while a batched module exists)."""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return False
-        if scaler is not None and isinstance(frame.f_locals.get("self"), scaler):
+        if frame.f_code in _SCALER_CODES:
             return True
         frame = frame.f_back
     return False
