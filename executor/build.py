@@ -161,29 +161,32 @@ def _grad_modes_refused(reads: set[str], member: nn.Module, plan: Plan, example:
                         traced: str, grad: bool) -> dict[str, str]:
     """{"grad" / "no_grad" / "inference": why a call in that mode is refused} for a forward() that read the grad
     mode while traced (`reads`, _grad_mode_reads) with gradients on or off (`grad`) to the graph whose fingerprint is
-    `traced`: traced again with gradients the other way, a different graph means
-    the batched module would run the traced mode's branch where the member loop takes the other. Inference mode cannot
-    be traced (both tracers see it as torch.no_grad()): where forward() reads it, calls inside it are refused."""
+    `traced`. Traced again with those reads answering as a call in the other mode would (torch itself left in the
+    traced mode, so its own no_grad regions trace alike), a different graph means the batched module would run the
+    traced branch where the member loop takes the other."""
     if not reads:
         return {}
     refused = {}
     fix = (f"forward() reads {' and '.join(sorted(reads))}, and this module's plan was traced "
            f"{'with' if grad else 'without'} gradients, whose branch the trace keeps")
-    with torch.set_grad_enabled(not grad):
-        try:
-            other = retrace(member, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules).fingerprint
-        except StagewiseError:
-            other = None
-    if other != traced:
+
+    def differs(answers: dict[str, bool]) -> bool:
+        with torch.set_grad_enabled(grad), _grad_mode_reads(member, force=answers):
+            try:
+                return retrace(member, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules).fingerprint != traced
+            except StagewiseError:
+                return True
+
+    if differs({"torch.is_grad_enabled": not grad, "torch.is_inference_mode_enabled": False}):
         mode = "no_grad" if grad else "grad"
         refused[mode] = (f"{fix}; with gradients {'off' if grad else 'on'} it traces to another graph, which the member "
                          f"loop would run. For such calls, plan a second module {'inside torch.no_grad()' if grad else 'with gradients on'} "
                          "(planner.trace and planner.propose in that mode; executor.build follows the plan), or branch "
                          "outside forward()")
-    if "torch.is_inference_mode_enabled" in reads:
-        refused["inference"] = (f"{fix}; under torch.inference_mode() the member loop may take another branch, which no "
-                                "trace can record (tracing sees inference mode as torch.no_grad()). Call it under "
-                                "torch.no_grad() instead, or branch outside forward()")
+    if "torch.is_inference_mode_enabled" in reads and differs({"torch.is_grad_enabled": False, "torch.is_inference_mode_enabled": True}):
+        refused["inference"] = (f"{fix}; under torch.inference_mode() it traces to another graph, which the member loop "
+                                "would run and no plan can hold (tracing sees inference mode as torch.no_grad()). Call it "
+                                "under torch.no_grad() instead, or branch outside forward()")
     return refused
 
 
@@ -452,7 +455,7 @@ class BatchedModule(nn.Module):
         shared = [k for k in self.__dict__.get("_shared_across", ()) if self._stacked[k].requires_grad]
         if shared:
             raise ExecutionError(
-                f"members share the trainable parameter(s) {shared[:3]} (one tensor held by several members): the batched "
+                f"members share the trainable parameter(s) {shared[:3]} (one tensor, or tensors on one memory, held by several members): the batched "
                 "module holds a copy per member, so training would update the copies apart where the member loop updates "
                 "one tensor. Give each member its own copy (copy.deepcopy), or freeze it (requires_grad_(False)); "
                 "inference (torch.no_grad()) is unaffected")
@@ -840,9 +843,11 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
     check_same_requires_grad(members)
     written = check_input_writes(private, graph, plan, example)
-    aliasing = aliasing_of(members)  # the members' own tensors: a private copy does not keep their aliasing
+    aliasing = aliasing_of(members, graph.gm)  # the members' own tensors: a private copy does not keep their aliasing
     always, in_training = written_state(graph.gm)
-    refused = aliasing.build_refusal(always) or (aliasing.training_mode_refusal(in_training) if members[0].training else "")
+    # leaf modules in training mode now update their buffers on every call; the others once .train() is called
+    training_now = {k for k, owner in in_training.items() if members[0].get_submodule(owner).training}
+    refused = aliasing.build_refusal(always) or aliasing.training_mode_refusal(training_now)
     if refused:
         raise MemberError(refused)
     bound = mode_bound(private, graph, plan, example)  # before the graph is edited below (lifted constants)
@@ -859,11 +864,11 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     module.set_mode_bound(bound, private)
-    training_refused = aliasing.training_mode_refusal(in_training)
-    if training_refused:  # built in eval mode: .train() and a call with the flag set by hand refuse
+    training_refused = aliasing.training_mode_refusal(set(in_training))
+    if training_refused:  # such a leaf in eval mode: .train() would put it in training mode, and is refused (a call with
+        # the flag set by hand leaves every layer's own mode as it is)
         module.__dict__["_training_state_refused"] = training_refused
         module._mode_bound[True] = training_refused
-        module._mode_refused = tuple({*module._mode_refused, True})
     module.__dict__["_aliased_params"] = aliasing.parameters()
     module.__dict__["_grad_mode_refused"] = grad_mode_refused
     module.__dict__["_shared_across"] = shared_across_members(members)

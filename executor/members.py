@@ -129,16 +129,16 @@ def gradient_hooks(members: Sequence[nn.Module]) -> list[str]:
 
 
 def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
-    """Names of trainable parameters that two members hold as one tensor. Stacked, each member gets its own
-    copy: forward is the same, but training would update the copies apart where the loop updates one tensor."""
-    seen: dict[int, int] = {}
-    shared = []
+    """Names of trainable parameters that two members hold as one tensor, or as tensors on one memory (members
+    made with `load_state_dict(..., assign=True)` from one state dict). Stacked, each member gets its own copy:
+    forward is the same, but training would update the copies apart where the loop updates one memory."""
+    by_name: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for i, m in enumerate(members):
         for name, p in m.named_parameters():
-            owner = seen.setdefault(id(p), i)
-            if owner != i and p.requires_grad and name not in shared:
-                shared.append(name)
-    return shared
+            if p.requires_grad:
+                by_name.setdefault(name, []).append((i, p))
+    return [name for name, held in by_name.items() if len(held) > 1 and _overlapping(held, one_object_too=True)]
+
 
 class _Watched(dict):
     """A module's `_parameters` / `_buffers` dict that raises a shared flag when a tensor is put in or taken out."""
@@ -222,38 +222,61 @@ def _overlap(a: tuple | None, b: tuple | None) -> bool:
     return a is not None and b is not None and a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
 
 
-def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], set[str]]:
+_FUNCTIONAL_NORMS = {torch.nn.functional.batch_norm: (1, 2, 5), torch.nn.functional.instance_norm: (1, 2, 5),
+                     torch.batch_norm: (1, 2, 5), torch.instance_norm: (3, 4, 5)}  # running mean, var; training flag
+
+
+def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], dict[str, str]]:
     """(state and constants forward() writes in place in any mode: what an in-place node's value may share storage
-    with, a get_attr; the buffers of leaf modules the graph calls, which may update them in training mode: BatchNorm's
+    with, a get_attr, and the running statistics F.batch_norm is handed with training=True; {buffer: the leaf module
+    holding it} for the buffers of leaf modules the graph calls, which may update them in training mode: BatchNorm's
     running statistics)."""
     from stagewise.planner.capability import is_inplace
     from stagewise.planner.trace_watch import storage_root
 
-    always, training = set(), set()
+    always, training = set(), {}
     for node in gm.graph.nodes:
         if is_inplace(node):
             root = storage_root(node.args[0], every_module=False)
             if root.op == "get_attr":
                 always.add(str(root.target))
+        norm = _FUNCTIONAL_NORMS.get(node.target) if node.op == "call_function" else None
+        if norm is not None:
+            mean, var, flag = norm
+            args = list(node.args)
+            updates = node.kwargs.get("training", node.kwargs.get("use_input_stats", args[flag] if len(args) > flag else False))
+            for k in (mean, var):
+                value = args[k] if len(args) > k else None
+                root = storage_root(value, every_module=False) if isinstance(value, torch.fx.Node) else None
+                if updates is not False and root is not None and root.op == "get_attr":
+                    always.add(str(root.target))
         if node.op == "call_module":
-            training |= {f"{node.target}.{k}" for k, _ in gm.get_submodule(str(node.target)).named_buffers()}
+            training.update({f"{node.target}.{k}": str(node.target) for k, _ in gm.get_submodule(str(node.target)).named_buffers()})
     return always, training
 
 
-def _tensors_of(member: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
-    """Every state tensor of `member` by name (each name a tied tensor has) with what it is, and its plain tensor
-    attributes (`self.w_ref = self.fc.weight.data`): a trace reads those as constants, or bakes in what forward()
-    computed from them (`self.w_ref.t()`), which training a parameter they alias would leave behind."""
+def _tensors_of(member: nn.Module, attributes: bool) -> dict[str, tuple[torch.Tensor, str]]:
+    """Every state tensor of `member` by name (each name a tied tensor has) with what it is, and, where `attributes`
+    (the graph reads tensors that are no state: a constant, or what fx computed from one, `self.w_ref.t()`), its plain
+    tensor attributes (`self.w_ref = self.fc.weight.data`), also one level inside a list, tuple or dict attribute:
+    training a parameter they alias would leave the graph's copy behind."""
     out = {k: (p, "parameter") for k, p in member.named_parameters(remove_duplicate=False)}
     out.update({k: (b, "buffer") for k, b in member.named_buffers(remove_duplicate=False)})
+    if not attributes:
+        return out
     for prefix, module in member.named_modules(remove_duplicate=False):
         # torch's old weight_norm / spectral_norm: the attribute their pre-hook sets anew before every forward()
         remade = {getattr(h, "name", None) for h in module._forward_pre_hooks.values()
                   if type(h).__module__.startswith("torch.nn.utils.")}
         for attr, value in vars(module).items():
             name = f"{prefix}.{attr}" if prefix else attr
-            if isinstance(value, torch.Tensor) and name not in out and attr not in remade:
-                out[name] = (value, "tensor attribute")
+            if attr in remade or name in out:
+                continue
+            items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple))
+                     else [(None, value)])
+            for key, item in items:
+                if isinstance(item, torch.Tensor):
+                    out[name if key is None else f"{name}[{key!r}]"] = (item, "tensor attribute")
     return out
 
 
@@ -311,10 +334,13 @@ class Aliasing:
                 for a, ka, b, kb in self.within if "parameter" in (ka, kb)]
 
 
-def aliasing_of(members: Sequence[nn.Module]) -> Aliasing:
+def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Aliasing:
+    state = {k for k, _ in members[0].named_parameters(remove_duplicate=False)} | {k for k, _ in members[0].named_buffers(remove_duplicate=False)}
+    reads_constants = any(n.op == "get_attr" and str(n.target) not in state and isinstance(_attr_of(gm, str(n.target)), torch.Tensor)
+                          for n in gm.graph.nodes)
     within: list[tuple[str, str, str, str]] = []
     for member in members:
-        named = _tensors_of(member)
+        named = _tensors_of(member, reads_constants)
         within = [(a, named[a][1], b, named[b][1]) for a, b in _overlapping([(k, t) for k, (t, _) in named.items()])]
         if within:
             break  # one member's names are enough to say it
@@ -330,3 +356,9 @@ def aliasing_of(members: Sequence[nn.Module]) -> Aliasing:
         if owners:
             across[name] = owners
     return Aliasing(within, across)
+
+
+def _attr_of(module: nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part, None)
+    return module

@@ -613,24 +613,32 @@ def _autograd_functions_seen():
 
 
 @contextlib.contextmanager
-def _grad_mode_reads(model: nn.Module):
+def _grad_mode_reads(model: nn.Module, force: dict[str, bool] | None = None):
     """Yields a set that gets "torch.is_grad_enabled" / "torch.is_inference_mode_enabled" when the model's code calls
-    them inside (through the torch module, or names its Python modules imported): a trace keeps the branch the mode
-    at trace time takes, which a call in another mode would run where the member loop takes the other."""
+    them inside: a trace keeps the branch the mode at trace time takes, which a call in another mode would run where
+    the member loop takes the other. Watched where the model's code can reach them: the torch module and torch._C,
+    the names any loaded module outside torch imported (`from torch import is_grad_enabled`), and the model classes'
+    own attributes (a staticmethod of one). `force` ({label: value}): what such a call from the model's code returns
+    instead (the grad mode a call would have, traced without changing the mode torch runs the trace in)."""
     reads: set[str] = set()
     owner = threading.get_ident()
+    force = force or {}
     watched = {id(f): (f, f"torch.{f.__name__}") for f in (torch.is_grad_enabled, torch.is_inference_mode_enabled)}
 
     def wrap(f: Any, label: str) -> Any:
         def read(*args, **kwargs):
             if threading.get_ident() == owner and _from_model_code(sys._getframe(1)):
                 reads.add(label)
+                if label in force:
+                    return force[label]
             return f(*args, **kwargs)
         return read
 
-    names = {type(m).__module__ for m in model.modules()}
-    spaces = [vars(torch)] + [vars(sys.modules[n]) for n in sorted(names) if n in sys.modules and not n.startswith("torch")]
-    patched = []
+    spaces = [vars(torch), vars(torch._C)] + [vars(m) for name, m in list(sys.modules.items())
+                                             if m is not None and not name.startswith(("torch", "stagewise", "functorch"))
+                                             and getattr(m, "__file__", None) and not str(m.__file__).startswith(_STDLIB)]
+    classes = {c for m in model.modules() for c in type(m).__mro__ if not c.__module__.startswith("torch")}
+    patched: list[tuple[Any, str, Any]] = []
     with _PATCHING:
         try:
             for space in spaces:
@@ -639,7 +647,16 @@ def _grad_mode_reads(model: nn.Module):
                     if hit is not None and hit[0] is value:
                         patched.append((space, name, value))
                         space[name] = wrap(value, hit[1])
+            for cls in classes:
+                for name, value in list(vars(cls).items()):
+                    hit = watched.get(id(getattr(value, "__func__", value)))
+                    if hit is not None:
+                        patched.append((cls, name, value))
+                        setattr(cls, name, staticmethod(wrap(hit[0], hit[1])))
             yield reads
         finally:
             for space, name, value in reversed(patched):
-                space[name] = value
+                if isinstance(space, dict):
+                    space[name] = value
+                else:
+                    setattr(space, name, value)
