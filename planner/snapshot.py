@@ -188,6 +188,9 @@ def deepcopy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
     is not, so the copy would trace to another graph than the module the plan was made from."""
     twin = copy.deepcopy(module, memo)
     for mod, other in zip(module.modules(), twin.modules()):
+        # a GraphModule's deepcopy (rebuilt from its graph) forgets which buffers are non-persistent: the copy's
+        # state_dict would then hold them, and weight files without them would not fit it
+        other._non_persistent_buffers_set |= {k for k in mod._non_persistent_buffers_set if k in other._buffers}
         for k, v in vars(mod).items():
             if isinstance(v, torch.Tensor) and k in other._buffers and k not in mod._buffers:
                 other.__dict__[k] = other._buffers.pop(k)

@@ -140,14 +140,18 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
         raise ModelLoadError(f"{p.name}: example_inputs() must return a tuple of inputs, got {type(inputs).__name__}")
     inputs = tuple(inputs)
 
-    if weights:
-        build = _members_from_weights(p.name, lambda: _call_user(p, "build_model", module.build_model), weights)
-    elif callable(getattr(module, "build_members", None)):
+    _check_weights_given(p.name, weights)
+    if callable(getattr(module, "build_members", None)):
         def build(n: int) -> list[nn.Module]:
             members = _call_user(p, "build_members", module.build_members, n)
             if not isinstance(members, (list, tuple)) or not all(isinstance(m, nn.Module) for m in members):
                 raise ModelLoadError(f"{p.name}: build_members({n}) must return a list of nn.Module; fix build_members() in the model file")
             return list(members)
+        if weights is not None:  # build_members(n) sets what each member holds besides its state (a sweep's settings)
+            build = _members_from_weights(p.name, build, weights)
+    elif weights is not None:
+        build = _members_from_weights(p.name, lambda n: [_call_user(p, "build_model", module.build_model) for _ in range(n)],
+                                      weights)
     else:
         def build(n: int) -> list[nn.Module]:
             state = torch.random.get_rng_state()
@@ -213,11 +217,10 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
     except Exception as e:  # a damaged or hand-edited archive fails here, in torch's unflattening
         raise ModelLoadError(f"{p.name}: torch could not rebuild the module from the archive ({type(e).__name__}: {_first_line(e)}); "
                              "write it again with torch.export.save") from None
-    base = lambda: deepcopy_module(model)  # noqa: E731
-    if weights:
-        build = _members_from_weights(p.name, base, weights)
-    else:
-        build = lambda n: [base() for _ in range(n)]  # noqa: E731
+    _check_weights_given(p.name, weights)
+    build = lambda n: [deepcopy_module(model) for _ in range(n)]  # noqa: E731
+    if weights is not None:
+        build = _members_from_weights(p.name, build, weights)
     return ModelSource(name=p.stem, path=p, model=model, example_inputs=tuple(args), _build_members=build)
 
 
@@ -448,17 +451,30 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _members_from_weights(name: str, build_one: Callable[[], nn.Module], weights: Sequence[str | Path]):
+def _check_weights_given(name: str, weights: Any) -> None:
+    """ModelLoadError for weights that are no list of files: one path (a str would be read letter by letter), or an
+    empty list (a glob that matched nothing would give members with no file's weights, without a word)."""
+    if weights is None:
+        return
+    if isinstance(weights, (str, Path)):
+        raise ModelLoadError(f"{name}: weights={str(weights)!r} is one path; pass a list of weight files, one per member "
+                             f"(weights=[{str(weights)!r}] for one member)")
+    if len(weights) == 0:
+        raise ModelLoadError(f"{name}: weights is an empty list, so no member would get a file's weights; pass one weight "
+                             "file per member (check the pattern that listed them), or weights=None for members without files")
+
+
+def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], weights: Sequence[str | Path]):
+    """members(n): the n members `build_n` makes (the model file's build_members, or build_model n times), member i
+    loaded with weight file i."""
     states = [read_state_dict(w) for w in weights]
 
     def build(n: int) -> list[nn.Module]:
         if n != len(states):
             raise MemberError(f"{name}: {len(states)} weight files given but {n} members asked for; pass one weight file per member")
-        members = []
-        for w, state in zip(weights, states):
-            m = build_one()
+        members = build_n(n)
+        for m, w, state in zip(members, weights, states):
             load_member_state(m, state, Path(w).name)
-            members.append(m)
         return members
 
     return build

@@ -174,3 +174,81 @@ def test_cli_with_export_archive_and_weights(tmp_path, capsys):
     assert cli.main(["run", str(plan), str(path), "--weights", *weights]) == 0
     out = capsys.readouterr().out
     assert "MATCH: batched vs loop over 2 members" in out
+
+
+SWEEP_FILE = '''
+import torch
+from torch import nn
+
+
+class Tempered(nn.Module):
+    def __init__(self, temperature=1.0):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.temperature = temperature
+
+    def forward(self, x):
+        return self.fc(x) / self.temperature
+
+
+def build_model():
+    return Tempered().eval()
+
+
+def build_members(n):
+    return [Tempered(2.0 ** i).eval() for i in range(n)]
+
+
+def example_inputs():
+    return (torch.randn(5, 8),)
+'''
+
+
+def test_weight_files_load_into_the_members_build_members_makes(tmp_path):
+    """Was: with weight files, build_members() was never called: every member got build_model()'s temperature, 0.81 off
+    from the user's members, and verify said MATCH (its loop used the same wrong members)."""
+    model_file = tmp_path / "tempered.py"
+    model_file.write_text(SWEEP_FILE)
+    trained = planner.load_model_file(model_file).members(N)
+    with torch.no_grad():
+        for i, m in enumerate(trained):
+            m.fc.weight.add_(0.1 * i)
+    paths = save_weights(trained, tmp_path, ".pt")
+    members = planner.load_model_file(model_file, weights=paths).members(N)
+    assert [m.temperature for m in members] == [1.0, 2.0, 4.0]
+    x = torch.randn(5, 8)
+    for m, want in zip(members, trained):
+        torch.testing.assert_close(m(x), want(x))
+
+
+@pytest.mark.parametrize("weights", [[], "member0.pt"])
+def test_weights_that_are_no_list_of_files_are_refused(weights):
+    """Was: [] (a pattern that matched nothing) gave members without any file's weights, silently; one path was read
+    letter by letter."""
+    from stagewise.planner.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="an empty list|is one path"):
+        planner.load_model_file(SAMPLES_DIR / "mlp.py", weights=weights)
+
+
+class _Unsaved(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.register_buffer("scratch", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.scratch
+
+
+def test_an_archive_with_a_non_persistent_buffer_takes_weight_files_without_it(tmp_path):
+    """Was: 'missing [scratch]': the archive module's copies forgot which buffers are not saved."""
+    x = torch.randn(4, 8)
+    archive = tmp_path / "unsaved.pt2"
+    torch.export.save(torch.export.export(_Unsaved(), (x,)), archive)
+    members = [_Unsaved() for _ in range(N)]
+    paths = save_weights(members, tmp_path, ".pt")
+    assert "scratch" not in torch.load(paths[0])
+    loaded = planner.load_export(archive, weights=paths).members(N)
+    for m, want in zip(loaded, members):
+        torch.testing.assert_close(m(x), want(x))
