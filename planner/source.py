@@ -429,6 +429,10 @@ def _loads_weights_only(raw: bytes) -> bool:
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read one member's weights: `.safetensors`, or a state_dict saved with torch.save (weights_only=True)."""
     p = Path(path)
+    if p.is_dir():
+        inside = sorted(q.name for q in p.iterdir() if q.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+        raise ModelLoadError(f"weight file {p} is a folder (a save_pretrained folder?); pass the weight file in it"
+                             + (f" ({', '.join(inside[:3])})" if inside else ""))
     if not p.is_file():
         raise ModelLoadError(f"weight file {p} does not exist; check the path")
     try:
@@ -480,13 +484,49 @@ def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], 
     return build
 
 
+def _tie_groups(module: nn.Module) -> dict[str, str]:
+    """State name -> the first name of the tensor it is (tied weights: `lm_head.weight` is `embed.weight`)."""
+    first: dict[int, str] = {}
+    out = {}
+    for k, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        out[k] = first.setdefault(id(t), k)
+    return out
+
+
+def _lossy(value: torch.Tensor, into: torch.dtype) -> str:
+    """Why casting `value` to `into` (what load_state_dict does) would change its numbers beyond rounding; "" if not."""
+    if value.dtype == into:
+        return ""
+    if not value.numel():
+        return ""
+    if value.is_complex() and not into.is_complex:
+        if bool(value.imag.ne(0).any()):
+            return "drops the imaginary part"
+        value = value.real
+    if into.is_floating_point or into.is_complex or into == torch.bool:
+        return ""
+    if value.is_floating_point() and not bool((value == value.trunc()).all()):
+        return "truncates to integers"
+    info = torch.iinfo(into)
+    if float(value.min()) < info.min or float(value.max()) > info.max:
+        return f"wraps values outside [{info.min}, {info.max}]"
+    return ""
+
+
 def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    """Load `state` into `module`, raising MemberError that lists missing/unexpected/mis-shaped keys."""
+    """Load `state` into `module`, raising MemberError that lists missing/unexpected/mis-shaped keys, and values the
+    model's dtype cannot hold (a float file value into an integer buffer). A key left out is accepted where torch
+    fills it in: a tied weight saved once (Hugging Face's save_pretrained), BatchNorm's num_batches_tracked."""
     own = module.state_dict()
-    missing = sorted(set(own) - set(state))
+    ties = _tie_groups(module)
+    saved_under = {ties.get(k, k) for k in state}
+    missing = sorted(k for k in set(own) - set(state)
+                     if not (ties.get(k, k) in saved_under or k.rsplit(".", 1)[-1] == "num_batches_tracked"))
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
+    lossy = [f"{k}: file {state[k].dtype} into model {own[k].dtype} {why}" for k in own if k in state
+             for why in [_lossy(state[k], own[k].dtype)] if why]
+    if missing or unexpected or shapes or lossy:
         parts = []
         if missing:
             parts.append(f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
@@ -494,5 +534,7 @@ def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: s
             parts.append(f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
         if shapes:
             parts.append("shape mismatch " + "; ".join(shapes[:3]))
+        if lossy:
+            parts.append("values the model's dtype cannot hold: " + "; ".join(lossy[:3]))
         raise MemberError(f"{what} does not fit the architecture: {', '.join(parts)}; save the weights of this exact model")
-    module.load_state_dict(state)
+    module.load_state_dict(state, strict=False)  # the keys were checked above, less those torch or the ties fill in

@@ -252,3 +252,57 @@ def test_an_archive_with_a_non_persistent_buffer_takes_weight_files_without_it(t
     loaded = planner.load_export(archive, weights=paths).members(N)
     for m, want in zip(loaded, members):
         torch.testing.assert_close(m(x), want(x))
+
+
+class _Quantized(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("codes", torch.zeros(4, dtype=torch.int8))
+
+    def forward(self, x):
+        return self.fc(x) + self.codes
+
+
+@pytest.mark.parametrize("codes,why", [(torch.tensor([1.5, 0, 0, 0]), "truncates to integers"),
+                                        (torch.tensor([300, 0, 0, 0]), r"wraps values outside \[-128, 127\]"),
+                                        (torch.tensor([1, 2, 3, 4], dtype=torch.float64), None)])
+def test_a_file_value_the_models_dtype_cannot_hold_is_refused(codes, why):
+    """Was: loaded as torch does, silently: 300 into int8 became 44, 1.5 became 1."""
+    model = _Quantized()
+    state = {**model.state_dict(), "codes": codes}
+    if why is None:  # integral values in range: a lossless cast
+        planner.source.load_member_state(model, state, "member0.pt")
+        assert model.codes.tolist() == [1, 2, 3, 4]
+        return
+    with pytest.raises(MemberError, match=f"values the model's dtype cannot hold: codes: file .* into model torch.int8 {why}"):
+        planner.source.load_member_state(model, state, "member0.pt")
+
+
+def test_a_tied_weight_saved_once_and_a_missing_batch_count_load_as_torch_fills_them():
+    """Was refused as 'missing': Hugging Face's save_pretrained saves a tied weight once; BatchNorm fills in
+    num_batches_tracked when a file lacks it."""
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.bn = torch.nn.Embedding(10, 4), torch.nn.BatchNorm1d(4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    saved = Tied()
+    state = {k: v for k, v in saved.state_dict().items() if k not in ("head.weight", "bn.num_batches_tracked")}
+    model = Tied()
+    planner.source.load_member_state(model, state, "model.safetensors")
+    assert torch.equal(model.head.weight, saved.embed.weight) and model.head.weight is model.embed.weight
+    untied = {k: v for k, v in saved.state_dict().items() if k != "embed.weight"}
+    planner.source.load_member_state(Tied(), untied, "model.safetensors")  # either name of the tie will do
+    with pytest.raises(MemberError, match=r"missing \['bn.weight'\]"):
+        planner.source.load_member_state(Tied(), {k: v for k, v in state.items() if k != "bn.weight"}, "x.pt")
+
+
+def test_a_folder_for_a_weight_file_names_the_files_in_it(tmp_path):
+    from stagewise.planner.errors import ModelLoadError
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match=r"is a folder .*pass the weight file in it \(model.safetensors\)"):
+        planner.source.read_state_dict(tmp_path)
