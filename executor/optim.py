@@ -84,6 +84,7 @@ import math
 import os
 import sys
 import textwrap
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -169,25 +170,26 @@ class _StackedOptimizer(torch.optim.Optimizer):
         self.n_members = n_members
         self._versioned: dict[tuple[str, int], tuple[torch.Tensor, int, Any]] = {}  # see _cached
         super().__init__(params, defaults)
-        self._refuse_grouping_by_dim()
+        self._warn_grouping_by_dim()
 
     # torch.amp.GradScaler then hands every step to step() with its found_inf and grad_scale set (also a step it would
     # skip): step() refuses them (GRAD_SCALER_REFUSAL)
     _step_supports_amp_scaling = True
 
-    def _refuse_grouping_by_dim(self) -> None:
-        """OptimizerError for single-model code that picks the parameters without weight decay by `p.dim() < 2` (biases,
+    def _warn_grouping_by_dim(self) -> None:
+        """Warn where single-model code may have picked the parameters without weight decay by `p.dim() < 2` (biases,
         norms): every stacked parameter has the member axis in front, so that group is empty and weight decay reaches
         all of them."""
         empty = [g for g in self.param_groups if not g["params"] and "weight_decay" in g and not bool(torch.as_tensor(g["weight_decay"]).any())]
         decayed = [p for g in self.param_groups if "weight_decay" in g and bool(torch.as_tensor(g["weight_decay"]).any())
                    for p in g["params"] if p.dim() <= 2]
-        if empty and decayed:
-            raise OptimizerError(
+        if empty and decayed:  # a warning: a grouping by name may mean it (a bias-free model with RMSNorm weights)
+            warnings.warn(
                 f"{type(self).__name__}: a param group without weight decay is empty while another decays parameters "
-                f"of shape {list(decayed[0].shape)} (one vector per member: a bias or a norm's weight). Grouping by "
-                "`p.dim() < 2` (or p.ndim) counts the member axis every stacked parameter has in front; group by name "
-                "(for name, p in ens.named_stacked_parameters()) or by `p.dim() - 1 < 2`")
+                f"of shape {list(decayed[0].shape)} (one vector per member: a bias or a norm's weight). If the groups "
+                "were chosen by `p.dim() < 2` (or p.ndim), that counts the member axis every stacked parameter has in "
+                "front, and every bias and norm weight is decayed; group by name (for name, p in "
+                "ens.named_stacked_parameters()) or by `p.dim() - 1 < 2`", stacklevel=3)
 
     # group normalisation: user values -> [N] tensors ------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -1142,8 +1144,8 @@ def _stepped_by_grad_scaler(depth: int = 8) -> bool:
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_code in _SCALER_CODES:
-            return True
+        if frame.f_code in _SCALER_CODES:  # an enabled one: a disabled scaler only calls step()
+            return bool(getattr(frame.f_locals.get("self"), "_enabled", True))
         frame = frame.f_back
     return False
 

@@ -140,7 +140,7 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
         raise ModelLoadError(f"{p.name}: example_inputs() must return a tuple of inputs, got {type(inputs).__name__}")
     inputs = tuple(inputs)
 
-    _check_weights_given(p.name, weights)
+    weights = _weights_list(p.name, weights)
     if callable(getattr(module, "build_members", None)):
         def build(n: int) -> list[nn.Module]:
             members = _call_user(p, "build_members", module.build_members, n)
@@ -217,7 +217,7 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
     except Exception as e:  # a damaged or hand-edited archive fails here, in torch's unflattening
         raise ModelLoadError(f"{p.name}: torch could not rebuild the module from the archive ({type(e).__name__}: {_first_line(e)}); "
                              "write it again with torch.export.save") from None
-    _check_weights_given(p.name, weights)
+    weights = _weights_list(p.name, weights)
     build = lambda n: [deepcopy_module(model) for _ in range(n)]  # noqa: E731
     if weights is not None:
         build = _members_from_weights(p.name, build, weights)
@@ -455,17 +455,20 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_weights_given(name: str, weights: Any) -> None:
-    """ModelLoadError for weights that are no list of files: one path (a str would be read letter by letter), or an
-    empty list (a glob that matched nothing would give members with no file's weights, without a word)."""
+def _weights_list(name: str, weights: Any) -> list | None:
+    """`weights` as a list of paths (a generator such as Path.glob is read once), or None. ModelLoadError for one path
+    (a str would be read letter by letter) or no path at all (a pattern that matched nothing would give members
+    with no file's weights, without a word)."""
     if weights is None:
-        return
+        return None
     if isinstance(weights, (str, Path)):
         raise ModelLoadError(f"{name}: weights={str(weights)!r} is one path; pass a list of weight files, one per member "
                              f"(weights=[{str(weights)!r}] for one member)")
-    if len(weights) == 0:
+    weights = list(weights)
+    if not weights:
         raise ModelLoadError(f"{name}: weights is an empty list, so no member would get a file's weights; pass one weight "
                              "file per member (check the pattern that listed them), or weights=None for members without files")
+    return weights
 
 
 def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], weights: Sequence[str | Path]):
@@ -477,11 +480,28 @@ def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], 
         if n != len(states):
             raise MemberError(f"{name}: {len(states)} weight files given but {n} members asked for; pass one weight file per member")
         members = build_n(n)
+        _refuse_shared_apart(name, members, states, weights)
         for m, w, state in zip(members, weights, states):
             load_member_state(m, state, Path(w).name)
         return members
 
     return build
+
+
+def _refuse_shared_apart(name: str, members: list[nn.Module], states: list[dict], weights: Sequence) -> None:
+    """MemberError where members hold one tensor (build_members shares a module: a frozen embedding) and their weight
+    files hold different values for it: loading file after file into the one tensor would leave every member the
+    last file's."""
+    held: dict[tuple[str, int], int] = {}
+    for i, m in enumerate(members):
+        for k, t in m.state_dict(keep_vars=True).items():
+            j = held.setdefault((k, t.data_ptr()), i)
+            if j != i and k in states[i] and k in states[j] and t.numel() and not torch.equal(states[i][k], states[j][k]):
+                raise MemberError(
+                    f"{name}: members {j} and {i} hold one tensor as {k} (build_members shares it between them), but "
+                    f"their weight files {Path(weights[j]).name} and {Path(weights[i]).name} hold different values for "
+                    "it: one tensor cannot take both. Give each member its own copy in build_members, or save the same "
+                    "values for it in every file")
 
 
 def _tie_groups(module: nn.Module) -> dict[str, str]:
@@ -491,6 +511,15 @@ def _tie_groups(module: nn.Module) -> dict[str, str]:
     for k, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         out[k] = first.setdefault(id(t), k)
     return out
+
+
+def _batch_count(module: nn.Module, key: str) -> bool:
+    """Whether `key` is a BatchNorm's num_batches_tracked, which its load fills in when a file lacks it."""
+    owner, _, leaf = key.rpartition(".")
+    try:
+        return leaf == "num_batches_tracked" and isinstance(module.get_submodule(owner), nn.modules.batchnorm._BatchNorm)
+    except AttributeError:
+        return False
 
 
 def _lossy(value: torch.Tensor, into: torch.dtype) -> str:
@@ -505,10 +534,12 @@ def _lossy(value: torch.Tensor, into: torch.dtype) -> str:
         value = value.real
     if into.is_floating_point or into.is_complex or into == torch.bool:
         return ""
-    if value.is_floating_point() and not bool((value == value.trunc()).all()):
+    # float8 has no trunc, unsigned ints above uint8 no min/max: compared as float64 / int64 (uint64 as float64)
+    exact = value.to(torch.float64) if value.is_floating_point() or value.dtype == torch.uint64 else value.to(torch.int64)
+    if value.is_floating_point() and not bool((exact == exact.trunc()).all()):
         return "truncates to integers"
     info = torch.iinfo(into)
-    if float(value.min()) < info.min or float(value.max()) > info.max:
+    if exact.min().item() < info.min or exact.max().item() > info.max:
         return f"wraps values outside [{info.min}, {info.max}]"
     return ""
 
@@ -520,8 +551,7 @@ def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: s
     own = module.state_dict()
     ties = _tie_groups(module)
     saved_under = {ties.get(k, k) for k in state}
-    missing = sorted(k for k in set(own) - set(state)
-                     if not (ties.get(k, k) in saved_under or k.rsplit(".", 1)[-1] == "num_batches_tracked"))
+    missing = sorted(k for k in set(own) - set(state) if not (ties.get(k, k) in saved_under or _batch_count(module, k)))
     unexpected = sorted(set(state) - set(own))
     shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
     lossy = [f"{k}: file {state[k].dtype} into model {own[k].dtype} {why}" for k in own if k in state

@@ -306,3 +306,74 @@ def test_a_folder_for_a_weight_file_names_the_files_in_it(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match=r"is a folder .*pass the weight file in it \(model.safetensors\)"):
         planner.source.read_state_dict(tmp_path)
+
+
+SHARED_FILE = '''
+import torch
+from torch import nn
+
+EMBED = nn.Embedding(10, 4)
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc = EMBED, nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.fc(self.embed(ids))
+
+
+def build_model():
+    return Head().eval()
+
+
+def build_members(n):
+    return [Head().eval() for _ in range(n)]
+
+
+def example_inputs():
+    return (torch.tensor([[1, 2, 3]]),)
+'''
+
+
+def test_weight_files_that_differ_in_a_tensor_build_members_shares_are_refused(tmp_path):
+    """Review: file after file went into the one embedding the members share, every member left with the last's."""
+    model_file = tmp_path / "shared.py"
+    model_file.write_text(SHARED_FILE)
+    source = planner.load_model_file(model_file)
+    states = []
+    for i in range(N):
+        state = {k: v.clone() for k, v in source.model.state_dict().items()}
+        state["embed.weight"] += i
+        states.append(state)
+    paths = []
+    for i, state in enumerate(states):
+        torch.save(state, tmp_path / f"m{i}.pt")
+        paths.append(tmp_path / f"m{i}.pt")
+    with pytest.raises(MemberError, match=r"members 0 and 1 hold one tensor as embed.weight \(build_members shares it"):
+        planner.load_model_file(model_file, weights=paths).members(N)
+    for p in paths:  # the same values for it in every file: one tensor can hold them
+        torch.save(states[0], p)
+    planner.load_model_file(model_file, weights=paths).members(N)
+
+
+def test_weights_as_a_generator_and_unsigned_or_float8_files_load():
+    """Review: Path.glob(...) crashed on len(); a uint32 position_ids file or a float8 value crashed the range check."""
+    model = _Quantized()
+    state = {**model.state_dict(), "codes": torch.tensor([1, 2, 3, 4], dtype=torch.uint32)}
+    planner.source.load_member_state(model, state, "m.safetensors")
+    state["codes"] = torch.tensor([1.0, 2.0, 3.0, 4.0]).to(torch.float8_e4m3fn)
+    planner.source.load_member_state(model, state, "m.safetensors")
+    assert model.codes.tolist() == [1, 2, 3, 4]
+    assert planner.source._weights_list("m.py", (p for p in ["a.pt", "b.pt"])) == ["a.pt", "b.pt"]
+
+
+def test_a_missing_num_batches_tracked_is_excused_only_for_batchnorm():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("num_batches_tracked", torch.tensor(7))
+
+    with pytest.raises(MemberError, match=r"missing \['num_batches_tracked'\]"):
+        planner.source.load_member_state(Counter(), {}, "m.pt")
