@@ -411,8 +411,15 @@ class BatchedModule(nn.Module):
         self._make_captured()
 
     def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)  # the stacked state tree: tied names stay one Parameter
         kept = self.__dict__.get("_kept_dtypes") or {}
+        # per-member constants forward() makes in float32 (lifted into the stacked state): moved, not cast
+        held_state = {k: tree_tensor(self.stacked, k) for k in kept if k in self.__dict__.get("_stacked", {})}
+        super()._apply(fn, recurse)  # the stacked state tree: tied names stay one Parameter
+        for k, t in held_state.items():
+            path, _, leaf = k.rpartition(".")
+            owner = self.stacked.get_submodule(path) if path else self.stacked
+            if leaf in owner._buffers:
+                owner._buffers[leaf] = t.to(device=fn(torch.empty(0, dtype=t.dtype, device=t.device)).device)
         for m in self.stage_modules:
             held = {k: m.get_buffer(k) for k in kept if _has_buffer(m, k)}
             m._apply(fn)
@@ -861,6 +868,13 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # the float32 comparisons above: members' constants are told apart, and modes compared, at one dtype)
     precision_refused, kept_dtypes = take_dtypes_of_a_trace_in(graph, plan, private, LOW_PRECISION[plan.dtype], example) \
         if plan.tracer == "export" and plan.dtype in LOW_PRECISION else ("", {})
+    if precision_refused:  # the float32 trace runs as it is: it may fail (float32 meets the weights) or not
+        warnings.warn(
+            f"a {plan.dtype} plan of a torch.export graph: stagewise traced member 0 again in {plan.dtype} to take the "
+            f"dtypes and dtype-dependent constants torch.export fixed at float32, but {precision_refused}. The float32 "
+            f"trace's run in {plan.dtype} instead: torch.finfo(torch.float32).min becomes -inf there (NaN in a fully "
+            "masked softmax row), and an element size or a cast back to the input's dtype stays float32's. Check the "
+            "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     module.set_mode_bound(bound, private)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from stagewise.executor.constants import LIFTED_PREFIX
+from stagewise.executor.constants import _ATEN_SCALAR_TO_TENSOR, _LEAKY, LIFTED_PREFIX, leaky_relu_per_member
 from stagewise.planner.errors import PlanMismatchError, StagewiseError
 from stagewise.planner.graph import ModelGraph, add_edges, retrace
 from stagewise.planner.plan import Plan
@@ -43,6 +43,19 @@ def _source(node: torch.fx.Node) -> torch.fx.Node:
 def _lifted(node: Any) -> bool:
     """A get_attr of a per-member constant lift_member_constants put where the trace had a number."""
     return isinstance(node, torch.fx.Node) and node.op == "get_attr" and str(node.target).startswith(LIFTED_PREFIX)
+
+
+def _same_op(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether `a` (first trace) runs `b`'s op: the same target, or the tensor form lift_member_constants gave it for
+    a number members hold differently (`pow.Tensor_Scalar` -> `pow.Tensor_Tensor`, leaky_relu -> its per-member form)."""
+    if a.target == b.target:
+        return True
+    if not any(_lifted(x) for x in a.all_input_nodes):
+        return False
+    if a.target is leaky_relu_per_member:
+        return b.target in _LEAKY
+    return (isinstance(b.target, torch._ops.OpOverload)
+            and a.target is _ATEN_SCALAR_TO_TENSOR.get(b.target._schema.name.split("::")[-1]))
 
 
 def _differs(a: Any, b: Any, pair: dict[torch.fx.Node, torch.fx.Node]) -> bool:
@@ -122,7 +135,7 @@ def dtype_rewrites(gm: torch.fx.GraphModule, low: torch.fx.GraphModule, state: s
     for k in range(max(len(ours), len(theirs))):
         a = ours[k] if k < len(ours) else None
         b = theirs[k] if k < len(theirs) else None
-        if a is None or b is None or a.op != b.op or (a.op != "get_attr" and a.target != b.target):
+        if a is None or b is None or a.op != b.op or (a.op != "get_attr" and not _same_op(a, b)):
             return Rewrites(), f"at node {k} the float32 trace has {_describe(a)} where it has {_describe(b)}"
         pair[b] = a
         if a.op != "get_attr":
@@ -165,11 +178,7 @@ def take_dtypes_of_a_trace_in(graph: ModelGraph, plan: Plan, member: nn.Module, 
         return "there are no example inputs to trace it with", {}
     gm = graph.gm
     state = {k for k, _ in member.named_parameters(remove_duplicate=False)} | {k for k, _ in member.named_buffers(remove_duplicate=False)}
-    graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
-    constants = any(n.op == "get_attr" and str(n.target) not in state and isinstance(_attr(gm, str(n.target)), torch.Tensor)
-                    for n in gm.graph.nodes)
-    if not constants and not any(_has_dtype(n.args) or _has_dtype(dict(n.kwargs)) for m in graphs for n in m.graph.nodes):
-        return "", {}  # nothing a trace in another dtype could change
+    # traced even where the graph holds no dtype or float: an int can depend on the dtype too (`x.element_size()`)
     low = deepcopy_module(member).to(dtype)
     try:
         traced = retrace(low, "export", tuple(tree_map(lambda x: _cast(x, dtype), tuple(example))),

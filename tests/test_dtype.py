@@ -3,6 +3,7 @@ within the documented tolerance (executor.verify.DTYPE_RTOL, README "Precision")
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -451,3 +452,84 @@ def test_a_tensor_constant_whose_value_depends_on_the_dtype_takes_the_plans(dtyp
                                atol=5e-2 if dtype == "bfloat16" else 5e-3)
     report = executor.verify(plan, members, (x, mask))
     assert report.ok, report.to_text()
+
+
+class _PowSweep(torch.nn.Module):
+    """An exponent per member (lifted to pow.Tensor_Tensor) and a finfo(dtype).min mask with a fully masked row."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.q, self.p = torch.nn.Linear(8, 8), p
+
+    def forward(self, x, mask):
+        h = self.q(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        h = h.abs() ** self.p
+        scores = h @ h.transpose(-1, -2)
+        return (scores + (1.0 - mask) * torch.finfo(scores.dtype).min).softmax(-1) @ h
+
+
+def test_a_number_lifted_per_member_into_another_op_form_still_takes_the_plans_dtypes():
+    """Review: the lifted exponent made pow.Tensor_Scalar pow.Tensor_Tensor, the traces no longer paired, the rewrite
+    was dropped without a word, and float32's finfo.min became -inf: 120 NaN in the fully masked row."""
+    torch.manual_seed(0)
+    members = [_PowSweep(p) for p in (1.0, 0.5, 2.0)]
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 1, 5)
+    mask[1] = 0
+    plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x, mask)), N), "bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # taken: nothing to warn of
+        with torch.no_grad():
+            got = executor.build(plan, members)(x, mask)
+    assert not got.isnan().any()
+    want = _low_loop(members, "bfloat16", x, mask).float()
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+class _ElementSized(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.q(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        return h * h.element_size()  # 4 at float32, 2 at bfloat16: an int the dtype decides
+
+
+def test_a_low_precision_export_plan_whose_dtypes_cannot_be_taken_warns_at_build():
+    """Review: ×4 where eager bfloat16 gives ×2, silently (no float or dtype constant: the second trace was skipped)."""
+    members = [_ElementSized() for _ in range(N)]
+    x = torch.randn(3, 8)
+    plan = _export_plan(members, x, "bfloat16")
+    with pytest.warns(UserWarning, match=r"traced member 0 again in bfloat16 .* but its trace in torch.bfloat16 is another "
+                                         r"program: mul takes other arguments"):
+        executor.build(plan, members)
+
+
+class _ScaledSweep(torch.nn.Module):
+    def __init__(self, t):
+        super().__init__()
+        self.q, self.t = torch.nn.Linear(8, 8), t
+
+    def forward(self, x):
+        h = self.q(x)
+        if h.shape[0] > 1:
+            h = h + 1
+        return h / torch.sqrt(torch.tensor(self.t, dtype=torch.float)).to(h.dtype)
+
+
+def test_a_float32_constant_members_make_differently_stays_float32_in_a_bfloat16_plan():
+    """Review: 'Tensor dtype mismatch! Expected: Float': the per-member copies in the stacked state were cast."""
+    torch.manual_seed(0)
+    members = [_ScaledSweep(t) for t in (2.0, 3.0, 5.0)]
+    x = torch.randn(4, 8)
+    plan = _export_plan(members, x, "bfloat16")
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        got = ens(x)
+        torch.testing.assert_close(got, _low_loop(members, "bfloat16", x).float(), rtol=0, atol=3e-2)
+        ens.to("cpu")
+        torch.testing.assert_close(ens(x), got)
