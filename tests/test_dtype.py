@@ -368,11 +368,14 @@ class _MaskedSweep(torch.nn.Module):
         super().__init__()
         self.q, self.eps = torch.nn.Linear(8, 8), eps
 
+    def per_member(self, h):
+        return h / (h.abs().mean(-1, keepdim=True) + self.eps)
+
     def forward(self, x, mask):
         h = self.q(x)
         if h.shape[0] > 1:
             h = h + 1
-        h = h / (h.abs().mean(-1, keepdim=True) + self.eps)
+        h = self.per_member(h)
         scores = h @ h.transpose(-1, -2)
         scores = scores + (1.0 - mask) * torch.finfo(scores.dtype).min
         return scores.softmax(-1) @ h
@@ -454,20 +457,11 @@ def test_a_tensor_constant_whose_value_depends_on_the_dtype_takes_the_plans(dtyp
     assert report.ok, report.to_text()
 
 
-class _PowSweep(torch.nn.Module):
-    """An exponent per member (lifted to pow.Tensor_Tensor) and a finfo(dtype).min mask with a fully masked row."""
+class _PowSweep(_MaskedSweep):
+    """An exponent per member (lifted to pow.Tensor_Tensor), and the finfo(dtype).min mask."""
 
-    def __init__(self, p):
-        super().__init__()
-        self.q, self.p = torch.nn.Linear(8, 8), p
-
-    def forward(self, x, mask):
-        h = self.q(x)
-        if h.shape[0] > 1:
-            h = h + 1
-        h = h.abs() ** self.p
-        scores = h @ h.transpose(-1, -2)
-        return (scores + (1.0 - mask) * torch.finfo(scores.dtype).min).softmax(-1) @ h
+    def per_member(self, h):
+        return h.abs() ** self.eps
 
 
 def test_a_number_lifted_per_member_into_another_op_form_still_takes_the_plans_dtypes():
