@@ -368,7 +368,8 @@ class BatchedModule(nn.Module):
         self.__dict__["_grad_checks"] = (self._inference_only or bool(self.__dict__.get("_shared_across"))
                                          or bool(self.__dict__.get("_ties_apart")) or bool(self.__dict__.get("_grad_hooks"))
                                          or bool(self.__dict__.get("_lost_backwards"))
-                                         or bool(self.__dict__.get("_aliased_params")))
+                                         or bool(self.__dict__.get("_aliased_params"))
+                                         or bool(self.__dict__.get("_traced_without_grad")))
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
@@ -450,6 +451,12 @@ class BatchedModule(nn.Module):
     def _check_trainable(self) -> None:
         """ExecutionError naming the first stage whose strategy cannot carry gradients, or the parameters members
         share (one tensor in the loop, a copy per member here)."""
+        if self.__dict__.get("_traced_without_grad") and any(p.requires_grad for p in self._stacked.values()):
+            raise ExecutionError(
+                "this module's plan was traced inside torch.no_grad(), where torch.export records none of forward()'s own "
+                "torch.no_grad() regions (Hugging Face's rotary embedding is one): a call that records gradients would "
+                "send them where the model stops them. Call it under torch.no_grad() / torch.inference_mode(), or plan "
+                "it with gradients on (planner.trace outside torch.no_grad()) to train it")
         aliased = [(k, other) for k, other in self.__dict__.get("_aliased_params", ()) if self._stacked[k].requires_grad]
         if aliased:
             raise ExecutionError(
@@ -835,46 +842,49 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     with _grad_mode_reads(private) as reads:
         graph = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
     traced_with_grad = True
-    if reads and graph.fingerprint != plan.fingerprint:  # a forward() branching on the grad mode, planned without
-        with torch.no_grad():
+    if graph.fingerprint != plan.fingerprint:  # planned inside torch.no_grad()? export then records none of forward()'s
+        # own no_grad regions (Hugging Face's rotary embedding), and a branch on the grad mode takes its other side
+        with torch.no_grad(), _grad_mode_reads(private) as reads_off:
             other = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
         if other.fingerprint == plan.fingerprint:
-            graph, traced_with_grad = other, False
+            graph, traced_with_grad, reads = other, False, reads_off
     if graph.fingerprint != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
             f"({_first_difference(plan, graph)}); the plan was made for another model, or for this one by an earlier "
             "stagewise that traced it otherwise (out= writes now trace as copy_): re-plan with `stagewise plan`"
         )
-    validate(plan, graph)
-    grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
-    check_same_requires_grad(members)
-    written = check_input_writes(private, graph, plan, example)
-    aliasing = aliasing_of(members, graph.gm)  # the members' own tensors: a private copy does not keep their aliasing
-    always, in_training = written_state(graph.gm)
-    # leaf modules in training mode now update their buffers on every call; the others once .train() is called
-    training_now = {k for k, owner in in_training.items() if members[0].get_submodule(owner).training}
-    refused = aliasing.build_refusal(always) or aliasing.training_mode_refusal(training_now)
-    if refused:
-        raise MemberError(refused)
-    bound = mode_bound(private, graph, plan, example)  # before the graph is edited below (lifted constants)
-    register_output_dataclasses(graph.gm)
-    stacked = stack_member_state(members, dev)
-    # a sweep's members differ in numbers the trace baked in: give each member its own (or refuse)
-    per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked),
-                                       opened=plan.opened_modules)
-    stacked.update({k: v.to(dev) for k, v in per_member.items()})
-    # a torch.export graph in bfloat16/float16: the dtypes it baked in at float32 taken from a trace in that dtype (after
-    # the float32 comparisons above: members' constants are told apart, and modes compared, at one dtype)
-    precision_refused, kept_dtypes = take_dtypes_of_a_trace_in(graph, plan, private, LOW_PRECISION[plan.dtype], example) \
-        if plan.tracer == "export" and plan.dtype in LOW_PRECISION else ("", {})
-    if precision_refused:  # the float32 trace runs as it is: it may fail (float32 meets the weights) or not
-        warnings.warn(
-            f"a {plan.dtype} plan of a torch.export graph: stagewise traced member 0 again in {plan.dtype} to take the "
-            f"dtypes and dtype-dependent constants torch.export fixed at float32, but {precision_refused}. The float32 "
-            f"trace's run in {plan.dtype} instead: torch.finfo(torch.float32).min becomes -inf there (NaN in a fully "
-            "masked softmax row), and an element size or a cast back to the input's dtype stays float32's. Check the "
-            "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
+    # the member traced again below (its modes, the members' numbers, the plan's dtype) in the mode the plan was
+    with torch.set_grad_enabled(traced_with_grad):
+        validate(plan, graph)
+        grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
+        check_same_requires_grad(members)
+        written = check_input_writes(private, graph, plan, example)
+        aliasing = aliasing_of(members, graph.gm)  # the members' own tensors: a private copy does not keep their aliasing
+        always, in_training = written_state(graph.gm)
+        # leaf modules in training mode now update their buffers on every call; the others once .train() is called
+        training_now = {k for k, owner in in_training.items() if members[0].get_submodule(owner).training}
+        refused = aliasing.build_refusal(always) or aliasing.training_mode_refusal(training_now)
+        if refused:
+            raise MemberError(refused)
+        bound = mode_bound(private, graph, plan, example)  # before the graph is edited below (lifted constants)
+        register_output_dataclasses(graph.gm)
+        stacked = stack_member_state(members, dev)
+        # a sweep's members differ in numbers the trace baked in: give each member its own (or refuse)
+        per_member = lift_member_constants(graph, members, plan.tracer, example, [i.name for i in plan.inputs], set(stacked),
+                                           opened=plan.opened_modules)
+        stacked.update({k: v.to(dev) for k, v in per_member.items()})
+        # a torch.export graph in bfloat16/float16: the dtypes it baked in at float32 taken from a trace in that dtype (after
+        # the float32 comparisons above: members' constants are told apart, and modes compared, at one dtype)
+        precision_refused, kept_dtypes = take_dtypes_of_a_trace_in(graph, plan, private, LOW_PRECISION[plan.dtype], example) \
+            if plan.tracer == "export" and plan.dtype in LOW_PRECISION else ("", {})
+        if precision_refused:  # the float32 trace runs as it is: it may fail (float32 meets the weights) or not
+            warnings.warn(
+                f"a {plan.dtype} plan of a torch.export graph: stagewise traced member 0 again in {plan.dtype} to take the "
+                f"dtypes and dtype-dependent constants torch.export fixed at float32, but {precision_refused}. The float32 "
+                f"trace's run in {plan.dtype} instead: torch.finfo(torch.float32).min becomes -inf there (NaN in a fully "
+                "masked softmax row), and an element size or a cast back to the input's dtype stays float32's. Check the "
+                "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     module.set_mode_bound(bound, private)
@@ -885,6 +895,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
         module._mode_bound[True] = training_refused
     module.__dict__["_aliased_params"] = aliasing.parameters()
     module.__dict__["_grad_mode_refused"] = grad_mode_refused
+    module.__dict__["_traced_without_grad"] = not traced_with_grad
     module.__dict__["_shared_across"] = shared_across_members(members)
     module.__dict__["_ties_apart"] = ties_apart(members)
     module.__dict__["_grad_hooks"] = gradient_hooks(members)

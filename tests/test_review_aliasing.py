@@ -404,3 +404,38 @@ def test_statistics_members_share_updated_by_functional_batch_norm_are_refused()
         members.append(FunctionalNorm(stats))
     with pytest.raises(MemberError, match="hold one tensor as buffer `mean`, and forward"):
         _build(members)
+
+
+class RegionInForward(nn.Module):
+    """Hugging Face's rotary embedding: a @torch.no_grad() helper inside forward(), traced by torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    @torch.no_grad()
+    def scale(self, y):
+        return y.abs().mean() + 1
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.shape[0] > 1:  # fx cannot trace this: torch.export it is
+            y = y + 1
+        return y / self.scale(y)
+
+
+def test_a_plan_traced_inside_no_grad_builds_for_inference_and_refuses_training():
+    """Was: PlanMismatchError 'made for another model' (Hugging Face Llama planned under torch.no_grad()): export
+    records no no_grad region there, and build traced with gradients on. Build now takes that trace; a call that would
+    record gradients through it is refused (the regions that stop them are not in it)."""
+    members = _members(RegionInForward)
+    with torch.no_grad():
+        plan = planner.propose(planner.trace(members[0], (X,)), N)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(X), _loop(members))
+    with pytest.raises(ExecutionError, match=r"traced inside torch.no_grad\(\), where torch.export records none of"):
+        ens(X).sum().backward()
+    for p in ens.parameters():
+        p.requires_grad_(False)
+    torch.testing.assert_close(ens(X), _loop(members))  # nothing records gradients: it runs
