@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from stagewise.executor.constants import _attr
 from stagewise.planner.errors import MemberError
 from stagewise.planner.snapshot import deepcopy_module
 
@@ -336,7 +337,7 @@ class Aliasing:
 
 def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Aliasing:
     state = {k for k, _ in members[0].named_parameters(remove_duplicate=False)} | {k for k, _ in members[0].named_buffers(remove_duplicate=False)}
-    reads_constants = any(n.op == "get_attr" and str(n.target) not in state and isinstance(_attr_of(gm, str(n.target)), torch.Tensor)
+    reads_constants = any(n.op == "get_attr" and str(n.target) not in state and isinstance(_attr(gm, str(n.target)), torch.Tensor)
                           for n in gm.graph.nodes)
     within: list[tuple[str, str, str, str]] = []
     for member in members:
@@ -356,9 +357,3 @@ def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Alias
         if owners:
             across[name] = owners
     return Aliasing(within, across)
-
-
-def _attr_of(module: nn.Module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part, None)
-    return module

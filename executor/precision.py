@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from stagewise.executor.constants import _ATEN_SCALAR_TO_TENSOR, _LEAKY, LIFTED_PREFIX, leaky_relu_per_member
+from stagewise.executor.constants import _ATEN_SCALAR_TO_TENSOR, _LEAKY, LIFTED_PREFIX, _attr, leaky_relu_per_member
 from stagewise.planner.errors import PlanMismatchError, StagewiseError
 from stagewise.planner.graph import ModelGraph, add_edges, retrace
 from stagewise.planner.plan import Plan
@@ -103,12 +103,6 @@ def _has_dtype(a: Any) -> bool:
 
 def _describe(node: torch.fx.Node | None) -> str:
     return "nothing" if node is None else f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)})"
-
-
-def _attr(module: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part, None)
-    return module
 
 
 @dataclass
