@@ -305,18 +305,26 @@ def test_a_models_own_float32_upcasts_stay_float32_in_a_bfloat16_plan():
     assert (got - want).abs().max() < 0.1 * want.abs().max()
 
 
-class _ScaledAttention(torch.nn.Module):
-    """DeBERTa's `torch.tensor(head_dim, dtype=torch.float)` made in forward(): float32 in eager whatever the model's
-    dtype, and torch.export checks it is, so the batched module must not cast it with the weights."""
+class _Exported(torch.nn.Module):
+    """A Linear, then a branch on a size, which fx cannot trace and torch.export can; subclasses say what follows."""
 
     def __init__(self):
         super().__init__()
         self.q = torch.nn.Linear(8, 8)
 
-    def forward(self, x):
+    def trunk(self, x):
         h = self.q(x)
         if h.shape[0] > 1:
             h = h + 1
+        return h
+
+
+class _ScaledAttention(_Exported):
+    """DeBERTa's `torch.tensor(head_dim, dtype=torch.float)` made in forward(): float32 in eager whatever the model's
+    dtype, and torch.export checks it is, so the batched module must not cast it with the weights."""
+
+    def forward(self, x):
+        h = self.trunk(x)
         scale = torch.sqrt(torch.tensor(h.size(-1), dtype=torch.float) * 2)
         return h / scale.to(dtype=h.dtype)
 
@@ -361,20 +369,18 @@ def test_a_model_tracing_to_another_program_in_the_plans_dtype_says_so():
         executor.build(plan, members)(x)
 
 
-class _MaskedSweep(torch.nn.Module):
+class _MaskedSweep(_Exported):
     """A number per member (an eps sweep) and an additive mask of torch.finfo(dtype).min, no cast of its own."""
 
     def __init__(self, eps):
         super().__init__()
-        self.q, self.eps = torch.nn.Linear(8, 8), eps
+        self.eps = eps
 
     def per_member(self, h):
         return h / (h.abs().mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x, mask):
-        h = self.q(x)
-        if h.shape[0] > 1:
-            h = h + 1
+        h = self.trunk(x)
         h = self.per_member(h)
         scores = h @ h.transpose(-1, -2)
         scores = scores + (1.0 - mask) * torch.finfo(scores.dtype).min
@@ -398,15 +404,9 @@ def test_members_differing_in_a_number_keep_their_own_in_a_low_precision_export_
                                atol=3e-2 if dtype == "bfloat16" else 5e-3)
 
 
-class _UpcastWithoutGrad(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q = torch.nn.Linear(8, 8)
-
+class _UpcastWithoutGrad(_Exported):
     def forward(self, x):
-        h = self.q(x)
-        if h.shape[0] > 1:
-            h = h + 1
+        h = self.trunk(x)
         with torch.no_grad():  # torch.export keeps the region as a graph of its own
             s = h.float().pow(2).mean(-1, keepdim=True).to(h.dtype)
         return h * s
@@ -424,17 +424,11 @@ def test_an_upcast_inside_a_no_grad_region_is_another_program_in_bfloat16_and_sa
         executor.build(plan, members)(x)
 
 
-class _DtypeMin(torch.nn.Module):
+class _DtypeMin(_Exported):
     """HF's padding mask: a tensor of torch.finfo(dtype).min, made in forward(), with a fully masked row."""
 
-    def __init__(self):
-        super().__init__()
-        self.q = torch.nn.Linear(8, 8)
-
     def forward(self, x, mask):
-        h = self.q(x)
-        if h.shape[0] > 1:
-            h = h + 1
+        h = self.trunk(x)
         scores = h @ h.transpose(-1, -2)
         return torch.where(mask > 0, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype)).softmax(-1) @ h
 
@@ -481,15 +475,9 @@ def test_a_number_lifted_per_member_into_another_op_form_still_takes_the_plans_d
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
-class _ElementSized(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q = torch.nn.Linear(8, 8)
-
+class _ElementSized(_Exported):
     def forward(self, x):
-        h = self.q(x)
-        if h.shape[0] > 1:
-            h = h + 1
+        h = self.trunk(x)
         return h * h.element_size()  # 4 at float32, 2 at bfloat16: an int the dtype decides
 
 
@@ -503,15 +491,13 @@ def test_a_low_precision_export_plan_whose_dtypes_cannot_be_taken_warns_at_build
         executor.build(plan, members)
 
 
-class _ScaledSweep(torch.nn.Module):
+class _ScaledSweep(_Exported):
     def __init__(self, t):
         super().__init__()
-        self.q, self.t = torch.nn.Linear(8, 8), t
+        self.t = t
 
     def forward(self, x):
-        h = self.q(x)
-        if h.shape[0] > 1:
-            h = h + 1
+        h = self.trunk(x)
         return h / torch.sqrt(torch.tensor(self.t, dtype=torch.float)).to(h.dtype)
 
 
