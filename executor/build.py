@@ -183,7 +183,7 @@ def _grad_modes_refused(reads: set[str], member: nn.Module, plan: Plan, example:
                          f"loop would run. For such calls, plan a second module {'inside torch.no_grad()' if grad else 'with gradients on'} "
                          "(planner.trace and planner.propose in that mode; executor.build follows the plan), or branch "
                          "outside forward()")
-    if "torch.is_inference_mode_enabled" in reads and differs({"torch.is_grad_enabled": False, "torch.is_inference_mode_enabled": True}):
+    if reads & {"torch.is_inference_mode_enabled", "a tensor's is_inference()"} and differs({"torch.is_grad_enabled": False, "torch.is_inference_mode_enabled": True}):
         refused["inference"] = (f"{fix}; under torch.inference_mode() it traces to another graph, which the member loop "
                                 "would run and no plan can hold (tracing sees inference mode as torch.no_grad()). Call it "
                                 "under torch.no_grad() instead, or branch outside forward()")
@@ -685,8 +685,17 @@ class BatchedModule(nn.Module):
             if self.plan.tracer == "export" and _MIXED_DTYPES.search(str(e)):
                 # torch.export baked the trace's float32 into the graph (`h.to(torch.float32)` in an RMSNorm, a cast
                 # back to the input's dtype, dtype checks), and the trace in the plan's dtype could not replace them
-                why = (self.__dict__.get("_precision_refused") or "its state is no longer in that dtype (converted since "
-                       "build: .to(dtype), .double(), .half())")
+                why = self.__dict__.get("_precision_refused")
+                converted = any(t.is_floating_point() and t.dtype != LOW_PRECISION[self.plan.dtype]
+                                for k, t in self._stacked.items() if k not in (self.__dict__.get("_kept_dtypes") or {}))
+                if not why and not converted:  # the trace in the plan's dtype casts to float32 there as well
+                    raise ExecutionError(
+                        f"{str(e).split('. Check')[0]}: forward() makes float32 values itself (`x.float()`, "
+                        f"`.to(torch.float32)`) and hands them to {self.plan.dtype} weights, so member 0 cast to "
+                        f"{self.plan.dtype} (`member.to(torch.{self.plan.dtype})`) fails alike; cast to the weights' dtype "
+                        f"there (`x.to(self.fc.weight.dtype)`), or keep this plan float32 (planner.set_dtype(plan, "
+                        "'float32'))") from e
+                why = why or "its state is no longer in that dtype (converted since build: .to(dtype), .double(), .half())"
                 raise ExecutionError(
                     f"{str(e).split('. Check')[0]}: this plan was traced with torch.export, which fixes the dtypes the "
                     f"model's casts had at trace time (float32) into the graph, so float32 values meet the {self.plan.dtype} "

@@ -37,7 +37,7 @@ from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
-    RANDOM_OPS, _autograd_functions_kept, _grad_mode_watch, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
+    RANDOM_OPS, _autograd_functions_kept, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     storage_root, storage_sharers)
 from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes, out_as_copies,
                                       views_as_reshapes)
@@ -195,7 +195,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     """
     fixed = _defaults_not_given(model, given)
     with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, \
-            _input_writes_recorded() as writes, _autograd_functions_kept() as inlined_functions:
+            _input_writes_recorded() as writes, _autograd_functions_kept() as inlined_functions, _grad_state_proxied() as grad_state:
 
         def fx(proxy_buffers: bool = False) -> torch.fx.GraphModule:
             gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
@@ -236,6 +236,11 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
         # `torch.zeros(3, d).index_add_(...)`: fx made the fresh tensor once, so every member and call would write into it
         raise TraceError(f"forward() writes in place into a tensor it makes with fixed sizes ({', '.join(written)}), which "
                          "torch.fx keeps as one constant for every call")
+    if grad_state:
+        # `if h.grad_fn is not None:` holds for every proxy, so fx keeps one side whatever the tensor is (an input has
+        # no grad_fn; under torch.no_grad() nothing has): torch.export evaluates the read on the traced values
+        raise TraceError(f"forward() reads {' and '.join(sorted(grad_state))}, which torch.fx traces as a value (`is not None` "
+                         "holds for it)")
     state_derived = _state_derived_constants(gm, model, opened, fixed)  # outside the watches: it swaps state and traces
     if state_derived:
         # reached without attribute access (`for p in self.parameters()`): torch.export records it

@@ -56,6 +56,32 @@ def _grad_mode_watch():
             torch._C._set_grad_enabled = original
 
 
+# a tensor's autograd state, which fx gives as a proxy (`h.grad_fn is not None` holds whatever h is)
+GRAD_STATE = {"requires_grad": "a tensor's requires_grad", "grad_fn": "a tensor's grad_fn", "is_leaf": "a tensor's is_leaf",
+              "grad": "a tensor's .grad", "is_inference": "a tensor's is_inference()"}
+
+
+@contextlib.contextmanager
+def _grad_state_proxied():
+    """Yields a set that gets GRAD_STATE's label of each such attribute the model's code reads from a torch.fx proxy
+    while inside (the read records no node until the proxy is used, and a branch on it never fails)."""
+    reads: set[str] = set()
+    owner = threading.get_ident()
+    with _PATCHING:
+        original = torch.fx.Proxy.__getattr__
+
+        def watched(self, name: str):
+            if name in GRAD_STATE and threading.get_ident() == owner and _from_model_code(sys._getframe(1)):
+                reads.add(GRAD_STATE[name])
+            return original(self, name)
+
+        try:
+            torch.fx.Proxy.__getattr__ = watched
+            yield reads
+        finally:
+            torch.fx.Proxy.__getattr__ = original
+
+
 RANDOM_OPS = frozenset({
     torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like, torch.randn_like, torch.randint_like,
     torch.bernoulli, torch.normal, torch.multinomial, torch.poisson,
@@ -612,6 +638,51 @@ def _autograd_functions_seen():
         yield seen
 
 
+_ABSENT = object()
+
+
+def _tensor_grad_state(reads: set[str], owner: int, force: dict[str, bool]) -> dict[str, Any]:
+    """Attributes for torch.Tensor (shadowing torch._C.TensorBase's own while a trace runs) that record when the
+    model's code reads a tensor's `requires_grad`, `grad_fn`, `is_leaf` or `is_inference()`: a branch on them takes
+    the side of the mode traced in. Under `force` saying gradients are off, they answer as in such a call: a tensor
+    an op made records no gradient (grad_fn None, a leaf, requires_grad False); a leaf keeps its own flag; and under
+    inference mode the op's result is an inference tensor."""
+    base = vars(torch._C.TensorBase)
+    requires_grad, grad_fn, is_leaf, is_inference = (base[k] for k in ("requires_grad", "grad_fn", "is_leaf", "is_inference"))
+    off = force.get("torch.is_grad_enabled") is False
+    inference = bool(force.get("torch.is_inference_mode_enabled"))
+
+    def seen(label: str) -> bool:
+        """Whether a read by the model's code is to answer as `force` says (recorded either way)."""
+        if threading.get_ident() != owner or not _from_model_code(sys._getframe(2)):
+            return False
+        reads.add(label)
+        return off
+
+    def made_by_an_op(t: torch.Tensor) -> bool:
+        return grad_fn.__get__(t) is not None
+
+    def get_requires_grad(t):
+        if seen("a tensor's requires_grad") and made_by_an_op(t):
+            return False
+        return requires_grad.__get__(t)
+
+    def get_grad_fn(t):
+        return None if seen("a tensor's grad_fn") else grad_fn.__get__(t)
+
+    def get_is_leaf(t):
+        return True if seen("a tensor's is_leaf") else is_leaf.__get__(t)
+
+    def ask_is_inference(t):
+        if seen("a tensor's is_inference()") and inference and made_by_an_op(t):
+            return True
+        return is_inference(t)
+
+    return {"requires_grad": property(get_requires_grad, requires_grad.__set__, doc=requires_grad.__doc__),
+            "grad_fn": property(get_grad_fn, doc=grad_fn.__doc__), "is_leaf": property(get_is_leaf, doc=is_leaf.__doc__),
+            "is_inference": ask_is_inference}
+
+
 @contextlib.contextmanager
 def _grad_mode_reads(model: nn.Module, force: dict[str, bool] | None = None):
     """Yields a set that gets "torch.is_grad_enabled" / "torch.is_inference_mode_enabled" when the model's code calls
@@ -641,6 +712,9 @@ def _grad_mode_reads(model: nn.Module, force: dict[str, bool] | None = None):
     patched: list[tuple[Any, str, Any]] = []
     with _PATCHING:
         try:
+            for name, attribute in _tensor_grad_state(reads, owner, force).items():
+                patched.append((torch.Tensor, name, _ABSENT))
+                setattr(torch.Tensor, name, attribute)
             for space in spaces:
                 for name, value in list(space.items()):
                     hit = watched.get(id(value))
@@ -658,5 +732,7 @@ def _grad_mode_reads(model: nn.Module, force: dict[str, bool] | None = None):
             for space, name, value in reversed(patched):
                 if isinstance(space, dict):
                     space[name] = value
+                elif value is _ABSENT:
+                    delattr(space, name)
                 else:
                     setattr(space, name, value)

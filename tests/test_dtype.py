@@ -2,6 +2,7 @@
 within the documented tolerance (executor.verify.DTYPE_RTOL, README "Precision"); the plan field's JSON."""
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
@@ -513,3 +514,32 @@ def test_a_float32_constant_members_make_differently_stays_float32_in_a_bfloat16
         torch.testing.assert_close(got, _low_loop(members, "bfloat16", x).float(), rtol=0, atol=3e-2)
         ens.to("cpu")
         torch.testing.assert_close(ens(x), got)
+
+
+class _CountsIn(torch.nn.Module):
+    """Integer counts made float32 in forward() (`x.float()`) and handed to a Linear: in bfloat16 the member fails too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = x.float()
+        if h.shape[0] > 1:
+            h = h + 1
+        return self.fc(h)
+
+
+def test_a_float32_cast_in_forward_before_a_layer_is_named_not_blamed_on_a_converted_state():
+    """Was: "its state is no longer in that dtype (converted since build...)", which nothing had done."""
+    members = [_CountsIn() for _ in range(N)]
+    x = torch.randint(0, 5, (3, 8))
+    ens = executor.build(_export_plan(members, x, "bfloat16"), members)
+    with pytest.raises(Exception):  # as eager forward() of a member in bfloat16 fails
+        copy.deepcopy(members[0]).to(torch.bfloat16)(x)
+    with torch.no_grad(), pytest.raises(planner.ExecutionError, match=r"forward\(\) makes float32 values itself .* member 0 cast "
+                                                                      r"to bfloat16 .* fails alike; cast to the weights' dtype"):
+        ens(x)
+    ens.double()  # a state converted since build keeps its own message
+    with torch.no_grad(), pytest.raises(planner.ExecutionError, match="its state is no longer in that dtype"):
+        ens(x)

@@ -439,3 +439,65 @@ def test_a_plan_traced_inside_no_grad_builds_for_inference_and_refuses_training(
     for p in ens.parameters():
         p.requires_grad_(False)
     torch.testing.assert_close(ens(X), _loop(members))  # nothing records gradients: it runs
+
+
+class TensorGradBranch(GradBranch):
+    """Branches on a tensor's own autograd state: the trace kept the grad-mode side."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.read == "requires_grad" and y.requires_grad:
+            y = y * 2
+        elif self.read == "grad_fn" and y.grad_fn is not None:  # `is not None` holds for an fx proxy: fx kept it
+            y = y * 2
+        elif self.read == "is_leaf" and not y.is_leaf:
+            y = y * 2
+        elif self.read == "is_inference" and y.is_inference():
+            y = y.clamp(min=0)
+        return y
+
+
+@pytest.mark.parametrize("read", ["requires_grad", "grad_fn", "is_leaf"])
+def test_a_branch_on_a_tensors_autograd_state_is_refused_in_the_mode_the_trace_did_not_take(read):
+    """Was: off by 1.6 under torch.no_grad() and torch.inference_mode() (the traced grad branch ran)."""
+    members = _members(TensorGradBranch, read=read)
+    ens = _build(members)
+    assert ens.plan.tracer == "export"  # fx would take `grad_fn is not None` as true whatever the tensor
+    torch.testing.assert_close(ens(X), torch.stack([m(X) for m in members]))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), pytest.raises(ExecutionError, match=rf"gradients off \(torch.no_grad\(\)\) is refused: forward\(\) "
+                                                         rf"reads a tensor's {read}"):
+            ens(X)
+    with torch.no_grad():  # planned in that mode, the module keeps that branch
+        built = executor.build(planner.propose(planner.trace(members[0], (X,)), N), members)
+        torch.testing.assert_close(built(X), _loop(members))
+
+
+def test_a_branch_on_is_inference_is_refused_under_inference_mode_only():
+    """Was: off by 6.4 under torch.inference_mode()."""
+    members = _members(TensorGradBranch, read="is_inference")
+    ens = _build(members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(X), _loop(members))
+    with torch.inference_mode(), pytest.raises(ExecutionError, match=r"inference_mode\(\) is refused: forward\(\) reads "
+                                                                     r"a tensor's is_inference\(\)"):
+        ens(X)
+
+
+class ReadsParameterFlag(GradBranch):
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2 if self.fc.weight.requires_grad else y  # a leaf keeps its flag under torch.no_grad()
+
+
+def test_a_branch_on_a_parameters_requires_grad_runs_in_every_mode():
+    members = _members(ReadsParameterFlag)
+    ens = _build(members)
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        with mode():
+            got, want = ens(X), torch.stack([m(X) for m in members])
+        torch.testing.assert_close(got, want)
