@@ -183,6 +183,21 @@ def _grad_modes_refused(reads: set[str], member: nn.Module, plan: Plan, example:
                          f"loop would run. For such calls, plan a second module {'inside torch.no_grad()' if grad else 'with gradients on'} "
                          "(planner.trace and planner.propose in that mode; executor.build follows the plan), or branch "
                          "outside forward()")
+    floating = [i for i, x in enumerate(example or ()) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if grad and "a tensor's requires_grad" in reads and floating:
+        # the example inputs record no gradient: a call with one that does (input gradients, a saliency map) may take
+        # the other side of `if x.requires_grad:`
+        asking = tuple(x.detach().clone().requires_grad_(True) if i in floating else x for i, x in enumerate(example))
+        with torch.enable_grad(), _grad_mode_reads(member):
+            try:
+                other = retrace(member, plan.tracer, asking, [i.name for i in plan.inputs], plan.opened_modules).fingerprint
+            except StagewiseError:
+                other = None
+        if other != traced:
+            refused["input_grad"] = (
+                f"forward() reads a tensor's requires_grad, and traced with inputs that record gradients it traces to "
+                "another graph, which the member loop would run; the plan's trace takes inputs that do not (its example "
+                "inputs). Pass inputs that do not require grad, or branch outside forward()")
     if reads & {"torch.is_inference_mode_enabled", "a tensor's is_inference()"} and differs({"torch.is_grad_enabled": False, "torch.is_inference_mode_enabled": True}):
         refused["inference"] = (f"{fix}; under torch.inference_mode() it traces to another graph, which the member loop "
                                 "would run and no plan can hold (tracing sees inference mode as torch.no_grad()). Call it "
@@ -316,9 +331,12 @@ class BatchedModule(nn.Module):
             f"forward() depends on self.training (or on what train()/eval() set){export}: this module was built from members in {self._traced_modes}, and "
             f"{self._mode_bound[mode]}, so {how} would run the traced graph where the member loop runs the {wanted}-mode one; {to}")
 
-    def _check_grad_mode(self) -> None:
+    def _check_grad_mode(self, inputs: tuple) -> None:
         """ExecutionError for a call in a grad mode whose branch of forward() the trace did not keep (_grad_modes_refused)."""
         refused = self.__dict__["_grad_mode_refused"]
+        if "input_grad" in refused and torch.is_grad_enabled() and any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            raise ExecutionError(f"a call with an input that requires grad is refused: {refused['input_grad']}")
         mode = ("inference" if torch.is_inference_mode_enabled() and "inference" in refused else
                 "grad" if torch.is_grad_enabled() else "no_grad")
         if mode in refused:
@@ -731,7 +749,7 @@ class BatchedModule(nn.Module):
         if self.training in self._mode_refused:  # the flag set by hand (train() refuses before it sets it)
             raise self._mode_refused_now()
         if self.__dict__.get("_grad_mode_refused"):  # forward() reads the grad mode (a module pickled before: absent)
-            self._check_grad_mode()
+            self._check_grad_mode(inputs)
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             warnings.warn(AUTOCAST_WARNING, stacklevel=4)  # the caller, past nn.Module.__call__
         if self._state_replaced[0]:

@@ -501,3 +501,23 @@ def test_a_branch_on_a_parameters_requires_grad_runs_in_every_mode():
         with mode():
             got, want = ens(X), torch.stack([m(X) for m in members])
         torch.testing.assert_close(got, want)
+
+
+class InputGradBranch(GradBranch):
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2 if x.requires_grad else y  # input gradients (a saliency map) take the other side
+
+
+def test_a_branch_on_an_inputs_requires_grad_is_refused_for_inputs_that_record_gradients():
+    """Was: off by 1.0 for an input with requires_grad=True (the trace kept the example inputs' side)."""
+    members = _members(InputGradBranch)
+    ens = _build(members)
+    torch.testing.assert_close(ens(X), torch.stack([m(X) for m in members]))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(X.clone().requires_grad_(True)), _loop(members))
+    with pytest.raises(ExecutionError, match=r"an input that requires grad is refused: forward\(\) reads a tensor's "
+                                             r"requires_grad.*Pass inputs that do not require grad"):
+        ens(X.clone().requires_grad_(True))
+    ens = _build([m for m in _members(TensorGradBranch, read="requires_grad")])  # an intermediate's flag: inputs free
+    ens(X.clone().requires_grad_(True))
