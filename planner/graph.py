@@ -633,6 +633,13 @@ def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict
         with torch.no_grad():
             rec.run(*inputs)
     except Exception as e:
+        if "vmapped" in str(e) or any("_functorch" in str(getattr(n.target, "__module__", "")) or "batch_dim" in str(n.target)
+                                      for n in gm.graph.nodes if n.op == "call_function"):
+            raise TraceError(
+                f"forward() calls torch.vmap (or another torch.func transform) itself, which the traced graph keeps as "
+                f"calls it cannot run again outside that transform ({type(e).__name__}: {_first_line(e)[:160]}); write "
+                "that part with batched tensor ops (a batched matmul, einsum over the extra axis) or keep the transform "
+                "outside the model") from None
         raise TraceError(
             f"the traced graph failed on the example inputs: {type(e).__name__}: {_first_line(e)}; "
             "check that example_inputs() matches what forward() expects"

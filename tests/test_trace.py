@@ -468,3 +468,18 @@ def test_packed_sequences_are_refused_naming_them_and_the_fix():
     with pytest.raises(planner.TraceError, match=r"packs sequences .*mask the padding"):
         planner.trace(model, (torch.randn(2, 7, 5), torch.tensor([7, 4])))
     assert torch.equal(model.bn.running_mean, stats)  # the look at forward() changed nothing
+
+
+class _VmapInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4, 4))
+
+    def forward(self, x):
+        return torch.vmap(lambda w: x @ w)(self.w).sum(0)
+
+
+def test_a_forward_calling_torch_vmap_itself_is_named_not_blamed_on_the_example_inputs():
+    """Was: "the traced graph failed on the example inputs ... check that example_inputs() matches"."""
+    with pytest.raises(TraceError, match=r"forward\(\) calls torch.vmap .* itself.*batched tensor ops"):
+        planner.trace(_VmapInside(), (torch.randn(5, 4),))
