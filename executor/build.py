@@ -41,7 +41,7 @@ from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
 from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
-from stagewise.executor.members import (aliasing_of, check_same_requires_grad, copy_member, written_state, gradient_hooks, shared_across_members,
+from stagewise.executor.members import (aliasing_of, check_one_device, check_same_requires_grad, copy_member, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound
@@ -857,6 +857,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             f"the plan is for {plan.n_members} members but {len(members)} were given; "
             f"pass {plan.n_members} members or use plan.with_n_members({len(members)})"
         )
+    check_one_device(members)
     budget.check_fits(len(members), budget.state_bytes(members[0]), dev, f"stacking the state of {len(members)} members",
                       "set chunk_size on large stages for their activations, or use another device", check_memory)
     # a private copy: the stage modules keep the traced submodules, and .to()/.double() on the

@@ -34,6 +34,22 @@ def state_device(module: nn.Module) -> torch.device | None:
     return t.device if t is not None else None
 
 
+def check_one_device(members: Sequence[nn.Module]) -> None:
+    """MemberError naming the first parameter or buffer that is on another device than member 0's first one, or on
+    the meta device (no values: a model made under torch.device("meta") whose weights were never loaded)."""
+    first = state_device(members[0])
+    for i, m in enumerate(members):
+        for k, t in itertools.chain(m.named_parameters(), m.named_buffers()):
+            if t.is_meta:
+                raise MemberError(f"member {i}'s {k} is on the meta device, which holds no values (a model made under "
+                                  "torch.device('meta') whose weights were never loaded): load its weights "
+                                  "(load_state_dict(..., assign=True) or to_empty() and then load) before building")
+            if t.device != first:
+                raise MemberError(f"member {i}'s {k} is on {t.device}, member 0's state on {first}: move every member to "
+                                  "one device (member.to(device)) before building; executor.build(..., device=...) "
+                                  "chooses where the batched module runs")
+
+
 def member_state(member: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers of one member by dotted name, every name of a tied tensor included.
 

@@ -14,6 +14,7 @@ import importlib
 
 from stagewise import executor, planner
 from stagewise.executor.candidates import max_rel_error
+from stagewise.planner.errors import MemberError
 
 verify_module = importlib.import_module("stagewise.executor.verify")  # `executor.verify` is the function
 
@@ -250,3 +251,12 @@ def test_a_compiled_stage_drawing_random_numbers_is_named_as_the_cause():
     plan = planner.set_options(plan, graph, plan.stages[0].id, strategy="compile")
     report = executor.verify(plan, members, (x,), more_inputs=())
     assert not report.ok and any("in one wide or compile stage" in n for n in report.notes), report.to_text()
+
+
+def test_members_on_other_devices_or_on_meta_are_named_at_build():
+    """Was: torch's "Tensor on device meta is not on the expected device cpu!" from deep inside build."""
+    members = [torch.nn.Linear(4, 3) for _ in range(3)]
+    plan = planner.propose(planner.trace(members[0], (torch.randn(2, 4),)), 3)
+    members[1].to("meta")
+    with pytest.raises(MemberError, match=r"member 1's weight is on the meta device, which holds no values .* load its weights"):
+        executor.build(plan, members)
