@@ -44,7 +44,7 @@ from stagewise.executor.input_writes import check_input_writes, overlapping_rows
 from stagewise.executor.members import (aliasing_of, check_one_device, check_same_requires_grad, copy_member, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
-from stagewise.executor.modes import _MODE_NAME, mode_bound
+from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes
 from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
@@ -459,11 +459,13 @@ class BatchedModule(nn.Module):
         if mode in self.__dict__.get("_mode_bound", ()):
             raise self._mode_refusal(mode, f".train({mode})" if mode else ".eval()")
         super().train(mode)
+        # as member.train(mode) would: a class overriding train() (BatchNorm kept in eval) keeps its layers' modes
+        overrides = self.__dict__.get("_own_train_modes") or {}
         for m in self.stage_modules:
-            m.train(mode)
+            set_train_modes(m, mode, overrides)
         for r in self.runners:  # loop stages call per-member shallow copies of their stage (bound_loop): the flag too
             for bound in getattr(r, "_bound", ()):
-                bound.train(mode)
+                set_train_modes(bound, mode, overrides)
         return self
 
     def _check_trainable(self) -> None:
@@ -916,6 +918,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     module.set_mode_bound(bound, private)
+    module.__dict__["_own_train_modes"] = own_train_modes(private)
     training_refused = aliasing.training_mode_refusal(set(in_training))
     if training_refused:  # such a leaf in eval mode: .train() would put it in training mode, and is refused (a call with
         # the flag set by hand leaves every layer's own mode as it is)

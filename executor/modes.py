@@ -202,3 +202,25 @@ def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple
         if difference is not None:
             bound[mode] = f"in {_MODE_NAME[mode]} mode it traces to another graph ({difference})"
     return bound
+
+
+def own_train_modes(private: nn.Module) -> dict[bool, dict[str, bool]]:
+    """For a model whose class (or a submodule's) overrides train() (mmcv's `norm_eval`: BatchNorm kept in eval while
+    the rest trains), {mode: {qualified name: training}} of the submodules that `private.train(mode)` leaves in the
+    other mode; {} where no class overrides it (nn.Module.train sets every submodule alike). Run on a copy."""
+    if all(type(m).train is nn.Module.train for m in private.modules()):
+        return {}
+    out = {}
+    for mode in (True, False):
+        other = deepcopy_module(private)
+        other.train(mode)
+        out[mode] = {name: m.training for name, m in other.named_modules() if m.training != mode}
+    return out
+
+
+def set_train_modes(module: nn.Module, mode: bool, overrides: dict[bool, dict[str, bool]]) -> None:
+    """`module.train(mode)`, then the submodules (by qualified name) that the member's own train() leaves otherwise."""
+    module.train(mode)
+    for name, sub in module.named_modules():
+        if name in overrides.get(mode, {}):
+            sub.training = overrides[mode][name]

@@ -449,3 +449,37 @@ def test_dropout_zero_switches_modes_but_dropout_above_zero_refuses(traced_train
     ens, _ = build(members, x)
     with pytest.raises(ExecutionError, match=r"dropout.*0\.3"):
         ens.train(not traced_train)
+
+
+class _NormEval(nn.Module):
+    """mmcv's `norm_eval`: train() keeps the BatchNorm in eval mode (statistics frozen while fine-tuning)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.bn.eval()
+        return self
+
+
+def test_train_keeps_the_layer_modes_a_models_own_train_sets():
+    """Was: ens.train() put the BatchNorm in training mode, 0.92 off the loop on the first call (verify said MATCH)."""
+    torch.manual_seed(0)
+    members = [_NormEval().train() for _ in range(N)]
+    for m in members:
+        m.bn.running_mean.normal_()
+        m.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(4, 3, 6, 6)
+    loop = copy.deepcopy(members)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    for mode in (True, False, True):
+        ens.train(mode)
+        for m in loop:
+            m.train(mode)
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
+    torch.testing.assert_close(ens.member_state_dicts()[1]["bn.running_mean"], loop[1].bn.running_mean)
