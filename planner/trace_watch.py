@@ -122,6 +122,9 @@ class HostStateError(TraceError):
     """forward() reads Python-level random numbers or a clock, which a trace freezes into one constant."""
 
 
+_SEEDING = ("manual_seed", "seed", "set_rng_state", "manual_seed_all", "set_rng_state_all")
+
+
 def _watched_functions() -> dict[int, tuple[Any, str]]:
     """id(function) -> (function, label) for the draws of `random` and `numpy.random` and the clocks of `time`."""
     import random
@@ -134,6 +137,10 @@ def _watched_functions() -> dict[int, tuple[Any, str]]:
     for name in _CLOCKS:
         if hasattr(time, name):
             found[id(getattr(time, name))] = (getattr(time, name), f"time.{name}")
+    for owner, prefix in ((torch, "torch"), (torch.random, "torch.random"), (torch.cuda, "torch.cuda")):
+        for name in _SEEDING:  # a reseed in forward() runs once while traced: the graph's draws go on unseeded
+            if callable(getattr(owner, name, None)):
+                found.setdefault(id(getattr(owner, name)), (getattr(owner, name), f"{prefix}.{name}"))
     np_random = getattr(sys.modules.get("numpy"), "random", None)  # only when the model's code imported numpy
     if np_random is not None:
         legacy = np_random.mtrand._rand  # the global RandomState behind np.random.rand, np.random.normal, ...
@@ -207,7 +214,7 @@ class _HostStateWatch:
         import random
         import time
         watched = _watched_functions()
-        owners = [vars(random), vars(time)]
+        owners = [vars(random), vars(time), vars(torch), vars(torch.random), vars(torch.cuda)]
         np_random = getattr(sys.modules.get("numpy"), "random", None)
         if np_random is not None:
             owners.append(vars(np_random))
@@ -256,6 +263,14 @@ class _HostStateWatch:
             return None
         shown = ", ".join(sorted(self.calls)[:4])
         clocks = all(c.startswith("time.") for c in self.calls)
+        seeds = [c for c in self.calls if c.startswith("torch.")]
+        if seeds:
+            shown = ", ".join(sorted(seeds)[:4])
+            return HostStateError(
+                f"{type(self.model).__name__}.forward() seeds torch's random number generator ({shown}): torch.fx and "
+                "torch.export run that Python once while tracing and record no reseed, so the batched module's draws "
+                "would go on unseeded where each member's call in the loop starts from its seed. Fix: seed outside "
+                "forward() (before the call), or draw the noise outside and pass it in as an input")
         what = "reads the clock" if clocks else "draws Python-level random numbers"
         fix = ("read the clock outside forward() and pass the value in as an input" if clocks else
                "draw with torch on a tensor instead (torch.rand((), device=x.device) < self.p, "

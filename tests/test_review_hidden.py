@@ -384,3 +384,26 @@ def test_trace_watches_leave_nothing_patched_after_concurrent_traces_or_a_failed
     assert random.random is originals[0] and time.time is originals[1]
     assert trace_watch._PATCHING.acquire(blocking=False)
     trace_watch._PATCHING.release()
+
+
+class SeededNoise(Net):
+    """Per-member seeded noise (fixed evaluation noise): the reseed runs once while traced, then the draws go unseeded."""
+
+    def __init__(self, seed=0, how="manual_seed"):
+        super().__init__()
+        self.seed, self.how = seed, how
+
+    def forward(self, x):
+        if self.how == "manual_seed":
+            torch.manual_seed(self.seed)
+        else:
+            torch.random.set_rng_state(torch.random.get_rng_state())
+        y = super().forward(x)
+        return y + torch.randn_like(y)
+
+
+@pytest.mark.parametrize("how, named", [("manual_seed", "torch.manual_seed"), ("set_rng_state", r"torch(\.random)?\.set_rng_state")])
+def test_seeding_torch_in_forward_is_refused(how, named):
+    """Was: 1.6 off the loop, the batched module's draws unseeded and different call after call, with no error."""
+    with pytest.raises(planner.TraceError, match=rf"seeds torch.s random number generator \({named}\).*seed outside forward"):
+        planner.trace(SeededNoise(how=how), (torch.randn(2, 4),))
