@@ -920,6 +920,11 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.set_mode_bound(bound, private)
     module.__dict__["_own_train_modes"] = own_train_modes(private)
     training_refused = aliasing.training_mode_refusal(set(in_training))
+    eval_only = graph.gm.meta.get("stagewise_eval_only_differences")
+    if eval_only and not training_refused:  # accepted in eval mode, where they do nothing
+        training_refused = (f"members differ in dropout rates, {'; '.join(eval_only[:3])}, which do nothing in eval mode "
+                            "but would all run as member 0's in training (the traced graph holds one rate); to train "
+                            "them batched, give the members one rate")
     if training_refused:  # such a leaf in eval mode: .train() would put it in training mode, and is refused (a call with
         # the flag set by hand leaves every layer's own mode as it is)
         module.__dict__["_training_state_refused"] = training_refused

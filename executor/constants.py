@@ -334,7 +334,12 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
         leaf = gm.get_submodule(node.target)
         key = diff.where[len(str(node.target)) + 1:]
         mod, attr = _config_owner(leaf, key)
-        if isinstance(mod, _IGNORED_IN_EVAL) and not mod.training and attr != MODULES_KEY:
+        if not mod.training and attr != MODULES_KEY and (isinstance(mod, _IGNORED_IN_EVAL) or
+                                                          (isinstance(mod, nn.MultiheadAttention) and attr == "dropout")):
+            # no effect in eval mode; in training every member would drop at member 0's rate: .train() refuses
+            eval_only = gm.meta.setdefault("stagewise_eval_only_differences", [])
+            shown = ", ".join(f"member {i}: {v!r}" for i, v in enumerate(diff.values) if i == 0 or not _same(v, diff.values[0]))
+            eval_only.append(f"{diff.where} ({shown})")
             return
         if attr in _CONSTRUCTION_ONLY.get(type(mod), ()):
             return

@@ -483,3 +483,27 @@ def test_train_keeps_the_layer_modes_a_models_own_train_sets():
             m.train(mode)
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
     torch.testing.assert_close(ens.member_state_dicts()[1]["bn.running_mean"], loop[1].bn.running_mean)
+
+
+class _Dropped(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(p)
+        self.attn = nn.MultiheadAttention(8, 2, dropout=p, batch_first=True)
+
+    def forward(self, x):
+        h = self.drop(self.fc(x))
+        return self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_dropout_rates_that_differ_run_in_eval_and_refuse_train():
+    """Was: accepted in eval, then after ens.train() every member dropped at member 0's rate (zeros 0.50/0.50/0.50
+    where the loop had 0.50/0.00/0.90), with no error. The attention's own float rate differing was refused in eval."""
+    members = [_Dropped(p).eval() for p in (0.5, 0.0, 0.9)]
+    x = torch.randn(2, 5, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    with pytest.raises(ExecutionError, match=r"\.train\(True\) is refused: members differ in dropout rates, drop\.p "
+                                             r"\(member 0: 0\.5, member 1: 0\.0, member 2: 0\.9\).*give the members one rate"):
+        ens.train()
