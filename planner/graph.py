@@ -11,6 +11,7 @@ cannot repeat per member), planner.snapshot (plain attributes, state before/afte
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import re
@@ -35,7 +36,7 @@ from stagewise.planner.plan import InputSpec
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
-from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes  # noqa: F401
+from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes, restore_all  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     storage_root, storage_sharers)
@@ -125,11 +126,15 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
         # fx makes every given input a graph value, so `if mask is not None:` would take the tensor branch for a None
         fx_error = f"example input(s) {nones} are None, which torch.fx traces as values (`is not None` holds)"
     else:
+        before = StateSnapshot.take(model)
         try:
             gm = _fx_trace(model, len(example_inputs), opened)
             return gm, "fx", ""
         except Exception as e:  # fx raises many types for untraceable Python
             fx_error = f"{type(e).__name__}: {_first_line(e)}"
+            # fx ran part of forward() on the real module before it gave up: an in-place update done, a buffer
+            # replaced by a proxy (`self.mean += ...` under torch.no_grad()); export starts from the model as it was
+            before.restore_if_changed(model)
     try:
         gm = _export(model, example_inputs)
     except Exception as e:
@@ -374,7 +379,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         raise TraceError(refusal)
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
-    with registration_hooks_off(), _host_state_refused(model):
+    with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before):
         gm, tracer, note = fx_or_export(model, example_inputs, opened)
         changed = before.restore_if_changed(model)
         if changed and tracer == "fx" and not changed.attributes:
@@ -414,6 +419,20 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     for mod, k, v in tensor_attributes:
         mod.__dict__[k] = v
     return graph
+
+
+@contextlib.contextmanager
+def _restored_on_failure(model: nn.Module, before: StateSnapshot):
+    """The model's state and attributes as `before` holds them when the block raises (a trace that failed half way
+    must not leave the user's model changed)."""
+    try:
+        yield
+    except BaseException:
+        try:
+            restore_all(before, model)
+        except Exception:  # the trace's own error is the one to see
+            pass
+        raise
 
 
 def _changed_refusal(model: nn.Module, changed: StateChange) -> str:

@@ -281,6 +281,21 @@ class StateSnapshot:
         return StateChange(changed, sorted(moved))
 
 
+def restore_all(snapshot: StateSnapshot, model: nn.Module) -> None:
+    """Put `model` back as `snapshot` saw it: its tensors, and every module's attributes (one level: a value
+    replaced or added is undone; one changed inside a container it held is not)."""
+    snapshot.restore_if_changed(model)
+    for mod, before in snapshot.attrs_before:
+        for k in [k for k in vars(mod) if k not in before]:
+            del mod.__dict__[k]
+        for k, v in before.items():
+            if mod.__dict__.get(k, _MISSING) is not v:
+                mod.__dict__[k] = v
+
+
+_MISSING = object()
+
+
 def _holds_proxy(v: Any) -> bool:
     """Whether `v` is an fx Proxy, or a list, tuple or dict holding one (one level down)."""
     if isinstance(v, torch.fx.Proxy):

@@ -378,5 +378,7 @@ def _drop_guard_nodes(gm: torch.fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
             gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    # a region export keeps as a higher-order op (a torch.no_grad() block) is kept though nothing reads its result:
+    # it may write state in place (a VQ-VAE's EMA codebook update), which fx's default would count as pure
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or isinstance(n.target, torch._ops.HigherOrderOperator))
     gm.recompile()

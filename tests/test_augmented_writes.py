@@ -327,3 +327,93 @@ def test_training_with_a_float_buffer_counter_matches_the_loop(under_no_grad):
     for _ in range(2):  # gradients accumulate over the two calls on both sides
         assert_trains_like_the_loop(ens, members, (x,))
     torch.testing.assert_close(torch.stack([s["n"] for s in ens.member_state_dicts()]), torch.stack([m.n for m in members]))
+
+
+class _EmaCodebook(nn.Module):
+    """A VQ-VAE quantizer with an EMA codebook: the update sits in a torch.no_grad() block whose results forward()
+    does not read again in the same call (torch.export keeps the block as a region nothing uses)."""
+
+    def __init__(self, k=16, d=4, decay=0.9):
+        super().__init__()
+        self.enc, self.dec, self.decay = nn.Linear(8, d), nn.Linear(d, 8), decay
+        self.register_buffer("embed", torch.randn(k, d))
+        self.register_buffer("cluster_size", torch.zeros(k))
+        self.register_buffer("embed_avg", self.embed.clone())
+
+    def forward(self, x):
+        z = self.enc(x)
+        d = z.pow(2).sum(1, keepdim=True) - 2 * z @ self.embed.T + self.embed.pow(2).sum(1)
+        onehot = nn.functional.one_hot(d.argmin(1), self.embed.shape[0]).type(z.dtype)
+        q = onehot @ self.embed
+        with torch.no_grad():
+            self.cluster_size.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
+            self.embed_avg.mul_(self.decay).add_(onehot.T @ z, alpha=1 - self.decay)
+            n = self.cluster_size.sum()
+            size = (self.cluster_size + 1e-5) / (n + self.embed.shape[0] * 1e-5) * n
+            self.embed.copy_(self.embed_avg / size.unsqueeze(1))
+        return self.dec(z + (q - z).detach())
+
+
+def test_state_written_in_a_no_grad_block_nothing_reads_is_written():
+    """Was: the block was dropped as dead code, the codebook never moved; 0.78 off the loop from the second call."""
+    torch.manual_seed(0)
+    members = [_EmaCodebook() for _ in range(3)]
+    x = torch.randn(32, 8)
+    loop = copy.deepcopy(members)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), 3), members)
+    for k in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(ens(x + 0.1 * k), torch.stack([m(x + 0.1 * k) for m in loop]))
+    torch.testing.assert_close(ens.member_state_dicts()[2]["cluster_size"], loop[2].cluster_size)
+
+
+class _RunningNorm(nn.Module):
+    """An RL observation normaliser: `self.mean += ...` under torch.no_grad(). torch.fx runs part of it on the real
+    module (the buffer becomes a proxy) before it gives up."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.tensor(1.0))
+        self.register_buffer("mean", torch.zeros(5))
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            total = self.count + x.shape[0]
+            self.mean += (x.mean(0) - self.mean) * x.shape[0] / total
+            self.count.fill_(total)
+        return self.fc(x - self.mean)
+
+
+def test_a_trace_that_fx_gives_up_on_half_way_leaves_the_model_as_it_was_and_exports():
+    """Was: a raw torch.fx TraceError, and the user's model left with `mean` a Proxy and `count` moved to 5."""
+    torch.manual_seed(0)
+    members = [_RunningNorm() for _ in range(3)]
+    graph = planner.trace(members[0], (torch.randn(4, 5),))
+    assert graph.tracer == "export"
+    assert type(members[0].mean) is torch.Tensor and members[0].count.item() == 1.0 and not members[0].mean.any()
+    loop = copy.deepcopy(members)
+    ens = executor.build(planner.propose(graph, 3, input_mode="per_member"), members)
+    xs = torch.randn(3, 4, 5)
+    for k in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(ens(xs + k), torch.stack([m(xs[i] + k) for i, m in enumerate(loop)]))
+
+
+class _FailsAfterWriting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        self.tag = "seen"  # a Python attribute set before the failure
+        self.n.add_(1)
+        return self.fc(x)[: int(x.sum() > 0)]  # a size from data: neither tracer follows it
+
+
+def test_a_failed_trace_leaves_the_models_state_and_attributes_as_they_were():
+    model = _FailsAfterWriting()
+    with pytest.raises(planner.TraceError):
+        planner.trace(model, (torch.randn(4, 5),))
+    assert model.n.item() == 0 and "tag" not in vars(model)
