@@ -161,6 +161,61 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
 
 
+def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> str | None:
+    """Why torch.fx's graph of `model` is not its forward() on the example inputs, or None when they agree: fx takes
+    Python branches on proxies one way whatever the value (`isinstance(mask, torch.Tensor)` is false for a proxy,
+    `if isinstance(out, tuple):` after an RNN), so the graph can drop what forward() does, or fail where it runs.
+    Both run from one random state, under no grad; the model is left as it was. Where forward() itself fails on the
+    inputs, None (the trace reports that)."""
+    snapshot = StateSnapshot.take(model)
+    copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            want = model(*copies())
+    except Exception:
+        return None
+    finally:
+        restore_all(snapshot, model)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            got = gm(*copies())
+    except Exception as e:
+        return f"its graph fails on the example inputs where forward() runs ({type(e).__name__}: {_first_line(e)[:200]})"
+    finally:
+        restore_all(snapshot, model)
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    if len(got_leaves) != len(want_leaves) or [type(v) for v in got_leaves] != [type(v) for v in want_leaves]:
+        return f"its graph returns other outputs than forward() on the example inputs ({got_spec} where forward() gives {want_spec})"
+    for i, (a, b) in enumerate(zip(got_leaves, want_leaves)):
+        if isinstance(b, torch.Tensor):
+            same = a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or _close(a, b))
+        else:
+            same = a == b or (a != a and b != b)  # NaN numbers alike
+        if not same:
+            return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
+    return None
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Floating `a` as `b` up to rounding: NaN and inf where `b` has them, the rest within 1e-5 of b's scale."""
+    if not (b.is_floating_point() or b.is_complex()):
+        return False
+    a, b = a.detach(), b.detach()
+    if not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.isinf(), b.isinf()):
+        return False
+    finite = b.isfinite()
+    if not torch.equal(a[b.isinf()], b[b.isinf()]):
+        return False
+    if not finite.any():
+        return True
+    x, y = a[finite].double(), b[finite].double()
+    return bool((x - y).abs().max() <= 1e-5 * y.abs().max() + 1e-12)
+
+
 class _PackingSeen(TorchFunctionMode):
     def __init__(self):
         super().__init__()
@@ -399,6 +454,20 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             # there: once more from the restored state (export records such updates as nodes and changes nothing)
             gm = _export(model, example_inputs)
             changed = before.restore_if_changed(model)
+        if tracer == "fx" and not changed:
+            disagreement = _fx_disagrees(model, gm, example_inputs)
+            before.restore_if_changed(model)  # the check's own runs write state (BatchNorm statistics): put back, not news
+            if disagreement is not None:
+                try:
+                    gm = _export(model, example_inputs)
+                except Exception as e:
+                    raise TraceError(
+                        f"torch.fx's trace is not forward(): {disagreement}; it takes a Python branch on a traced value one "
+                        f"way whatever the value (isinstance(x, torch.Tensor), a tuple check), and torch.export failed "
+                        f"({type(e).__name__}: {_first_line(e)}); move such branches out of forward() or make it exportable"
+                    ) from None
+                tracer, note = "export", f"torch.fx's graph is not forward(): {disagreement}; traced with torch.export"
+                changed = before.restore_if_changed(model)
     if changed:
         raise TraceError(_changed_refusal(model, changed))
     held = held_generators(gm)

@@ -483,3 +483,44 @@ def test_a_forward_calling_torch_vmap_itself_is_named_not_blamed_on_the_example_
     """Was: "the traced graph failed on the example inputs ... check that example_inputs() matches"."""
     with pytest.raises(TraceError, match=r"forward\(\) calls torch.vmap .* itself.*batched tensor ops"):
         planner.trace(_VmapInside(), (torch.randn(5, 4),))
+
+
+class _MaskIfTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, mask):
+        y = self.fc(x)
+        if isinstance(mask, torch.Tensor):  # false for an fx proxy: fx dropped the mask
+            y = y * mask[..., None]
+        return y
+
+
+class _RnnOutputTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(8, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x):
+        out = self.rnn(x)
+        if isinstance(out, tuple):  # the common idiom: fx's graph then failed on the example inputs
+            out = out[0]
+        return self.fc(out)
+
+
+def test_an_fx_graph_that_is_not_forward_on_the_example_inputs_falls_back_to_export():
+    """Was: the mask silently dropped (1.2 off, every call accepted); the tuple idiom refused ("check that
+    example_inputs() matches")."""
+    from stagewise import executor
+
+    torch.manual_seed(0)
+    members = [_MaskIfTensor() for _ in range(3)]
+    x, mask = torch.randn(2, 5, 8), (torch.rand(2, 5) > 0.5).float()
+    graph = planner.trace(members[0], (x, mask))
+    assert graph.tracer == "export" and "other values than forward()" in graph.tracer_note
+    ens = executor.build(planner.propose(graph, 3), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
+    graph = planner.trace(_RnnOutputTuple(), (torch.randn(2, 5, 8),))
+    assert graph.tracer == "export" and "fails on the example inputs where forward() runs" in graph.tracer_note
