@@ -388,11 +388,13 @@ class CapturedPlan(nn.Module):
         if getattr(self.ens, "_storage", None):  # `p.data = ...` under a loop stage: the module re-makes its runners
             self.ens._follow_new_storage()
         self._follow_steps()
-        if self._written_inputs and self._aliased(inputs):
+        if (self._written_inputs and self._aliased(inputs)) or _one_tensor_twice(inputs):
             # the plan writes an input in place, and the inputs share memory with each other or with a graph's
             # buffers (`ens(x, x)`; `x = fast(x)` without clone_outputs): static copies would break that sharing
             # (the write to one argument no longer reaching the other, or the copy back overwriting this call's
             # output). Such a call runs stage by stage, as the batched module does
+            # Also when one tensor is passed as two inputs (`ens(x, x, x)`): the graphs' static copies would be
+            # separate tensors, and torch's attention takes another path for `query is key is value`
             out = self.ens.run_stages(*inputs)[0]
         else:
             if self._runs is None:
@@ -642,6 +644,12 @@ class CapturedPlan(nn.Module):
         if len(run.steps) == 1:
             return [_run_of(steps, first, first + 1, self._read_after, reason)]
         return [_run_of(steps, k, k + 1, self._read_after) for k in range(first, first + len(run.steps))]
+
+
+def _one_tensor_twice(inputs: tuple) -> bool:
+    """Whether one tensor object is among the inputs twice (the caller's identity a module may test)."""
+    ids = [id(x) for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
+    return len(set(ids)) < len(ids)
 
 
 def capture(ens: nn.Module, *, clone_outputs: bool = True, max_signatures: int = DEFAULT_MAX_SIGNATURES,

@@ -815,3 +815,29 @@ def test_a_captured_plan_copies_and_saves_with_its_own_graphs():
                 p.add_(1.0)
             assert not torch.allclose(other(x), want)
             torch.testing.assert_close(fast(x), want)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, q, k, v, kpm):
+        return self.mha(q, k, v, key_padding_mask=kpm, need_weights=False)[0]
+
+
+def test_one_tensor_passed_as_several_inputs_keeps_its_identity_under_capture():
+    """Was: the static copies made `q is k is v` false, so the attention took the other path: a fully padded row came
+    back 0 where the loop (torch's fast path) gives NaN and the batched module refuses it."""
+    torch.manual_seed(0)
+    members = [_SelfAttention().eval() for _ in range(3)]
+    x = torch.randn(3, 6, 16)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x, x, x, kpm)), 3), members)
+    cap = capture(ens, backend=ReplayBackend())
+    with torch.no_grad():
+        torch.testing.assert_close(cap(x, x, x, kpm), torch.stack([m(x, x, x, kpm) for m in members]))
+        kpm[2] = True  # one sequence fully padded
+        with pytest.raises(ExecutionError, match="every key masked out"):
+            cap(x, x, x, kpm)
