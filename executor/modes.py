@@ -121,6 +121,15 @@ def _is_dropout_of_zero(node: torch.fx.Node) -> bool:
     return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
 
 
+def _is_attention_without_dropout(node: torch.fx.Node) -> bool:
+    """Whether `node` is scaled_dot_product_attention with a dropout_p of 0 (`0` and `0.0` alike: nanoGPT's
+    `dropout_p=self.dropout if self.training else 0` with dropout 0.0 traces to one or the other by mode)."""
+    if node.op != "call_function" or "scaled_dot_product_attention" not in str(getattr(node.target, "__name__", "")):
+        return False
+    p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else None)
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
+
+
 def _without_dropout_flags(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of `graph` whose dropouts of probability 0 carry no training flag (they compute the same in both modes),
     so two traces differing only there read as one program. The copy is for comparing only, never run."""
@@ -132,6 +141,10 @@ def _without_dropout_flags(graph: torch.fx.Graph) -> torch.fx.Graph:
             node.kwargs = {k: v for k, v in node.kwargs.items() if k not in ("training", "train")}
             if len(node.args) > 2:  # the flag positional: dropped with what follows it (inplace), which p = 0 makes moot
                 node.args = node.args[:2]
+        elif _is_attention_without_dropout(node):
+            node.kwargs = {**node.kwargs, "dropout_p": 0.0} if "dropout_p" in node.kwargs else node.kwargs
+            if len(node.args) > 4:
+                node.args = (*node.args[:4], 0.0, *node.args[5:])
     return copied
 
 
@@ -139,7 +152,7 @@ def _mode_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[st
     """What decides a trace's behaviour beyond member state: its code, line by line (dropouts of probability 0 without
     their training flag), and the constants it reads."""
     code = gm.code
-    if any(_is_dropout_of_zero(n) for n in gm.graph.nodes):
+    if any(_is_dropout_of_zero(n) or _is_attention_without_dropout(n) for n in gm.graph.nodes):
         code = _without_dropout_flags(gm.graph).python_code(root_module="self").src
     consts = {}
     for node in gm.graph.nodes:
@@ -167,7 +180,11 @@ def _mode_difference(traced: tuple[list[str], dict[str, Any]], other: tuple[list
     (lines_a, consts_a), (lines_b, consts_b) = traced, other
     for a, b in zip(lines_a + ["<end>"], lines_b + ["<end>"]):
         if a != b:
-            return f"`{a.strip()[:100]}` became `{b.strip()[:100]}`"
+            a, b = a.strip(), b.strip()
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            start = max(0, at - 60)  # around the first character that differs: the lines may share a long start
+            cut = lambda t: ("..." if start else "") + t[start:at + 60] + ("..." if len(t) > at + 60 else "")
+            return f"`{cut(a)}` became `{cut(b)}`"
     for k in consts_a.keys() | consts_b.keys():
         if k not in consts_a or k not in consts_b or not _same_constant(consts_a[k], consts_b[k]):
             return f"the constant {k!r} differs"

@@ -507,3 +507,37 @@ def test_dropout_rates_that_differ_run_in_eval_and_refuse_train():
     with pytest.raises(ExecutionError, match=r"\.train\(True\) is refused: members differ in dropout rates, drop\.p "
                                              r"\(member 0: 0\.5, member 1: 0\.0, member 2: 0\.9\).*give the members one rate"):
         ens.train()
+
+
+class _CausalAttention(nn.Module):
+    """nanoGPT's attention: `dropout_p=self.dropout if self.training else 0`, with its pretraining default 0.0."""
+
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.qkv, self.dropout = nn.Linear(32, 96), dropout
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        return y.transpose(1, 2).reshape(b, t, c)
+
+
+@pytest.mark.parametrize("built_in", ["eval", "train"])
+def test_attention_dropout_of_zero_in_either_spelling_switches_modes(built_in):
+    """Was: .train() / .eval() refused, the traces differing only in dropout_p=0 against dropout_p=0.0, and the
+    message showing the same cut-off text on both sides."""
+    torch.manual_seed(0)
+    members = [getattr(_CausalAttention(), built_in)() for _ in range(N)]
+    x = torch.randn(2, 5, 32)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    for mode in (True, False):
+        ens.train(mode)
+        with torch.no_grad():
+            torch.testing.assert_close(ens(x), torch.stack([m.train(mode)(x) for m in members]))
+    members = [getattr(_CausalAttention(0.1), built_in)() for _ in range(N)]  # a real rate: another program by mode
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.raises(ExecutionError, match=r"traces to another graph \(`\.\.\..*dropout_p = 0.* became `\.\.\..*"
+                                             r"dropout_p = 0\.1"
+                                             if built_in == "eval" else r"traces to another graph \(`\.\.\..*dropout_p = 0\.1"):
+        ens.train(built_in == "eval")
