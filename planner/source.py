@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import hashlib
 import importlib.util
 import io
 import itertools
@@ -16,6 +17,7 @@ import logging
 import math
 import operator
 import pickle
+import re
 import sys
 import traceback
 import zipfile
@@ -80,7 +82,13 @@ _LOADS = itertools.count()
 def _import_file(p: Path):
     # Every load gets its own module name: a module loaded earlier stays importable by its name, so what was built
     # from it (stage graphs calling its torch.fx.wrap'd functions) still pickles after the file is loaded again.
-    module_name = f"_stagewise_model_{p.stem}_{abs(hash(str(p.resolve())))}_{next(_LOADS)}"
+    # The name is stable across processes (a digest of the path and the source, not Python's salted hash()), so a
+    # batched module pickled by `torch.save` loads in a new process once that process has loaded the file too; a
+    # file loaded again in one process gets a numbered name of its own
+    source = p.read_bytes() if p.is_file() else b""
+    digest = hashlib.sha256(str(p.resolve()).encode() + b"\0" + source).hexdigest()[:16]
+    base = re.sub(r"\W", "_", f"_stagewise_model_{p.stem}_{digest}")
+    module_name = base if base not in sys.modules else f"{base}_{next(_LOADS)}"
     spec = importlib.util.spec_from_file_location(module_name, p)
     if spec is None or spec.loader is None:
         raise ModelLoadError(f"{p}: cannot be imported as a Python module; check the file name ends in .py")

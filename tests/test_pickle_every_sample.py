@@ -96,3 +96,64 @@ def test_a_module_built_from_a_file_still_saves_after_the_file_is_loaded_again()
     x = src.example_inputs[0]
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
+
+
+_OWN_TYPES = '''
+import torch
+from torch import nn
+from typing import NamedTuple
+
+
+class Out(NamedTuple):
+    logits: torch.Tensor
+    value: torch.Tensor
+
+
+@torch.fx.wrap
+def scaled_tanh(x):
+    return 2.0 * torch.tanh(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.pi, self.v = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = scaled_tanh(self.fc(x))
+        return Out(self.pi(h), self.v(h))
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(5, 8),)
+'''
+
+
+def test_a_module_built_from_a_model_file_with_its_own_types_loads_in_a_new_process(tmp_path):
+    """Was: ModuleNotFoundError in any other process: the model file's module name held Python's salted hash()."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "own_types.py"
+    model.write_text(_OWN_TYPES)
+    src = planner.load_model_file(str(model))
+    ens = executor.build(planner.propose(planner.trace(src.model, src.example_inputs), 3), src.members(3))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        want = ens(x)
+    torch.save({"ens": ens, "x": x, "want": tuple(want)}, tmp_path / "ens.pt")
+    script = (
+        "import sys, torch\n"
+        "from stagewise import planner\n"
+        f"planner.load_model_file({str(model)!r})\n"
+        f"saved = torch.load({str(tmp_path / 'ens.pt')!r}, weights_only=False)\n"
+        "with torch.no_grad():\n"
+        "    got = saved['ens'](saved['x'])\n"
+        "assert type(got).__name__ == 'Out' and all(torch.equal(a, b) for a, b in zip(got, saved['want']))\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
