@@ -705,7 +705,9 @@ class StackedSGD(_StackedOptimizer):
     """``torch.optim.SGD`` for N stacked members; lr, momentum, dampening, weight_decay scalar or length N.
 
     Args: params (stacked ``[N, ...]`` tensors or param-group dicts), n_members, lr, momentum,
-    dampening, weight_decay, nesterov, maximize (flags shared by all members).
+    dampening, weight_decay, nesterov, maximize (flags shared by all members); foreach and fused are taken as
+    torch.optim's are (nanoGPT passes fused=True) and change nothing: each step is already a few whole-tensor ops per
+    stacked parameter, for all members at once.
     Raises: OptimizerError for a bad value, or nesterov with a member whose momentum is 0 or
     dampening is not 0 (torch refuses that too).
     A member whose momentum is 0 gets plain SGD (its dampening is ignored, as in torch) and keeps its
@@ -716,7 +718,7 @@ class StackedSGD(_StackedOptimizer):
     _RANGES = {"momentum": (0.0, None, True), "dampening": (-math.inf, None, True), "weight_decay": (0.0, None, True)}
 
     def __init__(self, params, n_members: int, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov: bool = False, maximize: bool = False):
+                 nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None):
         super().__init__(params, n_members, dict(lr=lr, momentum=momentum, dampening=dampening,
                                                  weight_decay=weight_decay, nesterov=nesterov, maximize=maximize))
 
@@ -814,7 +816,8 @@ class StackedAdam(_StackedOptimizer):
     """``torch.optim.Adam`` for N stacked members; lr, each of betas, eps, weight_decay scalar or length N.
 
     Args: params (stacked ``[N, ...]`` tensors or param-group dicts), n_members, lr, betas (pair),
-    eps, weight_decay (L2, added to the gradient), amsgrad, maximize (flags shared by all members).
+    eps, weight_decay (L2, added to the gradient), amsgrad, maximize (flags shared by all members); foreach and
+    fused as in StackedSGD (taken, changing nothing).
     State per parameter: ``step`` float32 [N], ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``)
     shaped like the parameter.
     Raises: OptimizerError for a bad value (betas outside [0, 1), negative lr/eps/weight_decay, wrong length).
@@ -824,7 +827,7 @@ class StackedAdam(_StackedOptimizer):
     _decoupled = False
 
     def __init__(self, params, n_members: int, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad: bool = False, maximize: bool = False):
+                 amsgrad: bool = False, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None):
         super().__init__(params, n_members, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                                  amsgrad=amsgrad, maximize=maximize))
 
@@ -949,7 +952,7 @@ class StackedAdamW(StackedAdam):
     _decoupled = True
 
     def __init__(self, params, n_members: int, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad: bool = False, maximize: bool = False):
+                 amsgrad: bool = False, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None):
         super().__init__(params, n_members, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, maximize=maximize)
 

@@ -708,3 +708,13 @@ def test_an_lr_written_past_the_groups_checks_is_refused_at_the_next_step(write)
         dict.__setitem__(g, "lr", 5e-3)
     alike.step()
     assert alike.get_hyperparameter("lr").tolist() == pytest.approx([5e-3] * 3)
+
+
+def test_stacked_optimizers_take_torchs_foreach_and_fused_flags():
+    """Was: TypeError for nanoGPT's `AdamW(groups, lr=..., betas=..., fused=True)`."""
+    for cls in (StackedSGD, StackedAdam, StackedAdamW):
+        p = torch.nn.Parameter(torch.ones(3, 2))
+        opt = cls([p], 3, lr=0.1, foreach=False, fused=True)
+        p.grad = torch.ones(3, 2)
+        opt.step()
+        assert (p < 1).all()
