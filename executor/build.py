@@ -205,6 +205,39 @@ def _grad_modes_refused(reads: set[str], member: nn.Module, plan: Plan, example:
     return refused
 
 
+def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, example: tuple | None,
+                     bound: dict[bool, str], lifted: dict[str, torch.Tensor], state_keys: set[str]) -> dict[bool, str]:
+    """{mode: why} for each mode a switch into (train()/eval()) would run the members' numbers as the trace's mode
+    lifted them while forward() uses others in that mode (`self.t if self.training else 1.0` in a sweep whose member 0
+    holds 1.0: member 0 traces alike in both modes, the others do not). Only where forward() reads self.training and
+    members hold other values than member 0 anywhere; the members' copies share their tensors."""
+    from stagewise.executor.constants import config_signature
+    from stagewise.planner.snapshot import deepcopy_module, held_values
+    first = (config_signature(members[0]), held_values(members[0]))
+    if all((config_signature(m), held_values(m)) == first for m in members[1:]) or not reads_training(
+            private, plan.tracer, plan.opened_modules):
+        return {}
+    names, out = [i.name for i in plan.inputs], {}
+    for mode in (True, False):
+        if mode in bound or all(m.training == mode for m in private.modules()):
+            continue
+        copies = [deepcopy_module(m, {id(t): t for t in [*m.parameters(), *m.buffers()]}).train(mode) for m in members]
+        try:
+            graph = retrace(copies[0], plan.tracer, example, names, plan.opened_modules)
+            theirs = lift_member_constants(graph, copies, plan.tracer, example, names, state_keys, opened=plan.opened_modules)
+        except StagewiseError as e:
+            out[mode] = f"in {_MODE_NAME[mode]} mode the members cannot be told apart as in the traced mode ({str(e).splitlines()[0][:300]})"
+            continue
+        differ = sorted(k for k in theirs.keys() | lifted.keys() if k not in theirs or k not in lifted
+                        or theirs[k].shape != lifted[k].shape or not torch.equal(theirs[k], lifted[k].to(theirs[k].device)))
+        if differ:
+            out[mode] = (f"the members differ in numbers that forward() uses otherwise in {_MODE_NAME[mode]} mode "
+                         f"({', '.join(k.removeprefix(LIFTED_PREFIX) for k in differ[:3])}: a value per member only one "
+                         "mode reads, such as `self.t if self.training else 1.0`), and the batched module holds the "
+                         "traced mode's per member")
+    return out
+
+
 def _has_buffer(module: nn.Module, target: str) -> bool:
     try:
         module.get_buffer(target)
@@ -917,6 +950,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
                 "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+    bound.update(_numbers_by_mode(members, private, plan, example, bound, per_member, set(stacked) - set(per_member)))
     module.set_mode_bound(bound, private)
     module.__dict__["_own_train_modes"] = own_train_modes(private)
     training_refused = aliasing.training_mode_refusal(set(in_training))

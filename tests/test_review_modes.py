@@ -541,3 +541,34 @@ def test_attention_dropout_of_zero_in_either_spelling_switches_modes(built_in):
                                              r"dropout_p = 0\.1"
                                              if built_in == "eval" else r"traces to another graph \(`\.\.\..*dropout_p = 0\.1"):
         ens.train(built_in == "eval")
+
+
+class _TrainTemperature(nn.Module):
+    def __init__(self, t, only_in_training=True):
+        super().__init__()
+        self.fc, self.drop, self.t, self.only = nn.Linear(8, 8), nn.Dropout(0.0), t, only_in_training
+
+    def forward(self, x):
+        t = (self.t if self.training else 1.0) if self.only else self.t
+        return F.log_softmax(self.drop(self.fc(x)) / t, -1)
+
+
+@pytest.mark.parametrize("built_in", ["eval", "train"])
+def test_a_sweep_value_only_one_mode_reads_refuses_the_switch_into_the_other(built_in):
+    """Was: member 0 holding the other mode's value (1.0), the trace was alike in both modes, and after the switch
+    every member ran the traced mode's numbers: 0.33 and 1.0 off for members 1 and 2."""
+    members = [getattr(_TrainTemperature(t), built_in)() for t in (1.0, 2.0, 4.0)]
+    x = torch.randn(16, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    with pytest.raises(ExecutionError, match=r"members differ in numbers that forward\(\) uses otherwise in "
+                                             rf"{'training' if built_in == 'eval' else 'eval'} mode"):
+        ens.train(built_in == "eval")
+    members = [getattr(_TrainTemperature(t, only_in_training=False), built_in)() for t in (1.0, 2.0, 4.0)]
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    ens.train(built_in == "eval")  # a value both modes read alike: the switch is fine
+    for m in members:
+        m.train(built_in == "eval")
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
