@@ -177,19 +177,9 @@ class _StackedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def _warn_grouping_by_dim(self) -> None:
-        """Warn where single-model code may have picked the parameters without weight decay by `p.dim() < 2` (biases,
-        norms): every stacked parameter has the member axis in front, so that group is empty and weight decay reaches
-        all of them."""
-        empty = [g for g in self.param_groups if not g["params"] and "weight_decay" in g and not bool(torch.as_tensor(g["weight_decay"]).any())]
-        decayed = [p for g in self.param_groups if "weight_decay" in g and bool(torch.as_tensor(g["weight_decay"]).any())
-                   for p in g["params"] if p.dim() <= 2]
-        if empty and decayed:  # a warning: a grouping by name may mean it (a bias-free model with RMSNorm weights)
-            warnings.warn(
-                f"{type(self).__name__}: a param group without weight decay is empty while another decays parameters "
-                f"of shape {list(decayed[0].shape)} (one vector per member: a bias or a norm's weight). If the groups "
-                "were chosen by `p.dim() < 2` (or p.ndim), that counts the member axis every stacked parameter has in "
-                "front, and every bias and norm weight is decayed; group by name (for name, p in "
-                "ens.named_stacked_parameters()) or by `p.dim() - 1 < 2`", stacklevel=3)
+        warning = grouping_by_dim_warning(self.param_groups, type(self).__name__)
+        if warning:
+            warnings.warn(warning, stacklevel=3)
 
     # group normalisation: user values -> [N] tensors ------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -1153,9 +1143,41 @@ def _stepped_by_grad_scaler(depth: int = 8) -> bool:
     return False
 
 
+def grouping_by_dim_warning(groups: list[dict], who: str, stacked: set[int] | None = None) -> str | None:
+    """The warning where single-model code may have chosen the parameters without weight decay by `p.dim() < 2` or
+    `p.ndim <= 1` (biases, norms): every stacked parameter has the member axis in front, so a bias or a norm's weight
+    lands in a decayed group. Said where a group without weight decay exists (empty, or holding what a name test
+    caught: timm's `ndim <= 1 or name.endswith('.bias')` leaves the norms' weights decayed) and a decayed group holds a
+    vector per member. `stacked`: ids of the parameters to consider (a torch optimizer's: the batched module's)."""
+    def decays(g: dict) -> bool:
+        return "weight_decay" in g and bool(torch.as_tensor(g["weight_decay"]).any())
+
+    considered = lambda p: stacked is None or id(p) in stacked
+    without = [g for g in groups if "weight_decay" in g and not decays(g) and all(considered(p) for p in g["params"])]
+    decayed = [p for g in groups if decays(g) for p in g["params"] if considered(p) and p.dim() <= 2]
+    if not (without and decayed):  # a warning, not a refusal: a grouping by name may mean it (RMSNorm weights decayed)
+        return None
+    return (f"{who}: a param group has no weight decay while another decays parameters of shape {list(decayed[0].shape)} "
+            "(one vector per member: a bias or a norm's weight). If the groups were chosen by `p.dim() < 2` (or p.ndim), "
+            "that counts the member axis every stacked parameter has in front, so biases and norm weights are decayed "
+            "where each member's own model would not decay them; group by name (for name, p in "
+            "ens.named_stacked_parameters()) or by `p.dim() - 1 < 2`")
+
+
+_GROUPS_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
 def _refuse_mixing(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     why = next((why for kind, why in _MIXING if isinstance(optimizer, kind)), None)
-    if not _BATCHED_MODULES or (why is None and not _stepped_by_grad_scaler()):
+    if not _BATCHED_MODULES:
+        return None
+    if why is None and optimizer not in _GROUPS_CHECKED and not isinstance(optimizer, _StackedOptimizer):
+        _GROUPS_CHECKED.add(optimizer)  # a torch optimizer on the stacked parameters, at its first step
+        stacked = {id(p) for module in list(_BATCHED_MODULES) for p in module.parameters()}
+        warning = grouping_by_dim_warning(optimizer.param_groups, f"torch.optim.{type(optimizer).__name__}", stacked)
+        if warning:
+            warnings.warn(warning, stacklevel=3)
+    if why is None and not _stepped_by_grad_scaler():
         return None
     stacked = {id(p) for module in list(_BATCHED_MODULES) for p in module.parameters()}
     if why is None and any(id(p) in stacked for group in optimizer.param_groups for p in group["params"]):

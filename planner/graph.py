@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -191,13 +192,27 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
     if len(got_leaves) != len(want_leaves) or [type(v) for v in got_leaves] != [type(v) for v in want_leaves]:
         return f"its graph returns other outputs than forward() on the example inputs ({got_spec} where forward() gives {want_spec})"
     for i, (a, b) in enumerate(zip(got_leaves, want_leaves)):
-        if isinstance(b, torch.Tensor):
-            same = a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or _close(a, b))
-        else:
-            same = a == b or (a != a and b != b)  # NaN numbers alike
-        if not same:
+        if not _same_output(a, b):
             return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
     return None
+
+
+def _same_output(a: Any, b: Any) -> bool:
+    """`a` (the graph's) as `b` (forward()'s): tensors up to rounding, dataclasses and containers field by field."""
+    if isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or _close(a, b))
+    if type(a) is not type(b):
+        return False
+    if dataclasses.is_dataclass(b):
+        return all(_same_output(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(b))
+    if isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_output(x, y) for x, y in zip(a, b))
+    if isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_output(a[k], b[k]) for k in b)
+    try:
+        return bool(a == b) or (a != a and b != b)  # NaN numbers alike
+    except Exception:  # an object without a plain ==
+        return a is b
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
