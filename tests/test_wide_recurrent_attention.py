@@ -448,3 +448,52 @@ def test_refused_module_stage_runs_as_the_loop():
     assert tuned.stage(stage.id).options.strategy is Strategy.LOOP if len(tuned.stages) > 1 else True
     report = executor.verify(tuned, model_members, inputs, more_inputs=more)
     assert report.ok, report.to_text()
+
+
+class _EncoderWithMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x, mask):
+        return self.fc(self.enc(x, mask))
+
+
+def test_an_encoder_layer_with_a_float_mask_torchs_fast_path_answers_otherwise_is_refused():
+    """Was: a fully -inf row and an additive float bias came back finite where the loop (torch's fast path) gives NaN."""
+    torch.manual_seed(0)
+    members = [_EncoderWithMask().eval() for _ in range(3)]
+    x = torch.randn(3, 6, 16)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x, torch.zeros(6, 6))), 3), members)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x, causal), torch.stack([m(x, causal) for m in members]))
+        row = torch.zeros(6, 6).index_fill(0, torch.tensor([2]), float("-inf"))
+        with pytest.raises(ExecutionError, match="every key masked out"):
+            ens(x, row)
+        with pytest.raises(ExecutionError, match="float mask with values other than 0 and -inf"):
+            ens(x, torch.randn(6, 6))
+    bias = torch.randn(6, 6)  # with gradients on, torch takes its slow path: finite, and the batched module agrees
+    torch.testing.assert_close(ens(x, bias), torch.stack([m(x, bias) for m in members]), rtol=1e-4, atol=1e-5)
+
+
+class _SelfAttentionPadded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x, kpm):
+        return self.mha(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+
+
+def test_a_fully_masked_row_with_gradients_on_runs_as_torchs_slow_path_does():
+    """Was: refused as if torch took its fast path, which it does not while gradients are recorded."""
+    torch.manual_seed(0)
+    members = [_SelfAttentionPadded().eval() for _ in range(3)]
+    x, kpm = torch.randn(3, 6, 16), torch.zeros(3, 6, dtype=torch.bool)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x, kpm)), 3), members)
+    kpm[1] = True
+    want = torch.stack([m(x, kpm) for m in members])
+    assert not want.isnan().any()
+    torch.testing.assert_close(ens(x, kpm), want, rtol=1e-4, atol=1e-5)

@@ -33,6 +33,12 @@ FULLY_MASKED = ("a query row of nn.MultiheadAttention has every key masked out: 
                 "differ from the member loop's; exclude this stage (it then runs as the loop) or keep at least one key "
                 "unmasked per row")
 
+FLOAT_MASK_ON_FAST_PATH = (
+    "an nn.TransformerEncoderLayer gets a float mask with values other than 0 and -inf (an additive bias): torch's "
+    "fast path (eval, no gradients, batch_first) answers NaN for such masks where its slow path adds them, so a "
+    "batched answer could differ from the member loop's; pass a bool mask, call it with gradients on, or exclude "
+    "this stage (it then runs as the loop)")
+
 CAUSAL_WITHOUT_MASK = ("nn.MultiheadAttention is called with is_causal=True and no attn_mask: torch raises 'Need attn_mask "
                        "if specifying the is_causal hint' here (only its inference fast path, batch_first self-attention "
                        "in eval without gradients, runs, and ignores the hint), so the member loop fails too; pass the "
@@ -134,8 +140,8 @@ def attention(module: nn.Module, state: dict, query: Any, key: Any, value: Any, 
     masks = [m.t if is_nf(m) else m for m in (key_padding_mask, attn_mask) if m is not None]
     if any(m.dtype != torch.bool and m.dtype != dtype for m in masks):
         return None, None  # torch refuses such masks (integer, or another float dtype): let it say so
-    if not fully_masked_ok and _fast_path_possible(module, query, key, value, batch_first, need_weights) and \
-            any(m.dtype == torch.bool and bool(m.all(dim=-1).any()) for m in masks):
+    if not fully_masked_ok and _fast_path_possible(module, state, query, key, value, batch_first, need_weights) and \
+            any(bool((m if m.dtype == torch.bool else torch.isneginf(m)).all(dim=-1).any()) for m in masks):
         raise ExecutionError(FULLY_MASKED)
     e, heads = module.embed_dim, module.num_heads
     dh = e // heads
@@ -178,10 +184,18 @@ def _fast_path_taken(module: nn.Module, state: dict, query: Any, key: Any, value
             and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)))
 
 
-def _fast_path_possible(module: nn.Module, query: Any, key: Any, value: Any, batch_first: bool, need_weights: bool) -> bool:
+def _fast_path_possible(module: nn.Module, state: dict, query: Any, key: Any, value: Any, batch_first: bool,
+                        need_weights: bool) -> bool:
     """Whether torch's own MultiheadAttention could take its fast path here (a superset of its conditions, without
-    the data-dependent ones): where it can, a fully masked row is NaN in the loop, and 0 in the batched kernels."""
-    return not need_weights and _fast_path_form(module, query, key, value, batch_first)
+    the data-dependent ones): where it can, a fully masked row is NaN in the loop, and 0 in the batched kernels.
+    Not while gradients are recorded through it (torch then takes its slow path: finite answers)."""
+    return not need_weights and _fast_path_form(module, query, key, value, batch_first) and not _records_grad(state, query)
+
+
+def _records_grad(state: dict, *xs: Any) -> bool:
+    """Whether a call records gradients through `state` or the inputs `xs` (torch's fast paths then stand aside)."""
+    tensors = [x.t if is_nf(x) else x for x in xs] + list(state.values())
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _fast_path_form(module: nn.Module, query: Any, key: Any, value: Any, batch_first: bool) -> bool:
@@ -352,6 +366,10 @@ def _layer(module: nn.Module, state: dict, x: Any, mask: Any, kpm: Any, is_causa
            fully_masked_ok: bool = False) -> Optional[torch.Tensor]:
     """One encoder layer on NFirst or shared x; returns [N, *, E] (None where attention refuses)."""
     batch_first = module.self_attn.batch_first
+    floats = [t for t in (m.t if is_nf(m) else m for m in (mask, kpm) if m is not None) if t.is_floating_point()]
+    if floats and _fast_path_form(module.self_attn, x, x, x, batch_first) and not _records_grad(state, x) and any(
+            bool((torch.isfinite(t) & (t != 0)).any()) for t in floats):
+        raise ExecutionError(FLOAT_MASK_ON_FAST_PATH)
     attn_state = _sub(state, "self_attn.")
 
     def sa(y: Any) -> Optional[torch.Tensor]:
