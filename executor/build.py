@@ -238,6 +238,17 @@ def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, e
     return out
 
 
+def _fast_path_modules_traced_through(member: nn.Module, plan: Plan) -> str:
+    """The classes of torch's attention modules with an inference fast path (nn.MultiheadAttention,
+    nn.TransformerEncoderLayer, nn.TransformerEncoder) that the plan's graph holds as traced ops rather than as
+    leaves (a torch.export trace, or an opened module), among modules in eval mode; "" for none."""
+    kinds = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.MultiheadAttention)
+    opened = tuple(plan.opened_modules)
+    found = {type(m).__name__ for path, m in member.named_modules() if isinstance(m, kinds) and not m.training
+             and (plan.tracer == "export" or any(path == o or path.startswith(o + ".") for o in opened))}
+    return ", ".join(f"nn.{k}" for k in sorted(found))
+
+
 def _has_buffer(module: nn.Module, target: str) -> bool:
     try:
         module.get_buffer(target)
@@ -494,6 +505,15 @@ class BatchedModule(nn.Module):
         super().train(mode)
         # as member.train(mode) would: a class overriding train() (BatchNorm kept in eval) keeps its layers' modes
         overrides = self.__dict__.get("_own_train_modes") or {}
+        hand_set = [k for k in self.__dict__.get("_modes_set_by_hand", ()) if k not in overrides.get(mode, {})]
+        if hand_set and not self.__dict__.get("_warned_hand_set"):
+            self.__dict__["_warned_hand_set"] = True
+            warnings.warn(
+                f"this module was built from members with layers put in another mode by hand ({', '.join(hand_set[:3])}"
+                f"{', ...' if len(hand_set) > 3 else ''}); .train({mode}) sets them as member.train({mode}) would, to "
+                f"{_MODE_NAME[mode]} mode. To keep a layer in eval mode while training (frozen BatchNorm statistics), "
+                "override train() in the model class (as mmcv's norm_eval does): the batched module follows it",
+                stacklevel=2)
         for m in self.stage_modules:
             set_train_modes(m, mode, overrides)
         for r in self.runners:  # loop stages call per-member shallow copies of their stage (bound_loop): the flag too
@@ -948,11 +968,24 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
                 f"trace's run in {plan.dtype} instead: torch.finfo(torch.float32).min becomes -inf there (NaN in a fully "
                 "masked softmax row), and an element size or a cast back to the input's dtype stays float32's. Check the "
                 "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
+    traced_through = _fast_path_modules_traced_through(members[0], plan)
+    if traced_through:
+        warnings.warn(
+            f"the plan's graph runs torch's {traced_through} as the ops it traced ({'torch.export' if plan.tracer == 'export' else 'opened'}): "
+            "called in eval mode without gradients, torch's own module takes a fast path that answers otherwise where "
+            "a mask pads (nn.TransformerEncoder zeroes padded positions) or masks out a whole row (NaN), and the "
+            "batched module gives the traced ops' answer there. Check with executor.verify on padded inputs, or let "
+            "torch.fx keep these modules closed (planner.trace without opening them), whose plan follows torch's paths",
+            stacklevel=3)
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     bound.update(_numbers_by_mode(members, private, plan, example, bound, per_member, set(stacked) - set(per_member)))
     module.set_mode_bound(bound, private)
     module.__dict__["_own_train_modes"] = own_train_modes(private)
+    # layers whose mode differs from the root's and no train() override of the class sets so: set by hand
+    explained = module.__dict__["_own_train_modes"].get(private.training, {})
+    module.__dict__["_modes_set_by_hand"] = tuple(name for name, m in private.named_modules()
+                                                  if m.training != private.training and name not in explained)
     training_refused = aliasing.training_mode_refusal(set(in_training))
     eval_only = graph.gm.meta.get("stagewise_eval_only_differences")
     if eval_only and not training_refused:  # accepted in eval mode, where they do nothing

@@ -145,6 +145,12 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
                 f"{type(model).__name__} returns a {cache.group(1).rpartition('.')[2]} (a key/value cache for generation) "
                 "that neither tracer can carry; build the model with use_cache=False (config.use_cache = False)"
             ) from None
+        returned = _DISTRIBUTION_OUTPUT.search(str(e))
+        if returned:
+            raise TraceError(
+                f"{type(model).__name__}.forward() returns a {returned.group(1).rpartition('.')[2]} (a torch.distributions "
+                "object), which neither tracer can carry out of a graph; return its parameters (logits, or loc and scale) "
+                "and make the distribution from the batched outputs, outside the model") from None
         if _packs_sequences(model, example_inputs):
             raise TraceError(
                 f"{type(model).__name__}.forward() packs sequences (pack_padded_sequence / pack_sequence): a "
@@ -256,6 +262,7 @@ def _packs_sequences(model: nn.Module, example_inputs: tuple) -> bool:
     return watch.seen
 
 
+_DISTRIBUTION_OUTPUT = re.compile(r"Found <class '(torch\.distributions\.[\w.]+)'> in output")
 _CACHE_OUTPUT = re.compile(r"Found <class '([\w.]*Cache)'> in output")
 
 
@@ -291,10 +298,11 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                 gm = fx(proxy_buffers=True)
             except Exception as e:
                 raise TraceError(
-                    f"forward() turns a buffer's values into Python (float(), int(), .item(), .tolist(), a branch on them: "
+                    f"forward() turns a buffer's values into Python (float(), int(), .tolist(), a branch on them: "
                     f"{type(e).__name__}: {_first_line(e)}), which a trace would keep as member 0's for every member; keep "
-                    "the computation on tensors (x * self.scale, torch.where), or hold a per-member number as a plain "
-                    "attribute (stagewise gives each member its own)") from None
+                    "the computation on tensors (x * self.scale, torch.where), write `self.t.item()` for float(self.t) "
+                    "(recorded per member), or hold a per-member number as a plain attribute (stagewise gives each "
+                    "member its own)") from None
     if random_drawn.calls:
         # `torch.rand(1) < p` (stochastic depth, layer drop) has no traced input: fx runs it once and bakes the
         # draw into the graph as a constant, so every call of every member would reuse it (export records the op)
@@ -449,7 +457,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         raise TraceError(refusal)
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
-    with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before):
+    with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before), _distribution_checks_off():
         gm, tracer, note = fx_or_export(model, example_inputs, opened)
         changed = before.restore_if_changed(model)
         if changed and tracer == "fx" and not changed.attributes:
@@ -483,6 +491,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                     ) from None
                 tracer, note = "export", f"torch.fx's graph is not forward(): {disagreement}; traced with torch.export"
                 changed = before.restore_if_changed(model)
+    # every module's attributes as they were: torch.export leaves equal copies in some (LayerNorm's normalized_shape
+    # tuple, which nn.TransformerEncoder's layers share), and members compared later would then differ from member 0
+    restore_all(before, model)
     if changed:
         raise TraceError(_changed_refusal(model, changed))
     held = held_generators(gm)
@@ -503,6 +514,19 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     for mod, k, v in tensor_attributes:
         mod.__dict__[k] = v
     return graph
+
+
+@contextlib.contextmanager
+def _distribution_checks_off():
+    """torch.distributions' argument checks off while tracing (`validate_args`, on by default): they only raise for
+    invalid parameters, with a branch on tensor values that neither tracer can follow (a Categorical policy was
+    untraceable). The batched module then answers NaN where a member's own call would raise for NaN logits."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
 
 
 @contextlib.contextmanager
@@ -544,7 +568,7 @@ def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_n
     `opened`: the plan's opened_modules, traced inside again (and part of the fingerprint).
     """
     opened = resolve_open_modules(model, opened)
-    with registration_hooks_off(), _host_state_refused(model):
+    with registration_hooks_off(), _host_state_refused(model), _distribution_checks_off():
         return _retrace(model, tracer, example_inputs, input_names, opened)
 
 

@@ -230,3 +230,33 @@ def test_app_opens_selected_leaf_modules(tmp_path, monkeypatch):
     assert plan.opened_modules == ("layers.0", "layers.1") and plan.n_members == 8
     next(b for b in at.button if b.label == "Close opened modules").click().run()
     assert at.session_state["history"].present.opened_modules == ()
+
+
+class _PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0), 2)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x, kpm):
+        return self.fc(self.enc(x, src_key_padding_mask=kpm))
+
+
+def test_torchs_attention_modules_traced_through_warn_at_build_that_their_fast_path_is_not_followed():
+    """Review: opened (or exported), nn.TransformerEncoder ran its dense ops where torch's module, in eval without
+    gradients, zeroes padded positions (0.55 off there), with no word; closed, the plan follows torch's paths."""
+    members = [_PaddedEncoder().eval() for _ in range(3)]
+    x, kpm = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    opened = planner.propose(planner.trace(members[0], (x, kpm), open_modules=["enc"]), 3)
+    with pytest.warns(UserWarning, match=r"nn.TransformerEncoder, nn.TransformerEncoderLayer as the ops it traced "
+                                         r"\((opened|torch.export)\).*fast path"):
+        executor.build(opened, members)
+    import warnings
+
+    closed = planner.propose(planner.trace(members[0], (x, kpm)), 3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*as the ops it traced.*")
+        ens = executor.build(closed, members)
+    kpm[1, 3:] = True
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x, kpm), torch.stack([m(x, kpm) for m in members]), rtol=1e-4, atol=1e-5)
