@@ -17,7 +17,7 @@ from torch._C import _functorch
 import torch.fx
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch without them gets vmap itself
     from torch._functorch import predispatch as functorch_ops
@@ -316,10 +316,16 @@ class Runner:
             raise ExecutionError(f"stage {self.program.describe} failed ({self.program.stage.options.strategy.value}): {e}") from e
         except Exception as e:  # a stage failure becomes one message naming the stage
             shapes = [_describe_value(a) for a in args]
+            strategy = self.program.stage.options.strategy.value
+            training = (" This stage runs in training mode now: where the plan was traced with members in eval mode, "
+                        "its ops were probed in that mode, and some batch there but not in training (BatchNorm with "
+                        "momentum=None counts its calls with .item(), spectral_norm writes with out=); to train, plan "
+                        "with members in .train() (planner.trace and executor.build), or exclude this stage"
+                        if self.program.module.training and strategy in ("vmap", "compile") else "")
             raise ExecutionError(
-                f"stage {self.program.describe} failed ({self.program.stage.options.strategy.value}): "
+                f"stage {self.program.describe} failed ({strategy}): "
                 f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
-                f"stage inputs were {shapes}. Check the input shapes, or exclude the stage to run it as a loop"
+                f"stage inputs were {shapes}. Check the input shapes, or exclude the stage to run it as a loop.{training}"
             ) from e
         finally:
             reset_number_context(numbers)
@@ -442,6 +448,18 @@ def grad_safe_kernels(module: nn.Module) -> Callable[[Callable], Callable] | Non
     return wrap
 
 
+def _default_layout(value: Any) -> Any:
+    """A stage argument (Shared / Batched / PerMember or a plain value) with its tensors contiguous."""
+    fix = lambda tree: tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, tree)  # noqa: E731
+    if isinstance(value, Shared):
+        return Shared(fix(value.value))
+    if isinstance(value, Batched):
+        return Batched(fix(value.tree))
+    if isinstance(value, PerMember):
+        return PerMember([fix(v) for v in value.values])
+    return fix(value)
+
+
 class VmapRunner(Runner):
     """One torch.func.vmap over stacked state: `functional_call(stage, state[i], inputs[i])` for all i at once.
 
@@ -525,6 +543,16 @@ class VmapRunner(Runner):
         return [stacked[k] for k in self._state_keys]
 
     def run(self, args: list) -> list:
+        try:
+            return self._run(args)
+        except RuntimeError as e:
+            if "querying is_contiguous inside of vmap for memory_format" not in str(e):
+                raise
+            # a channels_last input meets an op that asks for its memory format (GroupNorm): vmap cannot answer
+            # that, so the inputs go in in the default layout (the values are the same)
+            return self._run([_default_layout(a) for a in args])
+
+    def _run(self, args: list) -> list:
         training = self.program.module.training
         dims, inputs = _simple_args(args)
         if dims is not None and not training and (self._state_keys or 0 in dims):

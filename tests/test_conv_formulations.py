@@ -206,3 +206,17 @@ def test_a_channels_last_conv_form_before_a_norm_vmap_runs_matches_the_loop(spli
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["loop", "grouped", "grouped_nhwc", "bmm"])
+def test_every_conv_form_takes_an_empty_batch(form):
+    """Was: "cannot reshape tensor of 0 elements" for bmm, where the loop returns an empty batch."""
+    from dataclasses import replace
+
+    members = [nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU()) for _ in range(3)]
+    x = torch.randn(2, 8, 8, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), 3)
+    plan = plan.with_stages([replace(s, options=with_conv_form(StageOptions(strategy=Strategy.WIDE), form)) for s in plan.stages])
+    with torch.no_grad():
+        out = executor.build(plan, members)(torch.randn(0, 8, 8, 8))
+    assert out.shape == (3, 0, 16, 8, 8)

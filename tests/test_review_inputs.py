@@ -212,3 +212,13 @@ def test_autotune_for_training_checks_a_module_bound_to_training_mode_in_that_mo
             m(x).pow(2).sum().backward()
         got = dict(ens.named_stacked_parameters())["fc1.weight"].grad
         torch.testing.assert_close(got, torch.stack([m.fc1.weight.grad for m in ref]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_channels_last_input_into_a_group_norm_stage_runs():
+    """Was: "NYI: querying is_contiguous inside of vmap for memory_format other than torch.contiguous_format"."""
+    members = [torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8)) for _ in range(3)]
+    x = torch.randn(2, 3, 13, 11)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), 3), members)
+    x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-4, atol=1e-5)

@@ -572,3 +572,28 @@ def test_a_sweep_value_only_one_mode_reads_refuses_the_switch_into_the_other(bui
         m.train(built_in == "eval")
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+def test_a_stage_that_batches_in_eval_but_not_in_training_says_to_plan_in_training():
+    """Was: "Check the input shapes" for BatchNorm(momentum=None) planned in eval and called after .train()."""
+    members = [nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5, momentum=None)).eval() for _ in range(N)]
+    x = torch.randn(4, 5)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members).train()
+    with pytest.raises(ExecutionError, match=r"runs in training mode now.*momentum=None.*plan with members in \.train\(\)"):
+        ens(x)
+
+
+def test_train_warns_once_that_layers_put_in_eval_by_hand_go_into_training_mode():
+    """Review: a BatchNorm frozen by hand before build trained again after ens.eval(); ens.train(), with no word."""
+    members = [nn.Sequential(nn.Linear(5, 5), nn.BatchNorm1d(5), nn.Linear(5, 2)).train() for _ in range(N)]
+    for m in members:
+        m[1].eval()
+    x = torch.randn(4, 5)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.warns(UserWarning, match=r"layers put in another mode by hand \(1\).*override train\(\) in the model class"):
+        ens.eval()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ens.train()  # said once

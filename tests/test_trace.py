@@ -524,3 +524,34 @@ def test_an_fx_graph_that_is_not_forward_on_the_example_inputs_falls_back_to_exp
         torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
     graph = planner.trace(_RnnOutputTuple(), (torch.randn(2, 5, 8),))
     assert graph.tracer == "export" and "fails on the example inputs where forward() runs" in graph.tracer_note
+
+
+class _Policy(nn.Module):
+    """An RL policy as written with torch.distributions (default validate_args): log-prob of given actions, entropy."""
+
+    def __init__(self, returns_distribution=False):
+        super().__init__()
+        self.pi, self.returns_distribution = nn.Linear(6, 4), returns_distribution
+
+    def forward(self, obs, actions):
+        dist = torch.distributions.Categorical(logits=self.pi(obs))
+        if self.returns_distribution:
+            return dist
+        return dist.log_prob(actions), dist.entropy()
+
+
+def test_a_policy_built_on_torch_distributions_is_traced_with_their_checks_off():
+    """Was: refused ("Remove data-dependent Python control flow"): the distributions' argument checks branch on values."""
+    from stagewise import executor
+
+    torch.manual_seed(0)
+    members = [_Policy() for _ in range(3)]
+    obs, actions = torch.randn(5, 6), torch.randint(0, 4, (5,))
+    ens = executor.build(planner.propose(planner.trace(members[0], (obs, actions)), 3), members)
+    with torch.no_grad():
+        got, want = ens(obs, actions), [m(obs, actions) for m in members]
+    for k in range(2):
+        torch.testing.assert_close(got[k], torch.stack([w[k] for w in want]))
+    assert torch.distributions.Distribution._validate_args  # the checks are on again afterwards
+    with pytest.raises(TraceError, match=r"returns a Categorical \(a torch.distributions object\).*return its parameters"):
+        planner.trace(_Policy(returns_distribution=True), (obs, actions))

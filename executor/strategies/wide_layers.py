@@ -13,6 +13,7 @@ outright (SUPPORTED) gets no rule at all, so it shows as a gap in wide_rule_gaps
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -181,7 +182,7 @@ def _conv_bmm(module: nn.Module, w: torch.Tensor, b: Optional[torch.Tensor], x: 
     pointwise = all(s == 1 for s in k) and all(s == 1 for s in stride) and all(p == 0 for p in padding)
     if pointwise:
         out_sp = tuple(x.shape[3:])
-        cols = x.reshape(n, batch, c, -1)  # [N, B, C, L]
+        cols = x.reshape(n, batch, c, math.prod(x.shape[3:]))  # [N, B, C, L] (-1 cannot say L for an empty batch)
     else:
         xs = x.reshape(n * batch, c, *x.shape[3:])
         if spatial == 1:  # F.unfold is 2-d only: a length-L signal is a 1 x L image
