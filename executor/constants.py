@@ -50,7 +50,19 @@ _ATEN_SCALAR_TO_TENSOR = {  # export graphs: the overload that takes a tensor op
     "eq": torch.ops.aten.eq.Tensor, "ne": torch.ops.aten.ne.Tensor,
     "remainder": torch.ops.aten.remainder.Tensor, "fmod": torch.ops.aten.fmod.Tensor,
 }
+_ATEN_SCALAR_TO_TENSOR.update({  # in place (`h.div_(self.t)`) and the clamp family (PPO's per-member clip range)
+    "add_": torch.ops.aten.add_.Tensor, "sub_": torch.ops.aten.sub_.Tensor, "mul_": torch.ops.aten.mul_.Tensor,
+    "div_": torch.ops.aten.div_.Tensor, "clamp_min": torch.ops.aten.clamp_min.Tensor,
+    "clamp_max": torch.ops.aten.clamp_max.Tensor})
 _LEAKY = {F.leaky_relu, torch.ops.aten.leaky_relu.default}
+
+
+def clamp_per_member(x: torch.Tensor, min: Any = None, max: Any = None) -> torch.Tensor:
+    """torch.clamp where either bound may be a per-member 0-d tensor and the other a Python number (aten's clamp
+    takes both as numbers or both as tensors): min(max(x, min), max), as torch.clamp computes it."""
+    if min is not None:
+        x = torch.clamp_min(x, min)
+    return x if max is None else torch.clamp_max(x, max)
 _IGNORED_IN_EVAL = (nn.modules.dropout._DropoutNd,)  # their config has no effect outside training
 # settings a module's forward() never reads (only its constructor: the initial values of its parameters)
 _CONSTRUCTION_ONLY = {nn.PReLU: {"init"}}
@@ -379,7 +391,12 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
         node.target, node.args, node.kwargs = leaky_relu_per_member, (x, value), {}
     elif isinstance(node.target, torch._ops.OpOverload):
         base = node.target._schema.name.split("::")[-1]
-        node.target = _ATEN_SCALAR_TO_TENSOR[base]
+        if base == "clamp":
+            node.target = clamp_per_member  # (a second lifted bound finds it so and keeps it)
+        elif base == "pow" and diff.where == 0:  # `self.t ** h`: the number is the base
+            node.target = torch.ops.aten.pow.Tensor_Tensor
+        else:
+            node.target = _ATEN_SCALAR_TO_TENSOR[base]
 
 
 _DROPOUTS = {"dropout", "alpha_dropout", "feature_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
@@ -411,6 +428,8 @@ def _liftable(node: torch.fx.Node, position: int) -> bool:
     has_value = any(isinstance(x, torch.fx.Node) for x in leaves)
     if node.target in _LEAKY:
         return position == 1 or (len(node.args) < 2 and position == len(node.args))  # the slope, positional or keyword
+    if node.target is clamp_per_member:  # a clamp one of whose bounds is lifted already: the other may be too
+        return has_value and _is_operand(node, position)
     operand = _is_operand(node, position)
     if node.op == "call_function" and node.target in _ARITHMETIC:
         return has_value and operand
@@ -418,7 +437,9 @@ def _liftable(node: torch.fx.Node, position: int) -> bool:
         return has_value and operand and position > 0
     if isinstance(node.target, torch._ops.OpOverload):
         base = node.target._schema.name.split("::")[-1]
-        return base in _ATEN_SCALAR_TO_TENSOR and has_value and operand and position > 0
+        if base == "pow" and position == 0:  # aten.pow.Scalar(number, exponent tensor)
+            return has_value
+        return (base in _ATEN_SCALAR_TO_TENSOR or base == "clamp") and has_value and operand and position > 0
     return False
 
 
@@ -429,7 +450,7 @@ def _is_operand(node: torch.fx.Node, position: int) -> bool:
     """Whether flattened position `position` of (args, kwargs) is an operand of the op: one of its first two
     positional arguments (three for clamp's min and max) or an operand keyword (other=, min=, max=), not a
     setting such as alpha= or rounding_mode=."""
-    clamp = node.target in (torch.clamp, "clamp") or getattr(node.target, "__name__", "").startswith("clamp")
+    clamp = node.target in (torch.clamp, "clamp", clamp_per_member) or getattr(node.target, "__name__", "").startswith("clamp")
     seen = 0
     for i, a in enumerate(node.args):
         count = len(torch.utils._pytree.tree_flatten(a)[0])

@@ -256,3 +256,33 @@ def test_a_branch_on_a_buffer_value_is_never_member_0s_for_all():
         assert "trace" in str(e) or "member" in str(e)
         return
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class _ExportSweep(nn.Module):
+    """A sweep's numbers where torch.export puts them: clamp bounds (PPO's clip range), a base raised to a tensor, an
+    in-place division. A branch on a size makes fx give up."""
+
+    def __init__(self, eps, base, t):
+        super().__init__()
+        self.fc, self.eps, self.base, self.t = nn.Linear(6, 4), eps, base, t
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.shape[0] > 1:
+            h = h + 0
+        r = torch.clamp(h.exp(), 1 - self.eps, 1 + self.eps)
+        p = torch.pow(self.base, h.tanh())
+        q = h.clone()
+        q.div_(self.t)
+        return r + p + q
+
+
+def test_numbers_a_sweep_holds_in_export_graphs_clamp_pow_and_in_place_ops_are_lifted():
+    """Was: refused under torch.export (fx lifted the same numbers): clamp, pow with a number base, div_."""
+    members = [_ExportSweep(e, b, t) for e, b, t in ((0.1, 2.0, 1.0), (0.2, 3.0, 2.0), (0.3, 1.5, 4.0))]
+    x = torch.randn(5, 6)
+    graph = planner.trace(members[0], (x,))
+    assert graph.tracer == "export"
+    ens = executor.build(planner.propose(graph, 3), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
