@@ -120,7 +120,8 @@ _LIFTED_TROUBLE = re.compile(r"doesn't match the broadcast shape|in-place|inplac
 _LOW_PRECISION_TROUBLE = re.compile(r"dtype (BFloat16|Half)\b|not implemented for '(BFloat16|Half)'|(BFloat16|Half) is not supported")
 # float32 and low-precision operands meeting in one op (an export graph's baked casts)
 _MIXED_DTYPES = re.compile(r"dtype mismatch|same dtype|Expected: Float, Got|mixed dtype|expected scalar type|"
-                           r"expected m1 and m2|found at least two|float != c10::(BFloat16|Half)|(BFloat16|Half) != float", re.I)
+                           r"expected m1 and m2|found at least two|float != c10::(BFloat16|Half)|(BFloat16|Half) != float|"
+                           r"Input type \(float\) and bias type \(c10::(BFloat16|Half)\)", re.I)
 _INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
 
 
@@ -490,6 +491,11 @@ class BatchedModule(nn.Module):
                 owner, _, name = k.rpartition(".")
                 m.get_submodule(owner)._buffers[name] = t.to(device=fn(torch.empty(0, dtype=t.dtype, device=t.device)).device)
         self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
+        if self.plan.dtype in LOW_PRECISION and self.plan.tracer == "fx":
+            # `.float()` / `.double()` of a low-precision plan's module: the inputs enter in the state's dtype from now
+            # on (an fx graph casts to whatever its values are; an export graph keeps its casts and says so when run)
+            floating = [t.dtype for k, t in self._stacked.items() if t.is_floating_point() and k not in kept]
+            self.__dict__["_input_dtype"] = floating[0] if floating else LOW_PRECISION[self.plan.dtype]
         self._build_runners()
         if "_captured" in self.__dict__:  # not while nn.Module.__init__ sets things up
             self._make_captured()
@@ -641,7 +647,7 @@ class BatchedModule(nn.Module):
                 env[name] = Shared(x)
         if self._checks_traced:
             self._check_traced_shapes(inputs)
-        dtype = LOW_PRECISION.get(self.plan.dtype)
+        dtype = self.__dict__.get("_input_dtype") or LOW_PRECISION.get(self.plan.dtype)
         if dtype is not None:  # floating inputs enter at the plan's precision, like the stacked state (see LOW_PRECISION)
             env = {k: Batched(_cast_floating(v.tree, dtype)) if isinstance(v, Batched) else Shared(_cast_floating(v.value, dtype))
                    for k, v in env.items()}
@@ -755,13 +761,14 @@ class BatchedModule(nn.Module):
             if "not implemented for 'Half'" in str(e):
                 raise ExecutionError(f"{str(e).split('. Check')[0]}: this op has no float16 kernel on {device}; use dtype "
                                      "'bfloat16' (planner.set_dtype(plan, 'bfloat16')) or run on CUDA") from e
-            if self.plan.tracer == "export" and _MIXED_DTYPES.search(str(e)):
+            if _MIXED_DTYPES.search(str(e)):
                 # torch.export baked the trace's float32 into the graph (`h.to(torch.float32)` in an RMSNorm, a cast
                 # back to the input's dtype, dtype checks), and the trace in the plan's dtype could not replace them
                 why = self.__dict__.get("_precision_refused")
-                converted = any(t.is_floating_point() and t.dtype != LOW_PRECISION[self.plan.dtype]
-                                for k, t in self._stacked.items() if k not in (self.__dict__.get("_kept_dtypes") or {}))
-                if not why and not converted:  # the trace in the plan's dtype casts to float32 there as well
+                converted = self.plan.tracer == "export" and any(
+                    t.is_floating_point() and t.dtype != LOW_PRECISION[self.plan.dtype]
+                    for k, t in self._stacked.items() if k not in (self.__dict__.get("_kept_dtypes") or {}))
+                if not why and not converted:  # an fx graph, or the trace in the plan's dtype, casts to float32 there
                     raise ExecutionError(
                         f"{str(e).split('. Check')[0]}: forward() makes float32 values itself (`x.float()`, "
                         f"`.to(torch.float32)`) and hands them to {self.plan.dtype} weights, so member 0 cast to "

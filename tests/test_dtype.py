@@ -543,3 +543,35 @@ def test_a_float32_cast_in_forward_before_a_layer_is_named_not_blamed_on_a_conve
     ens.double()  # a state converted since build keeps its own message
     with torch.no_grad(), pytest.raises(planner.ExecutionError, match="its state is no longer in that dtype"):
         ens(x)
+
+
+def test_a_low_precision_plans_module_converted_with_float_runs_in_float32():
+    """Was: every call failed ("expected scalar type Float but found BFloat16 ... check the input shapes"): the
+    inputs still entered in bfloat16 while the state was float32."""
+    members = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)) for _ in range(N)]
+    x = torch.randn(5, 8)
+    plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x,)), N), "bfloat16")
+    ens = executor.build(plan, members).float()
+    rounded = [copy.deepcopy(m).to(torch.bfloat16).float() for m in members]  # the state as build cast it, then widened
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in rounded]))
+
+
+class _ImageIn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, img):
+        return self.c(img.float() / 255).mean((2, 3))  # uint8 images made float32 in forward()
+
+
+def test_a_float32_cast_in_forward_of_an_fx_low_precision_plan_is_named():
+    """Was: "Input type (float) and bias type (c10::BFloat16) should be the same ... Check the input shapes"."""
+    members = [_ImageIn() for _ in range(N)]
+    img = torch.randint(0, 255, (2, 3, 8, 8), dtype=torch.uint8)
+    graph = planner.trace(members[0], (img,))
+    assert graph.tracer == "fx"
+    ens = executor.build(planner.set_dtype(planner.propose(graph, N), "bfloat16"), members)
+    with torch.no_grad(), pytest.raises(planner.ExecutionError, match=r"forward\(\) makes float32 values itself"):
+        ens(img)
