@@ -630,11 +630,15 @@ class BatchedModule(nn.Module):
         env: dict[str, Any] = {}
         for name, per_member, x in zip(self._input_names, self._per_member_at, inputs):
             if per_member:
-                if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.n_members:
-                    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                leaves = [x] if isinstance(x, torch.Tensor) else [
+                    t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)] if isinstance(x, (dict, list, tuple)) else []
+                if not leaves or any(t.dim() == 0 or t.shape[0] != self.n_members for t in leaves):
+                    got = (list(x.shape) if isinstance(x, torch.Tensor) else
+                           f"a {type(x).__name__} whose tensors are shaped {[list(t.shape) for t in leaves][:4]}" if leaves
+                           else type(x).__name__)
                     raise InputError(
                         f"input {name!r} is per_member, so it needs a leading member axis of size {self.n_members}; got {got}. "
-                        "Stack one input per member, or plan it as 'shared'"
+                        "Stack one input per member (each tensor of a dict or tuple input), or plan it as 'shared'"
                     )
                 if name in self.__dict__.get("_written_inputs", ()) and rows_overlap(x):
                     raise overlapping_rows_refusal(name)

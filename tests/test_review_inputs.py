@@ -222,3 +222,25 @@ def test_a_channels_last_input_into_a_group_norm_stage_runs():
     x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-4, atol=1e-5)
+
+
+class _DictBatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, batch):
+        return self.fc(batch["x"]) * batch["w"][..., None]
+
+
+def test_a_dict_input_planned_per_member_takes_its_tensors_member_first():
+    """Was: every call refused with "needs a leading member axis ...; got dict", which no dict can satisfy."""
+    members = [_DictBatch() for _ in range(3)]
+    batch = {"x": torch.randn(4, 8), "w": torch.rand(4)}
+    ens = executor.build(planner.propose(planner.trace(members[0], (batch,)), 3, input_mode="per_member"), members)
+    stacked = {"x": torch.randn(3, 4, 8), "w": torch.rand(3, 4)}
+    with torch.no_grad():
+        want = torch.stack([m({k: v[i] for k, v in stacked.items()}) for i, m in enumerate(members)])
+        torch.testing.assert_close(ens(stacked), want)
+        with pytest.raises(planner.InputError, match=r"a dict whose tensors are shaped \[\[4, 8\], \[4\]\]"):
+            ens(batch)
