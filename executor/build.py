@@ -41,7 +41,7 @@ from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
 from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
-from stagewise.executor.members import (aliasing_of, check_one_device, check_same_requires_grad, copy_member, written_state, gradient_hooks, shared_across_members,
+from stagewise.executor.members import (aliasing_of, check_one_device, copy_member, frozen_apart, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes
@@ -430,6 +430,7 @@ class BatchedModule(nn.Module):
         self.__dict__["_inference_only"] = any(not getattr(r, "trainable", True) for r in runners)
         self.__dict__["_grad_checks"] = (self._inference_only or bool(self.__dict__.get("_shared_across"))
                                          or bool(self.__dict__.get("_ties_apart")) or bool(self.__dict__.get("_grad_hooks"))
+                                         or bool(self.__dict__.get("_frozen_apart"))
                                          or bool(self.__dict__.get("_lost_backwards"))
                                          or bool(self.__dict__.get("_aliased_params"))
                                          or bool(self.__dict__.get("_traced_without_grad")))
@@ -545,6 +546,8 @@ class BatchedModule(nn.Module):
                 "behind where the member loop's moves both. Give the other name its own tensor (a copy), read the "
                 "parameter itself in forward(), or freeze it (requires_grad_(False)); inference (torch.no_grad()) is "
                 "unaffected")
+        if self.__dict__.get("_frozen_apart"):
+            raise ExecutionError(f"{self.__dict__['_frozen_apart']}; inference (torch.no_grad()) is unaffected")
         shared = [k for k in self.__dict__.get("_shared_across", ()) if self._stacked[k].requires_grad]
         if shared:
             raise ExecutionError(
@@ -901,8 +904,9 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         tracer, or an old export plan file without input shapes and no example_inputs), DeviceError,
         MemoryBudgetError (the stacked state, N x one member's, would not fit on `device`; before stacking),
         MemberError for global module hooks (torch.nn.modules.module.register_module_forward_hook, ...): the
-        member loop fires them on every module call, the batched module cannot (its forward refuses them too),
-        or for members that freeze different parameters (check_same_requires_grad); InputError for a model input
+        member loop fires them on every module call, the batched module cannot (its forward refuses them too);
+        ExecutionError at a call that records gradients for members that freeze different parameters
+        (members.frozen_apart: inference runs); InputError for a model input
         forward() writes in place where the batched module cannot repeat the loop's writes (check_input_writes).
     """
     refusal = global_hooks_refusal("the batched module")
@@ -952,7 +956,6 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     with torch.set_grad_enabled(traced_with_grad):
         validate(plan, graph)
         grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
-        check_same_requires_grad(members)
         written = check_input_writes(private, graph, plan, example)
         aliasing = aliasing_of(members, graph.gm)  # the members' own tensors: a private copy does not keep their aliasing
         always, in_training = written_state(graph.gm)
@@ -1011,6 +1014,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_grad_mode_refused"] = grad_mode_refused
     module.__dict__["_traced_without_grad"] = not traced_with_grad
     module.__dict__["_shared_across"] = shared_across_members(members)
+    module.__dict__["_frozen_apart"] = frozen_apart(members)  # trains member 0's choice for all: refused in training
     module.__dict__["_ties_apart"] = ties_apart(members)
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())

@@ -104,8 +104,16 @@ def stack_member_state(members: Sequence[nn.Module], device: torch.device) -> di
 
 
 def check_same_requires_grad(members: Sequence[nn.Module]) -> None:
-    """MemberError naming the first member that freezes other parameters than member 0: a stacked parameter
-    has one requires_grad for all members (member 0's would be trained, or frozen, for every member)."""
+    """MemberError naming the first member that freezes other parameters than member 0 (see frozen_apart)."""
+    why = frozen_apart(members)
+    if why:
+        raise MemberError(why)
+
+
+def frozen_apart(members: Sequence[nn.Module]) -> str:
+    """Why the members cannot train as one module where one freezes other parameters than member 0 ("" when they
+    freeze alike): a stacked parameter has one requires_grad for all members (member 0's would be trained, or frozen,
+    for every member). Inference is unaffected."""
     ref = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     for i, m in enumerate(members[1:], start=1):
         differ = [(k, p.requires_grad) for k, p in m.named_parameters(remove_duplicate=False) if k in ref and ref[k] != p.requires_grad]
@@ -116,9 +124,10 @@ def check_same_requires_grad(members: Sequence[nn.Module]) -> None:
                 f"member {i} freezes {frozen[:3]}{' ...' if len(frozen) > 3 else ''} (requires_grad=False), which member 0 trains" if frozen else "",
                 f"member {i} trains {trained[:3]}{' ...' if len(trained) > 3 else ''}, which member 0 freezes (requires_grad=False)" if trained else "",
             ) if part)
-            raise MemberError(f"{what}: a stacked parameter has one requires_grad for all members, so it would be trained or frozen "
-                              "for every member alike. Freeze the same parameters in every member (p.requires_grad_(False) on each), "
-                              "or build the members that differ here as separate modules")
+            return (f"{what}: a stacked parameter has one requires_grad for all members, so it would be trained or frozen "
+                    "for every member alike. Freeze the same parameters in every member (p.requires_grad_(False) on each), "
+                    "or build the members that differ here as separate modules")
+    return ""
 
 
 def ties_apart(members: Sequence[nn.Module]) -> dict[str, list[int]]:

@@ -494,6 +494,15 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     # every module's attributes as they were: torch.export leaves equal copies in some (LayerNorm's normalized_shape
     # tuple, which nn.TransformerEncoder's layers share), and members compared later would then differ from member 0
     restore_all(before, model)
+    containers = [i for i, x in enumerate(example_inputs) if isinstance(x, (dict, list, tuple))]
+    if tracer == "export" and containers:
+        # the plan's inputs would be the containers' flattened tensors, which neither build's trace nor a call can
+        # give back to forward() as the dict or list it takes
+        raise TraceError(
+            f"forward() takes a {type(example_inputs[containers[0]]).__name__} as input {containers[0]}, and this model "
+            f"needs torch.export ({note or 'torch.fx could not trace it'}): a torch.export plan takes tensors as its "
+            "inputs. Pass the container's tensors as separate arguments of forward(), or make forward() traceable by "
+            "torch.fx (which keeps the container)")
     if changed:
         raise TraceError(_changed_refusal(model, changed))
     held = held_generators(gm)

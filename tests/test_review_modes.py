@@ -381,8 +381,12 @@ def test_members_freezing_different_parameters_are_refused(frozen_member):
     members[frozen_member].fc1.weight.requires_grad_(False)
     graph = planner.trace(members[0], (x,))
     plan = planner.propose(graph, n_members=N, input_mode="shared")
-    with pytest.raises(MemberError, match=r"(?i)member 1 (freezes|trains) \['fc1\.weight'\].*freeze the same parameters in every member"):
-        executor.build(plan, members)
+    ens = executor.build(plan, members)  # inference runs (review: refused at build before)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    with pytest.raises(ExecutionError, match=r"(?i)member 1 (freezes|trains) \['fc1\.weight'\].*freeze the same "
+                                             r"parameters in every member.*inference \(torch.no_grad\(\)\) is unaffected"):
+        ens.train()(x).sum().backward()
 
 
 def test_members_freezing_the_same_parameters_train_like_the_loop():

@@ -555,3 +555,18 @@ def test_a_policy_built_on_torch_distributions_is_traced_with_their_checks_off()
     assert torch.distributions.Distribution._validate_args  # the checks are on again afterwards
     with pytest.raises(TraceError, match=r"returns a Categorical \(a torch.distributions object\).*return its parameters"):
         planner.trace(_Policy(returns_distribution=True), (obs, actions))
+
+
+class _ListInExport(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, xs):
+        return sum(self.fc(x) for x in xs)  # iterating a proxy: torch.export it is
+
+
+def test_a_container_input_of_a_model_that_needs_export_is_refused_at_trace_naming_the_fix():
+    """Was: trace and propose took it (inputs xs_0, xs_1), then build failed with "too many positional arguments"."""
+    with pytest.raises(TraceError, match=r"takes a list as input 0, and this model needs torch.export.*separate arguments"):
+        planner.trace(_ListInExport(), ([torch.randn(4, 8), torch.randn(4, 8)],))
