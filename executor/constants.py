@@ -235,8 +235,13 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
     for i in suspects:
         g = retrace(deepcopy_module(members[i]), tracer, example_inputs, input_names, opened)
         if g.fingerprint != graph.fingerprint:
-            raise MemberError(f"member {i} traces to another graph than member 0 (fingerprint {g.fingerprint} vs {graph.fingerprint}); "
-                              "all members must share one architecture: build them from one class and config")
+            named = ", ".join(sorted(attr_diffs)[:4])
+            raise MemberError(
+                f"member {i} traces to another graph than member 0 ({_code_difference(graph.gm, g.gm)}"
+                f"{'; differing attribute(s): ' + named if named else ''}): a per-member choice of layer or function "
+                "(an activation held as an attribute, a submodule swapped in, a different number of layers) is a "
+                "different program, which one batched module cannot run; give every member the same choice (a "
+                "number that differs is fine: it is lifted per member), or plan the members that differ separately")
         others[i] = g
         for node in graph.gm.graph.nodes:  # the same leaves in another structure: `{self.name: y}`, keys per member
             if _structure(node) != _structure(g.fx_node(node.name)):
@@ -253,6 +258,19 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
     lifted.update(_baked_differences(graph, others, baked, n))
     graph.gm.recompile()
     return lifted
+
+
+def _code_difference(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str:
+    """The first line two graphs' code differs at, around its first differing character."""
+    lines_a, lines_b = a.code.strip().splitlines(), b.code.strip().splitlines()
+    for x, y in zip(lines_a + ["<end>"], lines_b + ["<end>"]):
+        x, y = x.strip(), y.strip()
+        if x != y:
+            at = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            start = max(0, at - 50)
+            cut = lambda t: ("..." if start else "") + t[start:at + 50] + ("..." if len(t) > at + 50 else "")  # noqa: E731
+            return f"member 0's `{cut(x)}` is its `{cut(y)}`"
+    return "the same code, other parameter shapes or module types"
 
 
 def _refuse_nested_differences(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, i: int, attr_diffs: dict) -> None:

@@ -275,3 +275,24 @@ def test_half_precision_members_are_verified_at_their_own_precision():
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
     report = executor.verify(plan, members, (x,))
     assert report.ok and report.rtol >= 5e-3
+
+
+class _ActByAttribute(torch.nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc, self.act = torch.nn.Linear(4, 4), act
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+def test_members_choosing_other_functions_are_refused_naming_the_line():
+    """Was: "traces to another graph ... build them from one class and config", for members of one class."""
+    import torch.nn.functional as F
+
+    members = [_ActByAttribute(F.relu), _ActByAttribute(F.gelu), _ActByAttribute(F.relu)]
+    x = torch.randn(3, 4)
+    plan = planner.propose(planner.trace(members[0], (x,)), 3)
+    with pytest.raises(MemberError, match=r"member 1 traces to another graph than member 0 \(member 0's `relu = .*` is "
+                                          r"its `gelu = .*per-member choice of layer or function"):
+        executor.build(plan, members)
