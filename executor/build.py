@@ -618,6 +618,31 @@ class BatchedModule(nn.Module):
         with torch.no_grad():
             return [{k: self._stacked[k][i].detach().clone() for k in self._member_keys} for i in range(self.n_members)]
 
+    def load_member_state_dict(self, i: int, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Put one member's state (a state_dict of the original architecture: a member changed after build, a
+        checkpoint, a re-initialised member of a population) into row `i` of the stacked state, in place, as
+        `load_state_dict` would into member i (values cast to the stacked dtype and device). MemberError for a key
+        that is missing (with strict) or unknown, or a shape that is not one member's. The members' own modules
+        are not read again: what they hold besides their state (a sweep's numbers) stays as built."""
+        if not 0 <= i < self.n_members:
+            raise MemberError(f"load_member_state_dict({i}): no such member; pass 0..{self.n_members - 1}")
+        if self._state_replaced[0]:
+            self._follow_replaced_state()
+        keys = set(self._member_keys)
+        unknown = sorted(set(state_dict) - keys)
+        missing = sorted(keys - set(state_dict)) if strict else []
+        if unknown or missing:
+            raise MemberError(f"load_member_state_dict({i}): {'unknown key(s) ' + str(unknown[:3]) if unknown else ''}"
+                              f"{'; ' if unknown and missing else ''}{'missing key(s) ' + str(missing[:3]) if missing else ''}; "
+                              "pass one member's state_dict (strict=False to load part of it)")
+        for k, v in state_dict.items():
+            if tuple(v.shape) != tuple(self._stacked[k].shape[1:]):
+                raise MemberError(f"load_member_state_dict({i}): {k} has shape {list(v.shape)}, one member's is "
+                                  f"{list(self._stacked[k].shape[1:])}")
+        with torch.no_grad():
+            for k, v in state_dict.items():
+                self._stacked[k][i].copy_(v)
+
     @property
     def stacked_state(self) -> dict[str, torch.Tensor]:
         """Member state stacked [N, ...] by dotted name: the module's Parameters and buffers themselves

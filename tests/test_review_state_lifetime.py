@@ -279,3 +279,23 @@ def test_tracing_leaves_parameters_forward_updates_as_they_were_and_verify_agree
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in reference]), rtol=1e-5, atol=1e-6)
+
+
+def test_one_members_state_loads_into_its_row():
+    """Review: no way to put a member changed after build back (the module kept the build's copy, 1.92 off)."""
+    from stagewise.planner.errors import MemberError
+
+    members = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)).eval()
+               for _ in range(3)]
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), 3), members)
+    with torch.no_grad():
+        members[1][0].weight.mul_(2)
+        members[1][1].running_var.fill_(3.0)
+    ens.load_member_state_dict(1, members[1].state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    with pytest.raises(MemberError, match=r"missing key\(s\) \['0.bias'"):
+        ens.load_member_state_dict(0, {"0.weight": torch.zeros(8, 4)})
+    with pytest.raises(MemberError, match=r"0.weight has shape \[4, 8\], one member's is \[8, 4\]"):
+        ens.load_member_state_dict(0, {"0.weight": torch.zeros(4, 8)}, strict=False)
