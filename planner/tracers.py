@@ -13,6 +13,7 @@ import io
 import logging
 import operator
 import sys
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -366,7 +367,9 @@ def _quiet_on_failure():
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        with contextlib.redirect_stderr(held):
+        with contextlib.redirect_stderr(held), warnings.catch_warnings():
+            # an RNN's weight list, which its own forward() sets again on every call: nothing for the user to change
+            warnings.filterwarnings("ignore", message=r"The tensor attributes [\w.]*_flat_weights\[")
             yield
     finally:
         logging.disable(previous)
