@@ -396,6 +396,9 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
         return
     if not _numbers(diff.values):
         raise _refuse(diff, attr_diffs, "It is not a number.")
+    if node.op == "output":
+        raise _refuse(diff, attr_diffs, "forward() returns it as a Python number, which one batched output cannot hold "
+                      "per member; return it as a tensor (torch.tensor(self.t)) to get an [N] output.")
     if not _liftable(node, diff.where):
         raise _refuse(diff, attr_diffs, f"{_op_name(node)} takes a plain Python value there (a size, a dim, a flag, a "
                       "setting such as alpha= or beta=), which cannot be given per member.")

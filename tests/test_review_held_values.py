@@ -296,3 +296,19 @@ def test_members_choosing_other_functions_are_refused_naming_the_line():
     with pytest.raises(MemberError, match=r"member 1 traces to another graph than member 0 \(member 0's `relu = .*` is "
                                           r"its `gelu = .*per-member choice of layer or function"):
         executor.build(plan, members)
+
+
+class _ReturnsItsNumber(torch.nn.Module):
+    def __init__(self, t):
+        super().__init__()
+        self.fc, self.t = torch.nn.Linear(4, 4), t
+
+    def forward(self, x):
+        return self.fc(x), self.t
+
+
+def test_a_per_member_number_returned_as_a_python_value_is_refused_naming_the_fix():
+    members = [_ReturnsItsNumber(t) for t in (0.5, 1.0, 2.0)]
+    x = torch.randn(3, 4)
+    with pytest.raises(MemberError, match=r"returns it as a Python number.*return it as a tensor"):
+        executor.build(planner.propose(planner.trace(members[0], (x,)), 3), members)
