@@ -44,7 +44,7 @@ from stagewise.executor.input_writes import check_input_writes, overlapping_rows
 from stagewise.executor.members import (aliasing_of, check_one_device, copy_member, frozen_apart, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
-from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes
+from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes, train_on_copy
 from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
@@ -213,7 +213,7 @@ def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, e
     holds 1.0: member 0 traces alike in both modes, the others do not). Only where forward() reads self.training and
     members hold other values than member 0 anywhere; the members' copies share their tensors."""
     from stagewise.executor.constants import config_signature
-    from stagewise.planner.snapshot import deepcopy_module, held_values
+    from stagewise.planner.snapshot import held_values
     first = (config_signature(members[0]), held_values(members[0]))
     if all((config_signature(m), held_values(m)) == first for m in members[1:]) or not reads_training(
             private, plan.tracer, plan.opened_modules):
@@ -222,7 +222,7 @@ def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, e
     for mode in (True, False):
         if mode in bound or all(m.training == mode for m in private.modules()):
             continue
-        copies = [deepcopy_module(m, {id(t): t for t in [*m.parameters(), *m.buffers()]}).train(mode) for m in members]
+        copies = [train_on_copy(m, mode) for m in members]  # the members' requires_grad flags put back
         try:
             graph = retrace(copies[0], plan.tracer, example, names, plan.opened_modules)
             theirs = lift_member_constants(graph, copies, plan.tracer, example, names, state_keys, opened=plan.opened_modules)
@@ -241,11 +241,19 @@ def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, e
 
 def _fast_path_modules_traced_through(member: nn.Module, plan: Plan) -> str:
     """The classes of torch's attention modules with an inference fast path (nn.MultiheadAttention,
-    nn.TransformerEncoderLayer, nn.TransformerEncoder) that the plan's graph holds as traced ops rather than as
-    leaves (a torch.export trace, or an opened module), among modules in eval mode; "" for none."""
+    nn.TransformerEncoderLayer, nn.TransformerEncoder; batch_first, which that path needs) that the plan's graph holds
+    as traced ops rather than as leaves (a torch.export trace, or an opened module); "" for none."""
     kinds = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.MultiheadAttention)
     opened = tuple(plan.opened_modules)
-    found = {type(m).__name__ for path, m in member.named_modules() if isinstance(m, kinds) and not m.training
+
+    def batch_first(m: nn.Module) -> bool:  # torch's fast paths take batch_first calls only
+        attn = m if isinstance(m, nn.MultiheadAttention) else (
+            m.self_attn if isinstance(m, nn.TransformerEncoderLayer) else
+            getattr(m.layers[0], "self_attn", None) if len(m.layers) else None)
+        return bool(getattr(attn, "batch_first", False))
+
+    # whatever mode the members are in now: a module built in training mode may be switched to eval (.eval())
+    found = {type(m).__name__ for path, m in member.named_modules() if isinstance(m, kinds) and batch_first(m)
              and (plan.tracer == "export" or any(path == o or path.startswith(o + ".") for o in opened))}
     return ", ".join(f"nn.{k}" for k in sorted(found))
 
@@ -379,8 +387,8 @@ class BatchedModule(nn.Module):
     def _check_grad_mode(self, inputs: tuple) -> None:
         """ExecutionError for a call in a grad mode whose branch of forward() the trace did not keep (_grad_modes_refused)."""
         refused = self.__dict__["_grad_mode_refused"]
-        if "input_grad" in refused and torch.is_grad_enabled() and any(
-                isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        if "input_grad" in refused and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+            # whatever the grad mode: a leaf keeps its flag under torch.no_grad() (an adversarial input in a PGD loop)
             raise ExecutionError(f"a call with an input that requires grad is refused: {refused['input_grad']}")
         mode = ("inference" if torch.is_inference_mode_enabled() and "inference" in refused else
                 "grad" if torch.is_grad_enabled() else "no_grad")
@@ -512,7 +520,8 @@ class BatchedModule(nn.Module):
         super().train(mode)
         # as member.train(mode) would: a class overriding train() (BatchNorm kept in eval) keeps its layers' modes
         overrides = self.__dict__.get("_own_train_modes") or {}
-        hand_set = [k for k in self.__dict__.get("_modes_set_by_hand", ()) if k not in overrides.get(mode, {})]
+        hand_set = [k for k in self.__dict__.get("_modes_set_by_hand", ()) if k not in overrides.get(mode, {})
+                    and self._stage_layer_mode(k) not in (None, mode)]  # only layers this call moves
         if hand_set and not self.__dict__.get("_warned_hand_set"):
             self.__dict__["_warned_hand_set"] = True
             warnings.warn(
@@ -526,7 +535,19 @@ class BatchedModule(nn.Module):
         for r in self.runners:  # loop stages call per-member shallow copies of their stage (bound_loop): the flag too
             for bound in getattr(r, "_bound", ()):
                 set_train_modes(bound, mode, overrides)
+        for k, flag in (self.__dict__.get("_own_train_grads") or {}).get(mode, {}).items():
+            if k in self._stacked and self._stacked[k].requires_grad != flag:  # `freeze_bn` freezing the weights too
+                self._stacked[k].requires_grad_(flag)
         return self
+
+    def _stage_layer_mode(self, name: str) -> bool | None:
+        """The training flag of the layer `name` in the stage modules that hold it now (None where none does)."""
+        for m in self.stage_modules:
+            try:
+                return m.get_submodule(name).training
+            except AttributeError:
+                continue
+        return None
 
     def _check_trainable(self) -> None:
         """ExecutionError naming the first stage whose strategy cannot carry gradients, or the parameters members
@@ -1020,7 +1041,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
     bound.update(_numbers_by_mode(members, private, plan, example, bound, per_member, set(stacked) - set(per_member)))
     module.set_mode_bound(bound, private)
-    module.__dict__["_own_train_modes"] = own_train_modes(private)
+    module.__dict__["_own_train_modes"], module.__dict__["_own_train_grads"] = own_train_modes(private, params)
     # layers whose mode differs from the root's and no train() override of the class sets so: set by hand
     explained = module.__dict__["_own_train_modes"].get(private.training, {})
     module.__dict__["_modes_set_by_hand"] = tuple(name for name, m in private.named_modules()

@@ -221,18 +221,36 @@ def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple
     return bound
 
 
-def own_train_modes(private: nn.Module) -> dict[bool, dict[str, bool]]:
-    """For a model whose class (or a submodule's) overrides train() (mmcv's `norm_eval`: BatchNorm kept in eval while
-    the rest trains), {mode: {qualified name: training}} of the submodules that `private.train(mode)` leaves in the
-    other mode; {} where no class overrides it (nn.Module.train sets every submodule alike). Run on a copy."""
-    if all(type(m).train is nn.Module.train for m in private.modules()):
-        return {}
-    out = {}
-    for mode in (True, False):
-        other = deepcopy_module(private)
+def train_on_copy(model: nn.Module, mode: bool) -> nn.Module:
+    """A copy of `model` (sharing its parameters and buffers) after `copy.train(mode)`, the model's own train() run
+    (an override that returns None too); the parameters' requires_grad flags, which such an override may set (a
+    frozen BatchNorm), are put back on the shared tensors afterwards."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    other = deepcopy_module(model, {id(t): t for t in [*model.parameters(), *model.buffers()]})
+    try:
         other.train(mode)
-        out[mode] = {name: m.training for name, m in other.named_modules() if m.training != mode}
-    return out
+        other.__dict__["_stagewise_requires_grad"] = {k: p.requires_grad for k, p in other.named_parameters(remove_duplicate=False)}
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    return other
+
+
+def own_train_modes(private: nn.Module, now: dict[str, bool]) -> tuple[dict[bool, dict[str, bool]], dict[bool, dict[str, bool]]]:
+    """For a model whose class (or a submodule's) overrides train() (mmcv's `norm_eval`: BatchNorm kept in eval while
+    the rest trains; a `freeze_bn` that also sets requires_grad), ({mode: {qualified name: training}} of the
+    submodules that `private.train(mode)` leaves in the other mode, {mode: {parameter: requires_grad}} of the
+    parameters it sets otherwise than `now` (the members' flags, {name: requires_grad}); ({}, {}) where no class
+    overrides it (nn.Module.train sets every submodule alike and no flag). Run on copies sharing the tensors; the
+    flags are put back."""
+    if all(type(m).train is nn.Module.train for m in private.modules()):
+        return {}, {}
+    modes, grads = {}, {}
+    for mode in (True, False):
+        other = train_on_copy(private, mode)
+        modes[mode] = {name: m.training for name, m in other.named_modules() if m.training != mode}
+        grads[mode] = {k: rg for k, rg in other.__dict__["_stagewise_requires_grad"].items() if now.get(k) != rg}
+    return modes, grads
 
 
 def set_train_modes(module: nn.Module, mode: bool, overrides: dict[bool, dict[str, bool]]) -> None:

@@ -1159,8 +1159,9 @@ def grouping_by_dim_warning(groups: list[dict], who: str, stacked: set[int] | No
         return None
     return (f"{who}: a param group has no weight decay while another decays parameters of shape {list(decayed[0].shape)} "
             "(one vector per member: a bias or a norm's weight). If the groups were chosen by `p.dim() < 2` (or p.ndim), "
-            "that counts the member axis every stacked parameter has in front, so biases and norm weights are decayed "
-            "where each member's own model would not decay them; group by name (for name, p in "
+            "that counts the member axis every stacked parameter has in front, so biases and norm weights may be decayed "
+            "where each member's own model would not decay them (a grouping by name that means it is fine); group by "
+            "name (for name, p in "
             "ens.named_stacked_parameters()) or by `p.dim() - 1 < 2`")
 
 

@@ -9,6 +9,7 @@ Layouts: stacked state tensors are [N, *param_shape]; Batched values are N-first
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -321,7 +322,8 @@ class Runner:
                         "its ops were probed in that mode, and some batch there but not in training (BatchNorm with "
                         "momentum=None counts its calls with .item(), spectral_norm writes with out=); to train, plan "
                         "with members in .train() (planner.trace and executor.build), or exclude this stage"
-                        if self.program.module.training and strategy in ("vmap", "compile") else "")
+                        if self.program.module.training and strategy in ("vmap", "compile")
+                        and _NOT_BATCHABLE.search(str(e)) else "")
             raise ExecutionError(
                 f"stage {self.program.describe} failed ({strategy}): "
                 f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
@@ -330,6 +332,10 @@ class Runner:
         finally:
             reset_number_context(numbers)
             reset_stage_device(token)
+
+
+# vmap's own refusals (an op with no batching rule, .item()), as opposed to a shape or dtype error of the inputs
+_NOT_BATCHABLE = re.compile(r"vmap|[Bb]atching rule")
 
 
 def _describe_value(v) -> str:

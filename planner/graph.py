@@ -115,7 +115,8 @@ class ModelGraph:
 
 # --- tracing -------------------------------------------------------------------
 
-def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] = ()) -> tuple[torch.fx.GraphModule, str, str]:
+def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] = (),
+                 before: StateSnapshot | None = None) -> tuple[torch.fx.GraphModule, str, str]:
     """Trace with torch.fx, falling back to torch.export. Returns (gm, tracer, note).
 
     The graph takes exactly the inputs `example_inputs` gives: forward() parameters
@@ -127,7 +128,7 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
         # fx makes every given input a graph value, so `if mask is not None:` would take the tensor branch for a None
         fx_error = f"example input(s) {nones} are None, which torch.fx traces as values (`is not None` holds)"
     else:
-        before = StateSnapshot.take(model)
+        before = before or StateSnapshot.take(model)  # the caller's, taken just before (no second copy of the state)
         try:
             gm = _fx_trace(model, len(example_inputs), opened)
             return gm, "fx", ""
@@ -168,37 +169,48 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
 
 
-def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> str | None:
+def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple, snapshot: StateSnapshot) -> str | None:
     """Why torch.fx's graph of `model` is not its forward() on the example inputs, or None when they agree: fx takes
     Python branches on proxies one way whatever the value (`isinstance(mask, torch.Tensor)` is false for a proxy,
     `if isinstance(out, tuple):` after an RNN), so the graph can drop what forward() does, or fail where it runs.
-    Both run from one random state, under no grad; the model is left as it was. Where forward() itself fails on the
-    inputs, None (the trace reports that)."""
-    snapshot = StateSnapshot.take(model)
-    copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+    Both run in the caller's grad mode (the trace's: a forward() reading torch.is_grad_enabled() takes the traced
+    side) from one random state, which is the caller's again afterwards; the model is put back as `snapshot` (taken
+    before the trace) holds it. Where forward() itself fails on the inputs, or outputs cannot be compared (a sparse
+    tensor), None: the trace reports what it finds."""
+    copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))  # noqa: E731
+    devices = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        states = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
+
+        def same_draws() -> None:  # both runs draw what the first would (dropout in training mode)
+            torch.set_rng_state(states[0])
+            for d, state in zip(devices, states[1]):
+                torch.cuda.set_rng_state(state, d)
+
+        try:
+            same_draws()
             want = model(*copies())
-    except Exception:
-        return None
-    finally:
-        restore_all(snapshot, model)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        except Exception:
+            return None
+        finally:
+            restore_all(snapshot, model)
+        try:
+            same_draws()
             got = gm(*copies())
-    except Exception as e:
-        return f"its graph fails on the example inputs where forward() runs ({type(e).__name__}: {_first_line(e)[:200]})"
-    finally:
-        restore_all(snapshot, model)
+        except Exception as e:
+            return f"its graph fails on the example inputs where forward() runs ({type(e).__name__}: {_first_line(e)[:200]})"
+        finally:
+            restore_all(snapshot, model)
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
     if len(got_leaves) != len(want_leaves) or [type(v) for v in got_leaves] != [type(v) for v in want_leaves]:
         return f"its graph returns other outputs than forward() on the example inputs ({got_spec} where forward() gives {want_spec})"
     for i, (a, b) in enumerate(zip(got_leaves, want_leaves)):
-        if not _same_output(a, b):
+        try:
+            same = _same_output(a, b)
+        except Exception:  # a layout or type torch cannot compare (sparse): nothing to say
+            continue
+        if not same:
             return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
     return None
 
@@ -458,7 +470,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
     with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before), _distribution_checks_off():
-        gm, tracer, note = fx_or_export(model, example_inputs, opened)
+        gm, tracer, note = fx_or_export(model, example_inputs, opened, before)
         changed = before.restore_if_changed(model)
         if changed and tracer == "fx" and not changed.attributes:
             # fx ran forward() on the real module: an in-place update of real state happened
@@ -478,7 +490,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             gm = _export(model, example_inputs)
             changed = before.restore_if_changed(model)
         if tracer == "fx" and not changed:
-            disagreement = _fx_disagrees(model, gm, example_inputs)
+            disagreement = _fx_disagrees(model, gm, example_inputs, before)
             before.restore_if_changed(model)  # the check's own runs write state (BatchNorm statistics): put back, not news
             if disagreement is not None:
                 try:
@@ -522,6 +534,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     # weight_norm's `weight`) left a vmap-internal tensor there, which no later use of the model can read
     for mod, k, v in tensor_attributes:
         mod.__dict__[k] = v
+    restore_all(before, model)  # and what else it left (an RNN's _flat_weights list of vmap tensors)
     return graph
 
 

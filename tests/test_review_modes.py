@@ -594,10 +594,62 @@ def test_train_warns_once_that_layers_put_in_eval_by_hand_go_into_training_mode(
         m[1].eval()
     x = torch.randn(4, 5)
     ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
-    with pytest.warns(UserWarning, match=r"layers put in another mode by hand \(1\).*override train\(\) in the model class"):
-        ens.eval()
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        ens.eval()  # moves nothing the hand set: nothing to say
+    with pytest.warns(UserWarning, match=r"layers put in another mode by hand \(1\).*override train\(\) in the model class"):
+        ens.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ens.eval()
         ens.train()  # said once
+
+
+class _FreezeBN(_NormEval):
+    """A `freeze_bn` train(): BatchNorm in eval and its affine weights frozen; and, as mmcv's ResNet.train, no return."""
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+    def train(self, mode=True):
+        nn.Module.train(self, mode)
+        if mode:
+            self.bn.eval()
+            self.bn.weight.requires_grad_(False)
+            self.bn.bias.requires_grad_(False)
+
+
+def test_train_follows_a_train_override_that_freezes_parameters_and_build_leaves_the_members_flags():
+    """Was: the override's requires_grad_(False) reached the user's members at build (copies sharing their tensors), a
+    root train() returning None crashed build, and ens.train() left the BatchNorm weights trainable (0.02 off after 3
+    SGD steps, 0.12 off in eval afterwards)."""
+    torch.manual_seed(0)
+    members = [_FreezeBN(s) for s in (1.0, 2.0, 3.0)]
+    for m in members:
+        m.eval()
+    x = torch.randn(4, 3, 6, 6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    assert all(m.bn.weight.requires_grad for m in members)
+    loop = copy.deepcopy(members)
+    ens.train()
+    for m in loop:
+        m.train()
+    assert not ens.stacked_state["bn.weight"].requires_grad
+    opt = StackedSGD([p for p in ens.parameters() if p.requires_grad], N, lr=0.01)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01) for m in loop]
+    for _ in range(3):
+        opt.zero_grad()
+        ens(x).square().sum().backward()
+        opt.step()
+        for m, o in zip(loop, opts):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    for k in ("conv.weight", "bn.weight", "fc.weight"):
+        torch.testing.assert_close(ens.stacked_state[k].detach(), torch.stack([dict(m.named_parameters())[k] for m in loop]).detach())

@@ -570,3 +570,27 @@ def test_a_container_input_of_a_model_that_needs_export_is_refused_at_trace_nami
     """Was: trace and propose took it (inputs xs_0, xs_1), then build failed with "too many positional arguments"."""
     with pytest.raises(TraceError, match=r"takes a list as input 0, and this model needs torch.export.*separate arguments"):
         planner.trace(_ListInExport(), ([torch.randn(4, 8), torch.randn(4, 8)],))
+
+
+class _AuxWhenTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        aux = h.pow(2).mean() * 0.1 if torch.is_grad_enabled() else h.new_zeros(())
+        return h, aux
+
+
+def test_the_fx_check_runs_forward_in_the_traces_grad_mode_and_leaves_the_random_state():
+    """Review: the check ran under no_grad, where the model took its other side, so fx was dropped for export (or
+    refused where export could not trace); it also moved torch's global random state."""
+    torch.manual_seed(123)
+    graph = planner.trace(_AuxWhenTraining(), (torch.randn(5, 8),))
+    after = torch.rand(3)
+    assert graph.tracer == "fx", graph.tracer_note
+    torch.manual_seed(123)
+    torch.nn.Linear(8, 4)  # the model's own draws, as above
+    torch.randn(5, 8)
+    torch.testing.assert_close(after, torch.rand(3))

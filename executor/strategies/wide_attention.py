@@ -33,12 +33,6 @@ FULLY_MASKED = ("a query row of nn.MultiheadAttention has every key masked out: 
                 "differ from the member loop's; exclude this stage (it then runs as the loop) or keep at least one key "
                 "unmasked per row")
 
-FLOAT_MASK_ON_FAST_PATH = (
-    "an nn.TransformerEncoderLayer gets a float mask with values other than 0 and -inf (an additive bias): torch's "
-    "fast path (eval, no gradients, batch_first) answers NaN for such masks where its slow path adds them, so a "
-    "batched answer could differ from the member loop's; pass a bool mask, call it with gradients on, or exclude "
-    "this stage (it then runs as the loop)")
-
 CAUSAL_WITHOUT_MASK = ("nn.MultiheadAttention is called with is_causal=True and no attn_mask: torch raises 'Need attn_mask "
                        "if specifying the is_causal hint' here (only its inference fast path, batch_first self-attention "
                        "in eval without gradients, runs, and ignores the hint), so the member loop fails too; pass the "
@@ -362,14 +356,35 @@ def _norm(module: nn.LayerNorm, state: dict, x: Any) -> torch.Tensor:
     return affine(y, _nf(state.get("weight")), _nf(state.get("bias")), len(shape))
 
 
+def _encoder_fast_path(module: nn.Module, state: dict, x: Any) -> bool:
+    """Whether torch's TransformerEncoderLayer.forward takes its fused fast path (torch._transformer_encoder_layer_fwd)
+    for this call: the conditions of its forward that depend on the module, the flags and the call's form."""
+    attn = module.self_attn
+    return (torch.backends.mha.get_fastpath_enabled() and not module.training and _rank(x) == 3 and attn.batch_first
+            and attn.in_proj_bias is not None and attn._qkv_same_embed_dim and module.activation_relu_or_gelu
+            and module.norm1.eps == module.norm2.eps and attn.num_heads % 2 == 0 and not torch.is_autocast_enabled()
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+            and not _records_grad(state, x))
+
+
+def _as_bool(mask: Any) -> Any:
+    """A float mask as torch's fused encoder layer reads it (nonzero = masked out); other masks as they are."""
+    if mask is None:
+        return None
+    t = mask.t if is_nf(mask) else mask
+    if not t.is_floating_point():
+        return mask
+    return NFirst(t != 0) if is_nf(mask) else t != 0
+
+
 def _layer(module: nn.Module, state: dict, x: Any, mask: Any, kpm: Any, is_causal: bool, n: int,
            fully_masked_ok: bool = False) -> Optional[torch.Tensor]:
     """One encoder layer on NFirst or shared x; returns [N, *, E] (None where attention refuses)."""
     batch_first = module.self_attn.batch_first
-    floats = [t for t in (m.t if is_nf(m) else m for m in (mask, kpm) if m is not None) if t.is_floating_point()]
-    if floats and _fast_path_form(module.self_attn, x, x, x, batch_first) and not _records_grad(state, x) and any(
-            bool((torch.isfinite(t) & (t != 0)).any()) for t in floats):
-        raise ExecutionError(FLOAT_MASK_ON_FAST_PATH)
+    if _encoder_fast_path(module, state, x):
+        # torch's fused encoder layer reads a float mask as bool (any nonzero value masks the key out, an additive bias
+        # too); as it does, so that a fully masked row is refused as for a bool mask
+        mask, kpm = (_as_bool(m) for m in (mask, kpm))
     attn_state = _sub(state, "self_attn.")
 
     def sa(y: Any) -> Optional[torch.Tensor]:
