@@ -35,11 +35,13 @@ def state_device(module: nn.Module) -> torch.device | None:
 
 
 def check_one_device(members: Sequence[nn.Module]) -> None:
-    """MemberError naming the first parameter or buffer that is on another device than member 0's first one, or on
-    the meta device (no values: a model made under torch.device("meta") whose weights were never loaded)."""
+    """MemberError naming the first parameter or buffer that is on another device than member 0's first one (on the
+    meta device: no values, a model made under torch.device("meta") whose weights were never loaded)."""
     first = state_device(members[0])
     for i, m in enumerate(members):
         for k, t in itertools.chain(m.named_parameters(), m.named_buffers()):
+            if t.device == first:
+                continue  # (every member on meta is a module of shapes alone, as torch would make it)
             if t.is_meta:
                 raise MemberError(f"member {i}'s {k} is on the meta device, which holds no values (a model made under "
                                   "torch.device('meta') whose weights were never loaded): load its weights "

@@ -545,6 +545,7 @@ def test_a_policy_built_on_torch_distributions_is_traced_with_their_checks_off()
     from stagewise import executor
 
     torch.manual_seed(0)
+    checks = torch.distributions.Distribution._validate_args
     members = [_Policy() for _ in range(3)]
     obs, actions = torch.randn(5, 6), torch.randint(0, 4, (5,))
     ens = executor.build(planner.propose(planner.trace(members[0], (obs, actions)), 3), members)
@@ -552,7 +553,7 @@ def test_a_policy_built_on_torch_distributions_is_traced_with_their_checks_off()
         got, want = ens(obs, actions), [m(obs, actions) for m in members]
     for k in range(2):
         torch.testing.assert_close(got[k], torch.stack([w[k] for w in want]))
-    assert torch.distributions.Distribution._validate_args  # the checks are on again afterwards
+    assert torch.distributions.Distribution._validate_args == checks  # the checks as they were afterwards
     with pytest.raises(TraceError, match=r"returns a Categorical \(a torch.distributions object\).*return its parameters"):
         planner.trace(_Policy(returns_distribution=True), (obs, actions))
 
