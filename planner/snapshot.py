@@ -230,6 +230,9 @@ class StateSnapshot:
     # every module's attributes as they were (shallow), to take back fx Proxies a trace left in them
     # (`if self.cache is None: self.cache = self.fc.weight.sum(0)` ran on graph values)
     attrs_before: list[tuple[nn.Module, dict]] = field(default_factory=list)
+    # the lists and dicts those attributes hold, with their contents as they were (one level: `self.maps.append(h)`
+    # in forward() leaves an fx Proxy in the list), for restore_all
+    contents: list[tuple[Any, Any]] = field(default_factory=list)
 
     @staticmethod
     def take(model: nn.Module) -> "StateSnapshot":
@@ -240,8 +243,10 @@ class StateSnapshot:
                     for path, mod in model.named_modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
         slots = [(f"{path}.{k}" if path else k, mod, table, k, t) for path, mod in model.named_modules(remove_duplicate=False)
                  for table in ("_parameters", "_buffers") for k, t in getattr(mod, table).items()]
+        contents = [(v, list(v) if isinstance(v, list) else dict(v)) for mod in model.modules() for k, v in vars(mod).items()
+                    if type(v) in (list, dict) and k not in _MODULE_TABLES]
         return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held,
-                             slots, [(mod, dict(vars(mod))) for mod in model.modules()])
+                             slots, [(mod, dict(vars(mod))) for mod in model.modules()], contents)
 
     def restore_if_changed(self, model: nn.Module) -> StateChange:
         """Compare with `model` now; put changed tensors back, and attributes a trace left holding fx Proxies (a cache
@@ -285,6 +290,12 @@ def restore_all(snapshot: StateSnapshot, model: nn.Module) -> None:
     """Put `model` back as `snapshot` saw it: its tensors, and every module's attributes (one level: a value
     replaced or added is undone; one changed inside a container it held is not)."""
     snapshot.restore_if_changed(model)
+    for container, was in snapshot.contents:
+        if isinstance(container, list) and (len(container) != len(was) or any(a is not b for a, b in zip(container, was))):
+            container[:] = was
+        elif isinstance(container, dict) and (container.keys() != was.keys() or any(container[k] is not was[k] for k in was)):
+            container.clear()
+            container.update(was)
     for mod, before in snapshot.attrs_before:
         for k in [k for k in vars(mod) if k not in before]:
             del mod.__dict__[k]
@@ -294,6 +305,7 @@ def restore_all(snapshot: StateSnapshot, model: nn.Module) -> None:
 
 
 _MISSING = object()
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})  # put back slot by slot (StateSnapshot.slots)
 
 
 def _holds_proxy(v: Any) -> bool:

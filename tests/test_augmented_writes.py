@@ -404,10 +404,11 @@ class _FailsAfterWriting(nn.Module):
     def __init__(self):
         super().__init__()
         self.register_buffer("n", torch.zeros(()))
-        self.fc = nn.Linear(5, 3)
+        self.fc, self.maps = nn.Linear(5, 3), []
 
     def forward(self, x):
         self.tag = "seen"  # a Python attribute set before the failure
+        self.maps.append(x)  # and a list it holds
         self.n.add_(1)
         return self.fc(x)[: int(x.sum() > 0)]  # a size from data: neither tracer follows it
 
@@ -416,4 +417,4 @@ def test_a_failed_trace_leaves_the_models_state_and_attributes_as_they_were():
     model = _FailsAfterWriting()
     with pytest.raises(planner.TraceError):
         planner.trace(model, (torch.randn(4, 5),))
-    assert model.n.item() == 0 and "tag" not in vars(model)
+    assert model.n.item() == 0 and "tag" not in vars(model) and model.maps == []
