@@ -24,6 +24,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from stagewise.executor.modes import around_first_difference
 from stagewise.executor.values import leaf_paths
 from stagewise.planner.errors import MemberError
 from stagewise.planner.graph import (PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal,
@@ -266,10 +267,8 @@ def _code_difference(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str:
     for x, y in zip(lines_a + ["<end>"], lines_b + ["<end>"]):
         x, y = x.strip(), y.strip()
         if x != y:
-            at = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-            start = max(0, at - 50)
-            cut = lambda t: ("..." if start else "") + t[start:at + 50] + ("..." if len(t) > at + 50 else "")  # noqa: E731
-            return f"member 0's `{cut(x)}` is its `{cut(y)}`"
+            x, y = around_first_difference(x, y, 50)
+            return f"member 0's `{x}` is its `{y}`"
     return "the same code, other parameter shapes or module types"
 
 

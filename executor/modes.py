@@ -175,16 +175,22 @@ def _same_constant(a: Any, b: Any) -> bool:
         return a is b
 
 
+def around_first_difference(a: str, b: str, width: int = 60) -> tuple[str, str]:
+    """Two lines of code cut to `width` characters either side of the first character they differ at (the lines may
+    share a long start, such as a call's first arguments)."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = max(0, at - width)
+    cut = lambda t: ("..." if start else "") + t[start:at + width] + ("..." if len(t) > at + width else "")  # noqa: E731
+    return cut(a), cut(b)
+
+
 def _mode_difference(traced: tuple[list[str], dict[str, Any]], other: tuple[list[str], dict[str, Any]]) -> str | None:
     """None when two traces are the same program, else a few words on the first difference."""
     (lines_a, consts_a), (lines_b, consts_b) = traced, other
     for a, b in zip(lines_a + ["<end>"], lines_b + ["<end>"]):
         if a != b:
-            a, b = a.strip(), b.strip()
-            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            start = max(0, at - 60)  # around the first character that differs: the lines may share a long start
-            cut = lambda t: ("..." if start else "") + t[start:at + 60] + ("..." if len(t) > at + 60 else "")
-            return f"`{cut(a)}` became `{cut(b)}`"
+            a, b = around_first_difference(a.strip(), b.strip())
+            return f"`{a}` became `{b}`"
     for k in consts_a.keys() | consts_b.keys():
         if k not in consts_a or k not in consts_b or not _same_constant(consts_a[k], consts_b[k]):
             return f"the constant {k!r} differs"
