@@ -251,12 +251,15 @@ def own_train_modes(private: nn.Module, now: dict[str, bool]) -> tuple[dict[bool
     flags are put back."""
     if all(type(m).train is nn.Module.train for m in private.modules()):
         return {}, {}
-    modes, grads = {}, {}
+    modes, flags = {}, {}
     for mode in (True, False):
         other = train_on_copy(private, mode)
         modes[mode] = {name: m.training for name, m in other.named_modules() if m.training != mode}
-        grads[mode] = {k: rg for k, rg in other.__dict__["_stagewise_requires_grad"].items() if now.get(k) != rg}
-    return modes, grads
+        flags[mode] = other.__dict__["_stagewise_requires_grad"]
+    # every flag either mode sets otherwise than the members hold it, in both modes: a reversible override
+    # (`self.bn.requires_grad_(mode)`) puts it back on the way back
+    moved = {k for mode in flags for k, rg in flags[mode].items() if now.get(k) != rg}
+    return modes, {mode: {k: flags[mode][k] for k in moved if k in flags[mode]} for mode in flags}
 
 
 def set_train_modes(module: nn.Module, mode: bool, overrides: dict[bool, dict[str, bool]]) -> None:

@@ -6,6 +6,8 @@ Errors are normwise: max |batched - loop| and that divided by max |loop|
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -161,9 +163,18 @@ def member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
     return tuple(x[i] if spec.mode is InputMode.PER_MEMBER else x for spec, x in zip(plan.inputs, inputs))
 
 
+# whether verify's calls run with gradients on: for a module that refuses calls with them off (forward() branches on
+# the grad mode and the plan was traced with them on), both it and the loop are called in the traced mode
+_CALLS_WITH_GRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("stagewise_verify_calls_with_grad", default=False)
+
+
+def _calls_mode() -> Any:
+    return torch.enable_grad() if _CALLS_WITH_GRAD.get() else torch.no_grad()
+
+
 def loop_outputs(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]) -> list[Any]:
     """The trusted reference: each member on its own inputs, one after another."""
-    with torch.no_grad():
+    with _calls_mode():
         return [m(*member_inputs(plan, inputs, i)) for i, m in enumerate(members)]
 
 
@@ -312,7 +323,16 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float | None = None, device=None,
+def verify(*args, **kwargs) -> "VerifyReport":
+    # the calls' grad mode (_CALLS_WITH_GRAD) is this verify's alone
+    token = _CALLS_WITH_GRAD.set(False)
+    try:
+        return _verify(*args, **kwargs)
+    finally:
+        _CALLS_WITH_GRAD.reset(token)
+
+
+def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, rtol: float | None = None, device=None,
            calls: int = 2, more_inputs: Sequence[Sequence[Any]] | None = None, grads: bool = False) -> VerifyReport:
     """Build the plan, run it and the member loop on `inputs`, and compare.
 
@@ -365,7 +385,8 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     target = resolve_device(device)
     on_device = lambda: tree_map(lambda x: x.to(target) if isinstance(x, torch.Tensor) else x, fresh(inputs))  # noqa: E731
     drawn: list[str] = []
-    with torch.no_grad(), same_draws(1):
+    _CALLS_WITH_GRAD.set("no_grad" in (module.__dict__.get("_grad_mode_refused") or {}))
+    with _calls_mode(), same_draws(1):
         got, env = module.run_stages(*on_device(), keep=True, run=counting_draws(module, drawn))
     with same_draws(1):
         want = loop_outputs(plan, members, fresh(inputs))
@@ -413,7 +434,7 @@ def verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, r
     with same_draws(1):
         loop_outputs(plan, members, fresh(inputs))  # the loop's first call again, so its state matches the batched module's
     for call in range(2, calls + 1):
-        with torch.no_grad(), same_draws(call):
+        with _calls_mode(), same_draws(call):
             got = module(*on_device())
         with same_draws(call):
             want = loop_outputs(plan, members, fresh(inputs))
@@ -430,6 +451,9 @@ GRADS_RTOL = 1e-4  # float32 gradients summed in other orders (as executor.stage
 # bfloat16 / float16 plans against the float32 loop: a ReLU unit at the rounding boundary switches, and its gradient
 # moves by a whole step; only a gross error shows at this precision
 LOW_PRECISION_GRADS_RTOL = 0.25
+
+
+functools.update_wrapper(verify, _verify)  # its signature and docstring are the ones to see
 
 
 def grads_rtol(plan: Plan, rtol: float) -> float:
@@ -543,7 +567,7 @@ def _verify_more(report: VerifyReport, plan: Plan, module, members: list[nn.Modu
     for call in range(1, report.calls + 1):
         name = f"out @ {shape} (call {call})"
         try:
-            with torch.no_grad(), same_draws(seed + call):
+            with _calls_mode(), same_draws(seed + call):
                 got = module(*tree_map(lambda x: x.to(target) if isinstance(x, torch.Tensor) else x, fresh(inputs)))
         except InputError as e:
             if call == 1:

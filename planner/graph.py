@@ -526,10 +526,13 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     if tracer == "export":
         check_small_sizes(model, gm, example_inputs)
     tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
-    values, flops = _run_and_record(gm, example_inputs)
-    graph = graph_of(gm, tracer, note, values, flops, opened=opened)
-    if probe:
-        annotate_capability(graph)
+    # the graph run and the probe draw random numbers (dropout in training): the caller's random state stays its own
+    devices = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        values, flops = _run_and_record(gm, example_inputs)
+        graph = graph_of(gm, tracer, note, values, flops, opened=opened)
+        if probe:
+            annotate_capability(graph)
     # the probe ran the model's own modules under vmap: a hook that stores a tensor on its module (the old
     # weight_norm's `weight`) left a vmap-internal tensor there, which no later use of the model can read
     for mod, k, v in tensor_attributes:

@@ -206,6 +206,12 @@ def hooks_refusal(model: nn.Module, who: str) -> str | None:
                 "its hook recomputes `weight = weight_orig * weight_mask` before every call, which a traced graph would "
                 "run with member 0's mask for every member. Make the pruning permanent before planning "
                 "(torch.nn.utils.prune.remove(module, 'weight') on each member): the masked weights become plain parameters")
+    lazy = [path or type(model).__name__ for path, mod in model.named_modules()
+            if isinstance(mod, torch.nn.modules.lazy.LazyModuleMixin) and mod.has_uninitialized_params()]
+    if lazy:
+        return (f"{who} has lazy modules not yet initialised ({', '.join(repr(p) for p in lazy[:3])}): their shapes are "
+                "set by the first call. Call each member once on an example input before planning (member(*example)), "
+                "which makes them ordinary layers")
     shown = ", ".join(f"{k}: {v}" for k, v in list(hooks.items())[:3])
     return (f"{who} has module hooks ({shown}{', ...' if len(hooks) > 3 else ''}) that a traced graph cannot run per member: "
             "a hook on the model itself is never traced, and one on a submodule would run member 0's hook for every member. "

@@ -653,3 +653,47 @@ def test_train_follows_a_train_override_that_freezes_parameters_and_build_leaves
             o.step()
     for k in ("conv.weight", "bn.weight", "fc.weight"):
         torch.testing.assert_close(ens.stacked_state[k].detach(), torch.stack([dict(m.named_parameters())[k] for m in loop]).detach())
+
+
+class _ReversibleFreeze(_NormEval):
+    def train(self, mode=True):
+        nn.Module.train(self, mode)
+        self.bn.requires_grad_(mode)  # trainable in training, frozen in eval: back and forth
+        return self
+
+
+def test_train_puts_back_the_flags_a_reversible_override_sets():
+    """Review: after ens.eval(); ens.train() the BatchNorm stayed frozen where the loop's trains again (1.67 off after
+    3 SGD steps)."""
+    members = [_ReversibleFreeze().train() for _ in range(N)]
+    x = torch.randn(4, 3, 6, 6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    ens.eval()
+    assert not ens.stacked_state["bn.weight"].requires_grad
+    ens.train()
+    assert ens.stacked_state["bn.weight"].requires_grad and ens.stacked_state["bn.bias"].requires_grad
+
+
+class _ReadsGradMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + (h.pow(2).mean() if torch.is_grad_enabled() else 0.0)
+
+
+def test_verify_checks_a_module_that_refuses_calls_without_gradients_in_its_traced_mode():
+    """Review: verify's calls ran under torch.no_grad(), which this module refuses, so verify raised."""
+    members = [_ReadsGradMode() for _ in range(N)]
+    x = torch.randn(5, 6)
+    plan = planner.propose(planner.trace(members[0], (x,)), N)
+    for grads in (False, True):
+        assert executor.verify(plan, members, (x,), grads=grads).ok
+
+
+def test_lazy_modules_not_yet_initialised_are_named_with_the_fix():
+    """Review: they were refused as "module hooks (LazyModuleMixin._infer_parameters) ... remove the hooks"."""
+    with pytest.raises(planner.TraceError, match=r"lazy modules not yet initialised \('0'\).*Call each member once"):
+        planner.trace(nn.Sequential(nn.LazyLinear(4), nn.ReLU()), (torch.randn(3, 5),))

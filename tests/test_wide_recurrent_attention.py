@@ -498,3 +498,30 @@ def test_a_fully_masked_row_with_gradients_on_runs_as_torchs_slow_path_does():
     want = torch.stack([m(x, kpm) for m in members])
     assert not want.isnan().any()
     torch.testing.assert_close(ens(x, kpm), want, rtol=1e-4, atol=1e-5)
+
+
+class _AlibiEncoder(nn.Module):
+    def __init__(self, activation=None):
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+        if activation is not None:
+            self.enc.activation = activation  # after construction: torch's fused path still reads its ReLU flag
+
+    def forward(self, x, mask):
+        return self.enc(x, src_mask=mask, is_causal=True)
+
+
+@pytest.mark.parametrize("activation", [None, nn.GELU(), nn.Tanh()])
+def test_an_encoder_layer_on_torchs_fused_path_follows_its_flag_activation_and_ignores_is_causal(activation):
+    """Review: an activation assigned after construction ran where torch's fused path runs ReLU (0.07-0.15 off), and
+    is_causal=True with a causal mask plus an ALiBi bias dropped the bias (0.25 off)."""
+    torch.manual_seed(0)
+    members = [_AlibiEncoder(activation).eval() for _ in range(3)]
+    x = torch.randn(2, 6, 16)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x, causal)), 3), members)
+    alibi = causal + torch.arange(6.0)[None, :] * -0.1 * (torch.arange(6.0)[:, None] >= torch.arange(6.0)[None, :])
+    for mask in (causal, alibi):
+        with torch.no_grad():
+            torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
+        torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]), rtol=1e-4, atol=1e-5)

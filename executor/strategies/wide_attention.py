@@ -381,10 +381,15 @@ def _layer(module: nn.Module, state: dict, x: Any, mask: Any, kpm: Any, is_causa
            fully_masked_ok: bool = False) -> Optional[torch.Tensor]:
     """One encoder layer on NFirst or shared x; returns [N, *, E] (None where attention refuses)."""
     batch_first = module.self_attn.batch_first
+    activation = module.activation
     if _encoder_fast_path(module, state, x):
         # torch's fused encoder layer reads a float mask as bool (any nonzero value masks the key out, an additive bias
-        # too); as it does, so that a fully masked row is refused as for a bool mask
+        # too), ignores the is_causal hint (the mask alone counts), and picks ReLU or GELU by the flag its constructor
+        # set (an activation assigned later is not read): as it does, so that a fully masked row is refused as for a
+        # bool mask
         mask, kpm = (_as_bool(m) for m in (mask, kpm))
+        is_causal = False
+        activation = F.gelu if module.activation_relu_or_gelu == 2 else F.relu
     attn_state = _sub(state, "self_attn.")
 
     def sa(y: Any) -> Optional[torch.Tensor]:
@@ -392,7 +397,7 @@ def _layer(module: nn.Module, state: dict, x: Any, mask: Any, kpm: Any, is_causa
                          attn_mask=mask, is_causal=is_causal, fully_masked_ok=fully_masked_ok)[0]
 
     def ff(y: torch.Tensor) -> torch.Tensor:
-        h = module.activation(gemm(NFirst(y), relaid(state["linear1.weight"], "bmm"), _nf(state.get("linear1.bias")), n))
+        h = activation(gemm(NFirst(y), relaid(state["linear1.weight"], "bmm"), _nf(state.get("linear1.bias")), n))
         return gemm(NFirst(h), relaid(state["linear2.weight"], "bmm"), _nf(state.get("linear2.bias")), n)
 
     norm1 = lambda y: _norm(module.norm1, _sub(state, "norm1."), y)  # noqa: E731
