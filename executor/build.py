@@ -33,8 +33,9 @@ from stagewise.planner.graph import (ModelGraph, fingerprint_lines, global_hooks
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage
 from stagewise.planner.validate import stage_graph, validate
+from stagewise.planner.snapshot import held_values
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
-from stagewise.executor.constants import LIFTED_PREFIX, lift_member_constants
+from stagewise.executor.constants import LIFTED_PREFIX, config_signature, lift_member_constants
 from stagewise.executor.precision import take_dtypes_of_a_trace_in
 from stagewise.planner.trace_watch import _grad_mode_reads
 from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
@@ -171,10 +172,10 @@ def _grad_modes_refused(reads: set[str], member: nn.Module, plan: Plan, example:
     fix = (f"forward() reads {' and '.join(sorted(reads))}, and this module's plan was traced "
            f"{'with' if grad else 'without'} gradients, whose branch the trace keeps")
 
-    def differs(answers: dict[str, bool]) -> bool:
+    def differs(answers: dict[str, bool], inputs: tuple | None = example) -> bool:
         with torch.set_grad_enabled(grad), _grad_mode_reads(member, force=answers):
             try:
-                return retrace(member, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules).fingerprint != traced
+                return retrace(member, plan.tracer, inputs, [i.name for i in plan.inputs], plan.opened_modules).fingerprint != traced
             except StagewiseError:
                 return True
 
@@ -189,12 +190,7 @@ def _grad_modes_refused(reads: set[str], member: nn.Module, plan: Plan, example:
         # the example inputs record no gradient: a call with one that does (input gradients, a saliency map) may take
         # the other side of `if x.requires_grad:`
         asking = tuple(x.detach().clone().requires_grad_(True) if i in floating else x for i, x in enumerate(example))
-        with torch.enable_grad(), _grad_mode_reads(member):
-            try:
-                other = retrace(member, plan.tracer, asking, [i.name for i in plan.inputs], plan.opened_modules).fingerprint
-            except StagewiseError:
-                other = None
-        if other != traced:
+        if differs({}, asking):
             refused["input_grad"] = (
                 f"forward() reads a tensor's requires_grad, and traced with inputs that record gradients it traces to "
                 "another graph, which the member loop would run; the plan's trace takes inputs that do not (its example "
@@ -212,8 +208,6 @@ def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, e
     lifted them while forward() uses others in that mode (`self.t if self.training else 1.0` in a sweep whose member 0
     holds 1.0: member 0 traces alike in both modes, the others do not). Only where forward() reads self.training and
     members hold other values than member 0 anywhere; the members' copies share their tensors."""
-    from stagewise.executor.constants import config_signature
-    from stagewise.planner.snapshot import held_values
     first = (config_signature(members[0]), held_values(members[0]))
     if all((config_signature(m), held_values(m)) == first for m in members[1:]) or not reads_training(
             private, plan.tracer, plan.opened_modules):
@@ -679,8 +673,8 @@ class BatchedModule(nn.Module):
         env: dict[str, Any] = {}
         for name, per_member, x in zip(self._input_names, self._per_member_at, inputs):
             if per_member:
-                leaves = [x] if isinstance(x, torch.Tensor) else [
-                    t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)] if isinstance(x, (dict, list, tuple)) else []
+                leaves = (x,) if isinstance(x, torch.Tensor) else [  # (a tensor: the per-call case, no pytree walk)
+                    t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)] if isinstance(x, (dict, list, tuple)) else ()
                 if not leaves or any(t.dim() == 0 or t.shape[0] != self.n_members for t in leaves):
                     got = (list(x.shape) if isinstance(x, torch.Tensor) else
                            f"a {type(x).__name__} whose tensors are shaped {[list(t.shape) for t in leaves][:4]}" if leaves

@@ -169,6 +169,11 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
     return gm, "export", f"torch.fx failed ({fx_error}); traced with torch.export"
 
 
+def _cuda_devices(model: nn.Module) -> list[int]:
+    """The CUDA device indices the model's state lives on (whose random generators a fork must keep)."""
+    return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
+
+
 def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple, snapshot: StateSnapshot) -> str | None:
     """Why torch.fx's graph of `model` is not its forward() on the example inputs, or None when they agree: fx takes
     Python branches on proxies one way whatever the value (`isinstance(mask, torch.Tensor)` is false for a proxy,
@@ -178,7 +183,7 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
     before the trace) holds it. Where forward() itself fails on the inputs, or outputs cannot be compared (a sparse
     tensor), None: the trace reports what it finds."""
     copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))  # noqa: E731
-    devices = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
+    devices = _cuda_devices(model)
     with torch.random.fork_rng(devices=devices):
         states = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
 
@@ -527,8 +532,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         check_small_sizes(model, gm, example_inputs)
     tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
     # the graph run and the probe draw random numbers (dropout in training): the caller's random state stays its own
-    devices = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
         values, flops = _run_and_record(gm, example_inputs)
         graph = graph_of(gm, tracer, note, values, flops, opened=opened)
         if probe:
