@@ -283,6 +283,9 @@ def test_numbers_a_sweep_holds_in_export_graphs_clamp_pow_and_in_place_ops_are_l
     x = torch.randn(5, 6)
     graph = planner.trace(members[0], (x,))
     assert graph.tracer == "export"
-    ens = executor.build(planner.propose(graph, 3), members)
+    plan = planner.propose(graph, 3)
+    ens = executor.build(plan, members)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    report = executor.verify(plan, members, (x,))  # two calls, two batch sizes
+    assert report.ok and len(report.shapes) == 2, report.to_text()

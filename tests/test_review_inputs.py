@@ -219,9 +219,10 @@ def test_a_channels_last_input_into_a_group_norm_stage_runs():
     members = [torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8)) for _ in range(3)]
     x = torch.randn(2, 3, 13, 11)
     ens = executor.build(planner.propose(planner.trace(members[0], (x,)), 3), members)
-    x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
-        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-4, atol=1e-5)
+        for batch in (2, 5, 5):  # calls at two batch sizes
+            x = torch.randn(batch, 3, 13, 11).contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-4, atol=1e-5)
 
 
 class _DictBatch(torch.nn.Module):
@@ -238,9 +239,10 @@ def test_a_dict_input_planned_per_member_takes_its_tensors_member_first():
     members = [_DictBatch() for _ in range(3)]
     batch = {"x": torch.randn(4, 8), "w": torch.rand(4)}
     ens = executor.build(planner.propose(planner.trace(members[0], (batch,)), 3, input_mode="per_member"), members)
-    stacked = {"x": torch.randn(3, 4, 8), "w": torch.rand(3, 4)}
     with torch.no_grad():
-        want = torch.stack([m({k: v[i] for k, v in stacked.items()}) for i, m in enumerate(members)])
-        torch.testing.assert_close(ens(stacked), want)
+        for rows in (4, 6, 6):  # calls at two batch sizes
+            stacked = {"x": torch.randn(3, rows, 8), "w": torch.rand(3, rows)}
+            want = torch.stack([m({k: v[i] for k, v in stacked.items()}) for i, m in enumerate(members)])
+            torch.testing.assert_close(ens(stacked), want)
         with pytest.raises(planner.InputError, match=r"a dict whose tensors are shaped \[\[4, 8\], \[4\]\]"):
             ens(batch)

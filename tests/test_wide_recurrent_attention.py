@@ -470,8 +470,10 @@ def test_an_encoder_layer_reads_a_float_mask_as_torchs_fused_path_does():
     finfo = torch.full((6, 6), torch.finfo(torch.float32).min).triu(1)  # Hugging Face's way of a causal mask
     bias = torch.zeros(6, 6).index_fill(1, torch.tensor([1, 4]), -0.5)  # an additive bias on two keys
     with torch.no_grad():
-        for mask in (nn.Transformer.generate_square_subsequent_mask(6), finfo, bias):
-            torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
+        for batch in (3, 5):  # two batch sizes
+            xb = torch.randn(batch, 6, 16)
+            for mask in (nn.Transformer.generate_square_subsequent_mask(6), finfo, bias, bias):
+                torch.testing.assert_close(ens(xb, mask), torch.stack([m(xb, mask) for m in members]))
         row = torch.zeros(6, 6).index_fill(0, torch.tensor([2]), float("-inf"))
         with pytest.raises(ExecutionError, match="every key masked out"):
             ens(x, row)
@@ -517,11 +519,12 @@ def test_an_encoder_layer_on_torchs_fused_path_follows_its_flag_activation_and_i
     is_causal=True with a causal mask plus an ALiBi bias dropped the bias (0.25 off)."""
     torch.manual_seed(0)
     members = [_AlibiEncoder(activation).eval() for _ in range(3)]
-    x = torch.randn(2, 6, 16)
     causal = nn.Transformer.generate_square_subsequent_mask(6)
-    ens = executor.build(planner.propose(planner.trace(members[0], (x, causal)), 3), members)
+    ens = executor.build(planner.propose(planner.trace(members[0], (torch.randn(2, 6, 16), causal)), 3), members)
     alibi = causal + torch.arange(6.0)[None, :] * -0.1 * (torch.arange(6.0)[:, None] >= torch.arange(6.0)[None, :])
-    for mask in (causal, alibi):
-        with torch.no_grad():
-            torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
-        torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]), rtol=1e-4, atol=1e-5)
+    for batch in (2, 5):  # two batch sizes, each mask called twice
+        x = torch.randn(batch, 6, 16)
+        for mask in (causal, alibi, alibi):
+            with torch.no_grad():
+                torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]))
+            torch.testing.assert_close(ens(x, mask), torch.stack([m(x, mask) for m in members]), rtol=1e-4, atol=1e-5)
