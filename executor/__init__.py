@@ -13,3 +13,4 @@ from stagewise.executor.sweep import n_sweep  # noqa: F401,E402
 from stagewise.executor.optim import StackedAdam, StackedAdamW, StackedCosineLR, StackedSGD, StackedStepLR, clip_grad_norm_per_member_  # noqa: F401,E402
 from stagewise.executor.distributed import ShardedModule, build_sharded, member_slice  # noqa: F401,E402
 from stagewise.executor.capture import CapturedPlan, ReplayBackend, capture  # noqa: F401,E402
+from stagewise.executor.habits import JointNormWarning, update_bn  # noqa: F401,E402

@@ -1101,7 +1101,10 @@ _WATCH: list = []  # the global optimizer hook's handle, once registered
 
 def watch_stacked_parameters(module: torch.nn.Module) -> None:
     """Refuse, at its first step, a torch optimizer of `_MIXING` stepping `module`'s stacked parameters."""
+    from stagewise.executor import habits  # torch's gradient-norm functions and update_bn (imports this module's users)
+
     _BATCHED_MODULES.add(module)
+    habits.watch(module)
     if not _WATCH:
         _WATCH.append(register_optimizer_step_pre_hook(_refuse_mixing))
 

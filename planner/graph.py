@@ -37,7 +37,7 @@ from stagewise.planner.plan import InputSpec
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
-from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, config_fields, plain_attributes, restore_all  # noqa: F401
+from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, plain_attributes, restore_all  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     storage_root, storage_sharers)
@@ -194,18 +194,38 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
 
         try:
             same_draws()
-            want = model(*copies())
+            want_inputs = copies()
+            want = model(*want_inputs)
+            want_state = _state_written(model, snapshot)
         except Exception:
             return None
         finally:
             restore_all(snapshot, model)
         try:
             same_draws()
-            got = gm(*copies())
+            got_inputs = copies()
+            got = gm(*got_inputs)
+            got_state = _state_written(model, snapshot)  # gm holds the model's own submodules and tensors
         except Exception as e:
             return f"its graph fails on the example inputs where forward() runs ({type(e).__name__}: {_first_line(e)[:200]})"
         finally:
             restore_all(snapshot, model)
+    for name in sorted(want_state.keys() | got_state.keys()):  # a running statistic, a counter, a cache written in place
+        try:
+            same = _same_output(got_state.get(name, snapshot.tensors.get(name)), want_state.get(name, snapshot.tensors.get(name)))
+        except Exception:
+            continue
+        if not same:
+            return (f"its graph leaves other values in {name!r} than forward() does on the example inputs "
+                    "(an input changed before a layer that updates state, such as a BatchNorm's running statistics)")
+    for i, (a, b) in enumerate(zip(tree_flatten(got_inputs)[0], tree_flatten(want_inputs)[0])):
+        if isinstance(b, torch.Tensor) and (a._version != 0 or b._version != 0):  # written in place by one of them
+            try:
+                same = _same_output(a, b)
+            except Exception:
+                continue
+            if not same:
+                return f"its graph writes other values into input leaf {i} than forward() does on the example inputs"
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
     if len(got_leaves) != len(want_leaves) or [type(v) for v in got_leaves] != [type(v) for v in want_leaves]:
@@ -218,6 +238,15 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
         if not same:
             return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
     return None
+
+
+def _state_written(model: nn.Module, snapshot: StateSnapshot) -> dict[str, torch.Tensor]:
+    """Copies of the model's parameters and buffers that a run changed since `snapshot` (written in place, replaced;
+    by value too: a BatchNorm's kernel writes its running statistics without a version bump)."""
+    live = dict([*model.named_parameters(), *model.named_buffers()])
+    with torch.no_grad():
+        return {k: t.detach().clone() for k, t in live.items()
+                if k not in snapshot.tensors or t._version != snapshot.versions[k] or not _same_tensor(t, snapshot.tensors[k])}
 
 
 def _same_output(a: Any, b: Any) -> bool:

@@ -1,0 +1,258 @@
+"""Single-model torch utilities that would treat a batched module's N members as one model, made to say so or to act
+per member.
+
+- ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` over a batched module's parameters take one norm over all
+  members together: one member's large gradient (a diverging member of an lr sweep) shrinks every member's step, where N
+  separate runs clip each member by its own norm. A ``JointNormWarning`` says so at the call, with the fix
+  (``executor.clip_grad_norm_per_member_``). It is a warning, not a refusal: members trained as one model on a joint
+  loss (an ensemble's averaged prediction) mean the joint norm; filter the category to silence it.
+- ``torch.optim.swa_utils.update_bn(loader, model)`` finds BatchNorm layers through ``model.modules()``; a batched
+  module's layers are not among them (its modules are the stacked state), so torch's function would return without a
+  change. Where ``model`` holds batched modules (``ens`` itself, an ``AveragedModel(ens)``), ``update_bn`` here does
+  what torch's does to each member: the running statistics become the plain average over the loader's batches of each
+  member's batch statistics (torch's ``momentum=None``), ``num_batches_tracked`` counts the batches, modes come back.
+
+How they are reached: torch's ``clip_grad_norm_`` computes its norm through the module-level ``_get_total_norm`` of
+``torch.nn.utils.clip_grad``, which ``watch`` wraps once (and the public aliases ``torch.nn.utils.get_total_norm``,
+``torch.nn.utils.clip_grad_norm_``, ``torch.optim.swa_utils.update_bn``), so a ``from torch.nn.utils import
+clip_grad_norm_`` made before stagewise was imported is covered too; ``update_bn`` imported by name before is not.
+Nothing changes for tensors that are not a batched module's: the wrappers call torch's functions as they were.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from stagewise.planner.errors import ExecutionError
+
+__all__ = ["JointNormWarning", "update_bn", "watch"]
+
+
+class JointNormWarning(UserWarning):
+    """A norm over a batched module's parameters or gradients taken over all members together."""
+
+
+_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_ORIGINAL: dict[str, Any] = {}
+
+
+def watch(module: nn.Module) -> None:
+    """Say where torch's gradient-norm functions mix `module`'s members, and make update_bn reach its BatchNorms."""
+    _MODULES.add(module)
+    if not _ORIGINAL:
+        _install()
+
+
+def _install() -> None:
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+    import torch.optim.swa_utils as swa_utils
+
+    total = getattr(clip_grad, "_get_total_norm", None)
+    if total is not None:  # torch >= 2.6: clip_grad_norm_ computes its norm through this module global
+        _ORIGINAL["_get_total_norm"] = total
+        wrapped = _norm_watched(total)
+        clip_grad._get_total_norm = wrapped
+        if getattr(utils, "get_total_norm", None) is total:
+            utils.get_total_norm = wrapped
+    else:  # an older torch: the public function
+        _ORIGINAL["clip_grad_norm_"] = clip_grad.clip_grad_norm_
+        wrapped_clip = _clip_watched(clip_grad.clip_grad_norm_)
+        clip_grad.clip_grad_norm_ = wrapped_clip
+        utils.clip_grad_norm_ = wrapped_clip
+    _ORIGINAL["update_bn"] = swa_utils.update_bn
+    swa_utils.update_bn = functools.wraps(swa_utils.update_bn)(update_bn)
+
+
+def _members_of(tensors: Iterable[Any], grads: bool) -> int:
+    """The largest member count among the batched modules whose parameters (or their grads) are in `tensors`."""
+    ids = {id(t) for t in tensors if isinstance(t, torch.Tensor)}
+    n = 0
+    for module in list(_MODULES):
+        if module.n_members > n and any(id(p.grad if grads else p) in ids for p in module.parameters()):
+            n = module.n_members
+    return n
+
+
+def _warn_joint(what: str, n: int) -> None:
+    warnings.warn(
+        f"{what} over a batched module's parameters takes one norm over all {n} members together: a clip scales every "
+        f"member's gradients by it, so one member's large gradient (a diverging member of a sweep) shortens every "
+        f"member's step, where {n} separate training runs clip each member by its own norm. Use "
+        f"executor.clip_grad_norm_per_member_(ens.parameters(), max_norm, {n}) (it returns the [N] norms). If the "
+        f"members train as one model on a joint loss, the joint norm is what you want: silence this with "
+        f"warnings.filterwarnings('ignore', category=executor.JointNormWarning)", JointNormWarning, stacklevel=4)
+
+
+def _norm_watched(total):
+    @functools.wraps(total)
+    def _get_total_norm(tensors, *args, **kwargs):
+        if _MODULES:
+            listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            n = _members_of(listed, grads=True)
+            if n > 1:
+                _warn_joint("torch.nn.utils.clip_grad_norm_ (or get_total_norm)", n)
+            tensors = listed
+        return total(tensors, *args, **kwargs)
+    return _get_total_norm
+
+
+def _clip_watched(clip):
+    @functools.wraps(clip)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        if _MODULES:
+            listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            n = _members_of(listed, grads=False)
+            if n > 1:
+                _warn_joint("torch.nn.utils.clip_grad_norm_", n)
+            parameters = listed
+        return clip(parameters, *args, **kwargs)
+    return clip_grad_norm_
+
+
+# --- update_bn --------------------------------------------------------------------------------
+
+def _batched_norms(module: nn.Module) -> list[tuple[Any, float, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """A batched module's BatchNorm layers that keep running statistics: (the layer, or the training flag its traced
+    op has, momentum, stacked running mean, running var, num_batches_tracked or None)."""
+    from stagewise.executor.members import tree_tensor
+
+    found, seen = [], set()
+    for stage in module.stage_modules:
+        for name, layer in stage.named_modules():
+            if not isinstance(layer, nn.modules.batchnorm._BatchNorm) or not layer.track_running_stats or name in seen:
+                continue
+            seen.add(name)
+            keys = [f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked"]
+            if not all(k in module._stacked for k in keys[:2]):
+                raise ExecutionError(f"update_bn: the batched module's BatchNorm {name!r} keeps no stacked running "
+                                     "statistics under its name; run torch.optim.swa_utils.update_bn on each member "
+                                     "(ens.member_state_dicts()) and load them back (ens.load_member_state_dict)")
+            if layer.momentum is None or not layer.momentum > 0:
+                raise ExecutionError(
+                    f"update_bn: BatchNorm {name!r} has momentum={layer.momentum!r}; the batched update_bn reads each "
+                    "batch's statistics from one update of momentum > 0. Build from members whose BatchNorm momentum "
+                    "is a positive number (the default 0.1), or run update_bn on each member")
+            found.append((layer, float(layer.momentum), tree_tensor(module.stacked, keys[0]),
+                          tree_tensor(module.stacked, keys[1]), tree_tensor(module.stacked, keys[2]) if keys[2] in module._stacked else None))
+    for stage in module.stage_modules:  # batch norm as an op (torch.export's aten.batch_norm, F.batch_norm under fx)
+        for node in stage.graph.nodes:
+            if node.op != "call_function" or node.target not in _BATCH_NORM_OPS:
+                continue
+            try:
+                args = node.normalized_arguments(stage, normalize_to_only_use_kwargs=True).kwargs
+            except Exception:
+                args = None
+            mean, var = (args or {}).get("running_mean"), (args or {}).get("running_var")
+            if not (isinstance(mean, torch.fx.Node) and isinstance(var, torch.fx.Node) and mean.op == var.op == "get_attr"):
+                if mean is None and var is None and args is not None:
+                    continue  # no running statistics (track_running_stats=False)
+                raise ExecutionError(
+                    f"update_bn: the batched module's batch norm {node.name!r} takes running statistics it does not "
+                    "hold as stacked state; run torch.optim.swa_utils.update_bn on each member "
+                    "(ens.member_state_dicts(), then ens.load_member_state_dict(i, ...))")
+            name = str(mean.target).rpartition(".")[0]
+            if name in seen or str(mean.target) not in module._stacked:
+                continue
+            if not _in_batch_norm_layer(node):
+                # torch's update_bn sets momentum None on BatchNorm layers; a batch norm called with a momentum of its
+                # own (F.batch_norm(..., momentum=0.2) in forward()) keeps it there, so torch's result is that moving
+                # average from reset statistics, and whether it resets them depends on which module holds them
+                raise ExecutionError(
+                    f"update_bn: forward() calls a batch norm itself ({node.name!r}, statistics {name!r}), with a "
+                    "momentum torch's update_bn does not reach; run torch.optim.swa_utils.update_bn on each member "
+                    "(ens.member_state_dicts(), then ens.load_member_state_dict(i, ...))")
+            seen.add(name)
+            momentum = args.get("momentum", 0.1)
+            if not isinstance(momentum, (int, float)) or not momentum > 0:
+                raise ExecutionError(f"update_bn: batch norm {node.name!r} has momentum={momentum!r}; the batched "
+                                     "update_bn reads each batch's statistics from one update of momentum > 0; run "
+                                     "update_bn on each member")
+            count = f"{name}.num_batches_tracked"
+            found.append((bool(args.get("training", False)), float(momentum), tree_tensor(module.stacked, str(mean.target)),
+                          tree_tensor(module.stacked, str(var.target)),
+                          tree_tensor(module.stacked, count) if count in module._stacked else None))
+    return found
+
+
+def _in_batch_norm_layer(node: torch.fx.Node) -> bool:
+    """Whether a traced batch norm op is a BatchNorm layer's own (torch.export's module stack says so)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return False
+    kind = list(stack.values())[-1][1]
+    if isinstance(kind, type):
+        return issubclass(kind, nn.modules.batchnorm._BatchNorm)
+    return str(kind).rpartition(".")[2] in {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
+                                            "LazyBatchNorm2d", "LazyBatchNorm3d"}
+
+
+_BATCH_NORM_OPS = frozenset(op for op in (
+    torch.nn.functional.batch_norm, torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+    getattr(torch.ops.aten, "_native_batch_norm_legit_functional", None) and torch.ops.aten._native_batch_norm_legit_functional.default,
+    getattr(torch.ops.aten, "_native_batch_norm_legit", None) and torch.ops.aten._native_batch_norm_legit.default,
+) if op)
+
+
+@torch.no_grad()
+def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | str | None = None) -> None:
+    """``torch.optim.swa_utils.update_bn`` for a model that holds batched modules: each member's running statistics
+    become the average of its batch statistics over `loader` (as torch's, with momentum None); BatchNorm layers
+    outside batched modules are handled as torch handles them. `loader` yields inputs, or tuples/lists whose first
+    item is the input; `device`: where each input goes first. A model without batched modules is torch's call."""
+    from stagewise.executor.build import BatchedModule
+
+    batched = [m for m in model.modules() if isinstance(m, BatchedModule)]
+    if not batched:
+        return _ORIGINAL.get("update_bn", torch.optim.swa_utils.update_bn)(loader, model, device)
+    norms = [entry for module in batched for entry in _batched_norms(module)]
+    plain = {m: m.momentum for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    if not norms and not plain:
+        return None
+    for layer in plain:
+        layer.reset_running_stats()
+    sums = []
+    for _, _, mean, var, count in norms:
+        mean.zero_()
+        var.fill_(1)
+        if count is not None:
+            count.zero_()
+        sums.append((torch.zeros_like(mean), torch.zeros_like(var)))
+    was_training = model.training
+    model.train()
+    # a layer a train() override keeps in eval (mmcv's norm_eval) reads its reset statistics and is left so, as torch
+    # leaves it; the others are zeroed before each batch and read after it
+    updating = [(momentum, mean, var, sum_) for (layer, momentum, mean, var, _), sum_ in zip(norms, sums)
+                if (layer.training if isinstance(layer, nn.Module) else layer)]
+    for layer in plain:
+        layer.momentum = None
+    batches = 0
+    try:
+        for batch in loader:
+            x = batch[0] if isinstance(batch, (list, tuple)) else batch
+            if device is not None:
+                x = x.to(device)
+            for _, mean, var, _ in updating:  # one update from zero: the statistic is what it holds over the momentum
+                mean.zero_()
+                var.zero_()
+            model(x)
+            batches += 1
+            for momentum, mean, var, (s_mean, s_var) in updating:
+                s_mean.add_(mean, alpha=1.0 / momentum)
+                s_var.add_(var, alpha=1.0 / momentum)
+    finally:
+        for _, mean, var, (s_mean, s_var) in updating:
+            if batches:
+                torch.div(s_mean, batches, out=mean)
+                torch.div(s_var, batches, out=var)
+            else:
+                mean.zero_()
+                var.fill_(1)
+        for layer, momentum in plain.items():
+            layer.momentum = momentum
+        model.train(was_training)
