@@ -56,6 +56,7 @@ Also here:
   scalar or length N). They compute torch's ``StepLR`` / ``CosineAnnealingLR`` in closed form per
   member and write ``group["member_lr"]`` in place; torch schedulers write the shared scale
   ``group["lr"]``, so one of each composes by multiplication with a proportional torch scheduler.
+- ``StackedReduceLROnPlateau``: torch's ``ReduceLROnPlateau`` per member, stepped with one metric per member.
 
 Members alike. Where every member of a group has the same lr, betas, eps and weight_decay and every
 parameter's members are at the same step (the usual case: scalar hyper-parameters, no reset_member),
@@ -96,7 +97,7 @@ from stagewise.planner.errors import OptimizerError
 
 __all__ = [
     "StackedSGD", "StackedAdam", "StackedAdamW", "clip_grad_norm_per_member_",
-    "StackedLRScheduler", "StackedStepLR", "StackedCosineLR",
+    "StackedLRScheduler", "StackedStepLR", "StackedCosineLR", "StackedReduceLROnPlateau",
 ]
 
 
@@ -1081,6 +1082,89 @@ class StackedCosineLR(StackedLRScheduler):
         # there (the scale), so their floor in multiplier units is eta_min / scale
         eta = self.eta_min / scale if scale > 0 else self.eta_min
         return eta + (base - eta) * (1 + torch.cos(math.pi * epoch / self.T_max)) / 2
+
+
+class StackedReduceLROnPlateau:
+    """Per-member ``torch.optim.lr_scheduler.ReduceLROnPlateau``: ``step(metrics)`` takes one metric per member
+    (an ``[N]`` tensor or sequence, each member's validation loss) and reduces member ``i``'s lr when member ``i``'s
+    metric has stopped improving, exactly as N torch schedulers on N optimizers would (torch's rules: mode, threshold
+    mode, patience, cooldown, min_lr floor and eps, per member; float64 like torch's Python floats).
+
+    factor, patience, threshold, cooldown, min_lr and eps may each be a scalar or length N. It writes
+    ``group["member_lr"]`` in place (the shared scale ``group["lr"]`` stays a torch scheduler's), in every param group.
+    """
+
+    def __init__(self, optimizer, mode: str = "min", factor=0.1, patience=10, threshold=1e-4, threshold_mode: str = "rel",
+                 cooldown=0, min_lr=0.0, eps=1e-8):
+        owner = type(self).__name__
+        if not isinstance(optimizer, _StackedOptimizer):
+            raise OptimizerError(f"{owner}: {type(optimizer).__name__} is not a stacked optimizer; pass a "
+                                 "StackedSGD/StackedAdam/StackedAdamW (torch.optim.lr_scheduler.ReduceLROnPlateau for others)")
+        if mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
+            raise OptimizerError(f"{owner}: mode={mode!r}, threshold_mode={threshold_mode!r}; mode is 'min' or 'max' and "
+                                 "threshold_mode 'rel' or 'abs', as torch's")
+        self.optimizer, self.n_members = optimizer, optimizer.n_members
+        device = optimizer.param_groups[0]["member_lr"].device
+        vec = lambda name, v, low: _check_range(owner, name, _member_vector(owner, name, v, self.n_members, device), low)  # noqa: E731
+        self.factor = vec("factor", factor, 0.0)
+        if bool((self.factor >= 1.0).any()):
+            raise OptimizerError(f"{owner}: factor={self.factor.tolist()} has a value >= 1.0; a reduction multiplies the lr "
+                                 "by a factor below 1")
+        self.patience, self.threshold = vec("patience", patience, 0.0), vec("threshold", threshold, 0.0)
+        self.cooldown, self.min_lr, self.eps = vec("cooldown", cooldown, 0.0), vec("min_lr", min_lr, 0.0), vec("eps", eps, 0.0)
+        self.mode, self.threshold_mode = mode, threshold_mode
+        self.best = torch.full((self.n_members,), math.inf if mode == "min" else -math.inf, dtype=self.factor.dtype, device=device)
+        self.num_bad_epochs = torch.zeros(self.n_members, dtype=torch.long, device=device)
+        self.cooldown_counter = torch.zeros(self.n_members, dtype=self.factor.dtype, device=device)
+        self.last_epoch = 0
+
+    def _better(self, current: torch.Tensor) -> torch.Tensor:
+        if self.mode == "min":
+            bound = self.best * (1.0 - self.threshold) if self.threshold_mode == "rel" else self.best - self.threshold
+            return current < bound
+        bound = self.best * (self.threshold + 1.0) if self.threshold_mode == "rel" else self.best + self.threshold
+        return current > bound
+
+    def step(self, metrics) -> None:
+        """One epoch with member i's metric `metrics[i]`; reduces the lr of the members past their patience."""
+        owner = type(self).__name__
+        try:
+            current = torch.as_tensor(metrics.detach() if isinstance(metrics, torch.Tensor) else metrics,
+                                      dtype=self.best.dtype).to(self.best.device).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            raise OptimizerError(f"{owner}.step: metrics={metrics!r} is not numbers; pass one metric per member") from None
+        if current.numel() != self.n_members:
+            raise OptimizerError(f"{owner}.step: {current.numel()} metric(s) for {self.n_members} members; pass one per member "
+                                 "(each member's own validation loss, an [N] tensor)")
+        self.last_epoch += 1
+        better = self._better(current)
+        self.best = torch.where(better, current, self.best)
+        self.num_bad_epochs = torch.where(better, torch.zeros_like(self.num_bad_epochs), self.num_bad_epochs + 1)
+        cooling = self.cooldown_counter > 0
+        self.cooldown_counter = torch.where(cooling, self.cooldown_counter - 1, self.cooldown_counter)
+        self.num_bad_epochs = torch.where(cooling, torch.zeros_like(self.num_bad_epochs), self.num_bad_epochs)
+        reduce = self.num_bad_epochs > self.patience
+        if bool(reduce.any()):
+            for g in self.optimizer.param_groups:
+                scale = float(g["lr"])
+                if scale <= 0:
+                    continue
+                old = scale * g["member_lr"]
+                new = torch.maximum(old * self.factor, self.min_lr)
+                cut = reduce & (old - new > self.eps)
+                g["member_lr"].copy_(torch.where(cut, new / scale, g["member_lr"]))
+            self.cooldown_counter = torch.where(reduce, self.cooldown, self.cooldown_counter)
+            self.num_bad_epochs = torch.where(reduce, torch.zeros_like(self.num_bad_epochs), self.num_bad_epochs)
+
+    def get_last_lr(self) -> list[torch.Tensor]:
+        """Effective per-member lr of each group, [N] each."""
+        return [g["lr"] * g["member_lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: _clone_value(v) for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.__dict__.update({k: v for k, v in state_dict.items() if k != "optimizer"})
 
 
 # --- torch optimizers that would mix members -------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from stagewise import planner
+from stagewise import executor, planner
 from stagewise.planner.errors import OptimizerError
 from stagewise.executor.optim import (
     StackedAdam, StackedAdamW, StackedCosineLR, StackedSGD, StackedStepLR, clip_grad_norm_per_member_,
@@ -739,3 +739,47 @@ def test_grouping_weight_decay_by_dim_warns_for_torch_optimizers_and_when_names_
             {"params": [p for k, p in params.items() if p.dim() <= 1 or k.endswith("bias")], "weight_decay": 0.0}]
     with pytest.warns(UserWarning, match=r"decays parameters of shape \[3, 8\]"):
         StackedSGD(timm, 3, lr=0.1, weight_decay=0.1)
+
+
+# --- per-member ReduceLROnPlateau ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,threshold_mode", [("min", "rel"), ("max", "abs")])
+def test_stacked_reduce_on_plateau_is_n_torch_schedulers(mode, threshold_mode):
+    n = 4
+    torch.manual_seed(0)
+    stacked = [torch.nn.Parameter(torch.randn(n, 3))]
+    lrs, factors, patience, cooldown = [1e-2, 3e-3, 1e-3, 5e-2], [0.5, 0.1, 0.5, 0.3], [0, 2, 1, 3], [0, 1, 2, 0]
+    opt = executor.StackedAdam(stacked, n, lr=lrs)
+    sched = executor.StackedReduceLROnPlateau(opt, mode=mode, factor=factors, patience=patience, cooldown=cooldown,
+                                              threshold_mode=threshold_mode, min_lr=[0.0, 1e-4, 0.0, 2e-3])
+    refs = []
+    for i in range(n):
+        o = torch.optim.Adam([torch.nn.Parameter(torch.randn(3))], lr=lrs[i])
+        refs.append((o, torch.optim.lr_scheduler.ReduceLROnPlateau(
+            o, mode=mode, factor=factors[i], patience=patience[i], cooldown=cooldown[i], threshold_mode=threshold_mode,
+            min_lr=[0.0, 1e-4, 0.0, 2e-3][i])))
+    g = torch.Generator().manual_seed(1)
+    for epoch in range(30):
+        # plateaus of different lengths per member, some improving steps, a NaN
+        metrics = torch.where(torch.rand(n, generator=g) < 0.3, torch.rand(n, generator=g), torch.ones(n))
+        if epoch == 7:
+            metrics[2] = float("nan")
+        sched.step(metrics)
+        for i, (o, s) in enumerate(refs):
+            s.step(metrics[i].item())
+        want = torch.tensor([o.param_groups[0]["lr"] for o, _ in refs], dtype=torch.float64)
+        torch.testing.assert_close(opt.get_hyperparameter("lr"), want, rtol=1e-12, atol=0)
+    assert len({float(x) for x in opt.get_hyperparameter("lr")}) > 1
+    state = sched.state_dict()
+    again = executor.StackedReduceLROnPlateau(opt, mode=mode)
+    again.load_state_dict(state)
+    torch.testing.assert_close(again.best, sched.best)
+
+
+def test_stacked_reduce_on_plateau_refuses_one_metric_for_all_members():
+    opt = executor.StackedSGD([torch.nn.Parameter(torch.randn(3, 2))], 3, lr=0.1)
+    sched = executor.StackedReduceLROnPlateau(opt)
+    with pytest.raises(planner.OptimizerError, match="one per member"):
+        sched.step(torch.tensor(1.0))
+    with pytest.raises(planner.OptimizerError, match="factor"):
+        executor.StackedReduceLROnPlateau(opt, factor=1.5)
