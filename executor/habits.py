@@ -65,8 +65,13 @@ def _install() -> None:
         wrapped_clip = _clip_watched(clip_grad.clip_grad_norm_)
         clip_grad.clip_grad_norm_ = wrapped_clip
         utils.clip_grad_norm_ = wrapped_clip
-    _ORIGINAL["update_bn"] = swa_utils.update_bn
-    swa_utils.update_bn = functools.wraps(swa_utils.update_bn)(update_bn)
+    original = _ORIGINAL["update_bn"] = swa_utils.update_bn
+
+    @functools.wraps(original)
+    def update_bn_watched(loader, model, device=None):
+        return update_bn(loader, model, device)
+
+    swa_utils.update_bn = update_bn_watched
 
 
 def _members_of(tensors: Iterable[Any], grads: bool) -> int:
