@@ -280,7 +280,8 @@ def _own_rows(value: Any, n: int) -> Any:
     function of shared inputs alone) comes out of vmap expanded over the member axis (stride 0), and an in-place
     edit of one member's output would reach every member's (the loop gives each member its own tensor)."""
     if isinstance(value, torch.Tensor):
-        return value.contiguous() if n > 1 and value.dim() and value.stride(0) == 0 else value
+        # (a sparse output has no strides, and vmap gives it its own values per member)
+        return value.contiguous() if n > 1 and value.layout is torch.strided and value.dim() and value.stride(0) == 0 else value
     if isinstance(value, (tuple, list, dict)):
         return tree_map(lambda t: _own_rows(t, n) if isinstance(t, torch.Tensor) else t, value)
     return value

@@ -293,3 +293,26 @@ def test_profile_counts_a_cuda_graph_stages_pool_in_its_peak(monkeypatch, backen
     peaks = [st.result.peak_mem_bytes for st in report.stages if st.strategy == "cuda_graph"]
     assert peaks and all(p is not None for p in peaks)
     assert all((p >= POOL) == counted for p in peaks)
+
+
+# --- a sparse output ---------------------------------------------------------------------------------------------
+
+class SparseOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu().to_sparse()
+
+
+def test_a_sparse_output_comes_back_as_the_loops():
+    torch.manual_seed(0)
+    members = [SparseOut() for _ in range(N)]
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), n_members=N), members)
+    with torch.no_grad():
+        got = ens(x)
+        want = torch.stack([m(x).to_dense() for m in members])
+    assert got.layout == torch.sparse_coo and got.shape == (N, 5, 4)
+    torch.testing.assert_close(got.to_dense(), want, rtol=1e-6, atol=1e-6)
