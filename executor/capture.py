@@ -388,11 +388,13 @@ class CapturedPlan(nn.Module):
         if getattr(self.ens, "_storage", None):  # `p.data = ...` under a loop stage: the module re-makes its runners
             self.ens._follow_new_storage()
         self._follow_steps()
-        if (self._written_inputs and self._aliased(inputs)) or _one_tensor_twice(inputs):
+        if (self._written_inputs and (self._aliased(inputs) or self._overlapping(inputs))) or _one_tensor_twice(inputs):
             # the plan writes an input in place, and the inputs share memory with each other or with a graph's
             # buffers (`ens(x, x)`; `x = fast(x)` without clone_outputs): static copies would break that sharing
             # (the write to one argument no longer reaching the other, or the copy back overwriting this call's
             # output). Such a call runs stage by stage, as the batched module does
+            # Also where an input the plan writes shares memory within itself (`base.expand(N, ...)`: the batched module
+            # refuses rows shared between members, and writes through rows shared within a member as the loop does)
             # Also when one tensor is passed as two inputs (`ens(x, x, x)`): the graphs' static copies would be
             # separate tensors, and torch's attention takes another path for `query is key is value`
             out = self.ens.run_stages(*inputs)[0]
@@ -404,6 +406,11 @@ class CapturedPlan(nn.Module):
         if self.clone_outputs:
             return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         return out
+
+    def _overlapping(self, inputs: tuple) -> bool:
+        """Whether an input the plan writes in place has elements sharing memory (a static copy would give them apart)."""
+        return any(isinstance(t, torch.Tensor) and torch._debug_has_internal_overlap(t) != 0
+                   for i in self._written_inputs if i < len(inputs) for t in tree_flatten(inputs[i])[0])
 
     def _aliased(self, inputs: tuple) -> bool:
         """Whether two input tensors share a storage, or one shares a storage with a captured graph's buffers."""

@@ -427,3 +427,53 @@ def test_cuda_graph_replays_forward_state_updates_without_recapturing():
             assert_leaves_close(cap(x), loop(ref, x))
     torch.testing.assert_close(ens.stacked_state["mu"], torch.stack([m.mu for m in ref]), rtol=1e-5, atol=1e-6)
     assert cap.captures == sum(1 for e in cap.layout() if e["mode"] == "graph")  # one capture per run, then replays
+
+
+# --- an input the plan writes in place, whose elements share memory --------------------------------------------
+
+class ScalesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(x)
+
+
+class ZeroesFirstRow(ScalesItsInput):
+    def forward(self, x):
+        x[0].zero_()
+        return self.fc(x)
+
+
+def _per_member_capture(cls):
+    torch.manual_seed(0)
+    members = [cls().eval() for _ in range(N)]
+    plan = planner.propose(planner.trace(members[0], (torch.randn(3, 8),)), N, input_mode="per_member")
+    ens = executor.build(plan, copy.deepcopy(members))
+    return members, ens, capture(ens, backend=ReplayBackend())
+
+
+def test_capture_refuses_member_rows_sharing_memory_as_the_module_does():
+    _, ens, fast = _per_member_capture(ScalesItsInput)
+    base = torch.randn(64)
+    for f in (ens, fast):
+        with pytest.raises(planner.InputError, match="share memory"):
+            with torch.no_grad():
+                f(base.clone()[:24].view(1, 3, 8).expand(N, 3, 8))
+        with pytest.raises(planner.InputError, match="share memory"):
+            with torch.no_grad():
+                f(base.clone().as_strided((N, 3, 8), (8, 8, 1)))
+
+
+def test_capture_writes_through_rows_shared_within_a_member_as_the_loop():
+    members, ens, fast = _per_member_capture(ZeroesFirstRow)
+    base = torch.randn(N * 8)
+    xl = base.clone().view(N, 1, 8).expand(N, 3, 8)
+    with torch.no_grad():
+        want = torch.stack([m(xl[i]) for i, m in enumerate(members)])
+        for f in (ens, fast, fast):
+            x = base.clone().view(N, 1, 8).expand(N, 3, 8)
+            torch.testing.assert_close(f(x), want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(x, xl, rtol=0, atol=0)
