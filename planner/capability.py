@@ -239,7 +239,9 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     values = graph.example_values
     args = tree_map(lambda a: values[a.name] if isinstance(a, torch.fx.Node) else a, node.args)
     kwargs = tree_map(lambda a: values[a.name] if isinstance(a, torch.fx.Node) else a, node.kwargs)
-    stack = lambda v: torch.stack([v] * PROBE_MEMBERS) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    # detached: a recorded view whose base a later op wrote in place (an Embedding(max_norm)'s weight read before the
+    # lookup that renormalises it) is refused by autograd, and the probe only asks whether the op batches
+    stack = lambda v: torch.stack([v.detach()] * PROBE_MEMBERS) if isinstance(v, torch.Tensor) else v  # noqa: E731
     batched = tree_map(stack, (args, kwargs))
     in_dims = tree_map(lambda v: 0 if isinstance(v, torch.Tensor) else None, (args, kwargs))
     if node.op != "call_module" and not any(d == 0 for d in tree_flatten(in_dims)[0]):

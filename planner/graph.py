@@ -724,7 +724,59 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
         touched = aliases | {u for a in aliases for u in a.users}
         for other in sorted(touched - {node}, key=pos.__getitem__):
             edges.append((other.name, node.name) if pos[other] < pos[node] else (node.name, other.name))
+    writers = _state_writers(gm)
+    for node, targets in writers:
+        # a leaf module (or call) writing its own state: every read of that state, and every other call writing it,
+        # stays on its side of the write (a BatchNorm's running_var read after it; an Embedding(max_norm)'s weight)
+        roots = [n for n in nodes if n.op == "get_attr" and str(n.target) in targets]
+        aliases = {a for r in roots for a in storage_sharers(r, every_module=False)}
+        touched = aliases | {u for a in aliases for u in a.users}
+        touched |= {other for other, theirs in writers if theirs & targets}
+        for other in sorted(touched - {node}, key=pos.__getitem__):
+            edges.append((other.name, node.name) if pos[other] < pos[node] else (node.name, other.name))
     return edges
+
+
+_NORMS_WITH_STATISTICS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _state_writers(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, set[str]]]:
+    """Nodes that write state of the model the graph does not show as an in-place op, with the get_attr targets
+    they write: a BatchNorm/InstanceNorm keeping running statistics (in either mode: train() may come later), an
+    Embedding/EmbeddingBag with max_norm (it renormalises the rows it looks up in place), F.embedding /
+    F.embedding_bag called with max_norm on a weight of the model."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            try:
+                mod = gm.get_submodule(str(n.target))
+            except AttributeError:
+                continue
+            if isinstance(mod, _NORMS_WITH_STATISTICS) and mod.track_running_stats:
+                names = {f"{n.target}.{k}" for k, b in mod.named_buffers() if b is not None}
+            elif isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None:
+                names = {f"{n.target}.weight"}
+            else:
+                continue
+            if names:
+                out.append((n, names))
+        else:
+            weight = renormalised_weight(n)
+            root = alias_chain(weight)[-1] if weight is not None else None
+            if root is not None and root.op == "get_attr":
+                out.append((n, {str(root.target)}))
+    return out
+
+
+def renormalised_weight(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The weight an `F.embedding` / `F.embedding_bag` call with max_norm renormalises in place (the rows it looks
+    up), else None."""
+    if n.op != "call_function" or n.target not in (torch.nn.functional.embedding, torch.nn.functional.embedding_bag):
+        return None
+    at = 3 if n.target is torch.nn.functional.embedding else 4
+    max_norm = n.kwargs.get("max_norm", n.args[at] if len(n.args) > at else None)
+    weight = n.kwargs.get("weight", n.args[1] if len(n.args) > 1 else None)
+    return weight if max_norm is not None and isinstance(weight, torch.fx.Node) else None
 
 
 class _Recorder(torch.fx.Interpreter):

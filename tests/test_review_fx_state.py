@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -56,3 +57,68 @@ def test_an_agreeing_graph_stays_with_fx():
     assert graph.tracer == "fx"
     for k, v in model.state_dict().items():  # the check's runs leave the model as it was
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+# --- a leaf module writing its own state, read elsewhere in forward() -------------------------------------------
+
+class RewardScaledByStatistics(nn.Module):
+    """RL: a BatchNorm normalising encoded observations, whose running_var (after this call's update) scales the
+    reward: the read is ordered after the layer that writes it, which the graph shows as no in-place op."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.obs_norm, self.q = nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 1)
+
+    def forward(self, obs, reward):
+        q = self.q(self.obs_norm(self.enc(obs))).squeeze(-1)
+        return q, reward / torch.sqrt(self.obs_norm.running_var.mean() + 1e-5)
+
+
+class CatalogueScores(nn.Module):
+    """A two-tower recommender: the lookup with max_norm renormalises the item rows it reads, then the whole
+    catalogue is scored with the renormalised table (and, before it, with the table as it was)."""
+
+    def __init__(self, functional=False):
+        super().__init__()
+        self.functional = functional
+        self.user = nn.Linear(6, 6)
+        self.item = nn.Embedding(12, 6, max_norm=1.0)
+        nn.init.normal_(self.item.weight, std=3.0)
+
+    def forward(self, u, pos):
+        before = self.user(u) @ self.item.weight.t()
+        p = (nn.functional.embedding(pos, self.item.weight, max_norm=1.0) if self.functional else self.item(pos))
+        return before, (self.user(u) * p).sum(-1), self.user(u) @ self.item.weight.t()
+
+
+def _loop(ref, *inputs):
+    outs = [m(*inputs) for m in ref]
+    return [torch.stack(t) for t in zip(*outs)]
+
+
+def test_statistics_read_after_the_layer_that_updates_them():
+    torch.manual_seed(0)
+    members = [RewardScaledByStatistics().train() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    g = torch.Generator().manual_seed(0)
+    obs, rew = torch.randn(8, 4, generator=g) * 5, torch.randn(8, generator=g)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (obs, rew)), N), members).train()
+    for _ in range(3):
+        obs, rew = torch.randn(8, 4, generator=g) * 5, torch.randn(8, generator=g)
+        with torch.no_grad():
+            for a, b in zip(ens(obs, rew), _loop(ref, obs, rew)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_rows_renormalised_by_a_lookup_are_read_after_it(functional):
+    torch.manual_seed(0)
+    members = [CatalogueScores(functional) for _ in range(N)]
+    ref = copy.deepcopy(members)
+    u, pos = torch.randn(4, 6), torch.tensor([1, 3, 3, 7])
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (u, pos)), N), members)
+    for ids in (pos, torch.tensor([0, 2, 5, 11, 2, 9])):
+        u = torch.randn(len(ids), 6)
+        with torch.no_grad():
+            for a, b in zip(ens(u, ids), _loop(ref, u, ids)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
