@@ -26,6 +26,7 @@ from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatte
 from stagewise.planner import budget
 from stagewise.planner.capability import is_inplace
 from stagewise.planner.files import temp_beside
+from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError)
 from stagewise.planner.graph import (ModelGraph, fingerprint_lines, global_hooks_present, global_hooks_refusal,
@@ -750,7 +751,14 @@ class BatchedModule(nn.Module):
                     raise
                 raise error from e
             if copies:
-                _write_back(copies)
+                try:
+                    _write_back(copies)
+                except RuntimeError as e:  # the copies no longer fit what they copy (`h.unsqueeze_(1)` in the stage)
+                    raise ExecutionError(
+                        f"stage {program.describe} writes a value from outside it in place, and writing each member's "
+                        f"result back failed ({_first_line(e)[:200]}): an in-place op that changes a tensor's shape or "
+                        "strides (unsqueeze_, squeeze_, resize_, t_) cannot be given back that way. Use the out-of-place "
+                        "form (h = h.unsqueeze(1)), or keep the op in one stage with what reads it") from None
                 outs = writes.outputs(outs, copies) if writes.views_out or isinstance(copies[-1], OwnStretch) else outs
             env.update(zip(output_names, outs))
             for k, key in state_out:

@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from stagewise.executor.values import Batched, PerMember, Shared
+from stagewise.planner.errors import ExecutionError
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,18 @@ def own_storage(args: list, n: int, written: Iterable[int], always: bool = False
 
 
 def write_back(stretches: list[OwnStretch]) -> None:
-    """Copy each stretch a member wrote (its copy's version counter moved) into the original memory."""
-    for s in stretches:
-        if s.always or s.copy.is_inference() or s.copy._version != 0:
-            s.original.copy_(s.copy)
+    """Copy each stretch a member wrote (its copy's version counter moved) into the original memory.
+    ExecutionError, before any write, where a member wrote a value that records gradients into memory that records
+    none (a buffer: `self.ema.copy_(0.9 * self.ema + 0.1 * f)` without .detach())."""
+    written = [s for s in stretches if s.always or s.copy.is_inference() or s.copy._version != 0]
+    if torch.is_grad_enabled() and any(s.copy.requires_grad and not s.original.requires_grad for s in written):
+        raise ExecutionError(
+            "forward() writes a value that records gradients into state that records none (a buffer: "
+            "`self.ema.copy_(0.9 * self.ema + 0.1 * f)`, a recurrent state `self.h.copy_(h)`, without .detach()): the "
+            "member loop's buffer would then carry this call's graph into the next one, whose backward fails there. "
+            "Write a detached value (`.detach()`), or call the module under torch.no_grad()")
+    for s in written:
+        s.original.copy_(s.copy)
 
 
 def as_original(stretches: list[OwnStretch]) -> Callable[[Any], Any]:

@@ -316,3 +316,57 @@ def test_a_sparse_output_comes_back_as_the_loops():
         want = torch.stack([m(x).to_dense() for m in members])
     assert got.layout == torch.sparse_coo and got.shape == (N, 5, 4)
     torch.testing.assert_close(got.to_dense(), want, rtol=1e-6, atol=1e-6)
+
+
+# --- writes the batched module cannot give back: refused with the fix, before any state changes ---------------------
+
+class FeatureEMA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        f = self.lin(x)
+        self.ema.copy_(0.9 * self.ema + 0.1 * f.mean(0))  # no .detach()
+        return f - self.ema
+
+
+def test_a_buffer_written_with_a_value_recording_gradients_is_refused_untouched():
+    torch.manual_seed(0)
+    members = [FeatureEMA().train() for _ in range(N)]
+    x = torch.randn(5, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    ens = executor.build(plan, members).train()
+    ema = ens.stacked.ema.clone()
+    with pytest.raises(planner.ExecutionError, match="detach"):
+        ens(x)
+    assert not ens.stacked.ema.requires_grad
+    torch.testing.assert_close(ens.stacked.ema, ema, rtol=0, atol=0)
+    with torch.no_grad():  # the fix the message names
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in copy.deepcopy(members)]), rtol=1e-5, atol=1e-6)
+
+
+class ShapeInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.unsqueeze_(1)
+        h = h * 2
+        h.squeeze_(1)
+        return self.b(h)
+
+
+def test_an_in_place_shape_change_split_from_its_value_is_refused_by_name():
+    torch.manual_seed(0)
+    members = [ShapeInPlace().eval() for _ in range(N)]
+    x = torch.randn(5, 8)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.exclude(planner.propose(graph, N), graph, "a")
+    ens = executor.build(plan, members)
+    with pytest.raises(planner.ExecutionError, match="out-of-place form"):
+        with torch.no_grad():
+            ens(x)
