@@ -451,6 +451,7 @@ GRADS_RTOL = 1e-4  # float32 gradients summed in other orders (as executor.stage
 # bfloat16 / float16 plans against the float32 loop: a ReLU unit at the rounding boundary switches, and its gradient
 # moves by a whole step; only a gross error shows at this precision
 LOW_PRECISION_GRADS_RTOL = 0.25
+LOW_PRECISION_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 functools.update_wrapper(verify, _verify)  # its signature and docstring are the ones to see
@@ -511,6 +512,8 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
     # a member's scale: its whole gradient's norm (a gradient that is zero in exact arithmetic, a key bias under
     # softmax, comes out as rounding noise: measured against the member's scale, not its own)
     scales = [math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads if g is not None)) for grads in per_member]
+    # that noise is the plan's precision's: a bfloat16 plan's is about 3e-3 of the member's scale, float32's far below 1e-3
+    floor = max(1e-3, 8 * torch.finfo(LOW_PRECISION_DTYPES[plan.dtype]).eps) if plan.dtype in LOW_PRECISION_DTYPES else 1e-3
     for k, (name, p) in enumerate(params):
         if got_grads[k] is None and all(grads[k] is None for grads in per_member):
             report.notes.append(f"gradient of {name} not compared: neither side gives one")
@@ -520,7 +523,7 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
             g = got_grads[k][i].detach().double().cpu() if got_grads[k] is not None else torch.zeros(p.shape[1:], dtype=torch.float64)
             w = grads[k].detach().double().cpu() if grads[k] is not None else torch.zeros_like(g)
             diff = float((g - w).norm())
-            scale = max(float(w.norm()), 1e-3 * scales[i], 1e-30)
+            scale = max(float(w.norm()), floor * scales[i], 1e-30)
             worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / scale)
         report.gradients.append(ErrorRow(name, worst_abs, worst_rel, worst_rel <= rtol))
 
