@@ -77,10 +77,13 @@ class VerifyReport:
     shapes: list[str] = field(default_factory=list)  # the input shapes compared, first one first
     notes: list[str] = field(default_factory=list)  # input shapes not compared, and why
     gradients: list[ErrorRow] = field(default_factory=list)  # verify(grads=True): each parameter's gradient
+    # state forward() updates (running statistics, EMA buffers, counters, renormalised rows) after the consecutive calls
+    state: list[ErrorRow] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.outputs) and all(r.ok for r in self.boundaries) and all(r.ok for r in self.gradients)
+        return (all(r.ok for r in self.outputs) and all(r.ok for r in self.boundaries) and all(r.ok for r in self.gradients)
+                and all(r.ok for r in self.state))
 
     @property
     def max_rel(self) -> float:
@@ -90,11 +93,12 @@ class VerifyReport:
         return {"n_members": self.n_members, "rtol": self.rtol, "ok": self.ok, "calls": self.calls,
                 "shapes": self.shapes, "notes": self.notes,
                 "outputs": [asdict(r) for r in self.outputs], "boundaries": [asdict(r) for r in self.boundaries],
-                "gradients": [asdict(r) for r in self.gradients]}
+                "gradients": [asdict(r) for r in self.gradients], "state": [asdict(r) for r in self.state]}
 
     def to_text(self) -> str:
         lines = [f"{'value':<28} {'max abs':>11} {'max rel':>11}  ok"]
-        for kind, rows in (("output", self.outputs), ("boundary", self.boundaries), ("grad", self.gradients)):
+        for kind, rows in (("output", self.outputs), ("boundary", self.boundaries), ("grad", self.gradients),
+                           ("state", self.state)):
             for r in rows:
                 lines.append(f"{kind + ' ' + r.name:<28} {r.max_abs:>11.3e} {r.max_rel:>11.3e}  {'yes' if r.ok else 'NO'}")
         lines += [f"note: {n}" for n in self.notes]
@@ -298,6 +302,27 @@ class _Leaf:
         return "*"
 
 
+def _compare_state(report: VerifyReport, module: nn.Module, members: Sequence[nn.Module],
+                   before: list[dict[str, torch.Tensor]], rtol: float) -> None:
+    """One row per state tensor that forward() moved on either side over the calls compared (a running statistic,
+    an EMA buffer, a counter, an Embedding's renormalised rows): the batched module's against the members', each
+    member measured on its own scale. A plan that drops or repeats an update shows here even where the outputs do not
+    read it (BatchNorm in training reads the batch's statistics)."""
+    after = module.member_state_dicts()
+    for key in before[0] if before else ():
+        own = [dict([*m.named_parameters(), *m.named_buffers()]).get(key) for m in members]
+        if any(t is None for t in own):
+            continue
+        moved = any(not torch.equal(after[i][key], before[i][key]) or not torch.equal(own[i].detach().cpu().to(before[i][key].dtype),
+                                                                                       before[i][key].cpu())
+                    for i in range(len(members)))
+        if not moved:
+            continue
+        got = torch.stack([after[i][key] for i in range(len(members))])
+        want = torch.stack([t.detach().cpu() for t in own])
+        report.state.extend(compare(key, got, want, rtol, n_members=len(members)))
+
+
 def _buffers(members: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
     """Copies of what forward() may update in place: the buffers, and the parameters (an EMA teacher updated in
     forward(), an Embedding's max_norm renormalising its weight)."""
@@ -381,6 +406,7 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     module = build(plan, members, example_inputs=example, device=device)
     report = VerifyReport(n_members=plan.n_members, rtol=rtol, calls=calls, shapes=[describe_inputs(inputs)])
     saved = _buffers(members)  # forward may update buffers in place; each run starts from the same state
+    state_before = module.member_state_dicts()
     # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
     target = resolve_device(device)
     on_device = lambda: tree_map(lambda x: x.to(target) if isinstance(x, torch.Tensor) else x, fresh(inputs))  # noqa: E731
@@ -439,6 +465,7 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         with same_draws(call):
             want = loop_outputs(plan, members, fresh(inputs))
         _compare_outputs(report, got, want, f" (call {call})")
+    _compare_state(report, module, members, state_before, rtol)
     if grads:
         _verify_grads(report, plan, module, members, inputs, on_device, grads_rtol(plan, rtol), seed=calls + 1)
     for k, other in enumerate(more_inputs):

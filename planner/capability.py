@@ -282,7 +282,22 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
 
 def _function_backward_check(node: torch.fx.Node, probe: Callable, in_dims: Any, state: dict, batched: Any) -> Optional[str]:
     """A custom autograd.Function with a vmap rule runs its backward under vmap too, where some backwards cannot run
-    (one calling torch.autograd.grad or requires_grad_): run it forward under vmap and backward, as training would."""
+    (one calling torch.autograd.grad or requires_grad_): run it forward under vmap and backward, as training would.
+    A backward marked @once_differentiable is not batched: under vmap a gradient taken through it with
+    create_graph=True (a gradient penalty) loses the Function's second-order term without an error, where each
+    member's own backward raises."""
+    from stagewise.planner.trace_watch import _function_of  # trace_watch imports this module
+
+    try:
+        cls = _function_of(str(node.args[0]))
+    except Exception:  # noqa: BLE001 - a Function this process cannot find is the trace's to report
+        cls = None
+    code = getattr(getattr(cls, "backward", None), "__code__", None)  # functools.wraps copied the name: the code is torch's
+    if code is not None and ("once_differentiable" in getattr(code, "co_qualname", "") or (  # (co_qualname: Python 3.11+)
+            code.co_name == "wrapper" and code.co_filename.replace("\\", "/").endswith("torch/autograd/function.py"))):
+        return (f"the autograd.Function {node.args[0]}'s backward is @once_differentiable, whose second derivative "
+                "vmap drops without an error where each member's raises (a gradient penalty through it): each member "
+                "runs it, with its own backward")
     inputs = tree_map(lambda v: v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
                       batched)
     leaves = [v for v in tree_flatten(inputs)[0] if isinstance(v, torch.Tensor) and v.requires_grad]

@@ -257,3 +257,52 @@ def test_functions_whose_backward_or_arguments_vmap_cannot_take_train_like_the_l
     x = torch.randn(4, 6)
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
     assert_trains_like_the_loop(executor.build(plan, copy.deepcopy(members)), members, (x,))
+
+
+# --- a backward marked @once_differentiable under a gradient penalty --------------------------------------------------
+
+class OnceSwish(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s * (1 + x * (1 - s)))
+
+
+class OnceCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(OnceSwish.apply(self.fc1(x)))
+
+
+def test_a_once_differentiable_backward_runs_per_member_and_refuses_a_second_derivative_as_the_loop():
+    torch.manual_seed(0)
+    members = [OnceCritic() for _ in range(N)]
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(5, 6),))
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    assert any(s.mode.value == "excluded" for s in plan.stages), plan.stages
+    ens = executor.build(plan, members)
+    x = torch.randn(N, 5, 6, requires_grad=True)
+    gx, = torch.autograd.grad(ens(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # what each member's own backward raises
+        gx.norm().backward()
+    # first-order training is unchanged
+    x = torch.randn(N, 5, 6)
+    ens(x).sum().backward()
+    for i, m in enumerate(members):
+        m(x[i]).sum().backward()
+        torch.testing.assert_close(ens.stacked.fc1.weight.grad[i], m.fc1.weight.grad, rtol=1e-5, atol=1e-6)
