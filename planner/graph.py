@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import hashlib
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -503,7 +504,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         raise TraceError(refusal)
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
-    with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before), _distribution_checks_off():
+    with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before), \
+            _distribution_checks_off(), _checkpoints_seen() as checkpointed:
         gm, tracer, note = fx_or_export(model, example_inputs, opened, before)
         changed = before.restore_if_changed(model)
         if changed and tracer == "fx" and not changed.attributes:
@@ -571,7 +573,49 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     for mod, k, v in tensor_attributes:
         mod.__dict__[k] = v
     restore_all(before, model)  # and what else it left (an RNN's _flat_weights list of vmap tensors)
+    updating = [path for path, m in model.named_modules() if m.training and isinstance(m, _NORMS_WITH_STATISTICS)
+                and m.track_running_stats]
+    if checkpointed and updating:
+        warnings.warn(
+            f"forward() runs part of itself through torch.utils.checkpoint, and {type(model).__name__} holds layers that "
+            f"update running statistics in training ({', '.join(updating[:3])}{', ...' if len(updating) > 3 else ''}): "
+            "eager torch recomputes a checkpointed region in backward, so such a layer inside it updates its statistics "
+            "a second time per training step (num_batches_tracked counts 2), where the batched module runs the region "
+            "once and updates them once. After a training step the statistics (and eval outputs) differ from the member "
+            "loop's. Keep BatchNorm layers out of checkpointed regions, or checkpoint only where no layer updates state "
+            "(the batched module does not recompute: it saves no memory there either)", stacklevel=2)
     return graph
+
+
+@contextlib.contextmanager
+def _checkpoints_seen():
+    """Yields a list that gets an entry each time torch.utils.checkpoint runs a region while inside (non-reentrant:
+    its generator; reentrant: CheckpointFunction, also seen by export's Function watch)."""
+    import torch.utils.checkpoint as ckpt
+
+    seen: list[bool] = []
+    generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    function = getattr(ckpt, "CheckpointFunction", None)
+    if generator is not None:
+        def watched(*args, **kwargs):
+            seen.append(True)
+            return generator(*args, **kwargs)
+        ckpt._checkpoint_without_reentrant_generator = watched
+    forward = function.__dict__.get("forward") if function is not None else None
+    if forward is not None:
+        plain = forward.__func__ if isinstance(forward, staticmethod) else forward
+
+        def forward_watched(*args, **kwargs):
+            seen.append(True)
+            return plain(*args, **kwargs)
+        function.forward = staticmethod(forward_watched)
+    try:
+        yield seen
+    finally:
+        if generator is not None:
+            ckpt._checkpoint_without_reentrant_generator = generator
+        if forward is not None:
+            function.forward = forward
 
 
 @contextlib.contextmanager

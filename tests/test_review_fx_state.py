@@ -4,6 +4,7 @@ shift out) but moves the running statistics, which every later eval call reads."
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -122,3 +123,39 @@ def test_rows_renormalised_by_a_lookup_are_read_after_it(functional):
         with torch.no_grad():
             for a, b in zip(ens(u, ids), _loop(ref, u, ids)):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --- torch.utils.checkpoint around a layer that updates running statistics --------------------------------------------
+
+class CheckpointedBN(nn.Module):
+    def __init__(self, bn=True):
+        super().__init__()
+        self.fc1, self.bn1, self.fc2 = nn.Linear(6, 8), (nn.BatchNorm1d(8) if bn else nn.LayerNorm(8)), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: self.bn1(self.fc1(t)).relu(), x, use_reentrant=False)
+        return self.fc2(h)
+
+
+def test_a_checkpointed_batchnorm_is_said_and_verify_sees_the_statistics():
+    torch.manual_seed(0)
+    members = [CheckpointedBN().train() for _ in range(N)]
+    x = torch.randn(8, 6)
+    with pytest.warns(UserWarning, match="second time per training step"):
+        graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    ens = executor.build(plan, copy.deepcopy(members)).train()
+    ref = copy.deepcopy(members)
+    ens(x).sum().backward()
+    for m in ref:
+        m(x).sum().backward()
+    assert ens.stacked.bn1.num_batches_tracked.tolist() == [1] * N  # once, where eager torch counts 2
+    assert [int(m.bn1.num_batches_tracked) for m in ref] == [2] * N
+
+
+def test_a_checkpoint_without_running_statistics_is_quiet():
+    torch.manual_seed(0)
+    model = CheckpointedBN(bn=False).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planner.trace(model, (torch.randn(8, 6),))

@@ -257,3 +257,32 @@ def _raising_grad(grad):
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace operation")
         return grad(*args, **kwargs)
     return first_call_raises
+
+
+# --- the state forward() moves --------------------------------------------------------------------------------------
+
+def test_verify_compares_the_running_statistics_training_calls_leave():
+    V = importlib.import_module("stagewise.executor.verify")
+
+    torch.manual_seed(0)
+    n = 3
+    members = [nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).train() for _ in range(n)]
+    x = torch.randn(16, 6)
+    plan = planner.propose(planner.trace(members[0], (x,)), n)
+    report = executor.verify(plan, members, (x,), calls=3)
+    names = {r.name for r in report.state}
+    assert report.ok and {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= names, names
+    assert "0.weight" not in names  # what forward() does not move is not listed
+    # a module whose statistics moved otherwise than the members': the row says so (the outputs of a training-mode
+    # BatchNorm read the batch's statistics, so they alone would not)
+    module = executor.build(plan, [copy.deepcopy(m) for m in members])
+    before = module.member_state_dicts()
+    ref = [copy.deepcopy(m) for m in members]
+    with torch.no_grad():
+        module(x)
+        for m in ref:
+            m(x)
+        module.stacked.get_submodule("1").running_mean[1] += 0.1
+    bad = V.VerifyReport(n_members=n, rtol=1e-4)
+    V._compare_state(bad, module, ref, before, 1e-4)
+    assert not bad.ok and [r.name for r in bad.state if not r.ok] == ["1.running_mean"]
