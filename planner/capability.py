@@ -364,7 +364,26 @@ def classify_vmap_error(node: torch.fx.Node, e: BaseException) -> str:
     return f"fails under vmap: {type(e).__name__}: {text[:200]}"
 
 
-DEFAULT_CHECK = chain(stateful_module_check, inplace_buffer_check, unowned_write_check, vmap_probe_check)
+def _autocast_targets() -> tuple:
+    hop = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_autocast", None)
+    amp = getattr(torch.amp, "autocast_mode", None)
+    return tuple(t for t in (hop, getattr(amp, "_enter_autocast", None), getattr(amp, "_exit_autocast", None)) if t is not None)
+
+
+_AUTOCAST_TARGETS = _autocast_targets()
+
+
+def autocast_region_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """A `torch.autocast` block inside forward() (torch.export keeps it as a region op): torch.func.vmap does not
+    apply autocast, so batched its ops would compute in the state's dtype where each member's run in the autocast one
+    (and return that dtype)."""
+    if node.op == "call_function" and any(node.target is t for t in _AUTOCAST_TARGETS):
+        return ("an autocast region inside forward() (with torch.autocast(...)), which torch.func.vmap does not apply: "
+                "each member runs it, in the autocast dtype")
+    return None
+
+
+DEFAULT_CHECK = chain(autocast_region_check, stateful_module_check, inplace_buffer_check, unowned_write_check, vmap_probe_check)
 
 
 def annotate_capability(graph, check: Check = DEFAULT_CHECK) -> None:

@@ -589,3 +589,27 @@ def test_verify_grads_takes_a_zero_gradient_at_the_plans_precision(dtype):
     plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x,)), n), dtype)
     report = executor.verify(plan, members, (x,), grads=True)
     assert report.ok, [(r.name, r.max_rel) for r in report.gradients if not r.ok]
+
+
+class AutocastInside(nn.Module):
+    """A model that runs its own body under torch.autocast (bfloat16 on CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_an_autocast_region_inside_forward_runs_as_each_member_runs_it():
+    torch.manual_seed(0)
+    members = [AutocastInside() for _ in range(3)]
+    x = torch.randn(5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), 3)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        got, want = ens(x), torch.stack([m(x) for m in members])
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
