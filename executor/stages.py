@@ -45,6 +45,15 @@ class StageRetracer(torch.fx.Tracer):
     proxy_buffer_attributes = True
 
 
+def _region_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether a higher-order op's subgraphs (found as get_attr GraphModules among its arguments) write in place."""
+    for a in node.all_input_nodes:
+        sub = getattr(gm, str(a.target), None) if a.op == "get_attr" else None
+        if isinstance(sub, torch.fx.GraphModule) and any(is_inplace(n) for n in sub.graph.nodes):
+            return True
+    return False
+
+
 @dataclass
 class StageProgram:
     """A stage's nodes as a standalone GraphModule: inputs are boundary values, outputs a flat tuple."""
@@ -105,11 +114,16 @@ class StageProgram:
         # an input or state counts; a value made inside the stage (conv -> bn -> ReLU(inplace=True)) does not
         writers = [n for n in g.nodes if is_inplace(n)]
         roots = {storage_root(n.args[0], every_module=False) for n in writers}
+        # a region op (torch.export's torch.no_grad() / autocast block) whose subgraph writes in place: what it is
+        # given may be written (an EMA buffer updated under no_grad), which its node does not show
+        regions = [n for n in g.nodes if isinstance(n.target, torch._ops.HigherOrderOperator) and _region_writes(gm, n)]
+        roots |= {storage_root(a, every_module=False) for n in regions for a in n.all_input_nodes
+                  if not (a.op == "get_attr" and isinstance(getattr(gm, str(a.target), None), torch.fx.GraphModule))}
         written = tuple(name for name in inputs if env[name] in roots)
         by_name = any(is_inplace_op(n) for n in writers)
         may_write = {env[name] for name in (inputs if by_name else written)}
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
-                            writes_in_place=by_name or bool(written) or any(r.op == "get_attr" for r in roots),
+                            writes_in_place=by_name or bool(written) or bool(regions) or any(r.op == "get_attr" for r in roots),
                             written_inputs=written, writes_by_name=by_name,
                             outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs),
                             writes_untracked=any(_through_data(n.args[0]) for n in writers))

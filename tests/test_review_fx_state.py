@@ -159,3 +159,41 @@ def test_a_checkpoint_without_running_statistics_is_quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         planner.trace(model, (torch.randn(8, 6),))
+
+
+# --- a torch.no_grad() region writing a buffer, under a compiled stage ---------------------------------------------
+
+class NoGradEMA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc3 = nn.Linear(6, 16), nn.Linear(16, 4)
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.fc3(h)
+
+
+def test_a_region_writing_a_buffer_counts_as_a_write_for_the_stage():
+    from stagewise.planner.plan import Strategy
+
+    torch.manual_seed(0)
+    members = [NoGradEMA().eval() for _ in range(N)]
+    for m in members:
+        m.ema.uniform_(0, 1)
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(5, 6),))
+    assert graph.tracer == "export"
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, strategy=Strategy.COMPILE)
+    ens = executor.build(plan, [copy.deepcopy(m) for m in members]).eval()
+    assert all(r.program.writes_in_place for r in ens.runners if any(isinstance(n.target, torch._ops.HigherOrderOperator)
+                                                                     for n in r.program.module.graph.nodes))
+    x = torch.randn(N, 5, 6)
+    with torch.no_grad():
+        ens(x)
+        for i, m in enumerate(members):
+            m(x[i])
+    torch.testing.assert_close(ens.stacked.ema, torch.stack([m.ema for m in members]), rtol=1e-6, atol=1e-6)
