@@ -303,7 +303,8 @@ class _Leaf:
 
 
 def _compare_state(report: VerifyReport, module: nn.Module, members: Sequence[nn.Module],
-                   before: list[dict[str, torch.Tensor]], rtol: float) -> None:
+                   before: list[dict[str, torch.Tensor]], rtol: float,
+                   members_before: list[dict[str, torch.Tensor]] | None = None) -> None:
     """One row per state tensor that forward() moved on either side over the calls compared (a running statistic,
     an EMA buffer, a counter, an Embedding's renormalised rows): the batched module's against the members', each
     member measured on its own scale. A plan that drops or repeats an update shows here even where the outputs do not
@@ -313,9 +314,11 @@ def _compare_state(report: VerifyReport, module: nn.Module, members: Sequence[nn
         own = [dict([*m.named_parameters(), *m.named_buffers()]).get(key) for m in members]
         if any(t is None for t in own):
             continue
-        moved = any(not torch.equal(after[i][key], before[i][key]) or not torch.equal(own[i].detach().cpu().to(before[i][key].dtype),
-                                                                                       before[i][key].cpu())
-                    for i in range(len(members)))
+        # moved by forward() on either side, each against where it started (the module's state may start elsewhere:
+        # a module built otherwise is the outputs' to show)
+        moved = any(not torch.equal(after[i][key], before[i][key]) for i in range(len(members))) or any(
+            members_before is not None and key in members_before[i]
+            and not torch.equal(own[i].detach().cpu(), members_before[i][key].cpu()) for i in range(len(members)))
         if not moved:
             continue
         got = torch.stack([after[i][key] for i in range(len(members))])
@@ -465,7 +468,7 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         with same_draws(call):
             want = loop_outputs(plan, members, fresh(inputs))
         _compare_outputs(report, got, want, f" (call {call})")
-    _compare_state(report, module, members, state_before, rtol)
+    _compare_state(report, module, members, state_before, rtol, saved)
     if grads:
         _verify_grads(report, plan, module, members, inputs, on_device, grads_rtol(plan, rtol), seed=calls + 1)
     for k, other in enumerate(more_inputs):
