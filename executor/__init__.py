@@ -14,3 +14,6 @@ from stagewise.executor.optim import StackedAdam, StackedAdamW, StackedCosineLR,
 from stagewise.executor.distributed import ShardedModule, build_sharded, member_slice  # noqa: F401,E402
 from stagewise.executor.capture import CapturedPlan, ReplayBackend, capture  # noqa: F401,E402
 from stagewise.executor.habits import JointNormWarning, update_bn  # noqa: F401,E402
+from stagewise.executor import habits as _habits  # noqa: E402
+
+_habits.install()  # torch's update_bn reaches batched modules however it is imported after this

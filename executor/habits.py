@@ -15,12 +15,14 @@ per member.
 How they are reached: torch's ``clip_grad_norm_`` computes its norm through the module-level ``_get_total_norm`` of
 ``torch.nn.utils.clip_grad``, which ``watch`` wraps once (and the public aliases ``torch.nn.utils.get_total_norm``,
 ``torch.nn.utils.clip_grad_norm_``, ``torch.optim.swa_utils.update_bn``), so a ``from torch.nn.utils import
-clip_grad_norm_`` made before stagewise was imported is covered too; ``update_bn`` imported by name before is not.
+clip_grad_norm_`` made before stagewise was imported is covered too. ``stagewise.executor`` wraps them when imported,
+so an ``update_bn`` imported by name after that is the wrapped one; one bound before is torch's own.
 Nothing changes for tensors that are not a batched module's: the wrappers call torch's functions as they were.
 """
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -44,6 +46,12 @@ _ORIGINAL: dict[str, Any] = {}
 def watch(module: nn.Module) -> None:
     """Say where torch's gradient-norm functions mix `module`'s members, and make update_bn reach its BatchNorms."""
     _MODULES.add(module)
+    install()
+
+
+def install() -> None:
+    """Wrap torch's functions (once; stagewise.executor does it when imported, so a `from torch.optim.swa_utils import
+    update_bn` after `import stagewise` binds the wrapped one)."""
     if not _ORIGINAL:
         _install()
 
@@ -91,13 +99,24 @@ def _warn_joint(what: str, n: int) -> None:
         f"member's step, where {n} separate training runs clip each member by its own norm. Use "
         f"executor.clip_grad_norm_per_member_(ens.parameters(), max_norm, {n}) (it returns the [N] norms). If the "
         f"members train as one model on a joint loss, the joint norm is what you want: silence this with "
-        f"warnings.filterwarnings('ignore', category=executor.JointNormWarning)", JointNormWarning, stacklevel=4)
+        f"warnings.filterwarnings('ignore', category=executor.JointNormWarning)", JointNormWarning,
+        stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The warnings stacklevel of the first frame outside torch and this module (the user's call of clip_grad_norm_,
+    whichever of torch's functions led here)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or "/torch/" in frame.f_code.co_filename.replace("\\", "/")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _norm_watched(total):
     @functools.wraps(total)
     def _get_total_norm(tensors, *args, **kwargs):
-        if _MODULES:
+        if _MODULES and not torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn: fullgraph=True fails)
             listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
             n = _members_of(listed, grads=True)
             if n > 1:
@@ -110,7 +129,7 @@ def _norm_watched(total):
 def _clip_watched(clip):
     @functools.wraps(clip)
     def clip_grad_norm_(parameters, *args, **kwargs):
-        if _MODULES:
+        if _MODULES and not torch.compiler.is_compiling():
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             n = _members_of(listed, grads=False)
             if n > 1:
@@ -122,12 +141,24 @@ def _clip_watched(clip):
 
 # --- update_bn --------------------------------------------------------------------------------
 
-def _batched_norms(module: nn.Module) -> list[tuple[Any, float, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+_EACH_MEMBER = ("run torch.optim.swa_utils.update_bn on each member (ens.member_state_dicts() into the members, then "
+                "ens.load_member_state_dict(i, member.state_dict()))")
+
+
+def _batched_norms(module: nn.Module) -> list[tuple[Any, float | None, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """A batched module's BatchNorm layers that keep running statistics: (the layer, or the training flag its traced
-    op has, momentum, stacked running mean, running var, num_batches_tracked or None)."""
+    op has, momentum (None: the layer's own cumulative average), stacked running mean, running var,
+    num_batches_tracked or None). ExecutionError where the batched update_bn would not give torch's answer."""
     from stagewise.executor.members import tree_tensor
 
-    found, seen = [], set()
+    found, calls = [], {}
+    for stage in module.stage_modules:
+        for node in stage.graph.nodes:
+            if node.op == "call_module":
+                calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+            elif node.op == "call_function" and node.target in _BATCH_NORM_OPS:
+                calls[node.name] = 1
+    seen = set()
     for stage in module.stage_modules:
         for name, layer in stage.named_modules():
             if not isinstance(layer, nn.modules.batchnorm._BatchNorm) or not layer.track_running_stats or name in seen:
@@ -136,15 +167,19 @@ def _batched_norms(module: nn.Module) -> list[tuple[Any, float, torch.Tensor, to
             keys = [f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked"]
             if not all(k in module._stacked for k in keys[:2]):
                 raise ExecutionError(f"update_bn: the batched module's BatchNorm {name!r} keeps no stacked running "
-                                     "statistics under its name; run torch.optim.swa_utils.update_bn on each member "
-                                     "(ens.member_state_dicts()) and load them back (ens.load_member_state_dict)")
-            if layer.momentum is None or not layer.momentum > 0:
+                                     f"statistics under its name; {_EACH_MEMBER}")
+            if calls.get(name, 0) > 1:
                 raise ExecutionError(
-                    f"update_bn: BatchNorm {name!r} has momentum={layer.momentum!r}; the batched update_bn reads each "
-                    "batch's statistics from one update of momentum > 0. Build from members whose BatchNorm momentum "
-                    "is a positive number (the default 0.1), or run update_bn on each member")
-            found.append((layer, float(layer.momentum), tree_tensor(module.stacked, keys[0]),
-                          tree_tensor(module.stacked, keys[1]), tree_tensor(module.stacked, keys[2]) if keys[2] in module._stacked else None))
+                    f"update_bn: forward() calls BatchNorm {name!r} {calls[name]} times (two views through one encoder, "
+                    "a block applied again): torch's update_bn averages the statistics of every call, which the batched "
+                    f"one, reading one update per batch, cannot; {_EACH_MEMBER}")
+            if layer.momentum is not None and not layer.momentum > 0:
+                raise ExecutionError(f"update_bn: BatchNorm {name!r} has momentum={layer.momentum!r}, so its statistics "
+                                     f"never move; {_EACH_MEMBER}")
+            found.append((layer, None if layer.momentum is None else float(layer.momentum),
+                          tree_tensor(module.stacked, keys[0]), tree_tensor(module.stacked, keys[1]),
+                          tree_tensor(module.stacked, keys[2]) if keys[2] in module._stacked else None))
+    ops: dict[str, int] = {}
     for stage in module.stage_modules:  # batch norm as an op (torch.export's aten.batch_norm, F.batch_norm under fx)
         for node in stage.graph.nodes:
             if node.op != "call_function" or node.target not in _BATCH_NORM_OPS:
@@ -157,31 +192,33 @@ def _batched_norms(module: nn.Module) -> list[tuple[Any, float, torch.Tensor, to
             if not (isinstance(mean, torch.fx.Node) and isinstance(var, torch.fx.Node) and mean.op == var.op == "get_attr"):
                 if mean is None and var is None and args is not None:
                     continue  # no running statistics (track_running_stats=False)
-                raise ExecutionError(
-                    f"update_bn: the batched module's batch norm {node.name!r} takes running statistics it does not "
-                    "hold as stacked state; run torch.optim.swa_utils.update_bn on each member "
-                    "(ens.member_state_dicts(), then ens.load_member_state_dict(i, ...))")
-            name = str(mean.target).rpartition(".")[0]
+                raise ExecutionError(f"update_bn: the batched module's batch norm {node.name!r} takes running statistics "
+                                     f"it does not hold as stacked state; {_EACH_MEMBER}")
+            name = str(mean.target).rpartition(".")[0] or str(mean.target)
             if name in seen or str(mean.target) not in module._stacked:
                 continue
+            ops[name] = ops.get(name, 0) + 1
+            if ops[name] > 1:
+                raise ExecutionError(
+                    f"update_bn: forward() runs the batch norm with statistics {name!r} more than once (two views "
+                    "through one encoder): torch's update_bn averages the statistics of every call, which the batched "
+                    f"one, reading one update per batch, cannot; {_EACH_MEMBER}")
             if not _in_batch_norm_layer(node):
                 # torch's update_bn sets momentum None on BatchNorm layers; a batch norm called with a momentum of its
                 # own (F.batch_norm(..., momentum=0.2) in forward()) keeps it there, so torch's result is that moving
                 # average from reset statistics, and whether it resets them depends on which module holds them
                 raise ExecutionError(
                     f"update_bn: forward() calls a batch norm itself ({node.name!r}, statistics {name!r}), with a "
-                    "momentum torch's update_bn does not reach; run torch.optim.swa_utils.update_bn on each member "
-                    "(ens.member_state_dicts(), then ens.load_member_state_dict(i, ...))")
-            seen.add(name)
+                    f"momentum torch's update_bn does not reach; {_EACH_MEMBER}")
             momentum = args.get("momentum", 0.1)
             if not isinstance(momentum, (int, float)) or not momentum > 0:
-                raise ExecutionError(f"update_bn: batch norm {node.name!r} has momentum={momentum!r}; the batched "
-                                     "update_bn reads each batch's statistics from one update of momentum > 0; run "
-                                     "update_bn on each member")
-            count = f"{name}.num_batches_tracked"
+                raise ExecutionError(f"update_bn: batch norm {node.name!r} has momentum={momentum!r}; {_EACH_MEMBER}")
             found.append((bool(args.get("training", False)), float(momentum), tree_tensor(module.stacked, str(mean.target)),
                           tree_tensor(module.stacked, str(var.target)),
-                          tree_tensor(module.stacked, count) if count in module._stacked else None))
+                          tree_tensor(module.stacked, f"{name}.num_batches_tracked")
+                          if f"{name}.num_batches_tracked" in module._stacked else None))
+    for name in ops:
+        seen.add(name)
     return found
 
 
@@ -191,6 +228,12 @@ def _in_batch_norm_layer(node: torch.fx.Node) -> bool:
     if not stack:
         return False
     kind = list(stack.values())[-1][1]
+    if isinstance(kind, str):  # "torch.nn.modules.batchnorm.BatchNorm2d", "timm.layers.norm_act.BatchNormAct2d"
+        owner, _, qualname = kind.rpartition(".")
+        found = sys.modules.get(owner)
+        for part in [qualname] if found is not None else []:
+            found = getattr(found, part, None)
+        kind = found if isinstance(found, type) else kind
     if isinstance(kind, type):
         return issubclass(kind, nn.modules.batchnorm._BatchNorm)
     return str(kind).rpartition(".")[2] in {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
@@ -219,6 +262,9 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     plain = {m: m.momentum for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     if not norms and not plain:
         return None
+    # what a refusal half way puts back (the user's statistics are not lost to a failed update)
+    kept = [t.clone() for _, _, mean, var, count in norms for t in (mean, var, count) if t is not None]
+    kept += [t.clone() for layer in plain for t in layer.buffers()]
     for layer in plain:
         layer.reset_running_stats()
     sums = []
@@ -231,33 +277,46 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     was_training = model.training
     model.train()
     # a layer a train() override keeps in eval (mmcv's norm_eval) reads its reset statistics and is left so, as torch
-    # leaves it; the others are zeroed before each batch and read after it
-    updating = [(momentum, mean, var, sum_) for (layer, momentum, mean, var, _), sum_ in zip(norms, sums)
-                if (layer.training if isinstance(layer, nn.Module) else layer)]
+    # leaves it; the others with a momentum are zeroed before each batch and read after it; a layer with momentum None
+    # keeps its own cumulative average, which is torch's update_bn's
+    updating = [(momentum, mean, var, count, sum_) for (layer, momentum, mean, var, count), sum_ in zip(norms, sums)
+                if (layer.training if isinstance(layer, nn.Module) else layer) and momentum is not None]
     for layer in plain:
         layer.momentum = None
-    batches = 0
+    batches, done = 0, False
     try:
         for batch in loader:
             x = batch[0] if isinstance(batch, (list, tuple)) else batch
             if device is not None:
                 x = x.to(device)
-            for _, mean, var, _ in updating:  # one update from zero: the statistic is what it holds over the momentum
+            counted = []
+            for _, mean, var, count, _ in updating:  # one update from zero: the statistic is what it holds over the momentum
                 mean.zero_()
                 var.zero_()
+                counted.append(count.clone() if count is not None else None)
             model(x)
             batches += 1
-            for momentum, mean, var, (s_mean, s_var) in updating:
+            for (momentum, mean, var, count, (s_mean, s_var)), before in zip(updating, counted):
+                if count is not None and bool((count - before > 1).any()):
+                    raise ExecutionError("update_bn: a BatchNorm updated its statistics more than once in one call of the "
+                                         f"model, which the batched update_bn cannot average; {_EACH_MEMBER}")
                 s_mean.add_(mean, alpha=1.0 / momentum)
                 s_var.add_(var, alpha=1.0 / momentum)
+        done = True
     finally:
-        for _, mean, var, (s_mean, s_var) in updating:
-            if batches:
-                torch.div(s_mean, batches, out=mean)
-                torch.div(s_var, batches, out=var)
-            else:
-                mean.zero_()
-                var.fill_(1)
+        if done:
+            for _, mean, var, _, (s_mean, s_var) in updating:
+                if batches:
+                    torch.div(s_mean, batches, out=mean)
+                    torch.div(s_var, batches, out=var)
+                else:
+                    mean.zero_()
+                    var.fill_(1)
+        else:
+            live = [t for _, _, mean, var, count in norms for t in (mean, var, count) if t is not None]
+            live += [t for layer in plain for t in layer.buffers()]
+            for t, saved in zip(live, kept):
+                t.copy_(saved)
         for layer, momentum in plain.items():
             layer.momentum = momentum
         model.train(was_training)

@@ -179,3 +179,69 @@ def test_update_bn_refuses_a_batch_norm_called_with_its_own_momentum():
         swa_utils.update_bn(_loader(), ens)
     for k, v in ens.state_dict().items():  # refused before any change
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+class TwoViews(nn.Module):
+    """SimSiam/BYOL: two augmented views through one encoder, so its BatchNorm runs twice per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.enc(x) - self.enc(x.flip(0) * 2))
+
+
+def test_update_bn_refuses_a_batchnorm_run_twice_per_forward_and_keeps_the_statistics():
+    torch.manual_seed(0)
+    members = [TwoViews().train() for _ in range(N)]
+    x = torch.randn(8, 6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), n_members=N), members)
+    ens(x)
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    with pytest.raises(planner.ExecutionError, match="2 times"):
+        swa_utils.update_bn([torch.randn(8, 6)], ens)
+    for k, v in ens.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_update_bn_with_momentum_none_keeps_the_layers_own_average():
+    make = lambda: nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=None), nn.ReLU(), nn.Linear(6, 2))  # noqa: E731
+    torch.manual_seed(0)
+    members = [make() for _ in range(N)]
+    ens = executor.build(planner.propose(planner.trace(members[0], (torch.randn(8, 4),)), n_members=N), members)
+    loader = [torch.randn(8, 4) for _ in range(3)]
+    ref = copy.deepcopy(members)
+    for m in ref:
+        swa_utils.update_bn(loader, m)
+    swa_utils.update_bn(loader, ens)
+    for b in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ens.stacked.get_submodule("1"), b), torch.stack([getattr(m[1], b) for m in ref]),
+                                   rtol=2e-5, atol=2e-6)
+
+
+def test_update_bn_imported_by_name_after_stagewise_reaches_the_batched_module(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "swa.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nfrom stagewise import executor, planner\n"
+        "from torch.optim.swa_utils import update_bn\n"  # bound before any batched module exists
+        "torch.manual_seed(0)\n"
+        "ms = [nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)) for _ in range(2)]\n"
+        "ens = executor.build(planner.propose(planner.trace(ms[0], (torch.randn(8, 3),)), n_members=2), ms)\n"
+        "update_bn([torch.randn(8, 3) + 5], ens)\n"
+        "assert float(ens.stacked.get_submodule('1').running_mean.mean()) != 0.0\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_clip_grad_norm_compiles_with_fullgraph():
+    ens, _ = _built()
+    ens(torch.randn(4, 3, 8, 8)).sum().backward()
+    grads = [p.grad for p in ens.parameters()]
+    norm = torch.compile(lambda gs: torch.nn.utils.get_total_norm(gs), fullgraph=True, backend="eager")(grads)
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
