@@ -1028,10 +1028,13 @@ class StackedLRScheduler:
         raise NotImplementedError
 
     def step(self) -> None:
-        """Advance one epoch and write every member's lr in place."""
+        """Advance one epoch and write every member's lr in place (times the cuts of a StackedReduceLROnPlateau on the
+        same optimizer, which a closed form alone would undo)."""
         self.last_epoch += 1
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            group["member_lr"].copy_(self._member_lr(base, self.last_epoch, float(group["lr"])))
+        cuts = _plateau_cuts(self.optimizer)
+        for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
+            lr = self._member_lr(base, self.last_epoch, float(group["lr"]))
+            group["member_lr"].copy_(lr * cuts[g] if cuts is not None else lr)
 
     def get_last_lr(self) -> list[torch.Tensor]:
         """Effective per-member lr of each group (shared scale x member lr), [N] each."""
@@ -1084,14 +1087,29 @@ class StackedCosineLR(StackedLRScheduler):
         return eta + (base - eta) * (1 + torch.cos(math.pi * epoch / self.T_max)) / 2
 
 
+def _plateau_cuts(optimizer) -> list[torch.Tensor] | None:
+    """Per group, the product of the cuts the optimizer's StackedReduceLROnPlateau schedulers made, or None."""
+    plateaus = list(optimizer.__dict__.get("_stagewise_plateaus") or ())
+    if not plateaus:
+        return None
+    cuts = [torch.ones_like(g["member_lr"]) for g in optimizer.param_groups]
+    for p in plateaus:
+        cuts = [c * k.to(c) for c, k in zip(cuts, p.cuts)]
+    return cuts
+
+
 class StackedReduceLROnPlateau:
     """Per-member ``torch.optim.lr_scheduler.ReduceLROnPlateau``: ``step(metrics)`` takes one metric per member
     (an ``[N]`` tensor or sequence, each member's validation loss) and reduces member ``i``'s lr when member ``i``'s
     metric has stopped improving, exactly as N torch schedulers on N optimizers would (torch's rules: mode, threshold
     mode, patience, cooldown, min_lr floor and eps, per member; float64 like torch's Python floats).
 
-    factor, patience, threshold, cooldown, min_lr and eps may each be a scalar or length N. It writes
-    ``group["member_lr"]`` in place (the shared scale ``group["lr"]`` stays a torch scheduler's), in every param group.
+    factor, patience, threshold, cooldown and eps may each be a scalar or length N; min_lr too, or, as torch reads a
+    list, one entry per param group (each a scalar or length N). It writes ``group["member_lr"]`` in place (the shared
+    scale ``group["lr"]`` stays a torch scheduler's), in every param group. Its cuts compose with a StackedStepLR /
+    StackedCosineLR on the same optimizer (their closed form is multiplied by them) and with torch schedulers that
+    scale the shared lr by a factor; a torch scheduler that sets the shared lr outright each epoch (LambdaLR) leaves
+    the cuts in place, where on N torch optimizers its next step would undo them.
     """
 
     def __init__(self, optimizer, mode: str = "min", factor=0.1, patience=10, threshold=1e-4, threshold_mode: str = "rel",
@@ -1111,7 +1129,21 @@ class StackedReduceLROnPlateau:
             raise OptimizerError(f"{owner}: factor={self.factor.tolist()} has a value >= 1.0; a reduction multiplies the lr "
                                  "by a factor below 1")
         self.patience, self.threshold = vec("patience", patience, 0.0), vec("threshold", threshold, 0.0)
-        self.cooldown, self.min_lr, self.eps = vec("cooldown", cooldown, 0.0), vec("min_lr", min_lr, 0.0), vec("eps", eps, 0.0)
+        self.cooldown, self.eps = vec("cooldown", cooldown, 0.0), vec("eps", eps, 0.0)
+        groups = len(optimizer.param_groups)
+        if isinstance(min_lr, (list, tuple)) and len(min_lr) == groups and (groups > 1 or self.n_members != 1):
+            if groups == self.n_members and all(isinstance(v, (int, float)) for v in min_lr):
+                raise OptimizerError(
+                    f"{owner}: min_lr={list(min_lr)} could mean one value per param group (torch's reading of a "
+                    f"list) or one per member: there are {groups} of each. Pass each group's entry as a list of N "
+                    "([[a] * N, [b] * N] for a per group), or a tensor of N values for one value per member in every "
+                    "group")
+            per_group = list(min_lr)
+        else:
+            per_group = [min_lr] * groups
+        self.min_lrs = [vec("min_lr", v, 0.0) for v in per_group]
+        self.cuts = [torch.ones(self.n_members, dtype=self.factor.dtype, device=device) for _ in range(groups)]
+        optimizer.__dict__.setdefault("_stagewise_plateaus", weakref.WeakSet()).add(self)
         self.mode, self.threshold_mode = mode, threshold_mode
         self.best = torch.full((self.n_members,), math.inf if mode == "min" else -math.inf, dtype=self.factor.dtype, device=device)
         self.num_bad_epochs = torch.zeros(self.n_members, dtype=torch.long, device=device)
@@ -1145,14 +1177,15 @@ class StackedReduceLROnPlateau:
         self.num_bad_epochs = torch.where(cooling, torch.zeros_like(self.num_bad_epochs), self.num_bad_epochs)
         reduce = self.num_bad_epochs > self.patience
         if bool(reduce.any()):
-            for g in self.optimizer.param_groups:
+            for k, g in enumerate(self.optimizer.param_groups):
                 scale = float(g["lr"])
                 if scale <= 0:
                     continue
                 old = scale * g["member_lr"]
-                new = torch.maximum(old * self.factor, self.min_lr)
+                new = torch.maximum(old * self.factor, self.min_lrs[k])
                 cut = reduce & (old - new > self.eps)
                 g["member_lr"].copy_(torch.where(cut, new / scale, g["member_lr"]))
+                self.cuts[k] = torch.where(cut, self.cuts[k] * new / old.clamp_min(torch.finfo(old.dtype).tiny), self.cuts[k])
             self.cooldown_counter = torch.where(reduce, self.cooldown, self.cooldown_counter)
             self.num_bad_epochs = torch.where(reduce, torch.zeros_like(self.num_bad_epochs), self.num_bad_epochs)
 

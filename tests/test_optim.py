@@ -783,3 +783,35 @@ def test_stacked_reduce_on_plateau_refuses_one_metric_for_all_members():
         sched.step(torch.tensor(1.0))
     with pytest.raises(planner.OptimizerError, match="factor"):
         executor.StackedReduceLROnPlateau(opt, factor=1.5)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_stacked_plateau_cuts_survive_a_stacked_step_schedule_and_min_lr_is_per_group():
+    n = 3
+    stacked = [torch.nn.Parameter(torch.randn(n, 3))]
+    opt = executor.StackedSGD(stacked, n, lr=[1e-2, 2e-2, 4e-2])
+    step = executor.StackedStepLR(opt, step_size=[2, 3, 4], gamma=0.5)
+    plateau = executor.StackedReduceLROnPlateau(opt, factor=0.1, patience=0)
+    refs = []
+    for lr, size in zip([1e-2, 2e-2, 4e-2], [2, 3, 4]):
+        o = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=lr)
+        refs.append((o, torch.optim.lr_scheduler.StepLR(o, size, 0.5), torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.1, patience=0)))
+    for epoch in range(6):
+        metric = [1.0 - 0.1 * epoch if epoch < 2 else 1.0] * n  # improving, then a plateau
+        plateau.step(torch.tensor(metric))
+        step.step()
+        for (o, s, p), m in zip(refs, metric):
+            p.step(m)
+            s.step()
+        torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor([o.param_groups[0]["lr"] for o, _, _ in refs],
+                                                                              dtype=torch.float64), rtol=1e-9, atol=0)
+    two = executor.StackedSGD([{"params": [torch.nn.Parameter(torch.randn(n, 2))]},
+                               {"params": [torch.nn.Parameter(torch.randn(n, 2))]}], n, lr=1.0)
+    sched = executor.StackedReduceLROnPlateau(two, factor=1e-4, patience=0, min_lr=[1e-3, 1e-2])  # torch's: per group
+    for _ in range(2):
+        sched.step(torch.ones(n))
+    assert two.get_hyperparameter("lr", 0).tolist() == [1e-3] * n and two.get_hyperparameter("lr", 1).tolist() == [1e-2] * n
+    with pytest.raises(planner.OptimizerError, match="could mean"):
+        executor.StackedReduceLROnPlateau(executor.StackedSGD([{"params": [torch.nn.Parameter(torch.randn(2, 2))]},
+                                                               {"params": [torch.nn.Parameter(torch.randn(2, 2))]}], 2),
+                                          min_lr=[1e-3, 1e-2])
