@@ -342,8 +342,13 @@ def copy_plain(attrs: dict[str, Any]) -> dict[str, Any]:
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values (NaN equal to NaN: an untouched NaN buffer is not a change)."""
     a = a.detach()
-    if a.shape != b.shape or a.dtype != b.dtype:
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
         return False
+    if a.layout is torch.sparse_coo:  # (a graph's adjacency held as a sparse buffer): its coalesced entries
+        a, b = a.coalesce(), b.coalesce()
+        return torch.equal(a.indices(), b.indices()) and _same_tensor(a.values(), b.values())
+    if a.layout is not torch.strided:  # CSR and the other compressed layouts: their dense values
+        return _same_tensor(a.to_dense(), b.to_dense())
     if a.is_floating_point() or a.is_complex():
         return bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
     return bool(torch.equal(a, b))

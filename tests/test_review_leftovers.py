@@ -370,3 +370,22 @@ def test_an_in_place_shape_change_split_from_its_value_is_refused_by_name():
     with pytest.raises(planner.ExecutionError, match="out-of-place form"):
         with torch.no_grad():
             ens(x)
+
+
+class SparseAdjacencyGCN(nn.Module):
+    def __init__(self, adj):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.register_buffer("adj", adj)
+
+    def forward(self, x):
+        return self.l2(torch.relu(torch.sparse.mm(self.adj, self.l1(x))))
+
+
+def test_a_sparse_buffer_per_member_traces_and_runs_as_the_loop():
+    torch.manual_seed(0)
+    members = [SparseAdjacencyGCN(((torch.rand(6, 6) < 0.4).float()).to_sparse()) for _ in range(N)]
+    x = torch.randn(6, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
