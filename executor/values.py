@@ -215,6 +215,11 @@ def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.stack(tensors)
     except RuntimeError:
         shapes = [tuple(t.shape) for t in tensors]
+        layout = next((t.layout for t in tensors if t.layout not in (torch.strided, torch.sparse_coo)), None)
+        if layout is not None:
+            raise ExecutionError(
+                f"members produced tensors of layout {layout}, which torch cannot stack N-first: return them dense, or "
+                "as sparse COO (.to_sparse()), from forward(), and convert the batched module's output") from None
         if len(set(shapes)) == 1:
             raise
         raise ExecutionError(

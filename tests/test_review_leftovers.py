@@ -389,3 +389,17 @@ def test_a_sparse_buffer_per_member_traces_and_runs_as_the_loop():
     ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sparse_csr_output_is_refused_with_the_fix():
+    class CSROut(SparseOut):
+        def forward(self, x):
+            return self.fc(x).relu().to_sparse_csr()
+
+    torch.manual_seed(0)
+    members = [CSROut() for _ in range(N)]
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.raises(planner.ExecutionError, match="to_sparse"):
+        with torch.no_grad():
+            ens(x)
