@@ -69,7 +69,7 @@ from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
 from stagewise.executor.strategies.compiled import COMPILE_MODES, compile_mode_of, with_compile_mode
 from stagewise.executor.strategies.wide import conv_form_of, wide_conv_forms, with_conv_form
-from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repeats, describe_error, peak_memory_bytes
+from stagewise.executor.timing import MIN_REPEATS, SAMPLE_BUDGET_S, default_repeats, describe_error, keeps_random_state, peak_memory_bytes
 from stagewise.executor.verify import (DEFAULT_RTOL, counting_draws, default_rtol, draw_order_note, fresh, loop_outputs,
                                        member_inputs, same_draws)
 from stagewise.executor.baselines import stack_outputs
@@ -630,6 +630,7 @@ def _check_end_to_end(plan: Plan, members: Sequence[nn.Module], inputs: tuple, d
                              "profile the plan with its default strategies and report this")
 
 
+@keeps_random_state
 def autotune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
              progress: Progress = None, repeats: Optional[int] = None,
              strategies: Optional[Sequence[str | Strategy]] = None, train: bool = False,

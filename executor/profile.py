@@ -38,7 +38,7 @@ from stagewise.executor.candidates import (Progress, SavedTensors, advance, make
                                            time_candidates, try_strategy)
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
-from stagewise.executor.timing import native_stderr_silenced
+from stagewise.executor.timing import keeps_random_state, native_stderr_silenced
 from stagewise.executor.verify import (DEFAULT_RTOL, counting_draws, default_rtol, fresh as copy_inputs, member_inputs,
                                        members_rtol, same_draws)
 
@@ -108,6 +108,7 @@ def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: 
     return path
 
 
+@keeps_random_state
 def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, device: str | torch.device = "cpu",
             repeats: Optional[int] = None, warmup: Optional[int] = None, baselines: bool = True,
             compile_baseline: bool = False, trace_path: Optional[str] = None, progress: Progress = None,

@@ -17,8 +17,10 @@ from stagewise.planner.errors import StagewiseError
 from stagewise.planner.plan import Plan, Strategy
 from stagewise.executor.profile import Progress, profile
 from stagewise.executor.report import SweepPoint, SweepReport
+from stagewise.executor.timing import keeps_random_state
 
 
+@keeps_random_state
 def n_sweep(plan: Plan, make_members: Callable[[int], Sequence[nn.Module]], inputs_for_n: Callable[[int], Sequence[Any]],
             ns: Sequence[int], *, device: str | torch.device = "cpu", memory_budget: Optional[int] = None,
             repeats: Optional[int] = None, progress: Progress = None) -> SweepReport:

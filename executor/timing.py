@@ -19,6 +19,7 @@ of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import resource
 import statistics
@@ -284,3 +285,14 @@ def describe_error(e: BaseException) -> str:
     first = text[0] if text else ""
     prefix = "out of memory: " if is_oom(e) else ""
     return f"{prefix}{type(root).__name__}: {first[:300]}"
+
+
+def keeps_random_state(fn: Callable) -> Callable:
+    """`fn` run with torch's random state forked: the caller's draws after it are the ones it would have made without
+    it (a profile or autotune draws dropout masks a number of times that depends on the timings)."""
+    @functools.wraps(fn)
+    def kept(*args, **kwargs):
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return fn(*args, **kwargs)
+    return kept

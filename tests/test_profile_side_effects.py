@@ -164,3 +164,30 @@ def test_private_members_copies_the_callers_members_once():
     assert all(c is not m for c, m in zip(copies, members))
     again = private_members(copies, torch.device("cpu"))
     assert all(a is c for a, c in zip(again, copies))
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(6, 8), nn.Dropout(0.2), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.fc1(x)))
+
+
+@pytest.mark.parametrize("tool", ["profile", "autotune", "n_sweep"])
+def test_the_tools_leave_the_callers_random_stream_where_it_was(tool):
+    torch.manual_seed(0)
+    members = [Dropped().train() for _ in range(N)]
+    x = torch.randn(4, 6)
+    plan = planner.propose(planner.trace(members[0], (x,)), N)
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    if tool == "profile":
+        executor.profile(plan, members, (x,), repeats=2)
+    elif tool == "autotune":
+        executor.autotune(plan, members, (x,), budget="quick")
+    else:
+        executor.n_sweep(plan, lambda n: [Dropped().train() for _ in range(n)], lambda n: (x,), [1, 2], repeats=2)
+    torch.testing.assert_close(torch.rand(3), want, rtol=0, atol=0)
