@@ -46,6 +46,7 @@ def n_sweep(plan: Plan, make_members: Callable[[int], Sequence[nn.Module]], inpu
             points.append(SweepPoint(n, {}, {}, None, None, None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
             continue
         loop = report.baseline("loop")
+        whole = report.end_to_end
         points.append(SweepPoint(
             n=n,
             stage_ms={s.id: s.result.time.median_ms if s.result.ok and s.result.time else None for s in report.stages},
@@ -53,6 +54,8 @@ def n_sweep(plan: Plan, make_members: Callable[[int], Sequence[nn.Module]], inpu
             end_to_end_ms=report.end_to_end.time.median_ms if report.end_to_end.ok and report.end_to_end.time else None,
             loop_end_to_end_ms=loop.time.median_ms if loop and loop.ok and loop.time else None,
             peak_mem_bytes=report.end_to_end.peak_mem_bytes,
+            # the plan end to end failed or answered otherwise than the loop at this N: said, not a blank time
+            error="" if whole.ok else f"end to end: {whole.error or 'did not match the member loop'}",
         ))
     if progress is not None:
         progress(len(ns), len(ns), "done")

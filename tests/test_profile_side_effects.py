@@ -191,3 +191,23 @@ def test_the_tools_leave_the_callers_random_stream_where_it_was(tool):
     else:
         executor.n_sweep(plan, lambda n: [Dropped().train() for _ in range(n)], lambda n: (x,), [1, 2], repeats=2)
     torch.testing.assert_close(torch.rand(3), want, rtol=0, atol=0)
+
+
+def test_n_sweep_says_where_the_plan_answers_otherwise_than_the_loop(monkeypatch):
+    import sys
+
+    profile_module = sys.modules["stagewise.executor.profile"]
+    real = profile_module.build
+
+    def corrupt(*args, **kwargs):  # any build bug: the last member's stacked weight off by half
+        module = real(*args, **kwargs)
+        module.stacked_state["fc2.weight"].data[-1].mul_(1.5)
+        return module
+
+    torch.manual_seed(0)
+    make = lambda n: [Dropped().eval() for _ in range(n)]  # noqa: E731
+    x = torch.randn(4, 6)
+    plan = planner.propose(planner.trace(make(1)[0], (x,)), 2)
+    monkeypatch.setattr(profile_module, "build", corrupt)
+    report = executor.n_sweep(plan, make, lambda n: (x,), [2], repeats=2)
+    assert "wrong result" in report.points[0].error and "failed: end to end" in report.to_text()
