@@ -39,8 +39,8 @@ from stagewise.executor.candidates import (Progress, SavedTensors, advance, make
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.timing import keeps_random_state, native_stderr_silenced
-from stagewise.executor.verify import (DEFAULT_RTOL, counting_draws, default_rtol, fresh as copy_inputs, member_inputs,
-                                       members_rtol, same_draws)
+from stagewise.executor.verify import (DEFAULT_RTOL, counting_draws, default_rtol, draw_order_note, fresh as copy_inputs,
+                                       member_inputs, members_rtol, same_draws)
 
 
 # --- the profile ---------------------------------------------------------------------------------
@@ -173,8 +173,9 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
                   for program, runner in zip(module.programs, module.runners)]
         start.restore()  # the stages' runs moved it; the end-to-end check runs the whole plan from the start
         del start
+        unchecked: list[str] = []
         whole_results = _profile_whole(plan, module, members, inputs, dev, stages, repeats, warmup, ticks,
-                                       baselines=baselines, compile_baseline=compile_baseline, floor=floor)
+                                       baselines=baselines, compile_baseline=compile_baseline, floor=floor, notes=unchecked)
         end_to_end = whole_results.pop("stagewise")
         captured = module.__dict__.get("_captured")  # plan.capture: how the end-to-end calls replayed
         capture = captured.layout() if captured is not None and captured.captures else None
@@ -185,7 +186,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     ticks.finish()
     compile_total = (sum(c.compile_s for cs in candidates.values() for c in cs) + sum(s.result.compile_s for s in stages)
                      + sum(r.compile_s for r in whole_results.values()))
-    notes = []
+    notes = list(unchecked)
     if dev.type == "cpu":
         notes.append("peak MB on CPU: peak live bytes of torch's CPU allocator during one call, above the level before it")
     return ProfileReport(
@@ -271,7 +272,8 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
 
 def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tuple, dev: torch.device,
                    stages: list[StageProfile], repeats: Optional[int], warmup: int, ticks: Ticks, *,
-                   baselines: bool, compile_baseline: bool, floor: bool) -> dict[str, StrategyResult]:
+                   baselines: bool, compile_baseline: bool, floor: bool,
+                   notes: list[str] | None = None) -> dict[str, StrategyResult]:
     """The plan end to end ("stagewise") and the whole-model baselines, checked, then timed round-robin.
     `module` is at the state the members (profile's copies) hold; the members are put back there before
     each baseline is built and checked, since the loop reference and the loop baseline move them."""
@@ -283,6 +285,8 @@ def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tup
     own = SavedTensors(module.stacked_state.values())
     with torch.no_grad(), same_draws(0):
         module.run_stages(*copy_inputs(inputs), run=counting_draws(module, drawn))
+    if len(drawn) > 1 and notes is not None:  # the plan end to end is timed, not compared: said
+        notes.append("end to end not compared with the member loop: " + draw_order_note(drawn))
     own.restore()
     builders: dict[str, Callable[[], Callable]] = {}
     if all(s.result.ok for s in stages):

@@ -211,3 +211,25 @@ def test_n_sweep_says_where_the_plan_answers_otherwise_than_the_loop(monkeypatch
     monkeypatch.setattr(profile_module, "build", corrupt)
     report = executor.n_sweep(plan, make, lambda n: (x,), [2], repeats=2)
     assert "wrong result" in report.points[0].error and "failed: end to end" in report.to_text()
+
+
+def test_profile_says_when_the_plan_end_to_end_is_not_compared():
+    class TwoDrops(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = nn.functional.dropout(self.fc1(x), 0.2, True)
+            return self.fc3(nn.functional.dropout(self.fc2(h), 0.2, True))
+
+    torch.manual_seed(0)
+    members = [TwoDrops() for _ in range(N)]
+    x = torch.randn(4, 6)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, N)
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, strategy="loop")
+    plan = planner.split(plan, graph, plan.stages[0].id, "fc2") if len(plan.stages) == 1 else plan
+    report = executor.profile(plan, members, (x,), repeats=2)
+    assert any("end to end not compared" in n for n in report.notes), report.notes
