@@ -126,7 +126,7 @@ def _check_all(groups: Sequence[Any], what: str, error: BaseException | None) ->
             dist.all_gather_object(gathered, messages, group=g)
             messages = {k: v for d in gathered for k, v in d.items()}
     first = failed[0]
-    detail = (messages.get(first, "no message").splitlines() or [""])[0][:300]
+    detail = (messages.get(first, "no message").splitlines() or [""])[0][:800]
     ranks = ("rank " if len(failed) == 1 else "ranks ") + ", ".join(str(r) for r in failed)
     raise DistributedError(f"{what} failed on {ranks} (rank {first}: {detail}); fix that rank's problem and run again "
                            "(every rank stopped here)") from error
@@ -250,10 +250,45 @@ class ShardedModule(nn.Module):
         of one process, but no two members share them.
         """
         with agreed("the forward of each rank's members", self._group):
+            if self.check_inputs and self._world > 1:
+                self._same_inputs_on_every_rank(inputs)
             local = self.local_inputs(inputs)
             with self._own_random_stream():
                 out = self.module(*local)
         return out
+
+    check_inputs = True  # forward() compares the inputs' fingerprints across member ranks (one small collective a call)
+
+    def _same_inputs_on_every_rank(self, inputs: Sequence[Any]) -> None:
+        """DistributedError unless every member rank was given the same whole inputs: ranks holding other members of
+        one ensemble must see one batch (a DistributedSampler's per-rank batches, an unseeded torch.randn per process,
+        would mix predictions on different data without a word). Compared by shape, dtype, sum and sum of squares of
+        each tensor (float64; NaN equal to NaN); the data-parallel replicas of a group may differ. Set
+        `check_inputs = False` on the module to skip it."""
+        leaves = [x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
+        with torch.no_grad():
+            sums = [torch.stack([x.detach().double().sum(), x.detach().double().square().sum()]) if x.numel() else
+                    torch.zeros(2, dtype=torch.float64, device=x.device) for x in leaves]
+            values = torch.cat(sums).tolist() if sums else []  # one host read for all of them
+        mine = [(tuple(x.shape), str(x.dtype), values[2 * i], values[2 * i + 1]) for i, x in enumerate(leaves)]
+        got: list[Any] = [None] * self._world
+        with collective_guard("comparing the inputs across ranks"):
+            dist.all_gather_object(got, mine, group=self._member_group)
+        same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731 - NaN alike
+        names = [i.name for i in self.plan.inputs]
+        for r, theirs in enumerate(got):
+            if len(theirs) != len(mine):
+                raise DistributedError(f"member rank {r} was given {len(theirs)} input tensors where this rank has "
+                                       f"{len(mine)}: every rank must call forward() with the same whole inputs")
+            for k, (a, b) in enumerate(zip(theirs, mine)):
+                if a[:2] != b[:2] or not (same(a[2], b[2]) and same(a[3], b[3])):
+                    what = f"input {names[k]!r}" if len(leaves) == len(names) else f"input tensor {k}"
+                    raise DistributedError(
+                        f"{what} differs between member rank {r} and this rank ({dist.get_rank(self._member_group)}) "
+                        f"(shape {list(a[0])} vs {list(b[0])}, sum {a[2]:.6g} vs {b[2]:.6g}): the ranks hold different "
+                        "members of one ensemble, so every one must get the same whole batch (shared inputs as they "
+                        "are, per_member ones [N, ...]). Give every rank the same data (no DistributedSampler across "
+                        "member ranks; the same seed before drawing inputs); data-parallel replicas are another group")
 
     @contextlib.contextmanager
     def _own_random_stream(self) -> Iterator[None]:

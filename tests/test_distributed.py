@@ -172,6 +172,12 @@ def test_a_failing_rank_raises_one_clear_error_on_every_rank(two_ranks):
         assert res["seconds"] < TIMEOUT_S / 2, f"rank {r} waited {res['seconds']:.1f}s: it hit the timeout instead of the flag"
 
 
+def test_ranks_given_other_batches_are_refused_on_every_rank(two_ranks):
+    for r, res in enumerate(scenario(two_ranks, "ranks given other batches")):
+        assert res["error"] == "DistributedError", f"rank {r}: {res}"
+        assert "differs between member rank" in res["message"] and "same whole batch" in res["message"], res["message"]
+
+
 def test_a_rank_that_dies_makes_the_others_raise_not_hang(three_ranks):
     for r, res in enumerate(scenario(three_ranks, "rank 2 exits")[:2]):
         assert res["error"] == "DistributedError", f"rank {r}: {res}"
@@ -386,6 +392,17 @@ def failing_factory(rank: int):
     build_sharded(plan, factory)
 
 
+def other_batches(rank: int):
+    """Each rank its own batch (a DistributedSampler's habit): the ranks hold other members of one ensemble."""
+    from stagewise.executor.distributed import build_sharded
+
+    src, plan, inputs = setup("mlp", 4, "shared")
+    sharded = build_sharded(plan, lambda idx: src.members(idx.stop)[idx.start:])
+    with torch.no_grad():
+        sharded(*inputs)  # the same batch everywhere: fine
+        sharded(*[x + rank for x in inputs])
+
+
 def rank_exits(rank: int, out: Path, results: dict) -> None:
     """Rank 2 leaves without a word before a gather; the others must raise, not wait forever."""
     from stagewise.executor.distributed import build_sharded
@@ -410,6 +427,7 @@ def scenarios(job: str, rank: int, out: Path, results: dict):
         yield "dp mesh", lambda: check_dp_mesh(rank)
         yield "checkpoint", lambda: check_save(out)
         yield "factory fails on rank 1", lambda: expect_error(lambda: failing_factory(rank))
+        yield "ranks given other batches", lambda: expect_error(lambda: other_batches(rank))
     elif job == "three":
         yield "forward mlp N=7 per_member", lambda: check_forward("mlp", 7, "per_member")
         yield "forward data_dependent N=7 shared", lambda: check_forward("data_dependent", 7, "shared")
