@@ -397,6 +397,12 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     """
     from stagewise.executor.candidates import private_members  # candidates imports this module
 
+    if not isinstance(plan, Plan) or isinstance(members, nn.Module):
+        got = type(plan).__name__ if not isinstance(plan, Plan) else type(members).__name__
+        raise TypeError(f"verify(plan, members, inputs) takes the plan and the N member modules (a list), got a {got} "
+                        f"{'as the plan' if not isinstance(plan, Plan) else 'as the members'}: it builds the batched "
+                        "module itself and compares it with the loop over the members. For a module already built (and "
+                        "changed since), compare its outputs with executor.loop_outputs(plan, members, inputs)")
     if not isinstance(calls, int) or calls < 1:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}")
     rtol = default_rtol(plan, members) if rtol is None else rtol

@@ -286,3 +286,12 @@ def test_verify_compares_the_running_statistics_training_calls_leave():
     bad = V.VerifyReport(n_members=n, rtol=1e-4)
     V._compare_state(bad, module, ref, before, 1e-4)
     assert not bad.ok and [r.name for r in bad.state if not r.ok] == ["1.running_mean"]
+
+
+def test_verify_given_a_module_says_what_it_takes(two_stages):
+    src, plan = two_stages
+    members = src.members(N)
+    ens = executor.build(plan, members)
+    for args in ((ens, members), (plan, ens)):
+        with pytest.raises(TypeError, match="takes the plan and the N member modules"):
+            executor.verify(*args, src.example_inputs)
