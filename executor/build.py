@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner import budget
-from stagewise.planner.capability import is_inplace
+from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
@@ -331,7 +331,8 @@ class BatchedModule(nn.Module):
                 if stage_of.get(dep.name) != stage_of.get(node.name) or node.op == "output":
                     read_outside[dep.name] = True
         keys = set(stacked)
-        self.programs = [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)]
+        self.programs = _mark_views_written_later(
+            [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)], graph.gm, stage_of)
         # not submodules: the module's parameters and state_dict are the stacked member state alone.
         # _apply and train() reach them by hand (their constants follow .to(), their mode follows .train())
         self.__dict__["stage_modules"] = [p.module.to(device) for p in self.programs]
@@ -1077,6 +1078,30 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     return module
 
 
+def _mark_views_written_later(programs: list[StageProgram], gm: torch.fx.GraphModule,
+                               stage_of: dict[str, str]) -> list[StageProgram]:
+    """Set `views_written_later` on the programs handing on a view of one of their inputs (through view-like calls
+    the graph shows) that an in-place op of a later stage writes: run on per-member values, such a stage runs member
+    by member (see _Writes), so the view is of the member's own tensor and the write reaches what else reads it."""
+    chains = [(n, set(alias_chain(n.args[0]))) for n in gm.graph.nodes if is_inplace(n) and n.args
+              and isinstance(n.args[0], torch.fx.Node)]
+    if not chains:
+        return programs
+    nodes = {n.name: n for n in gm.graph.nodes}
+    marked = []
+    for p in programs:
+        own = set(p.stage.nodes)
+        hit = False
+        for name in p.output_names:
+            chain = alias_chain(nodes[name])
+            if len(chain) > 1 and any(c.name not in own for c in chain[1:]):  # a view of what came in
+                hit = any(nodes[name] in aliases and stage_of.get(w.name) != p.stage.id for w, aliases in chains)
+            if hit:
+                break
+        marked.append(dataclasses.replace(p, views_written_later=True) if hit else p)
+    return marked
+
+
 @dataclasses.dataclass(frozen=True)
 class _Writes:
     """How the inputs of a stage that writes in place are handed to it, so that every write lands where the member
@@ -1089,12 +1114,13 @@ class _Writes:
 
     @staticmethod
     def of(program: StageProgram, runner: Runner) -> "_Writes | None":
-        if not program.writes_in_place:
+        if not (program.writes_in_place or program.views_written_later):
             return None
         # a write by an op's name may reach an input through calls the graph does not show as views: all inputs
-        into = frozenset(program.input_names if program.writes_by_name else program.written_inputs)
-        return _Writes(into, runner if isinstance(runner, LoopRunner) else None, program.outputs_view_written,
-                       program.writes_untracked)
+        into = frozenset(program.input_names if program.writes_by_name else program.written_inputs) \
+            if program.writes_in_place else frozenset()
+        return _Writes(into, runner if isinstance(runner, LoopRunner) else None,
+                       program.outputs_view_written or program.views_written_later, program.writes_untracked)
 
     def inputs(self, env: dict[str, Any], names: Sequence[str], args: list, runner: Runner, n: int) -> tuple[list, list, Runner]:
         """(the stage's arguments, the stacked copies to write back after it ran, the runner to run it with).

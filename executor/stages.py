@@ -77,6 +77,9 @@ class StageProgram:
     # a write through `.data` of an input (`h.data.add_(1)`), which moves no version counter of the input's: a copy of
     # the input would not show it was written
     writes_untracked: bool = False
+    # an output is a view of an input that a later stage writes in place (`t = h.t()` handed on, `t[0].add_(1)` after):
+    # a batched run on a stacked copy of per-member inputs would hand on views of the copy, which that write misses
+    views_written_later: bool = False
 
     @staticmethod
     def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":

@@ -197,3 +197,31 @@ def test_writes_after_a_loop_stage_under_inference_mode(case, first, second):
         got = ens(x)
         want = torch.stack([m(x) for m in members])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# --- a batched stage handing on a view of a loop stage's value, which a later stage writes ------------------------------
+
+class SetItemAfterScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.mul_(0.5)
+        h[:, 0] = h[:, 1] * 2
+        return self.b(h)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_a_view_handed_on_from_a_loop_value_carries_a_later_write(n):
+    torch.manual_seed(0)
+    members = [SetItemAfterScale().eval() for _ in range(n)]
+    x = torch.randn(5, 8)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n)
+    for name in ("mul_", "copy_"):  # each in a loop stage of its own: the views between them run batched
+        plan = planner.exclude(plan, graph, name)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
