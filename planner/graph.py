@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import hashlib
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -505,8 +506,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
     with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before), \
-            _distribution_checks_off(), _checkpoints_seen() as checkpointed:
+            _distribution_checks_off(), _checkpoints_seen() as checkpointed, _autograd_calls_named() as derivative_in:
         gm, tracer, note = fx_or_export(model, example_inputs, opened, before)
+        derivative_in(gm)
         changed = before.restore_if_changed(model)
         if changed and tracer == "fx" and not changed.attributes:
             # fx ran forward() on the real module: an in-place update of real state happened
@@ -585,6 +587,46 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             "loop's. Keep BatchNorm layers out of checkpointed regions, or checkpoint only where no layer updates state "
             "(the batched module does not recompute: it saves no memory there either)", stacklevel=2)
     return graph
+
+
+@contextlib.contextmanager
+def _autograd_calls_named():
+    """A TraceError raised where forward() called torch.autograd.grad / backward while traced names that call and the
+    fix: neither tracer can record a derivative taken inside the model (a PINN residual, forces as -dE/dx)."""
+    seen: list[str] = []
+    grad, backward = torch.autograd.grad, torch.autograd.backward
+
+    def from_user() -> bool:  # not torch's own use while tracing
+        return "/torch/" not in sys._getframe(2).f_code.co_filename.replace("\\", "/")
+
+    def grad_watched(*args, **kwargs):
+        if from_user():
+            seen.append("torch.autograd.grad")
+        return grad(*args, **kwargs)
+
+    def backward_watched(*args, **kwargs):
+        if from_user():
+            seen.append("torch.autograd.backward")
+        return backward(*args, **kwargs)
+
+    def in_graph(gm: torch.fx.GraphModule) -> None:  # fx records the call as a node (it then fails when run)
+        if any(n.op == "call_function" and n.target in (grad_watched, backward_watched, grad, backward) for n in gm.graph.nodes):
+            raise TraceError("the traced graph calls torch.autograd.grad")
+
+    torch.autograd.grad, torch.autograd.backward = grad_watched, backward_watched
+    try:
+        yield in_graph
+    except TraceError as e:
+        if not seen:
+            raise
+        raise TraceError(
+            f"forward() calls {seen[0]} (a derivative inside the model: a PINN residual, forces as -dE/dx), which "
+            "neither torch.fx nor torch.export can record in a graph. Take the derivative outside the batched module: "
+            "make forward() return what is differentiated, and call torch.autograd.grad(ens(x).sum(), x, "
+            "create_graph=True) on the batched module's output (with x per_member, [N, ...], each member's own "
+            f"derivative). ({_first_line(e)[:300]})") from None
+    finally:
+        torch.autograd.grad, torch.autograd.backward = grad, backward
 
 
 @contextlib.contextmanager

@@ -197,3 +197,36 @@ def test_a_region_writing_a_buffer_counts_as_a_write_for_the_stage():
         for i, m in enumerate(members):
             m(x[i])
     torch.testing.assert_close(ens.stacked.ema, torch.stack([m.ema for m in members]), rtol=1e-6, atol=1e-6)
+
+
+# --- a derivative taken inside forward() ------------------------------------------------------------------------------
+
+class PINN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, t):
+        t = t.clone().requires_grad_(True)
+        u = self.net(t)
+        du = torch.autograd.grad(u, t, torch.ones_like(u), create_graph=True)[0]
+        return u, du + u
+
+
+class Forces(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, pos):
+        with torch.enable_grad():
+            pos = pos if pos.requires_grad else pos.requires_grad_(True)
+            e = self.net(pos).sum(-2)
+            return e, -torch.autograd.grad(e.sum(), pos, create_graph=True)[0]
+
+
+@pytest.mark.parametrize("make,x", [(PINN, (8, 1)), (Forces, (4, 5, 3))])
+def test_a_derivative_inside_forward_is_named_with_the_way_out(make, x):
+    with pytest.raises(planner.TraceError, match="calls torch.autograd.grad.*outside the batched module"):
+        planner.trace(make(), (torch.randn(*x),))
+    assert torch.autograd.grad.__module__ == "torch.autograd"  # torch's own again after the trace
