@@ -49,7 +49,7 @@ from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes, train_on_copy
 from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
-from stagewise.executor.stages import LoopRunner, Runner, StageProgram, runner_for
+from stagewise.executor.stages import _region_writes, LoopRunner, Runner, StageProgram, runner_for
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, n_first, reset_call_number_context,
                                        set_call_number_context)
 
@@ -1032,6 +1032,15 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
                 f"trace's run in {plan.dtype} instead: torch.finfo(torch.float32).min becomes -inf there (NaN in a fully "
                 "masked softmax row), and an element size or a cast back to the input's dtype stays float32's. Check the "
                 "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
+    drifting = _low_precision_state_written(graph, plan, stacked)
+    if drifting:
+        warnings.warn(
+            f"a {plan.dtype} plan keeps the state forward() updates in {plan.dtype}, as member.to(torch.{plan.dtype}) "
+            f"would ({', '.join(drifting[:3])}{', ...' if len(drifting) > 3 else ''}): with "
+            f"{'8' if plan.dtype == 'bfloat16' else '11'} bits of precision a running average with a small momentum, "
+            "or a count, stops moving after some calls (a bfloat16 count stops at 256), so that state drifts from a "
+            "float32 member loop's over a long run, which executor.verify's few calls do not show. Keep such a "
+            "model float32, or compare the state after a realistic number of calls", stacklevel=3)
     traced_through = _fast_path_modules_traced_through(members[0], plan)
     if traced_through:
         warnings.warn(
@@ -1076,6 +1085,23 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
     return module
+
+
+def _low_precision_state_written(graph: ModelGraph, plan: Plan, stacked: dict[str, torch.Tensor]) -> list[str]:
+    """Floating buffers forward() updates (in-place writes to the model's state, BatchNorm statistics, an
+    Embedding's renormalised rows), where the plan's dtype is bfloat16/float16: they are kept in that dtype."""
+    if plan.dtype not in LOW_PRECISION:
+        return []
+    from stagewise.planner.graph import _state_writers
+
+    written = {str(alias_chain(n.args[0])[-1].target) for n in graph.gm.graph.nodes
+               if is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node) and alias_chain(n.args[0])[-1].op == "get_attr"}
+    written |= {t for _, targets in _state_writers(graph.gm) for t in targets}
+    # what a region op's subgraph writes (torch.export's torch.no_grad() block updating a running mean)
+    written |= {str(a.target) for n in graph.gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)
+                and _region_writes(graph.gm, n) for a in n.all_input_nodes if a.op == "get_attr"}
+    params = set(dict(graph.gm.named_parameters()))
+    return sorted(k for k in written if k in stacked and k not in params and stacked[k].is_floating_point())
 
 
 def _mark_views_written_later(programs: list[StageProgram], gm: torch.fx.GraphModule,

@@ -613,3 +613,18 @@ def test_an_autocast_region_inside_forward_runs_as_each_member_runs_it():
         got, want = ens(x), torch.stack([m(x) for m in members])
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_low_precision_plan_says_it_keeps_updated_state_in_its_dtype():
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=0.01), nn.ReLU()).train()  # noqa: E731
+    members = [make() for _ in range(3)]
+    x = torch.randn(32, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), 3)
+    with pytest.warns(UserWarning, match=r"keeps the state forward\(\) updates in bfloat16.*1.running_mean"):
+        executor.build(planner.set_dtype(plan, "bfloat16"), members)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        executor.build(plan, members)  # float32: nothing to say
+        frozen = [nn.Sequential(nn.Linear(8, 16), nn.ReLU()) for _ in range(3)]
+        executor.build(planner.set_dtype(planner.propose(planner.trace(frozen[0], (x,)), 3), "bfloat16"), frozen)
