@@ -713,6 +713,14 @@ class BatchedModule(nn.Module):
                 guard(*one)
             except AssertionError as e:
                 what = (str(e).strip().splitlines() or ["a guard failed"])[0]
+                numbers = [name for name, x in zip(self._input_names, one)
+                           if isinstance(x, (int, float)) and not isinstance(x, bool) and name in what]
+                if numbers:  # `temperature == 1.0`: torch.export baked a Python number input into the graph
+                    raise InputError(
+                        f"input {numbers[0]!r} is a Python number, which the plan's torch.export trace fixed at its "
+                        f"traced value ({what}): another value would run the traced one. Pass it as a tensor "
+                        f"(torch.tensor({one[self._input_names.index(numbers[0])]!r})), which the graph takes as an input, "
+                        "and plan with a tensor in the example inputs") from None
                 raise InputError(f"the inputs break a condition of the plan's torch.export trace ({what}); "
                                  "pass inputs shaped like the traced ones or re-plan with example inputs of this shape") from None
 

@@ -403,3 +403,27 @@ def test_a_sparse_csr_output_is_refused_with_the_fix():
     with pytest.raises(planner.ExecutionError, match="to_sparse"):
         with torch.no_grad():
             ens(x)
+
+
+class CountedTemperature(nn.Module):
+    """A buffer forward() updates sends the trace to torch.export, which fixes a Python number input."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 3)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x, temperature):
+        self.steps += 1
+        return torch.softmax(self.f(x) / temperature, -1)
+
+
+def test_a_python_number_input_fixed_by_export_is_named_with_the_fix():
+    torch.manual_seed(0)
+    members = [CountedTemperature().eval() for _ in range(N)]
+    x = torch.randn(2, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x, 1.0)), N)
+    assert plan.tracer == "export"
+    ens = executor.build(plan, copy.deepcopy(members))
+    with pytest.raises(planner.InputError, match=r"'temperature' is a Python number.*torch.tensor\(2.0\)"):
+        ens(x, 2.0)
