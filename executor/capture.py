@@ -673,6 +673,11 @@ def capture(ens: nn.Module, *, clone_outputs: bool = True, max_signatures: int =
     Returns:
         a module with the same forward(*inputs) -> N-first outputs.
     """
+    if type(ens).__name__ == "ShardedModule" or not hasattr(ens, "_steps"):
+        raise ExecutionError(
+            f"executor.capture takes the BatchedModule executor.build returns, got a {type(ens).__name__}; for a "
+            "ShardedModule capture this rank's module, fast = capture(sharded.module), and call it with this rank's "
+            "inputs, fast(*sharded.local_inputs(inputs))")
     if backend is None:
         devices = {t.device.type for t in _state_tensors(ens)}
         if not torch.cuda.is_available() or devices - {"cuda"}:

@@ -22,6 +22,7 @@ sets DEFAULT_TIMEOUT_S). executor.distributed_check verifies and profiles a shar
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -215,6 +216,9 @@ class ShardedModule(nn.Module):
             return type(values)(values[i] for i in self.member_indices)
         if isinstance(values, torch.Tensor) and values.dim() >= 1 and values.shape[0] == self.n_members:
             return values[self.member_indices.start:self.member_indices.stop]
+        shape = getattr(values, "shape", None)  # a numpy array (np.logspace(-4, -2, N)), or another array type
+        if shape is not None and len(shape) >= 1 and shape[0] == self.n_members and hasattr(values, "__getitem__"):
+            return values[self.member_indices.start:self.member_indices.stop]
         return values
 
     def local_inputs(self, inputs: Sequence[Any]) -> tuple:
@@ -237,7 +241,24 @@ class ShardedModule(nn.Module):
         out += list(inputs[len(out):])  # too many inputs: the module's own InputError says so
         return tuple(tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, out))
 
-    def forward(self, *inputs):
+    def __deepcopy__(self, memo: dict) -> "ShardedModule":
+        """A copy of this rank's members and collectives that shares the process group (an EMA or SWA copy,
+        `AveragedModel(sharded)`): a group is this process's connection to the others, not a value to copy."""
+        for shared in (self._group, self._member_group, self._dp_group):
+            if shared is not None:
+                memo[id(shared)] = shared
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = copy.deepcopy(v, memo)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise DistributedError("a ShardedModule holds this process's process group, which cannot be pickled: save its "
+                               "members with sharded.save_checkpoint(folder) (or torch.save(sharded.state_dict(), ...) per "
+                               "rank), and build_sharded again in the new processes")
+
+    def forward(self, *inputs, **named):
         """Whole-model inputs (per_member [N, ...]) -> this rank's outputs, k-first. Every rank must call it
         (a failure on one rank raises DistributedError on all). For inputs already sliced, call `.module`.
 
@@ -249,6 +270,9 @@ class ShardedModule(nn.Module):
         world layout. It cannot match the single-process loop draw for draw: the masks differ from those
         of one process, but no two members share them.
         """
+        if named:
+            raise InputError(f"the sharded module takes its inputs positionally, in the plan's order "
+                             f"{[i.name for i in self.plan.inputs]}; got keyword(s) {sorted(named)}")
         with agreed("the forward of each rank's members", self._group):
             if self.check_inputs and self._world > 1:
                 self._same_inputs_on_every_rank(inputs)

@@ -178,6 +178,16 @@ def test_ranks_given_other_batches_are_refused_on_every_rank(two_ranks):
         assert "differs between member rank" in res["message"] and "same whole batch" in res["message"], res["message"]
 
 
+def test_a_sharded_module_copies_and_says_what_it_cannot_do(two_ranks):
+    for r, res in enumerate(scenario(two_ranks, "copies and surfaces")):
+        assert res["twin"] == 0.0 and res["swa"] == 0.0, f"rank {r}: {res}"
+        errors = res["errors"]
+        assert errors["save"].startswith("DistributedError") and "save_checkpoint" in errors["save"], errors
+        assert errors["capture"].startswith("ExecutionError") and "sharded.module" in errors["capture"], errors
+        assert errors["keywords"].startswith("InputError") and "positionally" in errors["keywords"], errors
+        assert res["local"] == [float(i) for i in res["members"]], res
+
+
 def test_a_rank_that_dies_makes_the_others_raise_not_hang(three_ranks):
     for r, res in enumerate(scenario(three_ranks, "rank 2 exits")[:2]):
         assert res["error"] == "DistributedError", f"rank {r}: {res}"
@@ -403,6 +413,35 @@ def other_batches(rank: int):
         sharded(*[x + rank for x in inputs])
 
 
+def check_surfaces() -> dict:
+    """A deepcopy (an EMA/SWA copy) runs as the original, sharing the group; what cannot work says so."""
+    import copy
+    import io
+
+    import numpy as np
+    from stagewise import executor
+    from stagewise.executor.distributed import build_sharded
+
+    src, plan, inputs = setup("mlp", 4, "shared")
+    sharded = build_sharded(plan, lambda idx: src.members(idx.stop)[idx.start:])
+    twin = copy.deepcopy(sharded)
+    swa = torch.optim.swa_utils.AveragedModel(sharded)
+    with torch.no_grad():
+        out, out_twin, out_swa = sharded(*inputs), twin(*inputs), swa(*inputs)
+    errors = {}
+    for name, fn in (("save", lambda: torch.save(sharded, io.BytesIO())),
+                     ("capture", lambda: executor.capture(sharded)),
+                     ("keywords", lambda: sharded(x=inputs[0]))):
+        try:
+            fn()
+            errors[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            errors[name] = f"{type(e).__name__}: {e}"
+    lrs = sharded.local_values(np.arange(4.0))
+    return {"twin": rel(out_twin, out), "swa": rel(out_swa, out), "errors": errors,
+            "local": [float(v) for v in lrs], "members": list(sharded.member_indices)}
+
+
 def rank_exits(rank: int, out: Path, results: dict) -> None:
     """Rank 2 leaves without a word before a gather; the others must raise, not wait forever."""
     from stagewise.executor.distributed import build_sharded
@@ -428,6 +467,7 @@ def scenarios(job: str, rank: int, out: Path, results: dict):
         yield "checkpoint", lambda: check_save(out)
         yield "factory fails on rank 1", lambda: expect_error(lambda: failing_factory(rank))
         yield "ranks given other batches", lambda: expect_error(lambda: other_batches(rank))
+        yield "copies and surfaces", check_surfaces
     elif job == "three":
         yield "forward mlp N=7 per_member", lambda: check_forward("mlp", 7, "per_member")
         yield "forward data_dependent N=7 shared", lambda: check_forward("data_dependent", 7, "shared")
