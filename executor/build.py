@@ -761,7 +761,7 @@ class BatchedModule(nn.Module):
                 raise error from e
             if copies:
                 try:
-                    _write_back(copies)
+                    _write_back(copies, {p for _, p, _ in self._storage})
                 except RuntimeError as e:  # the copies no longer fit what they copy (`h.unsqueeze_(1)` in the stage)
                     raise ExecutionError(
                         f"stage {program.describe} writes a value from outside it in place, and writing each member's "
@@ -1254,13 +1254,13 @@ def _version(x: Any) -> int | None:
     return -1 if x.is_inference() else x._version
 
 
-def _write_back(copies: list) -> None:
+def _write_back(copies: list, state: set[int] = frozenset()) -> None:
     """After a stage ran on copies of its inputs (_Writes.inputs), write each copy it wrote into the values it copied:
     (stacked copy, the members' tensors, each leaf's version before the run) or a member's own copy of its memory
     (own_storage.OwnStretch). Leaves pair by position in the value's tree (the members' trees and the stacked one
     have one structure). A stacked leaf is written back where its version moved, always where it was -1 (an
     inference tensor, made under torch.inference_mode(), which keeps none), never where None (not a tensor)."""
-    own_storage_write_back([c for c in copies if isinstance(c, OwnStretch)])
+    own_storage_write_back([c for c in copies if isinstance(c, OwnStretch)], state)
     for entry in copies:
         if isinstance(entry, OwnStretch):
             continue

@@ -145,19 +145,25 @@ def own_storage(args: list, n: int, written: Iterable[int], always: bool = False
     return out, stretches
 
 
-def write_back(stretches: list[OwnStretch]) -> None:
-    """Copy each stretch a member wrote (its copy's version counter moved) into the original memory.
-    ExecutionError, before any write, where a member wrote a value that records gradients into memory that records
-    none (a buffer: `self.ema.copy_(0.9 * self.ema + 0.1 * f)` without .detach())."""
+def write_back(stretches: list[OwnStretch], state: set[int] = frozenset()) -> None:
+    """Copy each stretch a member wrote (its copy's version counter moved) into the original memory, through a view
+    taken now (after one member's write that records gradients, a view taken before it is refused by autograd).
+    `state`: storage keys of the module's stacked state. ExecutionError, before any write, where a member wrote a
+    value that records gradients into state that records none (a buffer: `self.ema.copy_(0.9 * self.ema + 0.1 * f)`
+    without .detach()); an activation so written (`out.index_add_(0, tok, y)` into zeros_like(x)) records them."""
     written = [s for s in stretches if s.always or s.copy.is_inference() or s.copy._version != 0]
-    if torch.is_grad_enabled() and any(s.copy.requires_grad and not s.original.requires_grad for s in written):
+    if torch.is_grad_enabled() and any(s.copy.requires_grad and not s.original.requires_grad
+                                       and _storage_key(s.original) in state for s in written):
         raise ExecutionError(
             "forward() writes a value that records gradients into state that records none (a buffer: "
             "`self.ema.copy_(0.9 * self.ema + 0.1 * f)`, a recurrent state `self.h.copy_(h)`, without .detach()): the "
             "member loop's buffer would then carry this call's graph into the next one, whose backward fails there. "
             "Write a detached value (`.detach()`), or call the module under torch.no_grad()")
     for s in written:
-        s.original.copy_(s.copy)
+        target, root = s.original, s.original._base
+        if root is not None and s.copy.requires_grad:
+            target = root.as_strided(target.size(), target.stride(), target.storage_offset())
+        target.copy_(s.copy)
 
 
 def as_original(stretches: list[OwnStretch]) -> Callable[[Any], Any]:

@@ -383,7 +383,74 @@ def autocast_region_check(graph, node: torch.fx.Node) -> Optional[str]:
     return None
 
 
-DEFAULT_CHECK = chain(autocast_region_check, stateful_module_check, inplace_buffer_check, unowned_write_check, vmap_probe_check)
+_VALUE_SHAPED_NAMES = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique2",
+                                  "unique_dim", "bincount", "nonzero_static"})
+
+
+def _value_shaped_op(node: torch.fx.Node, values: dict) -> bool:
+    """An op whose output shape depends on its input's values: torch.where(cond) with one argument, nonzero,
+    masked_select, unique, bincount, repeat_interleave by a tensor, indexing with a bool mask."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    name = (target.name().split("::")[-1].split(".")[0] if isinstance(target, torch._ops.OpOverload)
+            else str(target) if node.op == "call_method" else getattr(target, "__name__", ""))
+    if name in _VALUE_SHAPED_NAMES:
+        return True
+    if name == "where" and len(node.args) == 1 and not node.kwargs:
+        return True
+    if name == "repeat_interleave" and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node):
+        return True
+    if name in ("getitem", "__getitem__", "index") and len(node.args) > 1:  # x[mask]: a bool tensor among the indices
+        index = node.args[1]
+        leaves = index if isinstance(index, (tuple, list)) else [index]
+        return any(isinstance(i, torch.fx.Node) and isinstance(values.get(i.name), torch.Tensor)
+                   and values[i.name].dtype == torch.bool for i in leaves)
+    return False
+
+
+def _value_shaped(graph) -> dict[str, str]:
+    """Nodes that cannot run batched because a shape on their way depends on the values (each member's differs):
+    the value-shaped ops themselves and every node reading what they (or such nodes) give, name -> the op it comes
+    from. A node's output is fixed-shape again where it writes in place into a value that is not (index_add_ into
+    zeros_like(x): a top-k MoE's dispatch) or reduces to a number; its readers batch."""
+    cached = graph.gm.meta.get("stagewise_value_shaped")
+    if cached is not None:
+        return cached
+    values = graph.example_values
+    shaped: dict[str, str] = {}  # node -> where its shape comes from (its output varies per member)
+    reads: dict[str, str] = {}  # node -> the value-shaped op it reads (it must run per member)
+    for node in graph.gm.graph.nodes:
+        source = next((shaped[a.name] for a in node.all_input_nodes if a.name in shaped), None)
+        if _value_shaped_op(node, values):
+            source = source or node.name
+            reads[node.name] = source
+            shaped[node.name] = source
+            continue
+        if source is None:
+            continue
+        reads[node.name] = source
+        first = node.args[0] if node.args else None
+        fixed = (is_inplace(node) and isinstance(first, torch.fx.Node) and first.name not in shaped) or (
+            isinstance(values.get(node.name), torch.Tensor) and values[node.name].dim() == 0)
+        if not fixed and node.op != "output":
+            shaped[node.name] = source
+    graph.gm.meta["stagewise_value_shaped"] = reads
+    return reads
+
+
+def value_shape_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """Each member runs a node whose inputs' shapes depend on the values (see _value_shaped)."""
+    source = _value_shaped(graph).get(node.name)
+    if source is None:
+        return None
+    return (f"a shape that depends on the values ({source}: torch.where(cond), nonzero, a boolean mask): each member's "
+            "differs, so each member runs it, up to where a fixed-shape value comes out (index_add_ into a buffer of "
+            "fixed size)")
+
+
+DEFAULT_CHECK = chain(autocast_region_check, value_shape_check, stateful_module_check, inplace_buffer_check,
+                      unowned_write_check, vmap_probe_check)
 
 
 def annotate_capability(graph, check: Check = DEFAULT_CHECK) -> None:

@@ -427,3 +427,42 @@ def test_a_python_number_input_fixed_by_export_is_named_with_the_fix():
     ens = executor.build(plan, copy.deepcopy(members))
     with pytest.raises(planner.InputError, match=r"'temperature' is a Python number.*torch.tensor\(2.0\)"):
         ens(x, 2.0)
+
+
+# --- a top-k MoE dispatching with torch.where(idx == e) and index_add_ ------------------------------------------------
+
+class WhereMoE(nn.Module):
+    def __init__(self, d=8, e=4, k=2):
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, e, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 16), nn.SiLU(), nn.Linear(16, d)) for _ in range(e))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        w, idx = torch.topk(self.gate(x).softmax(-1), self.k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)  # each member routes its own tokens: shapes differ per member
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out.view(b, t, d)
+
+
+def test_a_where_dispatched_moe_runs_the_routing_per_member_and_trains():
+    torch.manual_seed(0)
+    members = [WhereMoE() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(2, 5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in ref]), rtol=1e-5, atol=1e-6)
+    x = torch.randn(3, 5, 8)
+    ens(x).square().sum().backward()
+    for m in ref:
+        m(x).square().sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in ref])
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
