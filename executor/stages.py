@@ -100,6 +100,11 @@ class StageProgram:
                     env[dep.name] = g.node_copy(dep)  # a per-member constant build added: read here, like state
                     state.append(str(dep.target))
                     continue
+                if dep.op == "get_attr" and isinstance(getattr(gm, str(dep.target), None), torch.fx.GraphModule):
+                    # a region op's subgraph (torch.export's torch.no_grad() block) planned into another stage by an
+                    # edit: code, the same for every member, read here rather than handed over as a value
+                    env[dep.name] = g.node_copy(dep)
+                    continue
                 env[dep.name] = g.placeholder(f"in_{dep.name}")
                 inputs.append(dep.name)
         for name in listed:

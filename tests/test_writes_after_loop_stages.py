@@ -225,3 +225,31 @@ def test_a_view_handed_on_from_a_loop_value_carries_a_later_write(n):
     ens = executor.build(plan, members)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class NoGradRegionEMA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return h + self.ema
+
+
+def test_a_region_subgraph_excluded_by_an_edit_is_read_where_the_region_runs():
+    torch.manual_seed(0)
+    members = [NoGradRegionEMA().eval() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(4, 8)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    subgraph = next(n for s in plan.stages for n in s.nodes if n.startswith("submod"))
+    ens = executor.build(planner.exclude(plan, graph, subgraph), members)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in ref]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ens.stacked.ema, torch.stack([m.ema for m in ref]), rtol=1e-6, atol=1e-7)
