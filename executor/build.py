@@ -291,8 +291,9 @@ def _own_rows(value: Any, n: int) -> Any:
 # torch.func.vmap does not apply a caller's autocast: the batched module's stages compute in the state's dtype
 AUTOCAST_WARNING = (
     "the batched module is called under torch.autocast, which torch.func.vmap does not apply: its vmap stages compute in "
-    "the state's dtype, and its outputs may come back in it (float32 where the member loop's would be bfloat16/float16; "
-    "the values agree within that precision). For low-precision compute, set the plan's dtype instead "
+    "the state's dtype (its loop and wide stages do apply the autocast), so its outputs may come back in the state's "
+    "dtype, depending on the stages' strategies (float32 where the member loop's would be bfloat16/float16; the values "
+    "agree within that precision). For low-precision compute, set the plan's dtype instead "
     "(planner.set_dtype(plan, 'bfloat16')) and call the module outside autocast")
 
 _MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_storage", "_views_made", "_captured")
