@@ -188,6 +188,24 @@ def local_members(members: Union[Sequence[nn.Module], MemberFactory], indices: r
     return [members[i] for i in indices]
 
 
+def _checksum(x: torch.Tensor) -> torch.Tensor:
+    """Two int64 numbers that equal tensors (equal values, any memory layout, any thread count) share: the tensor's
+    bits as integers summed per row, wrapping (exact, in any order), and those row sums weighted by the row's place
+    (another order of the rows differs)."""
+    t = x.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    t = t.contiguous()
+    if t.dtype is torch.bool:
+        t = t.view(torch.uint8)
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    words = t.view(bits) if t.dtype is not bits else t
+    rows = words.reshape(words.shape[0] if words.dim() and words.numel() else 1, -1)
+    per_row = rows.sum(1, dtype=torch.int64)
+    place = torch.arange(1, per_row.numel() + 1, device=per_row.device, dtype=torch.int64)
+    return torch.stack([per_row.sum(), (per_row * place).sum()])
+
+
 class ShardedModule(nn.Module):
     """This rank's slice of the members as one BatchedModule (`.module`), plus the collectives over the slices.
 
@@ -289,27 +307,33 @@ class ShardedModule(nn.Module):
         would mix predictions on different data without a word). Compared by shape, dtype, sum and sum of squares of
         each tensor (float64; NaN equal to NaN); the data-parallel replicas of a group may differ. Set
         `check_inputs = False` on the module to skip it."""
-        leaves = [x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)]
+        flat = tree_flatten(list(inputs))[0]
+        leaves = [x for x in flat if isinstance(x, torch.Tensor)]
         with torch.no_grad():
-            sums = [torch.stack([x.detach().double().sum(), x.detach().double().square().sum()]) if x.numel() else
-                    torch.zeros(2, dtype=torch.float64, device=x.device) for x in leaves]
+            sums = [_checksum(x) for x in leaves]
             values = torch.cat(sums).tolist() if sums else []  # one host read for all of them
         mine = [(tuple(x.shape), str(x.dtype), values[2 * i], values[2 * i + 1]) for i, x in enumerate(leaves)]
+        # the other leaves too (a Python number, None, a string: `forward(x, scale)` with another scale per rank)
+        mine += [("value", type(x).__name__, repr(x), "") for x in flat if not isinstance(x, torch.Tensor)]
         got: list[Any] = [None] * self._world
         with collective_guard("comparing the inputs across ranks"):
             dist.all_gather_object(got, mine, group=self._member_group)
-        same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731 - NaN alike
         names = [i.name for i in self.plan.inputs]
+        order = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)] + \
+            [i for i, x in enumerate(flat) if not isinstance(x, torch.Tensor)]
         for r, theirs in enumerate(got):
             if len(theirs) != len(mine):
-                raise DistributedError(f"member rank {r} was given {len(theirs)} input tensors where this rank has "
+                raise DistributedError(f"member rank {r} was given {len(theirs)} input values where this rank has "
                                        f"{len(mine)}: every rank must call forward() with the same whole inputs")
             for k, (a, b) in enumerate(zip(theirs, mine)):
-                if a[:2] != b[:2] or not (same(a[2], b[2]) and same(a[3], b[3])):
-                    what = f"input {names[k]!r}" if len(leaves) == len(names) else f"input tensor {k}"
+                if a != b:
+                    at = order[k]  # where in the flattened inputs
+                    what = f"input {names[at]!r}" if len(flat) == len(names) else f"input value {at}"
+                    shown = (f"{a[2]} vs {b[2]}" if a[0] == "value" else
+                             f"shape {list(a[0])} vs {list(b[0])}, checksum {a[2]} vs {b[2]}")
                     raise DistributedError(
                         f"{what} differs between member rank {r} and this rank ({dist.get_rank(self._member_group)}) "
-                        f"(shape {list(a[0])} vs {list(b[0])}, sum {a[2]:.6g} vs {b[2]:.6g}): the ranks hold different "
+                        f"({shown}): the ranks hold different "
                         "members of one ensemble, so every one must get the same whole batch (shared inputs as they "
                         "are, per_member ones [N, ...]). Give every rank the same data (no DistributedSampler across "
                         "member ranks; the same seed before drawing inputs); data-parallel replicas are another group")

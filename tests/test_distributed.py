@@ -178,6 +178,11 @@ def test_ranks_given_other_batches_are_refused_on_every_rank(two_ranks):
         assert "differs between member rank" in res["message"] and "same whole batch" in res["message"], res["message"]
 
 
+def test_the_same_batch_in_another_layout_is_the_same_batch(two_ranks):
+    for r, res in enumerate(scenario(two_ranks, "one batch in two layouts")):
+        assert res["error"] is None, f"rank {r}: {res}"
+
+
 def test_a_sharded_module_copies_and_says_what_it_cannot_do(two_ranks):
     for r, res in enumerate(scenario(two_ranks, "copies and surfaces")):
         assert res["twin"] == 0.0 and res["swa"] == 0.0, f"rank {r}: {res}"
@@ -413,6 +418,21 @@ def other_batches(rank: int):
         sharded(*[x + rank for x in inputs])
 
 
+def same_batch_other_layout(rank: int):
+    """Equal values in another memory layout and summed by other thread counts: the same batch, accepted."""
+    from stagewise.executor.distributed import build_sharded
+
+    src, plan, inputs = setup("mlp", 4, "shared")
+    sharded = build_sharded(plan, lambda idx: src.members(idx.stop)[idx.start:])
+    torch.set_num_threads(1 + rank)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(10):
+        x = torch.randn(64, inputs[0].shape[-1], generator=g) * 100
+        with torch.no_grad():
+            sharded(x.t().contiguous().t() if rank else x)
+    torch.set_num_threads(1)
+
+
 def check_surfaces() -> dict:
     """A deepcopy (an EMA/SWA copy) runs as the original, sharing the group; what cannot work says so."""
     import copy
@@ -468,6 +488,7 @@ def scenarios(job: str, rank: int, out: Path, results: dict):
         yield "factory fails on rank 1", lambda: expect_error(lambda: failing_factory(rank))
         yield "ranks given other batches", lambda: expect_error(lambda: other_batches(rank))
         yield "copies and surfaces", check_surfaces
+        yield "one batch in two layouts", lambda: expect_error(lambda: same_batch_other_layout(rank))
     elif job == "three":
         yield "forward mlp N=7 per_member", lambda: check_forward("mlp", 7, "per_member")
         yield "forward data_dependent N=7 shared", lambda: check_forward("data_dependent", 7, "shared")

@@ -217,7 +217,7 @@ def test_verify_with_grads_compares_outputs_and_gradients_with_gradients_on(monk
     assert {r.name for r in report.gradients} == {"l1.weight", "l1.bias", "l2.weight", "l2.bias"}
     assert "grad l1.weight" in report.to_text() and report.to_json()["gradients"]
     # the same plan with the write-back of a loop stage's own rows lost: fine without gradients, caught with them
-    monkeypatch.setattr(build_module, "_write_back", lambda copies: None)
+    monkeypatch.setattr(build_module, "_write_back", lambda copies, state=frozenset(): None)
     assert executor.verify(plan, members, (x,)).ok
     broken = executor.verify(plan, members, (x,), grads=True)
     assert not broken.ok and any(not r.ok for r in broken.outputs if "with gradients" in r.name)
