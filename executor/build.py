@@ -715,7 +715,7 @@ class BatchedModule(nn.Module):
             except AssertionError as e:
                 what = (str(e).strip().splitlines() or ["a guard failed"])[0]
                 numbers = [name for name, x in zip(self._input_names, one)
-                           if isinstance(x, (int, float)) and not isinstance(x, bool) and name in what]
+                           if isinstance(x, (int, float)) and not isinstance(x, bool) and re.search(rf"\b{re.escape(name)}\b", what)]
                 if numbers:  # `temperature == 1.0`: torch.export baked a Python number input into the graph
                     raise InputError(
                         f"input {numbers[0]!r} is a Python number, which the plan's torch.export trace fixed at its "
@@ -1101,11 +1101,15 @@ def _low_precision_state_written(graph: ModelGraph, plan: Plan, stacked: dict[st
     Embedding's renormalised rows), where the plan's dtype is bfloat16/float16: they are kept in that dtype."""
     if plan.dtype not in LOW_PRECISION:
         return []
-    from stagewise.planner.graph import _state_writers
+    from stagewise.planner.graph import _NORMS_WITH_STATISTICS, _state_writers
+
+    def updates(node: torch.fx.Node) -> bool:  # a norm layer in eval updates nothing (train() later: its own call)
+        layer = graph.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        return not (isinstance(layer, _NORMS_WITH_STATISTICS) and not layer.training)
 
     written = {str(alias_chain(n.args[0])[-1].target) for n in graph.gm.graph.nodes
                if is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node) and alias_chain(n.args[0])[-1].op == "get_attr"}
-    written |= {t for _, targets in _state_writers(graph.gm) for t in targets}
+    written |= {t for node, targets in _state_writers(graph.gm) if updates(node) for t in targets}
     # what a region op's subgraph writes (torch.export's torch.no_grad() block updating a running mean)
     written |= {str(a.target) for n in graph.gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)
                 and _region_writes(graph.gm, n) for a in n.all_input_nodes if a.op == "get_attr"}

@@ -1030,8 +1030,13 @@ class StackedLRScheduler:
     def step(self) -> None:
         """Advance one epoch and write every member's lr in place (times the cuts of a StackedReduceLROnPlateau on the
         same optimizer, which a closed form alone would undo)."""
-        self.last_epoch += 1
         cuts = _plateau_cuts(self.optimizer)
+        if cuts is not None and isinstance(self, StackedCosineLR) and bool((self.eta_min > 0).any()):
+            raise OptimizerError(
+                "StackedCosineLR with eta_min > 0 and a StackedReduceLROnPlateau on one optimizer: torch's recursive "
+                "cosine scales a cut lr's distance to eta_min, which this closed form times the cuts would not follow. "
+                "Use eta_min=0 with the plateau scheduler, or one of the two")
+        self.last_epoch += 1
         for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
             lr = self._member_lr(base, self.last_epoch, float(group["lr"]))
             group["member_lr"].copy_(lr * cuts[g] if cuts is not None else lr)
@@ -1108,8 +1113,9 @@ class StackedReduceLROnPlateau:
     list, one entry per param group (each a scalar or length N). It writes ``group["member_lr"]`` in place (the shared
     scale ``group["lr"]`` stays a torch scheduler's), in every param group. Its cuts compose with a StackedStepLR /
     StackedCosineLR on the same optimizer (their closed form is multiplied by them) and with torch schedulers that
-    scale the shared lr by a factor; a torch scheduler that sets the shared lr outright each epoch (LambdaLR) leaves
-    the cuts in place, where on N torch optimizers its next step would undo them.
+    scale the shared lr by a factor (a StackedCosineLR with eta_min > 0 is refused beside it); a torch scheduler that
+    sets the shared lr outright each epoch (LambdaLR) leaves the cuts in place, where on N torch optimizers its next
+    step would undo them.
     """
 
     def __init__(self, optimizer, mode: str = "min", factor=0.1, patience=10, threshold=1e-4, threshold_mode: str = "rel",

@@ -575,9 +575,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     for mod, k, v in tensor_attributes:
         mod.__dict__[k] = v
     restore_all(before, model)  # and what else it left (an RNN's _flat_weights list of vmap tensors)
-    updating = [path for path, m in model.named_modules() if m.training and isinstance(m, _NORMS_WITH_STATISTICS)
-                and m.track_running_stats]
-    if checkpointed and updating:
+    updating = [path for path, m in model.named_modules() if isinstance(m, _NORMS_WITH_STATISTICS) and m.track_running_stats]
+    if checkpointed and updating:  # (traced in eval too: ens.train() may come later)
         warnings.warn(
             f"forward() runs part of itself through torch.utils.checkpoint, and {type(model).__name__} holds layers that "
             f"update running statistics in training ({', '.join(updating[:3])}{', ...' if len(updating) > 3 else ''}): "

@@ -628,3 +628,13 @@ def test_a_low_precision_plan_says_it_keeps_updated_state_in_its_dtype():
         executor.build(plan, members)  # float32: nothing to say
         frozen = [nn.Sequential(nn.Linear(8, 16), nn.ReLU()) for _ in range(3)]
         executor.build(planner.set_dtype(planner.propose(planner.trace(frozen[0], (x,)), 3), "bfloat16"), frozen)
+
+
+def test_a_low_precision_plan_of_eval_batchnorm_says_nothing_of_state():
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()).eval() for _ in range(3)]
+    x = torch.randn(32, 8)
+    plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x,)), 3), "bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        executor.build(plan, members)

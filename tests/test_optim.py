@@ -815,3 +815,13 @@ def test_stacked_plateau_cuts_survive_a_stacked_step_schedule_and_min_lr_is_per_
         executor.StackedReduceLROnPlateau(executor.StackedSGD([{"params": [torch.nn.Parameter(torch.randn(2, 2))]},
                                                                {"params": [torch.nn.Parameter(torch.randn(2, 2))]}], 2),
                                           min_lr=[1e-3, 1e-2])
+
+
+def test_a_cosine_schedule_above_zero_beside_a_plateau_scheduler_is_refused():
+    opt = executor.StackedSGD([torch.nn.Parameter(torch.randn(3, 2))], 3, lr=[1.0, 0.5, 0.2])
+    cosine = executor.StackedCosineLR(opt, T_max=10, eta_min=0.05)
+    plateau = executor.StackedReduceLROnPlateau(opt, factor=0.1, patience=0)  # noqa: F841 - held, as a training loop holds it
+    before = opt.get_hyperparameter("lr")
+    with pytest.raises(planner.OptimizerError, match="eta_min=0"):
+        cosine.step()
+    torch.testing.assert_close(opt.get_hyperparameter("lr"), before)

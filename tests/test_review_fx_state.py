@@ -230,3 +230,8 @@ def test_a_derivative_inside_forward_is_named_with_the_way_out(make, x):
     with pytest.raises(planner.TraceError, match="calls torch.autograd.grad.*outside the batched module"):
         planner.trace(make(), (torch.randn(*x),))
     assert torch.autograd.grad.__module__ == "torch.autograd"  # torch's own again after the trace
+
+
+def test_a_checkpointed_batchnorm_traced_in_eval_is_said_too():
+    with pytest.warns(UserWarning, match="second time per training step"):
+        planner.trace(CheckpointedBN().eval(), (torch.randn(8, 6),))

@@ -466,3 +466,18 @@ def test_a_where_dispatched_moe_runs_the_routing_per_member_and_trains():
     for name, p in ens.named_stacked_parameters():
         want = torch.stack([dict(m.named_parameters())[name].grad for m in ref])
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_python_number_named_is_the_one_the_guard_names():
+    class TwoNumbers(CountedTemperature):
+        def forward(self, x, t, temperature):
+            self.steps += 1
+            return torch.softmax(self.f(x) * t / temperature, -1)
+
+    torch.manual_seed(0)
+    members = [TwoNumbers().eval() for _ in range(N)]
+    x = torch.randn(2, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x, 0.5, 2.0)), N)
+    ens = executor.build(plan, members)
+    with pytest.raises(planner.InputError, match=r"'temperature' is a Python number.*torch.tensor\(3.0\)"):
+        ens(x, 0.5, 3.0)
