@@ -1047,7 +1047,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             f"a {plan.dtype} plan keeps the state forward() updates in {plan.dtype}, as member.to(torch.{plan.dtype}) "
             f"would ({', '.join(drifting[:3])}{', ...' if len(drifting) > 3 else ''}): with "
             f"{'8' if plan.dtype == 'bfloat16' else '11'} bits of precision a running average with a small momentum, "
-            "or a count, stops moving after some calls (a bfloat16 count stops at 256), so that state drifts from a "
+            f"or a count, stops moving after some calls (a {plan.dtype} count of ones stops at "
+            f"{'256' if plan.dtype == 'bfloat16' else '2048'}), so that state drifts from a "
             "float32 member loop's over a long run, which executor.verify's few calls do not show. Keep such a "
             "model float32, or compare the state after a realistic number of calls", stacklevel=3)
     traced_through = _fast_path_modules_traced_through(members[0], plan)

@@ -309,7 +309,7 @@ def _compare_state(report: VerifyReport, module: nn.Module, members: Sequence[nn
     an EMA buffer, a counter, an Embedding's renormalised rows): the batched module's against the members', each
     member measured on its own scale. A plan that drops or repeats an update shows here even where the outputs do not
     read it (BatchNorm in training reads the batch's statistics)."""
-    after = module.member_state_dicts()
+    after = _module_state(module)
     for key in before[0] if before else ():
         own = [dict([*m.named_parameters(), *m.named_buffers()]).get(key) for m in members]
         if any(t is None for t in own):
@@ -324,6 +324,15 @@ def _compare_state(report: VerifyReport, module: nn.Module, members: Sequence[nn
         got = torch.stack([after[i][key] for i in range(len(members))])
         want = torch.stack([t.detach().cpu() for t in own])
         report.state.extend(compare(key, got, want, rtol, n_members=len(members)))
+
+
+def _module_state(module: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Each member's copy of the batched module's state, buffers outside the state_dict (persistent=False) included."""
+    from stagewise.executor.constants import LIFTED_PREFIX
+
+    stacked = {k: t for k, t in module._stacked.items() if not k.startswith(LIFTED_PREFIX)}
+    with torch.no_grad():
+        return [{k: t[i].detach().clone() for k, t in stacked.items()} for i in range(module.n_members)]
 
 
 def _buffers(members: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
@@ -415,7 +424,7 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     module = build(plan, members, example_inputs=example, device=device)
     report = VerifyReport(n_members=plan.n_members, rtol=rtol, calls=calls, shapes=[describe_inputs(inputs)])
     saved = _buffers(members)  # forward may update buffers in place; each run starts from the same state
-    state_before = module.member_state_dicts()
+    state_before = _module_state(module)
     # the batched module runs on `device`; the loop runs each member where it is, on `inputs` as given
     target = resolve_device(device)
     on_device = lambda: tree_map(lambda x: x.to(target) if isinstance(x, torch.Tensor) else x, fresh(inputs))  # noqa: E731
@@ -549,7 +558,7 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
     # softmax, comes out as rounding noise: measured against the member's scale, not its own)
     scales = [math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads if g is not None)) for grads in per_member]
     # that noise is the plan's precision's: a bfloat16 plan's is about 3e-3 of the member's scale, float32's far below 1e-3
-    floor = max(1e-3, 8 * torch.finfo(LOW_PRECISION_DTYPES[plan.dtype]).eps) if plan.dtype in LOW_PRECISION_DTYPES else 1e-3
+    floor = max(1e-3, 2 * torch.finfo(LOW_PRECISION_DTYPES[plan.dtype]).eps) if plan.dtype in LOW_PRECISION_DTYPES else 1e-3
     for k, (name, p) in enumerate(params):
         if got_grads[k] is None and all(grads[k] is None for grads in per_member):
             report.notes.append(f"gradient of {name} not compared: neither side gives one")

@@ -420,9 +420,16 @@ def _value_shaped(graph) -> dict[str, str]:
     values = graph.example_values
     shaped: dict[str, str] = {}  # node -> where its shape comes from (its output varies per member)
     reads: dict[str, str] = {}  # node -> the value-shaped op it reads (it must run per member)
+    # what depends on the members' state (a shape computed from the inputs alone is every member's, when they share
+    # them; one from a per_member input differs, and a batched stage then refuses it with the fix)
+    stateful: set[str] = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "get_attr" or any(a.name in stateful for a in node.all_input_nodes) or (
+                node.op == "call_module" and any(True for _ in graph.gm.get_submodule(str(node.target)).parameters())):
+            stateful.add(node.name)
     for node in graph.gm.graph.nodes:
         source = next((shaped[a.name] for a in node.all_input_nodes if a.name in shaped), None)
-        if _value_shaped_op(node, values):
+        if _value_shaped_op(node, values) and (source is not None or node.name in stateful):
             source = source or node.name
             reads[node.name] = source
             shaped[node.name] = source
@@ -431,12 +438,24 @@ def _value_shaped(graph) -> dict[str, str]:
             continue
         reads[node.name] = source
         first = node.args[0] if node.args else None
-        fixed = (is_inplace(node) and isinstance(first, torch.fx.Node) and first.name not in shaped) or (
-            isinstance(values.get(node.name), torch.Tensor) and values[node.name].dim() == 0)
+        writes_into_fixed = (is_inplace(node) or _base_name(node) in _INTO_FIRST) and isinstance(first, torch.fx.Node) \
+            and first.name not in shaped  # index_add_(0, tok, y) / index_put((idx,), y) into a fixed-size value
+        fixed = writes_into_fixed or (isinstance(values.get(node.name), torch.Tensor) and values[node.name].dim() == 0)
         if not fixed and node.op != "output":
             shaped[node.name] = source
     graph.gm.meta["stagewise_value_shaped"] = reads
     return reads
+
+
+_INTO_FIRST = frozenset({"index_put", "index_add", "index_copy", "index_fill", "scatter", "scatter_add", "scatter_reduce",
+                         "masked_scatter", "put"})  # out-of-place forms giving the first argument's shape
+
+
+def _base_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name().split("::")[-1].split(".")[0]
+    return str(target) if node.op == "call_method" else getattr(target, "__name__", "")
 
 
 def value_shape_check(graph, node: torch.fx.Node) -> Optional[str]:
