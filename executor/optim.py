@@ -1031,11 +1031,12 @@ class StackedLRScheduler:
         """Advance one epoch and write every member's lr in place (times the cuts of a StackedReduceLROnPlateau on the
         same optimizer, which a closed form alone would undo)."""
         cuts = _plateau_cuts(self.optimizer)
-        if cuts is not None and isinstance(self, StackedCosineLR) and bool((self.eta_min > 0).any()):
+        if cuts is not None and isinstance(self, StackedCosineLR):
             raise OptimizerError(
-                "StackedCosineLR with eta_min > 0 and a StackedReduceLROnPlateau on one optimizer: torch's recursive "
-                "cosine scales a cut lr's distance to eta_min, which this closed form times the cuts would not follow. "
-                "Use eta_min=0 with the plateau scheduler, or one of the two")
+                "StackedCosineLR and a StackedReduceLROnPlateau on one optimizer: torch's recursive cosine scales a cut "
+                "lr's distance to eta_min, and past T_max adds to the lr, so N torch optimizers would not keep the cuts "
+                "as this closed form times the cuts would. Use one of the two (StackedStepLR composes with the plateau "
+                "scheduler)")
         self.last_epoch += 1
         for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
             lr = self._member_lr(base, self.last_epoch, float(group["lr"]))
@@ -1111,9 +1112,9 @@ class StackedReduceLROnPlateau:
 
     factor, patience, threshold, cooldown and eps may each be a scalar or length N; min_lr too, or, as torch reads a
     list, one entry per param group (each a scalar or length N). It writes ``group["member_lr"]`` in place (the shared
-    scale ``group["lr"]`` stays a torch scheduler's), in every param group. Its cuts compose with a StackedStepLR /
-    StackedCosineLR on the same optimizer (their closed form is multiplied by them) and with torch schedulers that
-    scale the shared lr by a factor (a StackedCosineLR with eta_min > 0 is refused beside it); a torch scheduler that
+    scale ``group["lr"]`` stays a torch scheduler's), in every param group. Its cuts compose with a StackedStepLR on
+    the same optimizer (its closed form is multiplied by them) and with torch schedulers that
+    scale the shared lr by a factor (a StackedCosineLR is refused beside it); a torch scheduler that
     sets the shared lr outright each epoch (LambdaLR) leaves the cuts in place, where on N torch optimizers its next
     step would undo them.
     """

@@ -420,16 +420,11 @@ def _value_shaped(graph) -> dict[str, str]:
     values = graph.example_values
     shaped: dict[str, str] = {}  # node -> where its shape comes from (its output varies per member)
     reads: dict[str, str] = {}  # node -> the value-shaped op it reads (it must run per member)
-    # what depends on the members' state (a shape computed from the inputs alone is every member's, when they share
-    # them; one from a per_member input differs, and a batched stage then refuses it with the fix)
-    stateful: set[str] = set()
-    for node in graph.gm.graph.nodes:
-        if node.op == "get_attr" or any(a.name in stateful for a in node.all_input_nodes) or (
-                node.op == "call_module" and any(True for _ in graph.gm.get_submodule(str(node.target)).parameters())):
-            stateful.add(node.name)
+    # (also a shape computed from the inputs alone: a per_member input, a random draw, a buffer or a per-member number
+    # makes it differ per member, which the trace cannot tell from a shared input's; per member is right for both)
     for node in graph.gm.graph.nodes:
         source = next((shaped[a.name] for a in node.all_input_nodes if a.name in shaped), None)
-        if _value_shaped_op(node, values) and (source is not None or node.name in stateful):
+        if _value_shaped_op(node, values):
             source = source or node.name
             reads[node.name] = source
             shaped[node.name] = source

@@ -481,3 +481,31 @@ def test_the_python_number_named_is_the_one_the_guard_names():
     ens = executor.build(plan, members)
     with pytest.raises(planner.InputError, match=r"'temperature' is a Python number.*torch.tensor\(3.0\)"):
         ens(x, 0.5, 3.0)
+
+
+class PerMemberLengths(nn.Module):
+    """Padded sequences, each member its own lengths: the mask comes from a per_member input alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x, lengths):
+        valid = torch.arange(x.shape[0]) < lengths
+        return self.lin(x[valid]).mean(0)
+
+
+def test_a_mask_from_a_per_member_input_runs_its_readers_per_member():
+    torch.manual_seed(0)
+    members = [PerMemberLengths() for _ in range(N)]
+    x, lengths = torch.randn(N, 12, 8), torch.tensor([5, 9, 12])
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x[0], lengths[0])), N, input_mode="per_member")
+    ens = executor.build(plan, members)
+    out = ens(x, lengths)
+    want = torch.stack([m(x[i], lengths[i]) for i, m in enumerate(members)])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    for i, m in enumerate(members):
+        m(x[i], lengths[i]).sum().backward()
+    torch.testing.assert_close(ens.stacked.lin.weight.grad, torch.stack([m.lin.weight.grad for m in members]) / 1,
+                               rtol=1e-5, atol=1e-6)
