@@ -188,6 +188,16 @@ def local_members(members: Union[Sequence[nn.Module], MemberFactory], indices: r
     return [members[i] for i in indices]
 
 
+def _value_print(x: Any) -> tuple:
+    """How a non-tensor input is compared across ranks."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return ("value", type(x).__name__, repr(x), "")
+    if isinstance(x, (int, float)):
+        v = float(x)
+        return ("value", "number", "nan" if v != v else repr(v + 0.0), "")
+    return ("value", type(x).__name__, "", "")
+
+
 def _checksum(x: torch.Tensor) -> torch.Tensor:
     """Two int64 numbers that equal tensors (equal values, any memory layout, any thread count) share: the tensor's
     bits as integers summed per row, wrapping (exact, in any order), and those row sums weighted by the row's place
@@ -195,15 +205,20 @@ def _checksum(x: torch.Tensor) -> torch.Tensor:
     t = x.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
+    if t.is_floating_point():  # equal values, one bit pattern: -0.0 as 0.0, every NaN as one NaN
+        t = torch.where(torch.isnan(t), torch.full((), float("nan"), dtype=t.dtype, device=t.device), t + 0.0)
     t = t.contiguous()
     if t.dtype is torch.bool:
         t = t.view(torch.uint8)
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
     words = t.view(bits) if t.dtype is not bits else t
     rows = words.reshape(words.shape[0] if words.dim() and words.numel() else 1, -1)
-    per_row = rows.sum(1, dtype=torch.int64)
+    # each element weighted by its place in its row, each row by its place: another order (a flipped image, a shuffled
+    # batch) differs; integer sums wrap, exactly, in any order
+    within = torch.arange(1, rows.shape[1] + 1, device=rows.device, dtype=torch.int64)
+    per_row = (rows.to(torch.int64) * within).sum(1)
     place = torch.arange(1, per_row.numel() + 1, device=per_row.device, dtype=torch.int64)
-    return torch.stack([per_row.sum(), (per_row * place).sum()])
+    return torch.stack([rows.sum(dtype=torch.int64), (per_row * place).sum()])
 
 
 class ShardedModule(nn.Module):
@@ -313,8 +328,9 @@ class ShardedModule(nn.Module):
             sums = [_checksum(x) for x in leaves]
             values = torch.cat(sums).tolist() if sums else []  # one host read for all of them
         mine = [(tuple(x.shape), str(x.dtype), values[2 * i], values[2 * i + 1]) for i, x in enumerate(leaves)]
-        # the other leaves too (a Python number, None, a string: `forward(x, scale)` with another scale per rank)
-        mine += [("value", type(x).__name__, repr(x), "") for x in flat if not isinstance(x, torch.Tensor)]
+        # the other leaves too (a Python number, None, a string: `forward(x, scale)` with another scale per rank);
+        # numbers by value (2 as 2.0, -0.0 as 0.0), other objects by type alone (their repr may hold an address)
+        mine += [_value_print(x) for x in flat if not isinstance(x, torch.Tensor)]
         got: list[Any] = [None] * self._world
         with collective_guard("comparing the inputs across ranks"):
             dist.all_gather_object(got, mine, group=self._member_group)

@@ -178,6 +178,11 @@ def test_ranks_given_other_batches_are_refused_on_every_rank(two_ranks):
         assert "differs between member rank" in res["message"] and "same whole batch" in res["message"], res["message"]
 
 
+def test_a_batch_in_another_order_is_another_batch(two_ranks):
+    for r, res in enumerate(scenario(two_ranks, "a batch flipped on one rank")):
+        assert res["error"] == "DistributedError" and "differs between member rank" in res["message"], f"rank {r}: {res}"
+
+
 def test_the_same_batch_in_another_layout_is_the_same_batch(two_ranks):
     for r, res in enumerate(scenario(two_ranks, "one batch in two layouts")):
         assert res["error"] is None, f"rank {r}: {res}"
@@ -418,6 +423,16 @@ def other_batches(rank: int):
         sharded(*[x + rank for x in inputs])
 
 
+def flipped_batch(rank: int):
+    """The same values in another order on one rank (a per-rank augmentation): not the same batch."""
+    from stagewise.executor.distributed import build_sharded
+
+    src, plan, inputs = setup("mlp", 4, "shared")
+    sharded = build_sharded(plan, lambda idx: src.members(idx.stop)[idx.start:])
+    with torch.no_grad():
+        sharded(*[x.flip(-1) if rank else x for x in inputs])
+
+
 def same_batch_other_layout(rank: int):
     """Equal values in another memory layout and summed by other thread counts: the same batch, accepted."""
     from stagewise.executor.distributed import build_sharded
@@ -489,6 +504,7 @@ def scenarios(job: str, rank: int, out: Path, results: dict):
         yield "ranks given other batches", lambda: expect_error(lambda: other_batches(rank))
         yield "copies and surfaces", check_surfaces
         yield "one batch in two layouts", lambda: expect_error(lambda: same_batch_other_layout(rank))
+        yield "a batch flipped on one rank", lambda: expect_error(lambda: flipped_batch(rank))
     elif job == "three":
         yield "forward mlp N=7 per_member", lambda: check_forward("mlp", 7, "per_member")
         yield "forward data_dependent N=7 shared", lambda: check_forward("data_dependent", 7, "shared")
