@@ -516,6 +516,10 @@ class BatchedModule(nn.Module):
         if mode in self.__dict__.get("_mode_bound", ()):
             raise self._mode_refusal(mode, f".train({mode})" if mode else ".eval()")
         super().train(mode)
+        later = self.__dict__.get("_low_precision_later")
+        if mode and later:  # built in eval: the statistics start moving now, in the plan's low precision
+            self.__dict__["_low_precision_later"] = ()
+            warnings.warn(low_precision_state_warning(self.plan.dtype, list(later)), stacklevel=2)
         # as member.train(mode) would: a class overriding train() (BatchNorm kept in eval) keeps its layers' modes
         overrides = self.__dict__.get("_own_train_modes") or {}
         hand_set = [k for k in self.__dict__.get("_modes_set_by_hand", ()) if k not in overrides.get(mode, {})
@@ -1043,14 +1047,9 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
                 "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
     drifting = _low_precision_state_written(graph, plan, stacked)
     if drifting:
-        warnings.warn(
-            f"a {plan.dtype} plan keeps the state forward() updates in {plan.dtype}, as member.to(torch.{plan.dtype}) "
-            f"would ({', '.join(drifting[:3])}{', ...' if len(drifting) > 3 else ''}): with "
-            f"{'8' if plan.dtype == 'bfloat16' else '11'} bits of precision a running average with a small momentum, "
-            f"or a count, stops moving after some calls (a {plan.dtype} count of ones stops at "
-            f"{'256' if plan.dtype == 'bfloat16' else '2048'}), so that state drifts from a "
-            "float32 member loop's over a long run, which executor.verify's few calls do not show. Keep such a "
-            "model float32, or compare the state after a realistic number of calls", stacklevel=3)
+        warnings.warn(low_precision_state_warning(plan.dtype, drifting), stacklevel=3)
+    # norm layers in eval now whose statistics .train() would start updating: said then
+    later = [k for k in _low_precision_state_written(graph, plan, stacked, in_training=True) if k not in drifting]
     traced_through = _fast_path_modules_traced_through(members[0], plan)
     if traced_through:
         warnings.warn(
@@ -1090,6 +1089,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place
     module.__dict__["_precision_refused"] = precision_refused  # why the export graph kept its float32 dtypes
     module.__dict__["_kept_dtypes"] = kept_dtypes  # stage constants .to() must not cast (made in forward())
+    module.__dict__["_low_precision_later"] = later
     module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
@@ -1097,16 +1097,27 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     return module
 
 
-def _low_precision_state_written(graph: ModelGraph, plan: Plan, stacked: dict[str, torch.Tensor]) -> list[str]:
+def low_precision_state_warning(dtype: str, names: list[str]) -> str:
+    return (f"a {dtype} plan keeps the state forward() updates in {dtype}, as member.to(torch.{dtype}) would "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): with {'8' if dtype == 'bfloat16' else '11'} "
+            f"bits of precision a running average with a small momentum, or a count, stops moving after some calls (a "
+            f"{dtype} count of ones stops at {'256' if dtype == 'bfloat16' else '2048'}), so that state drifts from a "
+            "float32 member loop's over a long run, which executor.verify's few calls do not show. Keep such a model "
+            "float32, or compare the state after a realistic number of calls")
+
+
+def _low_precision_state_written(graph: ModelGraph, plan: Plan, stacked: dict[str, torch.Tensor],
+                                 in_training: bool = False) -> list[str]:
     """Floating buffers forward() updates (in-place writes to the model's state, BatchNorm statistics, an
-    Embedding's renormalised rows), where the plan's dtype is bfloat16/float16: they are kept in that dtype."""
+    Embedding's renormalised rows), where the plan's dtype is bfloat16/float16: they are kept in that dtype.
+    `in_training`: the norm layers' statistics as train() would have them update (those in eval count then)."""
     if plan.dtype not in LOW_PRECISION:
         return []
     from stagewise.planner.graph import _NORMS_WITH_STATISTICS, _state_writers
 
     def updates(node: torch.fx.Node) -> bool:  # a norm layer in eval updates nothing (train() later: its own call)
         layer = graph.gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-        return not (isinstance(layer, _NORMS_WITH_STATISTICS) and not layer.training)
+        return in_training or not (isinstance(layer, _NORMS_WITH_STATISTICS) and not layer.training)
 
     written = {str(alias_chain(n.args[0])[-1].target) for n in graph.gm.graph.nodes
                if is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node) and alias_chain(n.args[0])[-1].op == "get_attr"}

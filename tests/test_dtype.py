@@ -638,3 +638,16 @@ def test_a_low_precision_plan_of_eval_batchnorm_says_nothing_of_state():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         executor.build(plan, members)
+
+
+def test_a_low_precision_plan_built_in_eval_says_it_when_trained():
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()).eval() for _ in range(3)]
+    x = torch.randn(32, 8)
+    ens = executor.build(planner.set_dtype(planner.propose(planner.trace(members[0], (x,)), 3), "bfloat16"), members)
+    with pytest.warns(UserWarning, match="keeps the state forward"):
+        ens.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ens.eval()
+        ens.train()  # once

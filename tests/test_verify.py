@@ -295,3 +295,31 @@ def test_verify_given_a_module_says_what_it_takes(two_stages):
     for args in ((ens, members), (plan, ens)):
         with pytest.raises(TypeError, match="takes the plan and the N member modules"):
             executor.verify(*args, src.example_inputs)
+
+
+def test_verify_state_near_zero_by_cancellation_is_a_match():
+    class PostBNMean(nn.Module):  # the mean activation after BatchNorm: zero up to rounding
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+            self.register_buffer("act_mean", torch.zeros(6), persistent=False)
+
+        def forward(self, x):
+            h = self.bn(self.a(x))
+            self.act_mean.mul_(0.9).add_(0.1 * h.detach().mean(0))
+            return h * 2
+
+    V = importlib.import_module("stagewise.executor.verify")
+    torch.manual_seed(0)
+    members = [PostBNMean() for _ in range(3)]
+    x = torch.randn(8, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), 3)
+    report = V.VerifyReport(n_members=3, rtol=1e-4)
+    module = executor.build(plan, [copy.deepcopy(m) for m in members])
+    before = V._module_state(module)
+    with torch.no_grad():
+        module(x)
+        for m in members:
+            m(x)
+    V._compare_state(report, module, members, before, 1e-4)
+    assert {r.name for r in report.state} >= {"act_mean", "bn.running_mean"} and report.ok, report.to_text()
