@@ -64,13 +64,13 @@ def _install() -> None:
     total = getattr(clip_grad, "_get_total_norm", None)
     if total is not None:  # torch >= 2.6: clip_grad_norm_ computes its norm through this module global
         _ORIGINAL["_get_total_norm"] = total
-        wrapped = _norm_watched(total)
+        wrapped = _watched(total, "torch.nn.utils.clip_grad_norm_ (or get_total_norm)", grads=True)
         clip_grad._get_total_norm = wrapped
         if getattr(utils, "get_total_norm", None) is total:
             utils.get_total_norm = wrapped
     else:  # an older torch: the public function
         _ORIGINAL["clip_grad_norm_"] = clip_grad.clip_grad_norm_
-        wrapped_clip = _clip_watched(clip_grad.clip_grad_norm_)
+        wrapped_clip = _watched(clip_grad.clip_grad_norm_, "torch.nn.utils.clip_grad_norm_", grads=False)
         clip_grad.clip_grad_norm_ = wrapped_clip
         utils.clip_grad_norm_ = wrapped_clip
     original = _ORIGINAL["update_bn"] = swa_utils.update_bn
@@ -113,30 +113,18 @@ def _callers_level() -> int:
     return level
 
 
-def _norm_watched(total):
-    @functools.wraps(total)
-    def _get_total_norm(tensors, *args, **kwargs):
+def _watched(fn, what: str, grads: bool):
+    """`fn` (taking tensors or parameters first) warning where they are a batched module's, of several members.
+    `grads`: the first argument holds gradients (get_total_norm), not parameters (clip_grad_norm_)."""
+    @functools.wraps(fn)
+    def watched(first, *args, **kwargs):
         if _MODULES and not torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn: fullgraph=True fails)
-            listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            n = _members_of(listed, grads=True)
+            first = [first] if isinstance(first, torch.Tensor) else list(first)
+            n = _members_of(first, grads=grads)
             if n > 1:
-                _warn_joint("torch.nn.utils.clip_grad_norm_ (or get_total_norm)", n)
-            tensors = listed
-        return total(tensors, *args, **kwargs)
-    return _get_total_norm
-
-
-def _clip_watched(clip):
-    @functools.wraps(clip)
-    def clip_grad_norm_(parameters, *args, **kwargs):
-        if _MODULES and not torch.compiler.is_compiling():
-            listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            n = _members_of(listed, grads=False)
-            if n > 1:
-                _warn_joint("torch.nn.utils.clip_grad_norm_", n)
-            parameters = listed
-        return clip(parameters, *args, **kwargs)
-    return clip_grad_norm_
+                _warn_joint(what, n)
+        return fn(first, *args, **kwargs)
+    return watched
 
 
 # --- update_bn --------------------------------------------------------------------------------
