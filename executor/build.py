@@ -768,11 +768,14 @@ class BatchedModule(nn.Module):
                 try:
                     _write_back(copies, {p for _, p, _ in self._storage})
                 except RuntimeError as e:  # the copies no longer fit what they copy (`h.unsqueeze_(1)` in the stage)
+                    shape = "shape" in str(e) or "size" in str(e)
                     raise ExecutionError(
                         f"stage {program.describe} writes a value from outside it in place, and writing each member's "
-                        f"result back failed ({_first_line(e)[:200]}): an in-place op that changes a tensor's shape or "
-                        "strides (unsqueeze_, squeeze_, resize_, t_) cannot be given back that way. Use the out-of-place "
-                        "form (h = h.unsqueeze(1)), or keep the op in one stage with what reads it") from None
+                        f"result back failed ({_first_line(e)[:200]})" + (
+                            ": an in-place op that changes a tensor's shape or strides (unsqueeze_, squeeze_, resize_, "
+                            "t_) cannot be given back that way. Use the out-of-place form (h = h.unsqueeze(1)), or keep "
+                            "the op in one stage with what reads it" if shape else
+                            "; keep the write in one stage with what reads the value (merge the stages)")) from None
                 outs = writes.outputs(outs, copies) if writes.views_out or isinstance(copies[-1], OwnStretch) else outs
             env.update(zip(output_names, outs))
             for k, key in state_out:
@@ -1287,7 +1290,12 @@ def _write_back(copies: list, state: set[int] = frozenset()) -> None:
                 for i, member in enumerate(original.values):
                     target = tree_flatten(member)[0][j]
                     if isinstance(target, torch.Tensor):
-                        target.copy_(x[i])
+                        root = target._base if target._base is not None else target
+                        if root.is_leaf and root.requires_grad:  # a parameter written in place (a max_norm lookup
+                            with torch.no_grad():  # renormalises its rows under no_grad): written as the member's was
+                                target.copy_(x[i])
+                        else:
+                            target.copy_(x[i])
 
 
 def _plain_containers(x: Any) -> Any:

@@ -161,6 +161,10 @@ def write_back(stretches: list[OwnStretch], state: set[int] = frozenset()) -> No
             "Write a detached value (`.detach()`), or call the module under torch.no_grad()")
     for s in written:
         target, root = s.original, s.original._base
+        if root is not None and root.is_leaf and root.requires_grad:  # a parameter written in place (a max_norm
+            with torch.no_grad():  # lookup renormalises its rows under no_grad): written as the member's was
+                target.copy_(s.copy)
+            continue
         if root is not None and s.copy.requires_grad:
             target = root.as_strided(target.size(), target.stride(), target.storage_offset())
         target.copy_(s.copy)

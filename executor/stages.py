@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - another torch
 from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op
 from stagewise.planner.opening import no_mha_fastpath
 from stagewise.planner.trace_watch import storage_root
+from stagewise.planner.graph import renormalised_weight
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
@@ -122,6 +123,9 @@ class StageProgram:
         # an input or state counts; a value made inside the stage (conv -> bn -> ReLU(inplace=True)) does not
         writers = [n for n in g.nodes if is_inplace(n)]
         roots = {storage_root(n.args[0], every_module=False) for n in writers}
+        # F.embedding(max_norm=) renormalises the weight rows it is given in place (under torch.no_grad())
+        renorms = [w for w in map(renormalised_weight, g.nodes) if w is not None]
+        roots |= {storage_root(w, every_module=False) for w in renorms}
         # a region op (torch.export's torch.no_grad() / autocast block) whose subgraph writes in place: what it is
         # given may be written (an EMA buffer updated under no_grad), which its node does not show
         regions = [n for n in g.nodes if isinstance(n.target, torch._ops.HigherOrderOperator) and _region_writes(gm, n)]
@@ -131,7 +135,8 @@ class StageProgram:
         by_name = any(is_inplace_op(n) for n in writers)
         may_write = {env[name] for name in (inputs if by_name else written)}
         return StageProgram(stage, module, inputs, outputs, list(dict.fromkeys(state)), f"{stage.id} ({shown})",
-                            writes_in_place=by_name or bool(written) or bool(regions) or any(r.op == "get_attr" for r in roots),
+                            writes_in_place=by_name or bool(written) or bool(regions) or bool(renorms)
+                            or any(r.op == "get_attr" for r in roots),
                             written_inputs=written, writes_by_name=by_name,
                             outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs),
                             writes_untracked=any(_through_data(n.args[0]) for n in writers))

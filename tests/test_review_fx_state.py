@@ -235,3 +235,31 @@ def test_a_derivative_inside_forward_is_named_with_the_way_out(make, x):
 def test_a_checkpointed_batchnorm_traced_in_eval_is_said_too():
     with pytest.warns(UserWarning, match="second time per training step"):
         planner.trace(CheckpointedBN().eval(), (torch.randn(8, 6),))
+
+
+class TiedRenorm(nn.Module):
+    """A lookup with max_norm of the weight the output head reads afterwards (tied), trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(20, 8) * 3)
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, i):
+        h = nn.functional.embedding(i, self.w, max_norm=2.0)
+        return self.l(h) @ self.w.t()
+
+
+def test_a_renormalising_lookup_of_a_tied_weight_trains_as_the_loop():
+    torch.manual_seed(0)
+    members = [TiedRenorm() for _ in range(N)]
+    ref = copy.deepcopy(members)
+    i = torch.randint(0, 20, (4, 5))
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (i,)), N), members)
+    ens(i).sum().backward()
+    for m in ref:
+        m(i).sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in ref])
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(ens.stacked.w, torch.stack([m.w for m in ref]), rtol=1e-6, atol=1e-6)
