@@ -392,9 +392,7 @@ def _value_shaped_op(node: torch.fx.Node, values: dict) -> bool:
     masked_select, unique, bincount, repeat_interleave by a tensor, indexing with a bool mask."""
     if node.op not in ("call_function", "call_method"):
         return False
-    target = node.target
-    name = (target.name().split("::")[-1].split(".")[0] if isinstance(target, torch._ops.OpOverload)
-            else str(target) if node.op == "call_method" else getattr(target, "__name__", ""))
+    name = base_name(node)
     if name in _VALUE_SHAPED_NAMES:
         return True
     if name == "where" and len(node.args) == 1 and not node.kwargs:
@@ -433,7 +431,7 @@ def _value_shaped(graph) -> dict[str, str]:
             continue
         reads[node.name] = source
         first = node.args[0] if node.args else None
-        writes_into_fixed = (is_inplace(node) or _base_name(node) in _INTO_FIRST) and isinstance(first, torch.fx.Node) \
+        writes_into_fixed = (is_inplace(node) or base_name(node) in _INTO_FIRST) and isinstance(first, torch.fx.Node) \
             and first.name not in shaped  # index_add_(0, tok, y) / index_put((idx,), y) into a fixed-size value
         fixed = writes_into_fixed or (isinstance(values.get(node.name), torch.Tensor) and values[node.name].dim() == 0)
         if not fixed and node.op != "output":
@@ -444,13 +442,6 @@ def _value_shaped(graph) -> dict[str, str]:
 
 _INTO_FIRST = frozenset({"index_put", "index_add", "index_copy", "index_fill", "scatter", "scatter_add", "scatter_reduce",
                          "masked_scatter", "put"})  # out-of-place forms giving the first argument's shape
-
-
-def _base_name(node: torch.fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.name().split("::")[-1].split(".")[0]
-    return str(target) if node.op == "call_method" else getattr(target, "__name__", "")
 
 
 def value_shape_check(graph, node: torch.fx.Node) -> Optional[str]:
