@@ -237,8 +237,13 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     if node.op not in ("call_module", "call_function", "call_method"):
         return None
     values = graph.example_values
-    args = tree_map(lambda a: values[a.name] if isinstance(a, torch.fx.Node) else a, node.args)
-    kwargs = tree_map(lambda a: values[a.name] if isinstance(a, torch.fx.Node) else a, node.kwargs)
+
+    def value(a):  # a slice's bounds are nodes too (h[:T - 1]); the pytree does not enter slices
+        if isinstance(a, slice):
+            return slice(value(a.start), value(a.stop), value(a.step))
+        return values[a.name] if isinstance(a, torch.fx.Node) else a
+
+    args, kwargs = tree_map(value, node.args), tree_map(value, node.kwargs)
     # detached: a recorded view whose base a later op wrote in place (an Embedding(max_norm)'s weight read before the
     # lookup that renormalises it) is refused by autograd, and the probe only asks whether the op batches
     stack = lambda v: torch.stack([v.detach()] * PROBE_MEMBERS) if isinstance(v, torch.Tensor) else v  # noqa: E731
@@ -387,13 +392,57 @@ _VALUE_SHAPED_NAMES = frozenset({"nonzero", "argwhere", "masked_select", "unique
                                   "unique_dim", "bincount", "nonzero_static"})
 
 
-def _value_shaped_op(node: torch.fx.Node, values: dict) -> bool:
+# ops taking sizes (a length, a count, split points): given one computed from the values (`k = (h > 0).sum()`,
+# `.item()`), each member's output has its own shape. The first argument of the data-first ones is the data.
+_SIZED_FACTORIES = frozenset({"arange", "range", "zeros", "ones", "empty", "full", "rand", "randn", "randint",
+                              "randperm", "linspace", "logspace", "eye", "tril_indices", "triu_indices"})
+_SIZED_DATA_FIRST = frozenset({"narrow", "topk", "split", "tensor_split", "split_with_sizes", "view", "reshape",
+                               "expand", "repeat", "tile", "unflatten", "new_zeros", "new_ones", "new_empty",
+                               "new_full", "resize_", "slice", "as_strided", "kthvalue", "hsplit", "vsplit", "dsplit",
+                               "chunk", "view_as", "broadcast_to", "pad", "constant_pad_nd"})
+_NUMBER_OF_VALUES = frozenset({"item", "tolist", "_local_scalar_dense", "int", "__int__", "__index__", "long"})
+
+
+def _is_value_number(arg, values: dict, numbers: set) -> bool:
+    """`arg` (an argument in a size position) is computed from tensor values: an integer tensor, or a Python number
+    from .item()/.tolist()/int() (or arithmetic on one)."""
+    if not isinstance(arg, torch.fx.Node):
+        return False
+    if arg.name in numbers:
+        return True
+    value = values.get(arg.name)
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+
+
+def _size_from_values(node: torch.fx.Node, name: str, values: dict, numbers: set) -> bool:
+    """A size-taking op (a factory, a split, a slice `h[:k]`) given a size computed from the values."""
+    if name in ("getitem", "__getitem__") and len(node.args) > 1:  # h[:k]: a computed bound of a slice
+        index = node.args[1]
+        leaves = index if isinstance(index, (tuple, list)) else [index]
+        return any(isinstance(i, slice) and any(_is_value_number(b, values, numbers) for b in (i.start, i.stop, i.step))
+                   for i in leaves)
+    if name in _SIZED_FACTORIES:
+        sizes = list(node.args) + list(node.kwargs.get(k) for k in ("size", "end", "start", "steps", "high"))
+    elif name in _SIZED_DATA_FIRST:
+        sizes = list(node.args[1:]) + list(node.kwargs.values())
+    else:
+        return False
+    flat = []
+    for a in sizes:
+        flat.extend(a if isinstance(a, (tuple, list)) else [a])
+    return any(_is_value_number(a, values, numbers) for a in flat)
+
+
+def _value_shaped_op(node: torch.fx.Node, values: dict, numbers: set = frozenset()) -> bool:
     """An op whose output shape depends on its input's values: torch.where(cond) with one argument, nonzero,
-    masked_select, unique, bincount, repeat_interleave by a tensor, indexing with a bool mask."""
+    masked_select, unique, bincount, repeat_interleave by a tensor, indexing with a bool mask, a size computed from
+    the values (`h[:k]`, `torch.arange(k)`, `tensor_split(h, idx)`)."""
     if node.op not in ("call_function", "call_method"):
         return False
     name = base_name(node)
     if name in _VALUE_SHAPED_NAMES:
+        return True
+    if _size_from_values(node, name, values, numbers):
         return True
     if name == "where" and len(node.args) == 1 and not node.kwargs:
         return True
@@ -420,9 +469,13 @@ def _value_shaped(graph) -> dict[str, str]:
     reads: dict[str, str] = {}  # node -> the value-shaped op it reads (it must run per member)
     # (also a shape computed from the inputs alone: a per_member input, a random draw, a buffer or a per-member number
     # makes it differ per member, which the trace cannot tell from a shared input's; per member is right for both)
+    numbers: set = set()  # Python numbers computed from tensor values (.item(), int(t), and arithmetic on them)
     for node in graph.gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and not isinstance(values.get(node.name), torch.Tensor) and (
+                base_name(node) in _NUMBER_OF_VALUES or any(a.name in numbers for a in node.all_input_nodes)):
+            numbers.add(node.name)
         source = next((shaped[a.name] for a in node.all_input_nodes if a.name in shaped), None)
-        if _value_shaped_op(node, values):
+        if _value_shaped_op(node, values, numbers):
             source = source or node.name
             reads[node.name] = source
             shaped[node.name] = source

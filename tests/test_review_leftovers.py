@@ -509,3 +509,68 @@ def test_a_mask_from_a_per_member_input_runs_its_readers_per_member():
         m(x[i], lengths[i]).sum().backward()
     torch.testing.assert_close(ens.stacked.lin.weight.grad, torch.stack([m.lin.weight.grad for m in members]) / 1,
                                rtol=1e-5, atol=1e-6)
+
+
+# --- sizes computed from the values: h[:k], torch.arange(k), narrow, topk(k), tensor_split(h, idx) --------------------
+
+SIZED_BODIES = {
+    "slice by a count": lambda h: h.flatten()[:(h > 0).sum()].sum() * h,
+    "slice by .item()": lambda h: h.flatten()[:(h > 0).sum().item() + 1].sum() * h,
+    "arange": lambda h: h * torch.arange((h > 0).sum()).float().mean(),
+    "narrow": lambda h: h * h.flatten().narrow(0, 0, (h > 0).sum()).sum(),
+    "new_zeros": lambda h: h + h.new_zeros((h > 0).sum()).sum(),
+    "topk": lambda h: h * h.flatten().topk((h > 0).sum()).values.sum(),
+    "tensor_split": lambda h: h + torch.tensor_split(h.flatten(), (h[0, :2].abs() * 10).long().sort().values)[1].sum(),
+}
+
+
+class Sized(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.body(self.a(x)))
+
+
+@pytest.mark.parametrize("kind", list(SIZED_BODIES))
+def test_a_size_computed_from_the_values_runs_per_member_and_trains(kind):
+    """Each member's k differs: the op taking it runs per member up to its fixed-shape reduction (a loud 'different
+    shapes' refusal before)."""
+    torch.manual_seed(0)
+    members = [Sized(SIZED_BODIES[kind]) for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    assert plan.stages[0].runs_batched and plan.stages[-1].runs_batched  # the layers around it stay batched
+    ens = executor.build(plan, members)
+    out = ens(x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in ref]), rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    for m in ref:
+        m(x).square().sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in ref])
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_an_integer_index_tensor_still_batches():
+    """x[idx] with an integer tensor has idx's shape, fixed across members: only sizes count as value-shaped."""
+    class Gather(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            idx = h.argmax(-1)
+            return h[:, idx].sum(-1) + h.view(x.shape[0], -1)[:x.shape[0] - 1].sum()
+
+    torch.manual_seed(0)
+    members = [Gather() for _ in range(N)]
+    x = torch.randn(5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    assert all(s.runs_batched for s in plan.stages)
+    with torch.no_grad():
+        torch.testing.assert_close(executor.build(plan, members)(x), torch.stack([m(x) for m in members]))
