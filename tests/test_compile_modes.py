@@ -313,3 +313,24 @@ def test_a_reduce_overhead_stage_replays_one_graph_back_to_back_after_someone_ma
     assert held >= 1 and cudagraph_tree_graphs(torch.cuda.current_device()) == held, "back-to-back calls recorded new graphs instead of replaying"
     for out in outs:  # every output its own copy, none overwritten by a later replay
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gradient_penalty_through_a_compile_stage_names_the_stage_and_the_fix(monkeypatch):
+    """torch.compile's backward cannot be differentiated again: a bare RuntimeError from torch before."""
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).eval() for _ in range(3)]
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(5, 6),))
+    plan = planner.propose(graph, n_members=3, input_mode="per_member")
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, strategy=Strategy.COMPILE)
+    ens = executor.build(plan, copy.deepcopy(members)).eval()
+    x = torch.randn(3, 5, 6, requires_grad=True)
+    with pytest.raises(planner.ExecutionError, match=r"stage s0 runs strategy 'compile'.*create_graph=True.*strategy='vmap'"):
+        torch.autograd.grad(ens(x).sum(), x, create_graph=True)
+    ens(x).square().sum().backward()  # a plain backward still runs, as the loop's
+    for m, xi in zip(members, x.detach()):
+        m(xi).square().sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([dict(m.named_parameters())[name].grad for m in members]),
+                                   rtol=1e-5, atol=1e-6)

@@ -168,4 +168,20 @@ class CompileRunner(VmapRunner):
             tensors = self._call_compiled(fn, inputs, new_step)
         if self.mode == "reduce-overhead":  # the graph's memory: the next replay overwrites it
             tensors = tuple(t.clone() for t in tensors)
+        if torch.is_grad_enabled():
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(self._refuse_double_backward)
         return self._rebuild(tensors, meta)
+
+    def _refuse_double_backward(self, grad: torch.Tensor) -> None:
+        """torch.compile's backward cannot be differentiated again: say so, naming the stage and the fix, before its
+        backward raises a bare RuntimeError."""
+        if torch.is_grad_enabled():  # a backward with create_graph=True
+            stage = self.program.stage.id
+            raise ExecutionError(
+                f"stage {stage} runs strategy 'compile', whose backward torch.compile cannot differentiate again "
+                "(a backward with create_graph=True: a gradient penalty, a Hessian-vector product). Run the stage "
+                f"with vmap: plan = planner.set_options(plan, graph, {stage!r}, strategy='vmap'), or "
+                "executor.autotune(..., train=True), which keeps compile out of a plan for training")
+        return None
