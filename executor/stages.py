@@ -81,6 +81,8 @@ class StageProgram:
     # an output is a view of an input that a later stage writes in place (`t = h.t()` handed on, `t[0].add_(1)` after):
     # a batched run on a stacked copy of per-member inputs would hand on views of the copy, which that write misses
     views_written_later: bool = False
+    # member state (full dotted names) a node writes in place (`self.h.copy_(h)`, `self.ema.mul_(0.9)`)
+    written_state: tuple[str, ...] = ()
 
     @staticmethod
     def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
@@ -139,7 +141,9 @@ class StageProgram:
                             or any(r.op == "get_attr" for r in roots),
                             written_inputs=written, writes_by_name=by_name,
                             outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs),
-                            writes_untracked=any(_through_data(n.args[0]) for n in writers))
+                            writes_untracked=any(_through_data(n.args[0]) for n in writers),
+                            written_state=tuple(dict.fromkeys(str(r.target) for r in roots
+                                                              if r is not None and r.op == "get_attr")))
 
 
 def _through_data(node: torch.fx.Node) -> bool:
@@ -332,17 +336,53 @@ class Runner:
         state = next(iter(self.stacked.values()), None)
         return state.device if state is not None else device_of(args)
 
+    def _state_before_writes(self) -> dict[str, torch.Tensor]:
+        """Copies of the state this stage writes in place, where a write could record gradients into state that records
+        none (a call under grad): taken so that such a write can be undone."""
+        if not (self.program.written_state and torch.is_grad_enabled()):
+            return {}
+        return {k: self.stacked[k].detach().clone() for k in self.program.written_state
+                if k in self.stacked and not self.stacked[k].requires_grad}
+
+    def _refuse_graph_into_state(self, kept: dict[str, torch.Tensor], error: Exception | None) -> None:
+        """ExecutionError, with the state put back as it was, where the run wrote a value that records gradients into
+        state that records none: member by member, the first member's write turns the stacked tensor into one that
+        records gradients, and the next member's write is refused by autograd halfway through the members."""
+        graphed = [k for k in kept if self.stacked[k].requires_grad or self.stacked[k].grad_fn is not None]
+        if not graphed:
+            return
+        for k in graphed:
+            t = self.stacked[k]
+            with torch.no_grad():
+                t.detach_()
+                t.copy_(kept[k])
+        names = ", ".join(repr(k) for k in graphed)
+        raise ExecutionError(
+            f"stage {self.program.describe}: forward() writes a value that records gradients into state that records "
+            f"none ({names}: a recurrent state `self.h.copy_(h)`, an EMA `self.ema.copy_(0.9 * self.ema + 0.1 * f)`, "
+            "without .detach()): the member loop's buffer would then carry this call's graph into the next one, whose "
+            "backward fails there. Write a detached value (`.detach()`), or call the module under torch.no_grad(). "
+            "The state is as it was before this call") from error
+
     def __call__(self, args: list) -> list:
         token = set_stage_device(self.device_for(args))  # numbers made into tensors anywhere in the run land here
         numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
+        kept = self._state_before_writes()
         try:
-            return self.run(args)
+            out = self.run(args)
+            if kept:
+                self._refuse_graph_into_state(kept, None)
+            return out
         except ExecutionError as e:
+            if kept:
+                self._refuse_graph_into_state(kept, e)
             if str(e).startswith("stage "):
                 raise
             # a strategy's own refusal (wide: a per-member Python value): named with its stage
             raise ExecutionError(f"stage {self.program.describe} failed ({self.program.stage.options.strategy.value}): {e}") from e
         except Exception as e:  # a stage failure becomes one message naming the stage
+            if kept:
+                self._refuse_graph_into_state(kept, e)
             shapes = [_describe_value(a) for a in args]
             strategy = self.program.stage.options.strategy.value
             training = (" This stage runs in training mode now: where the plan was traced with members in eval mode, "

@@ -117,6 +117,10 @@ class ModelGraph:
 
 # --- tracing -------------------------------------------------------------------
 
+# fx's error for int(t) / float(t) / bool(t) of a traced tensor
+_NUMBER_OF_TENSOR = re.compile(r"TypeError: (int|float|complex)\(\) argument must be .* not 'Proxy'")
+
+
 def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] = (),
                  before: StateSnapshot | None = None) -> tuple[torch.fx.GraphModule, str, str]:
     """Trace with torch.fx, falling back to torch.export. Returns (gm, tracer, note).
@@ -160,10 +164,14 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
                 "PackedSequence's batch sizes come from the lengths' values, which neither torch.fx nor torch.export can "
                 "follow. Run the RNN on the padded batch and mask the padding instead (e.g. gather each sequence's "
                 "last valid step by its length), or keep the packing outside the model") from None
+        number = _NUMBER_OF_TENSOR.search(fx_error)
+        fix = (f"{number.group(1)}() of a tensor makes a Python number neither tracer can follow: write t.item() "
+               "instead (stagewise runs what a value-dependent number shapes per member), or keep the tensor"
+               if number else
+               "Remove data-dependent Python control flow from forward() or wrap it with torch.fx.wrap / torch.cond")
         raise TraceError(
             f"{type(model).__name__} cannot be traced. torch.fx failed: {fx_error}. "
-            f"torch.export failed: {type(e).__name__}: {_first_line(e)}. "
-            "Remove data-dependent Python control flow from forward() or wrap it with torch.fx.wrap / torch.cond"
+            f"torch.export failed: {type(e).__name__}: {_first_line(e)}. {fix}"
         ) from None
     if opened:
         return gm, "export", (f"torch.fx could not trace inside the opened modules {', '.join(opened)} ({fx_error}); "

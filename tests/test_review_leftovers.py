@@ -574,3 +574,53 @@ def test_an_integer_index_tensor_still_batches():
     assert all(s.runs_batched for s in plan.stages)
     with torch.no_grad():
         torch.testing.assert_close(executor.build(plan, members)(x), torch.stack([m(x) for m in members]))
+
+
+# --- a recurrent state written without .detach() by a loop stage, under grad -----------------------------------------
+
+class StatefulCell(nn.Module):
+    def __init__(self, detach=False):
+        super().__init__()
+        self.detach = detach
+        self.cell, self.pi = nn.GRUCell(6, 8), nn.Linear(8, 3)
+        self.register_buffer("h", torch.zeros(4, 8))
+
+    def forward(self, obs):
+        h = self.cell(obs, self.h.clone() if self.detach else self.h)  # (GRUCell keeps hx for its backward)
+        self.h.copy_(h.detach() if self.detach else h)
+        return self.pi(h)
+
+
+def test_a_state_written_with_a_graph_by_a_loop_stage_is_refused_and_put_back():
+    """Member by member, the first write turned the stacked buffer into one recording gradients and autograd refused
+    the second halfway: a raw 'leaf Variable' error, the state half written (0.52 moved) and recording gradients."""
+    torch.manual_seed(0)
+    members = [StatefulCell() for _ in range(N)]
+    fresh = copy.deepcopy(members)
+    x = torch.randn(4, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    ens = executor.build(plan, members)
+    with pytest.raises(planner.ExecutionError, match=r"'h'.*without \.detach\(\).*as it was before this call"):
+        ens(x)
+    assert not ens.stacked.h.requires_grad and ens.stacked.h.grad_fn is None
+    assert ens.stacked.h.abs().max() == 0
+    with torch.no_grad():  # the module goes on as the loop does
+        for c in range(3):
+            torch.testing.assert_close(ens(x + c), torch.stack([m(x + c) for m in fresh]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ens.stacked.h, torch.stack([m.h for m in fresh]))
+
+
+def test_a_detached_recurrent_state_trains_as_the_loop():
+    torch.manual_seed(0)
+    members = [StatefulCell(detach=True) for _ in range(N)]
+    ref = copy.deepcopy(members)
+    x = torch.randn(4, 6)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    for c in range(2):
+        ens(x + c).square().sum().backward()
+        for m in ref:
+            m(x + c).square().sum().backward()
+    torch.testing.assert_close(ens.stacked.h, torch.stack([m.h for m in ref]), rtol=1e-5, atol=1e-6)
+    for name, p in ens.named_stacked_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([dict(m.named_parameters())[name].grad for m in ref]),
+                                   rtol=1e-4, atol=1e-6, msg=name)

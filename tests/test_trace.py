@@ -595,3 +595,17 @@ def test_the_fx_check_runs_forward_in_the_traces_grad_mode_and_leaves_the_random
     torch.nn.Linear(8, 4)  # the model's own draws, as above
     torch.randn(5, 8)
     torch.testing.assert_close(after, torch.rand(3))
+
+
+def test_int_of_a_tensor_is_named_with_the_item_fix():
+    class Truncate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            return h.flatten()[:int((h > 0).sum())].sum() * h
+
+    with pytest.raises(planner.TraceError, match=r"int\(\) of a tensor.*write t\.item\(\) instead"):
+        planner.trace(Truncate(), (torch.randn(5, 8),))
