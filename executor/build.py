@@ -35,6 +35,7 @@ from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage
 from stagewise.planner.validate import stage_graph, validate
 from stagewise.planner.snapshot import held_values
+from stagewise.planner.source import MEMBER_SEED_BASE
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import LIFTED_PREFIX, config_signature, lift_member_constants
 from stagewise.executor.precision import take_dtypes_of_a_trace_in
@@ -639,7 +640,9 @@ class BatchedModule(nn.Module):
         if self._state_replaced[0]:
             self._follow_replaced_state()
         with torch.no_grad():
-            return [{k: self._stacked[k][i].detach().clone() for k in self._member_keys} for i in range(self.n_members)]
+            # (a module's get_extra_state() value is no tensor and is not stacked: it is the model's, not a member's)
+            keys = [k for k in self._member_keys if k in self._stacked]
+            return [{k: self._stacked[k][i].detach().clone() for k in keys} for i in range(self.n_members)]
 
     def load_member_state_dict(self, i: int, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Put one member's state (a state_dict of the original architecture: a member changed after build, a
@@ -1048,6 +1051,18 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
                 f"trace's run in {plan.dtype} instead: torch.finfo(torch.float32).min becomes -inf there (NaN in a fully "
                 "masked softmax row), and an element size or a cast back to the input's dtype stays float32's. Check the "
                 "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
+    apart = ties_apart(members)
+    merged = [tie for tie, tying in apart.items() if 0 in tying]
+    if plan.tracer == "export" and merged:
+        # torch.export gives a tie of the member it traces one graph input: both names read member 0's one tensor,
+        # and a member holding two would run with one of them in place of the other
+        untied = next((i for i in range(len(members)) if all(i not in apart[t] for t in merged)), None)
+        first = f"member {untied}: its graph reads both names" if untied is not None else "its graph reads both names"
+        raise MemberError(
+            f"members tie parameters differently ({merged[0]} in members {apart[merged[0]]}, not in the others), and "
+            "torch.export's graph of member 0, which ties them, reads one tensor for both names: the other members "
+            f"would run with one weight in place of the other. Put a member that does not tie them first ({first}) "
+            "and plan from it, or make the model traceable by torch.fx")
     drifting = _low_precision_state_written(graph, plan, stacked)
     if drifting:
         warnings.warn(low_precision_state_warning(plan.dtype, drifting), stacklevel=3)
@@ -1086,7 +1101,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_traced_without_grad"] = not traced_with_grad
     module.__dict__["_shared_across"] = shared_across_members(members)
     module.__dict__["_frozen_apart"] = frozen_apart(members)  # trains member 0's choice for all: refused in training
-    module.__dict__["_ties_apart"] = ties_apart(members)
+    module.__dict__["_ties_apart"] = apart
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place
@@ -1335,6 +1350,19 @@ def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]
         raise OutputFileError(f"{folder} holds member files of a larger set ({', '.join(extra[:3])}"
                               f"{', ...' if len(extra) > 3 else ''}) beside the {module.n_members} this would write; "
                               "pass an empty folder, or move those files away first")
+    if module._state_replaced[0]:
+        module._follow_replaced_state()
+    keys = set(module._member_keys)
+    with torch.no_grad():
+        apart = sorted(k for k, t in module._stacked.items() if k not in keys and not k.startswith(LIFTED_PREFIX)
+                       and t.dim() > 0 and t.shape[0] > 1 and not torch.equal(t, t[:1].expand_as(t)))
+    if apart:
+        warnings.warn(
+            f"the members differ in buffers a state_dict does not hold ({', '.join(apart[:3])}"
+            f"{', ...' if len(apart) > 3 else ''}: registered with persistent=False), which these files leave out: "
+            "members loaded from them get the values the model builds (planner.load_model_file builds member i from "
+            f"seed {MEMBER_SEED_BASE} + i). Register them as persistent buffers, or keep ens.state_dict(), which holds "
+            "them", stacklevel=2)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, state in enumerate(module.member_state_dicts()):

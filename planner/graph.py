@@ -570,6 +570,19 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                          "each member's own. Draw from torch's default generator instead (each member draws from it in "
                          "turn), or pass the noise in as an input")
     if tracer == "export":
+        # export's graph checked as fx's is (after the refusals above): forward() may read that it is traced
+        # (torch.compiler.is_compiling(), is_exporting(), torch.fx's is_fx_tracing() all hold under export) and take
+        # a branch eager calls never take
+        disagreement = _fx_disagrees(model, gm, example_inputs, before)
+        before.restore_if_changed(model)
+        if disagreement is not None and not disagreement.startswith("its graph fails"):  # (that is named below)
+            raise TraceError(
+                f"torch.export's graph is not forward(): {disagreement}. forward() runs otherwise when traced: a "
+                "branch on torch.compiler.is_compiling() / is_exporting(), torch.fx's is_fx_tracing() or "
+                "torch.jit.is_tracing() (true under torch.export) takes a path eager calls never take. Make both "
+                "paths compute the same, or drop the branch"
+                + (f" ({note})" if note else ""))
+    if tracer == "export":
         check_small_sizes(model, gm, example_inputs)
     tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
     # the graph run and the probe draw random numbers (dropout in training): the caller's random state stays its own

@@ -187,6 +187,21 @@ def deepcopy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
     archive's module) registers them as buffers, and a buffer is traced as a graph value where a plain attribute
     is not, so the copy would trace to another graph than the module the plan was made from."""
     twin = copy.deepcopy(module, memo)
+    # a Parameter's deepcopy clones it: two that view one memory (a torch.export archive loads a tie as two
+    # Parameters on one storage) would come out on two; the copy's are two on one memory again, as the module's
+    held: dict[tuple, torch.Tensor] = {}
+    held_source: dict[tuple, torch.Tensor] = {}  # (one object held twice is one object in the copy too)
+    for mod, other in zip(module.modules(), twin.modules()):
+        for table in ("_parameters", "_buffers"):
+            mine, theirs = getattr(mod, table), getattr(other, table)
+            for k, t in mine.items():
+                if t is None or k not in theirs or not t.numel() or t.device.type == "meta":
+                    continue
+                key = (table, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                first, source = held.setdefault(key, theirs[k]), held_source.setdefault(key, t)
+                if first is not theirs[k] and t is not source:
+                    view = first.detach()
+                    theirs[k] = nn.Parameter(view, requires_grad=t.requires_grad) if table == "_parameters" else view
     for mod, other in zip(module.modules(), twin.modules()):
         # a GraphModule's deepcopy (rebuilt from its graph) forgets which buffers are non-persistent: the copy's
         # state_dict would then hold them, and weight files without them would not fit it

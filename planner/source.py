@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import io
 import itertools
+import copy
 import json
 import logging
 import math
@@ -157,11 +158,10 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
             return list(members)
         if weights is not None:  # build_members(n) sets what each member holds besides its state (a sweep's settings)
             build = _members_from_weights(p.name, build, weights)
-    elif weights is not None:
-        build = _members_from_weights(p.name, lambda n: [_call_user(p, "build_model", module.build_model) for _ in range(n)],
-                                      weights)
     else:
         def build(n: int) -> list[nn.Module]:
+            # member i from seed MEMBER_SEED_BASE + i, with weight files too: what the files cannot hold (a
+            # non-persistent buffer drawn at random, random Fourier features) is then what it was when they were saved
             state = torch.random.get_rng_state()
             try:
                 out = []
@@ -171,6 +171,8 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
                 return out
             finally:
                 torch.random.set_rng_state(state)
+        if weights is not None:
+            build = _members_from_weights(p.name, build, weights)
     return ModelSource(name=p.stem, path=p, model=model, example_inputs=inputs, _build_members=build)
 
 
@@ -228,7 +230,7 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
     weights = _weights_list(p.name, weights)
     build = lambda n: [deepcopy_module(model) for _ in range(n)]  # noqa: E731
     if weights is not None:
-        build = _members_from_weights(p.name, build, weights)
+        build = _members_from_weights(p.name, build, weights, archive=True)
     return ModelSource(name=p.stem, path=p, model=model, example_inputs=tuple(args), _build_members=build)
 
 
@@ -458,8 +460,34 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     except Exception as e:  # corrupt files raise many types
         raise ModelLoadError(f"weight file {p.name} could not be read ({type(e).__name__}: {_first_line(e)}); "
                              "pass a .safetensors file or a torch.save'd state_dict") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    # (a module's get_extra_state() value sits beside the tensors under a key ending in `_extra_state`)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) or str(k).endswith("_extra_state")
+                                              for k, v in state.items()):
+        nested = [k for k, v in state.items() if isinstance(v, dict) and v
+                  and all(isinstance(t, torch.Tensor) for t in v.values())] if isinstance(state, dict) else []
+        if nested:  # a training checkpoint: {'model': state_dict, 'optimizer': ..., 'iter_num': ...}
+            raise ModelLoadError(
+                f"weight file {p.name} is a checkpoint whose {nested[0]!r} entry holds a state_dict"
+                f"{' (also ' + ', '.join(repr(k) for k in nested[1:3]) + ')' if len(nested) > 1 else ''}; save that "
+                f"entry alone: torch.save(torch.load(path)[{nested[0]!r}], new_path)")
         raise ModelLoadError(f"weight file {p.name} does not hold a state_dict (a dict of tensors); save model.state_dict()")
+    return _without_wrapper_prefix(state)
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's
+
+
+def _without_wrapper_prefix(state: dict) -> dict:
+    """A state_dict saved from a wrapper (DDP's `module.`, torch.compile's `_orig_mod.`) keyed as the model's own,
+    as torch's consume_prefix_in_state_dict_if_present makes it: every key carries the prefix, so nothing else
+    can be meant."""
+    changed = True
+    while changed and state:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if all(str(k).startswith(prefix) for k in state):
+                state = {str(k)[len(prefix):]: v for k, v in state.items()}
+                changed = True
     return state
 
 
@@ -479,9 +507,11 @@ def _weights_list(name: str, weights: Any) -> list | None:
     return weights
 
 
-def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], weights: Sequence[str | Path]):
+def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], weights: Sequence[str | Path],
+                          archive: bool = False):
     """members(n): the n members `build_n` makes (the model file's build_members, or build_model n times), member i
-    loaded with weight file i."""
+    loaded with weight file i. `archive`: members of a torch.export archive, which left out state the graph does not
+    read (see load_member_state)."""
     states = [read_state_dict(w) for w in weights]
 
     def build(n: int) -> list[nn.Module]:
@@ -490,7 +520,7 @@ def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], 
         members = build_n(n)
         _refuse_shared_apart(name, members, states, weights)
         for m, w, state in zip(members, weights, states):
-            load_member_state(m, state, Path(w).name)
+            load_member_state(m, state, Path(w).name, archive=archive)
         return members
 
     return build
@@ -503,6 +533,8 @@ def _refuse_shared_apart(name: str, members: list[nn.Module], states: list[dict]
     held: dict[tuple[str, int], int] = {}
     for i, m in enumerate(members):
         for k, t in m.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor):  # a get_extra_state() value
+                continue
             j = held.setdefault((k, t.data_ptr()), i)
             if j != i and k in states[i] and k in states[j] and t.numel() and not torch.equal(states[i][k], states[j][k]):
                 raise MemberError(
@@ -514,11 +546,20 @@ def _refuse_shared_apart(name: str, members: list[nn.Module], states: list[dict]
 
 def _tie_groups(module: nn.Module) -> dict[str, str]:
     """State name -> the first name of the tensor it is (tied weights: `lm_head.weight` is `embed.weight`)."""
-    first: dict[int, str] = {}
+    first: dict[object, str] = {}
     out = {}
     for k, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        out[k] = first.setdefault(id(t), k)
+        # one object, or two on one memory (a torch.export archive loads a tie as two Parameters viewing one storage)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) \
+            if t.numel() and t.device.type != "meta" else id(t)
+        out[k] = first.setdefault(key, k)
     return out
+
+
+def _filled_in(module: nn.Module, key: str) -> bool:
+    """A key a file may leave out: a BatchNorm's num_batches_tracked, a module's get_extra_state() value (a file of
+    tensors alone, safetensors, cannot hold it: the module keeps its own)."""
+    return _batch_count(module, key) or key.rpartition(".")[2] == "_extra_state"
 
 
 def _batch_count(module: nn.Module, key: str) -> bool:
@@ -552,17 +593,54 @@ def _lossy(value: torch.Tensor, into: torch.dtype) -> str:
     return ""
 
 
-def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: str, archive: bool = False) -> None:
     """Load `state` into `module`, raising MemberError that lists missing/unexpected/mis-shaped keys, and values the
     model's dtype cannot hold (a float file value into an integer buffer). A key left out is accepted where torch
-    fills it in: a tied weight saved once (Hugging Face's save_pretrained), BatchNorm's num_batches_tracked."""
+    fills it in: a tied weight saved once (Hugging Face's save_pretrained), BatchNorm's num_batches_tracked.
+    `archive` (a torch.export archive's module, which keeps only the state its graph reads): a file key it dropped is
+    accepted where it is a BatchNorm's num_batches_tracked or a tie's other name (its value that of a key loaded)."""
     own = module.state_dict()
     ties = _tie_groups(module)
+    by_tie: dict[str, str] = {}
+    for k in state:
+        if k in ties and isinstance(state[k], torch.Tensor):
+            first = by_tie.setdefault(ties[k], k)
+            if first != k and not (state[first].shape == state[k].shape and torch.equal(state[first], state[k].to(state[first].dtype))):
+                # one tensor in the model, two values in the file: loading would keep whichever comes last
+                raise MemberError(
+                    f"{what} holds different values for {first} and {k}, which this model ties (one tensor): loading "
+                    "would keep one and drop the other without a word. Save the weights of a model that ties them, or "
+                    "untie them in the model")
     saved_under = {ties.get(k, k) for k in state}
-    missing = sorted(k for k in set(own) - set(state) if not (ties.get(k, k) in saved_under or _batch_count(module, k)))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape]
-    lossy = [f"{k}: file {state[k].dtype} into model {own[k].dtype} {why}" for k in own if k in state
+    if any(m._load_state_dict_pre_hooks for m in module.modules()):
+        # hooks rename what the file holds as torch loads it (an old weight_norm's weight_g / weight_v): the keys as
+        # torch reads them, from a load into a copy
+        try:
+            result = copy.deepcopy(module).load_state_dict(state, strict=False)
+        except RuntimeError as e:
+            raise MemberError(f"{what} does not fit the architecture ({_first_line(e)}); save the weights of this "
+                              "exact model") from None
+        missing = sorted(k for k in result.missing_keys if not (ties.get(k, k) in saved_under or _filled_in(module, k)))
+        unexpected = sorted(result.unexpected_keys)
+    else:
+        missing = sorted(k for k in set(own) - set(state) if not (ties.get(k, k) in saved_under or _filled_in(module, k)))
+        unexpected = sorted(set(state) - set(own))
+    if archive and unexpected:
+        if missing:  # a tie saved under the name the archive dropped (safetensors' save_model keeps one name)
+            for k in list(missing):
+                twin = next((u for u in unexpected if isinstance(state[u], torch.Tensor) and isinstance(own[k], torch.Tensor)
+                             and state[u].shape == own[k].shape and u.rpartition(".")[2] == k.rpartition(".")[2]), None)
+                if twin is not None and len([u for u in unexpected if u.rpartition(".")[2] == k.rpartition(".")[2]]) == 1:
+                    state = {**state, k: state[twin]}
+                    missing.remove(k)
+                    unexpected.remove(twin)
+        loaded = [state[k] for k in own if k in state and isinstance(state[k], torch.Tensor)]
+        unexpected = [u for u in unexpected if not (u.rpartition(".")[2] == "num_batches_tracked" or (
+            isinstance(state[u], torch.Tensor) and any(t.shape == state[u].shape and t.dtype == state[u].dtype
+                                                       and torch.equal(t, state[u]) for t in loaded)))]
+    tensors = [k for k in own if k in state and isinstance(state[k], torch.Tensor) and isinstance(own[k], torch.Tensor)]
+    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in tensors if state[k].shape != own[k].shape]
+    lossy = [f"{k}: file {state[k].dtype} into model {own[k].dtype} {why}" for k in tensors
              for why in [_lossy(state[k], own[k].dtype)] if why]
     if missing or unexpected or shapes or lossy:
         parts = []

@@ -609,3 +609,26 @@ def test_int_of_a_tensor_is_named_with_the_item_fix():
 
     with pytest.raises(planner.TraceError, match=r"int\(\) of a tensor.*write t\.item\(\) instead"):
         planner.trace(Truncate(), (torch.randn(5, 8),))
+
+
+@pytest.mark.parametrize("flag", ["torch.fx._symbolic_trace.is_fx_tracing()", "torch.compiler.is_compiling()"])
+def test_a_branch_on_being_traced_is_refused_where_export_takes_it(flag):
+    """fx's graph disagrees (or fx fails) and torch.export takes the traced side as well: the batched module was 0.5 off
+    the loop, unchecked."""
+    ns = {"torch": torch, "nn": nn}
+    exec(f'''
+class Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        for _ in range(x.shape[0]):  # a loop over a shape: fx fails
+            y = y + 0
+        if {flag}:
+            return y
+        return y * 2
+''', ns)
+    with pytest.raises(TraceError, match=r"torch.export's graph is not forward\(\).*is_compiling"):
+        planner.trace(ns["Flagged"]().eval(), (torch.randn(3, 8),))

@@ -377,3 +377,214 @@ def test_a_missing_num_batches_tracked_is_excused_only_for_batchnorm():
 
     with pytest.raises(MemberError, match=r"missing \['num_batches_tracked'\]"):
         planner.source.load_member_state(Counter(), {}, "m.pt")
+
+
+RFF_FILE = '''
+import torch
+from torch import nn
+
+class RFF(nn.Module):  # random Fourier features: a fixed random projection, kept out of checkpoints
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("B", torch.randn(2, 16) * 10.0, persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        z = 2 * torch.pi * x @ self.B
+        return self.mlp(torch.cat([z.sin(), z.cos()], -1))
+
+def build_model():
+    return RFF().eval()
+
+def example_inputs():
+    return (torch.rand(8, 2),)
+'''
+
+
+def test_saved_member_weights_load_back_to_the_same_members_with_a_random_non_persistent_buffer(tmp_path):
+    """Members from weight files were built unseeded: their random buffer differed from the saved members', 2.04 off."""
+    path = tmp_path / "rff.py"
+    path.write_text(RFF_FILE)
+    src = planner.load_model_file(path)
+    plan = planner.propose(planner.trace(src.model, src.example_inputs), 3)
+    ens = executor.build(plan, src.members(3))
+    with pytest.warns(UserWarning, match=r"buffers a state_dict does not hold \(B: registered with persistent=False\)"):
+        paths = executor.save_member_weights(ens, tmp_path / "w")
+    again = executor.build(plan, planner.load_model_file(path, weights=paths).members(3))
+    with torch.no_grad():
+        torch.testing.assert_close(again(*src.example_inputs), ens(*src.example_inputs), rtol=0, atol=0)
+
+
+# --- checkpoint layouts as training code leaves them -----------------------------------------------------------------
+
+class TiedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.bn = torch.nn.Embedding(20, 8), torch.nn.BatchNorm1d(8)
+        self.lm_head = torch.nn.Linear(8, 20, bias=False)
+        self.lm_head.weight = self.wte.weight  # nanoGPT's tie
+
+    def forward(self, idx):
+        return self.lm_head(self.bn(self.wte(idx).transpose(1, 2)).transpose(1, 2))
+
+
+TIED_FILE = '''
+import torch
+from torch import nn
+
+class TiedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.bn = nn.Embedding(20, 8), nn.BatchNorm1d(8)
+        self.lm_head = nn.Linear(8, 20, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.bn(self.wte(idx).transpose(1, 2)).transpose(1, 2))
+
+def build_model():
+    return TiedNet().eval()
+
+def example_inputs():
+    return (torch.randint(0, 20, (2, 5)),)
+'''
+
+
+def tied_members(n=2):
+    out = []
+    for i in range(n):
+        torch.manual_seed(i)
+        out.append(TiedNet().eval())
+    return out
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+def test_a_wrapper_prefix_on_every_key_is_taken_off(tmp_path, prefix):
+    """DistributedDataParallel's and torch.compile's state_dicts load as torch's consume_prefix_in_state_dict_if_present
+    makes them (they were refused as missing/unexpected keys, without naming the prefix)."""
+    (tmp_path / "tied.py").write_text(TIED_FILE)
+    members = tied_members()
+    paths = []
+    for i, m in enumerate(members):
+        paths.append(tmp_path / f"m{i}.pt")
+        torch.save({prefix + k: v for k, v in m.state_dict().items()}, paths[-1])
+    for got, want in zip(planner.load_model_file(tmp_path / "tied.py", weights=paths).members(2), members):
+        assert_same_state(got, want)
+
+
+def test_a_training_checkpoint_names_the_entry_holding_the_state_dict(tmp_path):
+    (tmp_path / "tied.py").write_text(TIED_FILE)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": TiedNet().state_dict(), "optimizer": {"state": {}}, "iter_num": 5}, path)
+    with pytest.raises(planner.ModelLoadError, match=r"checkpoint whose 'model' entry holds a state_dict.*\['model'\]"):
+        planner.load_model_file(tmp_path / "tied.py", weights=[path])
+
+
+def test_a_file_with_two_values_for_one_tied_tensor_is_refused(tmp_path):
+    """load_state_dict keeps whichever comes last: the file's wte.weight was dropped without a word."""
+    (tmp_path / "tied.py").write_text(TIED_FILE)
+    state = {k: v.clone() for k, v in TiedNet().state_dict().items()}
+    state["wte.weight"] += 1
+    torch.save(state, tmp_path / "m.pt")
+    with pytest.raises(MemberError, match=r"different values for wte.weight and lm_head.weight, which this model ties"):
+        planner.load_model_file(tmp_path / "tied.py", weights=[tmp_path / "m.pt"]).members(1)
+
+
+def test_a_file_torch_loads_through_a_load_hook_loads(tmp_path):
+    """An old weight_norm checkpoint (weight_g / weight_v) into parametrizations.weight_norm, whose load hook renames
+    the keys: refused as missing and unexpected keys, where torch loads it."""
+    (tmp_path / "wn.py").write_text('''
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = weight_norm(nn.Linear(4, 3))
+
+    def forward(self, x):
+        return self.fc(x)
+
+def build_model():
+    return Net()
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+''')
+    old = torch.nn.utils.weight_norm(torch.nn.Linear(4, 3))
+    paths = []
+    for i in range(2):
+        with torch.no_grad():
+            old.weight_v.add_(i)
+        paths.append(tmp_path / f"m{i}.pt")
+        torch.save({"fc." + k: v.clone() for k, v in old.state_dict().items()}, paths[-1])
+    members = planner.load_model_file(tmp_path / "wn.py", weights=paths).members(2)
+    x = torch.randn(5, 4)
+    for m, path in zip(members, paths):
+        want = torch.nn.utils.weight_norm(torch.nn.Linear(4, 3))
+        want.load_state_dict({k[3:]: v for k, v in torch.load(path).items()})
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), want(x))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("saver", ["torch.save", "safetensors.save_model"])
+def test_an_archive_of_a_tied_model_loads_the_files_saved_from_it(tmp_path, strict, saver):
+    """torch.export keeps one name of a tie (strict) or two Parameters on one memory (non-strict), and drops an unread
+    num_batches_tracked: files of the exact model were refused as missing or unexpected keys."""
+    from safetensors.torch import save_model
+
+    members = tied_members()
+    idx = torch.randint(0, 20, (2, 5))
+    torch.export.save(torch.export.export(members[0], (idx,), strict=strict), str(tmp_path / "m.pt2"))
+    paths = []
+    for i, m in enumerate(members):
+        paths.append(tmp_path / f"m{i}.{'pt' if saver == 'torch.save' else 'safetensors'}")
+        torch.save(m.state_dict(), paths[-1]) if saver == "torch.save" else save_model(m, str(paths[-1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        src = planner.load_source(tmp_path / "m.pt2", weights=paths)
+        plan = planner.propose(planner.trace(src.model, (idx,)), 2)
+        ens = executor.build(plan, src.members(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(idx), torch.stack([m(idx) for m in members]))
+
+
+def test_a_module_with_extra_state_loads_saves_and_reloads(tmp_path):
+    (tmp_path / "xs.py").write_text('''
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def get_extra_state(self):
+        return {"version": 2}
+
+    def set_extra_state(self, state):
+        self.version = state["version"]
+
+    def forward(self, x):
+        return self.fc(x)
+
+def build_model():
+    return Net()
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+''')
+    src = planner.load_model_file(tmp_path / "xs.py")
+    members = src.members(2)
+    paths = []
+    for i, m in enumerate(members):
+        paths.append(tmp_path / f"m{i}.pt")
+        torch.save(m.state_dict(), paths[-1])
+    loaded = planner.load_model_file(tmp_path / "xs.py", weights=paths).members(2)
+    ens = executor.build(planner.propose(planner.trace(src.model, src.example_inputs), 2), loaded)
+    saved = executor.save_member_weights(ens, tmp_path / "out")  # (a raw KeyError '_extra_state' before)
+    again = planner.load_model_file(tmp_path / "xs.py", weights=saved).members(2)
+    for a, b in zip(again, members):
+        torch.testing.assert_close(a.fc.weight, b.fc.weight)
