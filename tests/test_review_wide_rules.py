@@ -177,3 +177,118 @@ def test_wide_batch_norm_refuses_an_input_rank_the_module_refuses():
         torch.testing.assert_close(ens(*example), torch.stack([m(*example) for m in members]), rtol=1e-5, atol=1e-5)
         with pytest.raises(planner.InputError, match="expected 4D input"):
             ens(torch.randn(3, 8, 8))
+
+
+# --- wide on stages the planner excluded, and views kept for writes (a second review) --------------------------------
+
+def _members(cls, n=N, **kw):
+    out = []
+    for i in range(n):
+        torch.manual_seed(i)
+        out.append(cls(**kw).eval())
+    return out
+
+
+class MHANoWeights(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.m, self.o = nn.MultiheadAttention(8, 2, batch_first=True, **kw), nn.Linear(8, 3)
+
+    def forward(self, x):
+        y, _ = self.m(x, x, x, need_weights=False)
+        return self.o(y)
+
+
+@pytest.mark.parametrize("kw", [dict(add_bias_kv=True), dict(add_zero_attn=True)])
+def test_attention_wide_has_no_rule_for_runs_per_member_in_the_default_plan(kw):
+    """vmap refused the module's None weights with a ValueError the fallback did not catch: every call failed."""
+    members = _members(MHANoWeights, **kw)
+    x = torch.randn(2, 5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    ens = executor.build(plan, copy.deepcopy(members))
+    out = ens(x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    for m in members:
+        m(x).sum().backward()
+    torch.testing.assert_close(ens.stacked.m.in_proj_weight.grad, torch.stack([m.m.in_proj_weight.grad for m in members]),
+                               rtol=1e-4, atol=1e-6)
+
+
+class SpectralPaste(nn.Module):
+    """An FNO-style paste of low modes into zeros: writes into slices of a 4-D-per-member value (export graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(1, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = self.a(x)
+        out = torch.zeros(x.shape[0], 3, x.shape[2], x.shape[3])
+        out[:, :, :3, :3] = h[:, :, :3, :3]
+        for _ in range(x.shape[0]):  # (a loop over a shape: torch.export traces it)
+            out = out + 0
+        return out * 1
+
+
+def test_wide_keeps_the_views_a_write_goes_through():
+    """A non-contiguous 5-D value was made dense before each view op: the paste wrote into a copy (1.0 off: zeros)."""
+    members = _members(SpectralPaste)
+    x = torch.randn(2, 1, 8, 8)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    for s in plan.stages:
+        if s.runs_batched:
+            plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    with torch.no_grad():
+        torch.testing.assert_close(executor.build(plan, copy.deepcopy(members))(x), torch.stack([m(x) for m in members]))
+
+
+class SolveShared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 9)
+
+    def forward(self, x):
+        return torch.linalg.solve(self.fc(x).view(-1, 3, 3) + 3 * torch.eye(3), torch.ones(3))
+
+
+class AutocastBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 4)
+
+    @torch.autocast("cpu", dtype=torch.bfloat16)
+    def body(self, x):
+        return F.silu(self.fc1(x)) @ self.fc2.weight.t()
+
+    def forward(self, x):
+        return self.body(x).float() + self.fc2.bias
+
+
+@pytest.mark.parametrize("cls, shape", [(SolveShared, (2, 3)), (AutocastBody, (6, 8))])
+def test_wide_set_by_hand_on_an_excluded_stage_runs_its_unruled_ops_per_member(cls, shape):
+    """vmap, wide's fallback, is what the planner found cannot run them: linalg.solve with a shared right-hand side came
+    out [N, 2, 3, 3] for [N, 2, 3]; an autocast region ran in float32 (5e-3 off)."""
+    members = _members(cls)
+    x = torch.randn(*shape)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    excluded = [s for s in plan.stages if not s.runs_batched]
+    assert excluded
+    for s in excluded:
+        plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    with torch.no_grad():
+        got, want = executor.build(plan, copy.deepcopy(members))(x), torch.stack([m(x) for m in members])
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_set_by_hand_on_an_autocast_region_is_refused_at_build():
+    members = _members(AutocastBody)
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(6, 8),))
+    plan = planner.propose(graph, N)
+    s = next(s for s in plan.stages if not s.runs_batched)
+    plan = planner.set_options(plan, graph, s.id, strategy="compile")
+    with pytest.raises(planner.ExecutionError, match=r"autocast region.*runs without its autocast.*strategy='loop'"):
+        executor.build(plan, members)

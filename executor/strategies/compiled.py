@@ -25,6 +25,7 @@ import torch
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten
 
+from stagewise.planner.capability import _AUTOCAST_TARGETS
 from stagewise.planner.errors import ExecutionError, PlanFileError
 from stagewise.planner.plan import StageOptions
 from stagewise.executor.stages import VmapRunner
@@ -122,6 +123,14 @@ class CompileRunner(VmapRunner):
         self.compile_seconds = 0.0
         self.eager_calls = 0  # calls that ran as plain vmap (training, in-place state, past MAX_SIGNATURES)
         self.mode = compile_mode_of(self.program.stage.options)
+        regions = [n.name for n in module.graph.nodes if n.op == "call_function"
+                   and any(n.target is t for t in _AUTOCAST_TARGETS)]
+        if regions:  # vmap, which compile traces, does not apply autocast: the region would compute in float32
+            raise ExecutionError(
+                f"stage {self.program.stage.id} holds an autocast region (with torch.autocast(...) inside forward()), "
+                "which torch.compile(vmap(...)) runs without its autocast, in another dtype than each "
+                f"member's: run the stage as loop or wide (planner.set_options(plan, graph, {self.program.stage.id!r}, "
+                "strategy='loop'))")
         if self.mode == "reduce-overhead":
             if not all(t.is_cuda for t in self.stacked.values()):
                 raise ExecutionError(f"stage {self.program.stage.id}: compile mode reduce-overhead adds CUDA graphs and "

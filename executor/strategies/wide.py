@@ -36,9 +36,9 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import ExecutionError, PlanFileError
-from stagewise.planner.capability import is_inplace
+from stagewise.planner.capability import ALWAYS_VIEWS, VIEW_NAMES, base_name, is_inplace
 from stagewise.planner.graph import RANDOM_OPS
-from stagewise.planner.plan import StageOptions
+from stagewise.planner.plan import StageMode, StageOptions
 from stagewise.planner.trace_watch import storage_root
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_ops
@@ -155,6 +155,12 @@ class WideRunner(Runner):
         # nodes vmap ran (tried once: no more checks) and nodes it could not run (run once per member from then on)
         self._vmap_ran: set[str] = set()
         self._per_member: set[str] = set()
+        if self.program.stage.mode == StageMode.EXCLUDED:
+            # an excluded stage runs wide for the ops wide has rules for (a GRU, a convolution); vmap, which wide
+            # falls back on for the others, is what the planner found cannot run them (an autocast region it would
+            # run without its autocast, linalg.solve with a shared right-hand side in another shape): each member runs
+            # those, as the loop would
+            self._per_member.update(n.name for n in self._nodes if n.op in ("call_module", "call_function", "call_method"))
         self._program = self._compile_program(gm)
 
     def _linear_group(self, first: str, group: list[str], x: Any) -> Any:
@@ -325,7 +331,7 @@ class WideRunner(Runner):
                     {k: v.detach().clone() for k, v in state.items() if not v.requires_grad}
                 try:
                     out = _vmap_call(lambda st, a, kw: functional_call(mod, st, a, kw, tie_weights=False), state, args, kwargs)
-                except RuntimeError as e:
+                except (RuntimeError, ValueError) as e:
                     if saved is None or not _VMAP_CANNOT.search(str(e)):
                         raise
                     with torch.no_grad():
@@ -352,7 +358,7 @@ class WideRunner(Runner):
             if node.name in self._per_member:
                 return _member_loop(fn, {}, args, kwargs, n, stateless=True)
             try:
-                out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs)
+                out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs, writes=_keeps_operand(node))
             except RuntimeError as e:
                 if node.name in self._vmap_ran or not _VMAP_CANNOT.search(str(e)):
                     raise
@@ -416,11 +422,21 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
     return obj
 
 
-def _vmap_call(fn: Callable, state: dict, args: tuple, kwargs: dict) -> Any:
-    """vmap of one op: batched operands on dim 0, shared ones broadcast."""
+def _keeps_operand(node: torch.fx.Node) -> bool:
+    """The op writes its first operand in place (`out[:, :, :3] = h`) or returns a view of it (`out[:, :, :3]`, to be
+    written later): the operand must stay the value itself, since a write into a dense copy of it is lost."""
+    name = node.target if node.op == "call_method" else base_name(node)
+    return is_inplace(node) or name in VIEW_NAMES or name in ALWAYS_VIEWS
+
+
+def _vmap_call(fn: Callable, state: dict, args: tuple, kwargs: dict, writes: bool = False) -> Any:
+    """vmap of one op: batched operands on dim 0, shared ones broadcast. `writes`: the op writes its first operand in
+    place or views it (_keeps_operand), which must then stay the value itself, not a dense copy of it."""
     unwrap = lambda x: _dense_images(x.t) if is_nf(x) else x  # noqa: E731
     dims = tree_map(lambda x: 0 if is_nf(x) else None, (args, kwargs), is_leaf=is_nf)
     a, kw = tree_map(unwrap, (args, kwargs), is_leaf=is_nf)
+    if writes and args and is_nf(args[0]):
+        a = (args[0].t, *a[1:])
     out = vmap(fn, in_dims=(0 if state else None, dims[0], dims[1]), randomness="error")(state, a, kw)
     return tree_map(lambda t: NFirst(t) if isinstance(t, torch.Tensor) else t, out)
 
@@ -450,7 +466,8 @@ def draws_while_training(module: torch.nn.Module) -> bool:
 
 # vmap errors that say it cannot run the call at all (not that the call is wrong): the member loop stands in
 _VMAP_CANNOT = re.compile(r"[Bb]atching rule not implemented|vmap: .*(\.item\(\)|data-dependent)|"
-                          r"We could not generate a fallback|vmap: called random operation")  # the last: F.dropout & co
+                          r"We could not generate a fallback|vmap: called random operation|"  # F.dropout & co
+                          r"must only return Tensors")  # a module returning None (MultiheadAttention's weights)
 
 
 def _member_loop(mod: Any, state: dict, args: tuple, kwargs: dict, n: int, stateless: bool = False) -> Any:
