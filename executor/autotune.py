@@ -356,7 +356,7 @@ def tuning_start(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]
     """(inputs on `dev`, private copies of the members there, the plan's batched module, its bound inputs,
     the number of candidates). The caller's members are never run (see candidates.private_members)."""
     inputs = on_device(tuple(inputs), dev)
-    members = private_members(list(members), dev)
+    members = private_members(members, dev)
     module = build(plan, members, example_inputs=member_inputs(plan, inputs, 0), device=dev)
     total = sum(len(stage_candidates(p, dev, allowed, budget)) for p in module.programs)
     return inputs, members, module, module.bind_inputs(inputs), total

@@ -44,7 +44,7 @@ from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
 from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
-from stagewise.executor.members import (aliasing_of, check_one_device, copy_member, frozen_apart, written_state, gradient_hooks, shared_across_members,
+from stagewise.executor.members import (aliasing_of, member_list, check_one_device, copy_member, frozen_apart, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes, train_on_copy
@@ -985,7 +985,7 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
     # state stacked inside it would be inference tensors, which no later training call (and no version check) can use
     # (torch.inference_mode(False) turns gradients on: traced with them on, whatever the caller's mode)
     with registration_hooks_off(), torch.inference_mode(False):
-        return _build(plan, list(members), example_inputs, device, check_memory)
+        return _build(plan, member_list(members, "executor.build"), example_inputs, device, check_memory)
 
 
 def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, device: str | torch.device | None,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.plan import StageOptions, Strategy
-from stagewise.executor.members import copy_member, state_device
+from stagewise.executor.members import copy_member, member_list, state_device
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
 from stagewise.executor.strategies.compiled import with_compile_mode
@@ -266,7 +266,7 @@ def private_members(members: Sequence[nn.Module], device: Optional[torch.device]
     as they are (profile hands its copies on to autotune: one copy per call, not two). `who` names the
     caller in the error. MemberError for a member torch cannot copy."""
     out = []
-    for i, m in enumerate(members):
+    for i, m in enumerate(member_list(members, f"executor.{who}")):
         if m in _PRIVATE and _on(m, device):
             out.append(m)
             continue

@@ -7,14 +7,15 @@ between members), and the module tree that holds the stacked tensors under one m
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+import os
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from stagewise.executor.constants import _attr
 from stagewise.planner.errors import MemberError
-from stagewise.planner.snapshot import deepcopy_module
+from stagewise.planner.snapshot import deepcopy_module, state_refusal
 
 
 def copy_member(member: nn.Module, i: int, why: str) -> nn.Module:
@@ -26,6 +27,47 @@ def copy_member(member: nn.Module, i: int, why: str) -> nn.Module:
         raise MemberError(f"member {i} cannot be copied ({type(e).__name__}: {first}); {why}. Models using "
                           "torch.nn.utils.weight_norm can use torch.nn.utils.parametrizations.weight_norm instead; "
                           "otherwise make the module deep-copyable") from e
+
+
+def member_list(members: Any, where: str) -> list[nn.Module]:
+    """`members` as a list of modules; MemberError naming what was given instead and the way to modules: state dicts
+    or file paths (load them), a method not called (`src.members`), one module, a torch.compile / DDP wrapper (its
+    model), a lazy module not yet run, a quantized one."""
+    if isinstance(members, nn.Module):
+        raise MemberError(f"{where} takes the N members as a list of modules, got one {type(members).__name__}: pass "
+                          "[member_0, member_1, ...] (or src.members(n))")
+    if callable(members) and not isinstance(members, (list, tuple)):
+        raise MemberError(f"{where} takes the N members as a list of modules, got {getattr(members, '__qualname__', type(members).__name__)!r}, "
+                          "a function: call it (src.members(n))")
+    try:
+        members = list(members)
+    except TypeError:
+        raise MemberError(f"{where} takes the N members as a list of modules, got a {type(members).__name__}") from None
+    for i, m in enumerate(members):
+        if isinstance(m, nn.Module):
+            inner = getattr(m, "_orig_mod", None) if type(m).__name__ == "OptimizedModule" else \
+                getattr(m, "module", None) if type(m).__name__ in ("DistributedDataParallel", "DataParallel") else None
+            if isinstance(inner, nn.Module):
+                attr = "_orig_mod" if type(m).__name__ == "OptimizedModule" else "module"
+                raise MemberError(f"member {i} is a {type(m).__name__} wrapper: pass the model it wraps (m.{attr}); "
+                                  "stagewise batches the members' own modules (torch.compile the batched module instead)"
+                                  if attr == "_orig_mod" else
+                                  f"member {i} is a {type(m).__name__} wrapper: pass the model it wraps (m.{attr})")
+            refusal = state_refusal(m)
+            if refusal:
+                raise MemberError(f"member {i}: {refusal}")
+            continue
+        if isinstance(m, dict):
+            fix = "load each into a model first (model.load_state_dict(sd)), or planner.load_source(path, weights=files)"
+        elif isinstance(m, (str, bytes, os.PathLike)):
+            fix = "load the weight files with planner.load_source(model_file, weights=files).members(n)"
+        else:
+            fix = "pass nn.Module instances"
+        raise MemberError(f"member {i} is a {type(m).__name__}, not an nn.Module: {where} takes the N members as "
+                          f"modules; {fix}")
+    if not members:
+        raise MemberError(f"{where} was given no members; pass the N member modules")
+    return members
 
 
 def state_device(module: nn.Module) -> torch.device | None:

@@ -154,7 +154,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     started = time.perf_counter()
     dev = resolve_device(device)
     inputs = on_device(tuple(inputs), dev)
-    members = private_members(list(members), dev, "profile")  # the caller's modules are never run
+    members = private_members(members, dev, "profile")  # the caller's modules are never run
     ticks = Ticks(progress, len(plan.stages) + 1 + (2 if baselines else 0) + (1 if baselines and compile_baseline else 0)
                    + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}

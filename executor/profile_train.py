@@ -182,7 +182,7 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     started = time.perf_counter()
     dev = resolve_device(device)
     inputs = on_device(tuple(inputs), dev)
-    members = private_members(list(members), dev, "profile")  # the caller's modules are never run
+    members = private_members(members, dev, "profile")  # the caller's modules are never run
     ticks = Ticks(progress, len(plan.stages) + 2 + (1 if trace_path else 0))
     candidates: dict[str, list[StrategyResult]] = {}
     notes = []

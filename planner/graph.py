@@ -39,7 +39,7 @@ from stagewise.planner.plan import InputSpec
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
-from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, plain_attributes, restore_all  # noqa: F401
+from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, plain_attributes, restore_all, state_refusal  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     storage_root, storage_sharers)
@@ -508,7 +508,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     """
     # copies: the graph runs on them below, and a forward() that writes its inputs in place would write the caller's
     example_inputs = tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
-    refusal = hooks_refusal(model, type(model).__name__) or global_hooks_refusal("the batched module")
+    refusal = hooks_refusal(model, type(model).__name__) or global_hooks_refusal("the batched module") \
+        or state_refusal(model)
     if refusal:
         raise TraceError(refusal)
     opened = resolve_open_modules(model, open_modules)

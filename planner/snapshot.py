@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import hashlib
+import itertools
 import types
 import weakref
 from functools import partial as functools_partial
@@ -180,6 +181,23 @@ def _bytes_digest(v: Any) -> str:
         return hashlib.sha1(v.tobytes()).hexdigest()
     except Exception:  # noqa: BLE001 - an object array: its repr
         return repr(v)
+
+
+def state_refusal(module: nn.Module) -> str | None:
+    """Why stagewise cannot stack `module`'s state, with the fix, or None: a lazy module's parameter not made yet
+    (nn.LazyLinear before its first call), a quantized module's packed weights."""
+    lazy = next((name for name, t in itertools.chain(module.named_parameters(), module.named_buffers())
+                 if isinstance(t, nn.parameter.UninitializedTensorMixin)), None)
+    if lazy is not None:
+        return (f"{type(module).__name__} holds {lazy}, a lazy module's parameter not made yet (nn.LazyLinear & co): "
+                "run the model once on an example input first, which gives it its shapes")
+    quantized = next((name for name, m in module.named_modules()
+                      if type(m).__module__.startswith(("torch.ao.nn.quantized", "torch.nn.quantized"))), None)
+    if quantized is not None:
+        return (f"{type(module).__name__} holds a quantized module ({quantized or '(the model)'}: "
+                f"{type(module.get_submodule(quantized)).__name__}), whose packed weights stagewise cannot stack; "
+                "batch the float model (quantize the members apart, after training)")
+    return None
 
 
 def deepcopy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:

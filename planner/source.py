@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import os
 import hashlib
 import importlib.util
 import io
@@ -32,7 +33,7 @@ from torch import nn
 from stagewise.planner import budget
 from stagewise.planner.errors import MemberError, ModelLoadError, UntrustedArchiveError
 from stagewise.planner.errors import first_line as _first_line
-from stagewise.planner.snapshot import deepcopy_module
+from stagewise.planner.snapshot import deepcopy_module, state_refusal
 
 MEMBER_SEED_BASE = 1234  # member i is built after torch.manual_seed(MEMBER_SEED_BASE + i)
 
@@ -56,6 +57,9 @@ class ModelSource:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise MemberError(f"the number of members must be an integer >= 1, got {n!r}; ask for 1 or more members")
+        refusal = state_refusal(self.model)
+        if refusal:
+            raise MemberError(f"{self.name}: {refusal}")
         budget.check_fits(n, budget.state_bytes(self.model), "cpu", f"building {n} members of {self.name}",
                           "or run the members in smaller groups (plan.with_n_members)", check_memory)
         members = self._build_members(n)
@@ -96,26 +100,58 @@ def _import_file(p: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
     try:
-        spec.loader.exec_module(module)
+        with _importable_beside(p) as package:
+            if package:  # a file in a package: its relative imports (`from .layers import Block`) resolve there
+                module.__package__ = package
+            spec.loader.exec_module(module)
     except SyntaxError as e:
         sys.modules.pop(module_name, None)
         raise ModelLoadError(f"{p.name} has a syntax error at line {e.lineno}: {e.msg}; fix the file and load it again") from None
     except SystemExit as e:  # sys.exit() in a model file must not end the CLI or the app without a word
         sys.modules.pop(module_name, None)
-        raise ModelLoadError(f"{p.name} called sys.exit({e.code!r}) while being imported; "
-                             "remove the exit (guard script code with `if __name__ == '__main__':`)") from None
+        parser = any(f.name == "parse_args" or f.filename.endswith("argparse.py")
+                     for f in traceback.extract_tb(e.__traceback__))
+        raise ModelLoadError(f"{p.name} called sys.exit({e.code!r}) while being imported"
+                             + (" (argparse's parse_args() read stagewise's own command line: call parse_args([]) or "
+                                "parse_known_args(), or build the parser under `if __name__ == '__main__':`)" if parser
+                                else "; remove the exit (guard script code with `if __name__ == '__main__':`)")) from None
     except Exception as e:  # any failure of user code at import time
         sys.modules.pop(module_name, None)
         last = traceback.extract_tb(e.__traceback__)[-1]
+        hint = (" (a relative import needs the file's folder to be a package: add an __init__.py beside it)"
+                if isinstance(e, ImportError) and "no known parent package" in str(e) else "")
         raise ModelLoadError(
-            f"{p.name} failed to import: {type(e).__name__}: {e} (line {last.lineno}); fix the file and load it again"
+            f"{p.name} failed to import: {type(e).__name__}: {e} (line {last.lineno}){hint}; fix the file and load it again"
         ) from None
     return module
 
 
+@contextlib.contextmanager
+def _importable_beside(p: Path):
+    """What `python path/model.py` (or `python -m` from the working folder) can import, importable while the file
+    runs: its own folder (`from layers import Block`), the working folder (`from mypkg.layers import ...`, minGPT's
+    layout) and, for a file in a package (folders with __init__.py), the folder above the package, whose dotted name
+    it yields (None for a plain folder)."""
+    folder = p.resolve().parent
+    parts, root = [], folder
+    while (root / "__init__.py").is_file() and root.parent != root:
+        parts.insert(0, root.name)
+        root = root.parent
+    wanted = [str(folder), os.getcwd()] + ([str(root)] if parts else [])
+    added = [d for d in dict.fromkeys(wanted) if d not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield ".".join(parts) or None
+    finally:
+        for d in added:
+            if d in sys.path:
+                sys.path.remove(d)
+
+
 def _call_user(p: Path, fn_name: str, fn: Callable, *args):
     try:
-        return fn(*args)
+        with _importable_beside(p):  # (a function importing lazily, inside build_model())
+            return fn(*args)
     except SystemExit as e:  # a model function calling sys.exit() must not end the CLI silently
         raise ModelLoadError(f"{p.name}: {fn_name}() called sys.exit({e.code!r}); return a value from {fn_name}() instead") from None
     except Exception as e:  # user code: report which function failed
@@ -167,7 +203,14 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
                 out = []
                 for i in range(n):
                     torch.manual_seed(MEMBER_SEED_BASE + i)
-                    out.append(_call_user(p, "build_model", module.build_model))
+                    made = _call_user(p, "build_model", module.build_model)
+                    again = next((j for j, m in enumerate(out) if m is made), None)
+                    if again is not None:  # N members would be one model: trained, the loop would train it N times
+                        raise ModelLoadError(
+                            f"{p.name}: build_model() returned the same module object for members {again} and {i} (a "
+                            "module-level `model = ...` returned each time): members must be models of their own; make "
+                            "a new model in each call")
+                    out.append(made)
                 return out
             finally:
                 torch.random.set_rng_state(state)

@@ -207,3 +207,48 @@ def test_unreadable_weight_file_error_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match="junk.pt could not be read") as info:
         planner.read_state_dict(junk)
     assert "\n" not in str(info.value)
+
+
+# --- model files as people lay them out ------------------------------------------------------------------------------
+
+BLOCK = "import torch\n\nclass Block(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n" \
+        "        self.l = torch.nn.Linear(4, 4)\n\n    def forward(self, x):\n        return self.l(x)\n"
+USES = "import torch\n{imp}\n\ndef build_model():\n    return Block()\n\ndef example_inputs():\n    return (torch.randn(2, 4),)\n"
+
+
+@pytest.mark.parametrize("layout, imp", [
+    ("sibling", "from layers import Block"),  # `python model.py` finds its folder's modules
+    ("package", "from .layers import Block"),  # a file in a package, relative import
+    ("package", "from mypkg.layers import Block"),  # minGPT's layout, from the repo root
+])
+def test_a_model_file_imports_what_python_would_import_from_it(tmp_path, monkeypatch, layout, imp):
+    """Refused as 'No module named ...' / 'no known parent package' where Python runs the file."""
+    folder = tmp_path / "mypkg"
+    folder.mkdir()
+    if layout == "package":
+        (folder / "__init__.py").write_text("")
+    (folder / "layers.py").write_text(BLOCK)
+    (folder / "model.py").write_text(USES.format(imp=imp))
+    monkeypatch.chdir(tmp_path)
+    for name in [m for m in list(__import__("sys").modules) if m == "layers" or m.startswith("mypkg")]:
+        monkeypatch.delitem(__import__("sys").modules, name)
+    before = list(__import__("sys").path)
+    members = planner.load_model_file("mypkg/model.py").members(2)
+    assert len(members) == 2 and members[0] is not members[1]
+    assert __import__("sys").path == before  # (put back as it was)
+
+
+def test_a_module_level_model_returned_by_build_model_is_refused(write_model):
+    """N members were one object: trained, the loop trains it N times (weight files each loaded into it in turn)."""
+    path = write_model("import torch\nmodel = torch.nn.Linear(4, 2)\n\ndef build_model():\n    return model\n\n"
+                       "def example_inputs():\n    return (torch.randn(2, 4),)\n")
+    with pytest.raises(ModelLoadError, match=r"same module object for members 0 and 1.*new model in each call"):
+        planner.load_model_file(path).members(3)
+
+
+def test_argparse_at_import_is_named(write_model, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["stagewise", "plan", "model.py", "-n", "2"])
+    path = write_model("import argparse, torch\nargs = argparse.ArgumentParser().parse_args()\n\n"
+                       "def build_model():\n    return torch.nn.Linear(4, 2)\n\ndef example_inputs():\n    return (torch.randn(2, 4),)\n")
+    with pytest.raises(ModelLoadError, match=r"parse_args\(\) read stagewise's own command line"):
+        planner.load_model_file(path)
