@@ -87,7 +87,9 @@ def grads_check(ref: list, n: int) -> Callable[[list], float]:
 
 def _rows(grads: list, n: int) -> list:
     """(the [N, ...] gradients as one [N, total] tensor, the rest as rows of their own)."""
-    stacked = [g.reshape(n, -1).float() for g in grads if g.dim() and g.shape[0] == n]
+    # (a complex gradient as its (real, imaginary) pairs: .float() would keep its real part alone)
+    stacked = [(torch.view_as_real(g.resolve_conj()) if g.is_complex() else g).reshape(n, -1).float()
+               for g in grads if g.dim() and g.shape[0] == n]
     rest = [g.reshape(1, -1) for g in grads if not (g.dim() and g.shape[0] == n)]
     return [torch.cat(stacked, dim=1) if stacked else torch.zeros(n, 0)] + rest
 

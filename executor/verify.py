@@ -527,9 +527,9 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
         want = [m(*member_inputs(plan, fresh(inputs), i)) for i, m in enumerate(members)]
     want_leaves = [[x for x in tree_flatten(w)[0] if isinstance(x, torch.Tensor)] for w in want]
     generator = torch.Generator().manual_seed(seed)
-    recorded = [any(leaves[j].requires_grad and leaves[j].is_floating_point() for leaves in want_leaves)
-                for j in range(len(want_leaves[0]) if want_leaves else 0)]
-    weights = [torch.randn((len(members), *want_leaves[0][j].shape), generator=generator, dtype=torch.float64)
+    recorded = [any(leaves[j].requires_grad and (leaves[j].is_floating_point() or leaves[j].is_complex())
+                    for leaves in want_leaves) for j in range(len(want_leaves[0]) if want_leaves else 0)]
+    weights = [torch.randn((len(members), *_real64(want_leaves[0][j]).shape), generator=generator, dtype=torch.float64)
                if r else None for j, r in enumerate(recorded)]  # N-first, as the batched module's outputs
     try:
         with same_draws(seed):
@@ -545,7 +545,7 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
         if not any(w is not None for w in weights):
             report.notes.append("gradients not compared: no output of the loop records gradients")
             return
-        terms = [(g.double() * w.to(g.device)).sum() for g, w in zip(got_leaves, weights) if w is not None and g.requires_grad]
+        terms = [(_real64(g) * w.to(g.device)).sum() for g, w in zip(got_leaves, weights) if w is not None and g.requires_grad]
         got_grads = torch.autograd.grad(sum(terms), [p for _, p in params], allow_unused=True) if terms else [None] * len(params)
     except Exception as e:  # noqa: BLE001 - the batched module failing in training is this check's finding
         report.gradients.append(ErrorRow(f"gradients: {type(e).__name__}: {_first_line(e)}", float("inf"), float("inf"), False))
@@ -554,13 +554,13 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
     for i, (m, leaves) in enumerate(zip(members, want_leaves)):
         own = dict(m.named_parameters(remove_duplicate=False))
         targets = [own.get(name) for name, _ in params]
-        terms = [(x.double() * w[i].to(x.device)).sum() for x, w in zip(leaves, weights) if w is not None and x.requires_grad]
+        terms = [(_real64(x) * w[i].to(x.device)).sum() for x, w in zip(leaves, weights) if w is not None and x.requires_grad]
         found = [t for t in targets if t is not None and t.requires_grad]
         grads_i = dict(zip(map(id, found), torch.autograd.grad(sum(terms), found, allow_unused=True))) if found and terms else {}
         per_member.append([None if t is None else grads_i.get(id(t)) for t in targets])
     # a member's scale: its whole gradient's norm (a gradient that is zero in exact arithmetic, a key bias under
     # softmax, comes out as rounding noise: measured against the member's scale, not its own)
-    scales = [math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads if g is not None)) for grads in per_member]
+    scales = [math.sqrt(sum(float(_real64(g).norm()) ** 2 for g in grads if g is not None)) for grads in per_member]
     # that noise is the plan's precision's: a bfloat16 plan's is about 3e-3 of the member's scale, float32's far below 1e-3
     floor = max(1e-3, 2 * torch.finfo(LOW_PRECISION_DTYPES[plan.dtype]).eps) if plan.dtype in LOW_PRECISION_DTYPES else 1e-3
     for k, (name, p) in enumerate(params):
@@ -569,12 +569,19 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
             continue
         worst_abs = worst_rel = 0.0
         for i, grads in enumerate(per_member):  # a missing gradient is a zero one (torch leaves it None)
-            g = got_grads[k][i].detach().double().cpu() if got_grads[k] is not None else torch.zeros(p.shape[1:], dtype=torch.float64)
-            w = grads[k].detach().double().cpu() if grads[k] is not None else torch.zeros_like(g)
+            g = _real64(got_grads[k][i].detach()).cpu() if got_grads[k] is not None else \
+                _real64(torch.zeros(p.shape[1:], dtype=p.dtype))
+            w = _real64(grads[k].detach()).cpu() if grads[k] is not None else torch.zeros_like(g)
             diff = float((g - w).norm())
             scale = max(float(w.norm()), floor * scales[i], 1e-30)
             worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / scale)
         report.gradients.append(ErrorRow(name, worst_abs, worst_rel, worst_rel <= rtol))
+
+
+def _real64(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float64, a complex tensor as its (real, imaginary) pairs: `.double()` of a complex tensor keeps the real
+    part alone, so a gradient wrong only in its imaginary part would compare equal."""
+    return torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double()
 
 
 def _note_alike_members(report: VerifyReport, outputs: list[Any], rtol: float) -> None:

@@ -323,3 +323,42 @@ def test_verify_state_near_zero_by_cancellation_is_a_match():
             m(x)
     V._compare_state(report, module, members, before, 1e-4)
     assert {r.name for r in report.state} >= {"act_mean", "bn.running_mean"} and report.ok, report.to_text()
+
+
+class Spectral(torch.nn.Module):
+    """An FNO-style layer: complex weights on the low Fourier modes."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 5, dtype=torch.cfloat) * 0.3)
+
+    def forward(self, x):
+        return torch.fft.irfft(torch.fft.rfft(x) * self.w, n=x.shape[-1])
+
+
+def test_verify_and_the_stage_check_see_the_imaginary_part_of_a_gradient(monkeypatch):
+    """`.double()` of a complex gradient kept its real part: a gradient conjugated (wrong only in its imaginary part)
+    compared equal."""
+    import importlib
+
+    verify_module = importlib.import_module("stagewise.executor.verify")
+    from stagewise.executor.stage_grads import grads_check
+
+    torch.manual_seed(0)
+    members = [Spectral() for _ in range(3)]
+    x = torch.randn(2, 4, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), 3)
+    assert executor.verify(plan, members, (x,), grads=True).ok
+    built = verify_module.build
+
+    def conjugating(*args, **kwargs):
+        module = built(*args, **kwargs)
+        for _, p in module.named_stacked_parameters():
+            p.register_hook(lambda g: g.conj())
+        return module
+
+    monkeypatch.setattr(verify_module, "build", conjugating)
+    report = executor.verify(plan, members, (x,), grads=True)
+    assert not report.ok and any(not row.ok for row in report.gradients)
+    g = torch.randn(3, 4, 5, dtype=torch.cfloat)
+    assert grads_check([g], 3)([g.conj()]) > 0.5
