@@ -163,8 +163,10 @@ def fresh(inputs: Sequence[Any]) -> tuple:
 
 
 def member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
-    """Member i's inputs: shared ones as given, per_member ones indexed [i]."""
-    return tuple(x[i] if spec.mode is InputMode.PER_MEMBER else x for spec, x in zip(plan.inputs, inputs))
+    """Member i's inputs: shared ones as given, per_member ones indexed [i] (a Python number input, given as an [N]
+    tensor, as the Python number it was traced as)."""
+    return tuple((x[i].item() if spec.dtype in ("int", "float") and isinstance(x, torch.Tensor) else x[i])
+                 if spec.mode is InputMode.PER_MEMBER else x for spec, x in zip(plan.inputs, inputs))
 
 
 # whether verify's calls run with gradients on: for a module that refuses calls with them off (forward() branches on
@@ -690,8 +692,16 @@ def batched_inputs(plan: Plan, example_inputs: Sequence[Any], seed: int = 0) -> 
             if x.is_floating_point():
                 noise = torch.randn((plan.n_members, *x.shape), generator=gen, dtype=x.dtype)
                 out.append(x.unsqueeze(0) + 0.1 * noise.to(x.device) * (x.abs().mean() + 1e-3))
+            elif x.dim() and x.shape[-1] > 1:
+                # token ids, masks: each member its own rows, rolled along the last dim (the values stay valid: ids
+                # in the vocabulary, a row's count of True), so that members mixed up do not match by accident
+                out.append(torch.stack([x.roll(i, dims=-1) for i in range(plan.n_members)]))
             else:
                 out.append(x.unsqueeze(0).expand(plan.n_members, *x.shape).clone())
+        elif spec.mode is InputMode.PER_MEMBER and isinstance(x, (int, float)) and not isinstance(x, bool):
+            # a Python number per member (a temperature) goes in as an [N] tensor, each member's own
+            values = [x * (1 + 0.1 * i) if isinstance(x, float) else x for i in range(plan.n_members)]
+            out.append(torch.tensor(values, dtype=torch.float64 if isinstance(x, float) else torch.int64))
         else:
             out.append(x)
     return tuple(out)

@@ -362,3 +362,32 @@ def test_verify_and_the_stage_check_see_the_imaginary_part_of_a_gradient(monkeyp
     assert not report.ok and any(not row.ok for row in report.gradients)
     g = torch.randn(3, 4, 5, dtype=torch.cfloat)
     assert grads_check([g], 3)([g.conj()]) > 0.5
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale: float):
+        return self.fc(x) * scale
+
+
+def test_a_python_number_planned_per_member_is_verified_as_an_n_vector():
+    """batched_inputs passed the number on as it was and member_inputs indexed it: a raw TypeError in verify, run and
+    profile."""
+    torch.manual_seed(0)
+    members = [Scaled() for _ in range(2)]
+    example = (torch.randn(4, 8), 0.5)
+    plan = planner.propose(planner.trace(members[0], example), 2, input_mode={"scale": "per_member"})
+    inputs = executor.batched_inputs(plan, example)
+    assert inputs[1].shape == (2,) and inputs[1][0] != inputs[1][1]
+    assert executor.verify(plan, members, inputs, grads=True).ok
+
+
+def test_integer_per_member_inputs_differ_per_member():
+    """Token ids per member were N copies of one row: a plan feeding member i another member's ids matched."""
+    plan = planner.propose(planner.trace(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2, 3]]),)), 3,
+                           input_mode="per_member")
+    ids = executor.batched_inputs(plan, (torch.tensor([[1, 2, 3]]),))[0]
+    assert ids.shape == (3, 1, 3) and len({tuple(r.flatten().tolist()) for r in ids}) == 3
