@@ -125,6 +125,10 @@ _LOW_PRECISION_TROUBLE = re.compile(r"dtype (BFloat16|Half)\b|not implemented fo
 _MIXED_DTYPES = re.compile(r"dtype mismatch|same dtype|Expected: Float, Got|mixed dtype|expected scalar type|"
                            r"expected m1 and m2|found at least two|float != c10::(BFloat16|Half)|(BFloat16|Half) != float|"
                            r"Input type \(float\) and bias type \(c10::(BFloat16|Half)\)", re.I)
+# vmap's own refusals of an op (not of its operands' shapes): a data-dependent output shape, a host read
+_VMAP_REFUSED = re.compile(r"vmap: We do not support batching operators that can output dynamic shape|"
+                           r"vmap: It looks like you're calling \.item\(\)|vmap: It looks like you're attempting to use a "
+                           r"Tensor in some data-dependent control flow")
 _INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
 
 
@@ -813,6 +817,12 @@ class BatchedModule(nn.Module):
             return e
         if not _INPUT_TROUBLE.search(str(e.__cause__)):  # e.g. no batching rule for a module's configuration
             return e
+        if _VMAP_REFUSED.search(str(e.__cause__)):  # not the inputs: an op vmap cannot run, in a stage marked batched
+            return ExecutionError(
+                f"{str(e).split('; stage inputs were')[0]}: vmap cannot run an op of this stage whatever the inputs. "
+                "The planner excludes such ops from batched stages; a plan edited by hand may have put one there "
+                f"(planner.validate(plan, planner.trace(model, example_inputs)) names it): run it as a loop, "
+                f"planner.exclude(plan, graph, {program.stage.id!r}), or re-plan")
         return InputError(f"{e}. The stage reads model input(s) {read}; check they are shaped like example_inputs() "
                           "(per_member ones with a leading [N] axis)")
 

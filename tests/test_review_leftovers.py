@@ -657,3 +657,17 @@ def test_an_export_graph_of_a_tying_member_refuses_members_that_do_not_tie():
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (idx,)), N)
     with torch.no_grad():
         torch.testing.assert_close(executor.build(plan, members)(idx), torch.stack([m(idx) for m in members]))
+
+
+def test_a_hand_edited_plan_batching_a_value_shaped_op_is_not_blamed_on_the_inputs():
+    """The call raised InputError 'check they are shaped like example_inputs()' for inputs shaped as traced."""
+    torch.manual_seed(0)
+    members = [WhereMoE() for _ in range(N)]
+    x = torch.randn(2, 5, 8)
+    data = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N).to_json()
+    data["stages"] = [{"id": "s0", "nodes": [n for s in data["stages"] for n in s["nodes"]], "mode": "batched"}]
+    ens = executor.build(planner.Plan.from_json(data), members)
+    with pytest.raises(planner.ExecutionError, match=r"vmap cannot run an op of this stage whatever the inputs.*"
+                                                     r"planner.validate.*planner.exclude\(plan, graph, 's0'\)") as caught:
+        ens(x)
+    assert not isinstance(caught.value, planner.InputError)
