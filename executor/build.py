@@ -1026,6 +1026,12 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
         if other.fingerprint == plan.fingerprint:
             graph, traced_with_grad, reads = other, False, reads_off
     if graph.fingerprint != plan.fingerprint:
+        cast = {str(p.dtype).removeprefix("torch.") for p in members[0].parameters() if p.is_floating_point()}
+        if plan.dtype in LOW_PRECISION and cast == {plan.dtype}:
+            raise PlanMismatchError(
+                f"these members are in {plan.dtype} already, and the plan ({plan.dtype} by planner.set_dtype) was made "
+                f"from float32 ones: the batched module casts float32 members to {plan.dtype} itself. Pass the float32 "
+                f"members, or plan from the {plan.dtype} members as they are")
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
             f"({_first_difference(plan, graph)}); the plan was made for another model, or for this one by an earlier "

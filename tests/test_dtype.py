@@ -651,3 +651,12 @@ def test_a_low_precision_plan_built_in_eval_says_it_when_trained():
         warnings.simplefilter("error")
         ens.eval()
         ens.train()  # once
+
+
+def test_members_already_in_the_plans_low_precision_are_named_with_the_fix():
+    """A 'made for another model, re-plan' refusal before: the plan casts float32 members itself."""
+    members = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)) for _ in range(2)]
+    x = torch.randn(3, 4)
+    plan = planner.set_dtype(planner.propose(planner.trace(members[0], (x,)), 2), "bfloat16")
+    with pytest.raises(planner.PlanMismatchError, match=r"in bfloat16 already.*Pass the float32 members"):
+        executor.build(plan, [m.bfloat16() for m in members])
