@@ -188,11 +188,18 @@ def hook_configs(model: nn.Module) -> tuple:
 def hooks_refusal(model: nn.Module, who: str) -> str | None:
     """The message refusing `model`'s hooks (module_hooks), torch.jit-scripted submodules, or a forward / __call__
     the trace cannot see (call_override_refusal), or None when it has none of them."""
+    compiled = [path for path, mod in model.named_modules() if path and type(mod).__name__ == "OptimizedModule"
+                and isinstance(getattr(mod, "_orig_mod", None), nn.Module)]
+    if compiled:
+        return (f"{who} holds torch.compile'd submodule(s) {', '.join(repr(p) for p in compiled[:3])}: stagewise traces "
+                "and batches the plain modules. Build the members with the modules before compiling (set "
+                f"m.{compiled[0]} = m.{compiled[0]}._orig_mod), and torch.compile the batched module instead")
     scripted = [path for path, mod in model.named_modules() if path and isinstance(mod, torch.jit.ScriptModule)]
     if scripted:
-        return (f"{who} holds torch.jit-scripted submodule(s) {', '.join(repr(p) for p in scripted[:3])}: a scripted module "
-                "runs its own compiled copy of the weights, so each member's weights cannot be put in for it "
-                "(every member would run member 0's); build the members from the plain nn.Modules, without torch.jit.script")
+        return (f"{who} holds torch.jit-scripted or -traced submodule(s) {', '.join(repr(p) for p in scripted[:3])}: such "
+                "a module runs its own compiled copy of the weights, so each member's weights cannot be put in for it "
+                "(every member would run member 0's); build the members from the plain nn.Modules, without "
+                "torch.jit.script / torch.jit.trace")
     overridden = call_override_refusal(model, who)
     if overridden:
         return overridden

@@ -71,3 +71,17 @@ def test_such_a_model_is_refused_at_trace_too(case):
     with pytest.raises(planner.TraceError, match=r"quantized module \(fc1: Linear\)" if case == "quantized members"
                        else r"lazy modules not yet initialised"):
         planner.trace(model, (X,))
+
+
+def test_a_compiled_submodule_is_named_with_its_plain_module():
+    """Refused as 'forward replaced on the instance' with a subclass fix that does not fit."""
+    class WithCompiled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.compile(MLP())
+
+        def forward(self, x):
+            return self.block(x)
+
+    with pytest.raises(planner.TraceError, match=r"torch.compile'd submodule\(s\) 'block'.*m\.block = m\.block\._orig_mod"):
+        planner.trace(WithCompiled(), (X,))

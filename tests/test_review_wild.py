@@ -223,7 +223,7 @@ def test_old_spectral_norm_settings_must_agree():
 
 
 def test_scripted_submodules_are_refused():
-    with pytest.raises(planner.TraceError, match=r"torch.jit-scripted submodule\(s\) 'a'.*without torch.jit.script"):
+    with pytest.raises(planner.TraceError, match=r"torch.jit-scripted or -traced submodule\(s\) 'a'.*without torch.jit.script"):
         planner.trace(W.Scripted(), (torch.randn(5, 4),))
 
 
