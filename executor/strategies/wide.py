@@ -70,6 +70,18 @@ def _method(name: str) -> Callable:
     return lambda self, *args, **kwargs: getattr(self, name)(*args, **kwargs)
 
 
+# why the planner excludes a node where vmap still runs it right (its reason's start, or a phrase in it): through
+# vmap's slow per-member fallback, or because of what it writes (wide hands the stage [N, ...] copies of those)
+_VMAP_SAFE_REASONS = ("no batching rule for", "in-place update of buffer", "makes a tensor from sizes alone")
+
+
+def _vmap_unsafe(reason: str) -> bool:
+    """Whether an excluded stage's reason (parts joined by "; " where stages merged) holds one where vmap would not
+    run the node as each member does (or not at all): anything but the reasons in _VMAP_SAFE_REASONS, an exclusion
+    by the user included (its reason is unknown)."""
+    return any(not any(safe in part for safe in _VMAP_SAFE_REASONS) for part in reason.split("; ") if part) or not reason
+
+
 def wide_rule_gaps(program: StageProgram) -> list[str]:
     """Nodes of the stage that have no wide rule (they would run under vmap of the single op)."""
     gaps = []
@@ -155,10 +167,10 @@ class WideRunner(Runner):
         # nodes vmap ran (tried once: no more checks) and nodes it could not run (run once per member from then on)
         self._vmap_ran: set[str] = set()
         self._per_member: set[str] = set()
-        if self.program.stage.mode == StageMode.EXCLUDED:
-            # an excluded stage runs wide for the ops wide has rules for (a GRU, a convolution); vmap, which wide
-            # falls back on for the others, is what the planner found cannot run them (an autocast region it would
-            # run without its autocast, linalg.solve with a shared right-hand side in another shape): each member runs
+        if self.program.stage.mode == StageMode.EXCLUDED and _vmap_unsafe(self.program.stage.reason):
+            # an excluded stage runs wide for the ops wide has rules for (a GRU, a convolution); where the planner
+            # found vmap, which wide falls back on for the others, cannot run them (an autocast region it would run
+            # without its autocast, linalg.solve with a shared right-hand side in another shape), each member runs
             # those, as the loop would
             self._per_member.update(n.name for n in self._nodes if n.op in ("call_module", "call_function", "call_method"))
         self._program = self._compile_program(gm)
