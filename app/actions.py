@@ -104,7 +104,13 @@ def exclude_selected(plan: Plan, graph: Any, selection: Sequence[str], whole_sta
     single node, or a group that cannot be split off, is carved out node by node.
     """
     if whole_stages:
-        return _mode_edit(plan, graph, selection, True, planner.exclude, "exclude")
+        targets = stages_touched(plan, selection)
+        done = [sid for sid in targets if not _excludable(plan.stage(sid))]
+        if targets and len(done) == len(targets):
+            raise EditError(f"exclude: {', '.join(done)} {'is' if len(done) == 1 else 'are'} excluded already "
+                            "and run as the member loop; Include batches a stage again")
+        return _mode_edit(plan, graph, [sid for sid in targets if sid not in done] or selection, True,
+                          planner.exclude, "exclude")
     stages, nodes = split_selection(plan, selection)
     nodes = [n for n in nodes if stage_of_node(plan, n) is not None]
     if not stages and not nodes:
@@ -123,15 +129,23 @@ def exclude_selected(plan: Plan, graph: Any, selection: Sequence[str], whole_sta
             except EditError:  # not a convex part: carve node by node below
                 pass
         if len(group) == len(new.stage(sid).nodes):
-            new = planner.exclude(new, graph, sid) if new.stage(sid).mode.value == "batched" else new
+            new = planner.exclude(new, graph, sid) if _excludable(new.stage(sid)) else new
             continue
         for n in group:
-            new = planner.exclude(new, graph, n) if new.stage_of(n).mode.value == "batched" else new
+            new = planner.exclude(new, graph, n) if _excludable(new.stage_of(n)) else new
     for sid in stages:
-        new = planner.exclude(new, graph, new.stage_of(_anchor(plan, sid)).id)
+        s = new.stage_of(_anchor(plan, sid))
+        new = planner.exclude(new, graph, s.id) if _excludable(s) else new
     if new == plan:
-        raise EditError(f"exclude: {', '.join(nodes)} {'is' if len(nodes) == 1 else 'are'} excluded already")
+        named = nodes + stages
+        raise EditError(f"exclude: {', '.join(named)} {'is' if len(named) == 1 else 'are'} excluded already "
+                        "and run as the member loop; Include batches a stage again")
     return f"exclude {', '.join(nodes + stages)}", new
+
+
+def _excludable(stage: Any) -> bool:
+    """Whether exclude changes the stage: it is batched, or excluded but still runs batched (wide, compile)."""
+    return stage.mode is StageMode.BATCHED or stage.runs_batched
 
 
 def looped_nodes(old: Plan, new: Plan) -> list[str]:

@@ -30,12 +30,42 @@ def _svg(dot: str) -> bytes | None:
     return dot_to_svg(dot)
 
 
+def import_problem(plan: planner.Plan, graph, ref: state.ModelRef) -> str | None:
+    """Why `plan` cannot be imported for the open model, said in app actions; None when validate may judge it.
+
+    planner.validate names the command-line fix (re-plan with `stagewise plan`); in the app the fix is
+    opening the right model or modules, or loading as many weight files as the plan has members.
+    """
+    if tuple(plan.opened_modules) != tuple(graph.opened_modules):
+        opened = ", ".join(plan.opened_modules) or "none"
+        return (f"the plan is for the model traced with leaf modules opened ({opened}), and {ref.name} is open with "
+                f"{', '.join(graph.opened_modules) or 'none'} opened; open the same modules under 'Leaf modules' "
+                "on the Plan page (or close them there), then import the plan again")
+    if plan.fingerprint != graph.fingerprint:
+        made_for = f" ({plan.model})" if plan.model else ""
+        return (f"the plan was made for another model or architecture{made_for}: its fingerprint {plan.fingerprint} "
+                f"is not {ref.name}'s {graph.fingerprint}; open that model on the Model page, then import the plan again")
+    if ref.weights and plan.n_members != len(ref.weights):  # the rule model_page._set_n applies to N
+        return (f"the plan is for N={plan.n_members} members, but {len(ref.weights)} weight files are loaded, so N is "
+                f"{len(ref.weights)}; import a plan for N={len(ref.weights)}, or upload {plan.n_members} weight files "
+                "(one per member) on the Model page first")
+    return None
+
+
 def _import_plan() -> None:
     up = st.session_state.get("plan_upload")
-    m, h = state.current(), state.history()
-    if up is None or m is None or h is None:
+    m, h, ref = state.current(), state.history(), state.model_ref()
+    if up is None or m is None or h is None or ref is None:
         return
-    result = state.guarded(f"importing {up.name}", lambda: planner.validate(planner.Plan.loads(up.getvalue().decode("utf-8", "replace"), source=up.name), m.graph))
+    what = f"importing {up.name}"
+    plan = state.guarded(what, lambda: planner.Plan.loads(up.getvalue(), source=up.name))  # bytes: a bad byte is named
+    if plan is None:
+        return
+    problem = import_problem(plan, m.graph, ref)
+    if problem:
+        state.flash("error", f"{what}: {problem}")
+        return
+    result = state.guarded(what, lambda: planner.validate(plan, m.graph))
     if result is not None:
         state.commit(f"import {up.name}", result)
 

@@ -20,7 +20,10 @@ def autosave_offer_ui() -> None:
     if rec is None:
         return
     with st.container(border=True):
-        st.info(f"An autosaved plan exists: {rec.describe()}. Restore it?")
+        if st.session_state.get("autosave_offer_here"):  # found when this model was opened (state.open_model)
+            st.info(f"An autosaved plan exists for this model: {rec.describe()}. Restore it (one undoable step)?")
+        else:
+            st.info(f"An autosaved plan exists: {rec.describe()}. Restore it?")
         c = st.columns([1, 1, 6])
         c[0].button("Restore", on_click=state.restore_autosave, type="primary", key="restore_autosave")
         c[1].button("Dismiss", on_click=state.dismiss_autosave, key="dismiss_autosave")

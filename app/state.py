@@ -27,7 +27,7 @@ from stagewise.app import autosave, jobs
 from stagewise.app import graph_view as gv
 from stagewise.app.history import History
 from stagewise.app.launch import LOCAL_HOSTS, MODEL_ENV, NO_TOKEN_ENV, OPEN_ENV, REPO_ROOT, TOKEN_ENV
-from stagewise.planner.errors import StagewiseError
+from stagewise.planner.errors import PlanMismatchError, StagewiseError
 from stagewise.planner.plan import Plan
 
 SAMPLES_DIR = REPO_ROOT / "sample_models"
@@ -347,7 +347,11 @@ def guarded(what: str, fn: Callable[[], Any]) -> Any:
 def open_model(ref: ModelRef, n_members: int, input_mode: Any = "shared", *, save: bool = True) -> bool:
     """Load, trace and propose for `ref`; on error keep the previous model and plan. Returns success.
 
-    save=False (the model the app opens on) leaves an existing autosave alone until the user edits.
+    The user's edited plan is never thrown away by opening a model: an autosave holding work (edits,
+    a profile report) is not overwritten until the first edit of the new model, and then it is kept
+    beside the new one (autosave's "earlier"). When the file holds an edited plan for the model just
+    opened (the same fingerprint: opened again, or uploaded again after its file moved), it is offered
+    back. save=False (the model the app opens on) leaves the autosave alone until the user edits.
     """
     ref = _pin_trust(ref)
 
@@ -364,9 +368,48 @@ def open_model(ref: ModelRef, n_members: int, input_mode: Any = "shared", *, sav
         return False
     m, proposed = result
     _install(ref, History.start(proposed), m.data)
-    if save:
+    _offer_saved_plan_here()
+    if save and not _autosave_holds_work():
         save_autosave()
     return True
+
+
+def _autosave_holds_work() -> bool:
+    """Whether the latest autosave holds work a fresh proposal must not overwrite (a damaged file counts:
+    it is left for the user to look at, and the first edit replaces it as before)."""
+    try:
+        rec = autosave.load()
+    except StagewiseError:
+        return True
+    return rec is not None and rec.edited
+
+
+def _offer_saved_plan_here() -> None:
+    """After opening a model: offer the autosaved edited plan of this model (same fingerprint), if any.
+
+    An autosave that equals the plan just opened except for its profile report gives the report back
+    (attached to the plan) instead of an offer. An offer made for the previous model is dropped: its
+    Restore would apply it to this one.
+    """
+    if ss().get("autosave_offer_here"):
+        ss().autosave_offer, ss().autosave_offer_here = None, False
+    h = history()
+    if h is None:
+        return
+    rec = autosave.saved_for(h.present.fingerprint)
+    if rec is None:
+        return
+    if _without_profile(rec.plan) == _without_profile(h.present):
+        _attach_saved_profile(rec.plan)
+        return
+    ss().autosave_offer, ss().autosave_offer_here = rec, True
+
+
+def _attach_saved_profile(saved: Plan) -> None:
+    """Attach the profile report of an autosaved plan equal to the present one (profile aside), when it has one."""
+    h = history()
+    if h is not None and saved.profile is not None and h.present.profile is None:
+        h.replace_present(h.entries[h.cursor][0], h.present.with_profile(saved.profile))
 
 
 def _pin_trust(ref: ModelRef) -> ModelRef:
@@ -397,11 +440,15 @@ def bump_view() -> None:
 
 
 def save_autosave() -> None:
-    p, ref = plan(), model_ref()
-    if p is None or ref is None:
+    h, ref = history(), model_ref()
+    if h is None or ref is None:
         return
+    p = h.present
+    # work worth keeping: anything but the proposed plan as it was opened (a profile report counts)
+    edited = _without_profile(p) != _without_profile(h.base) or p.profile is not None
     try:
-        autosave.save(p, ref.path, ref.weights, trust_archive=ref.trust_archive, archive_sha256=ref.trusted_sha256)
+        autosave.save(p, ref.path, ref.weights, trust_archive=ref.trust_archive, archive_sha256=ref.trusted_sha256,
+                      edited=edited)
     except OSError as e:
         flash("warning", f"could not autosave the plan to {autosave.autosave_path()} ({e.strerror}); export it by hand")
 
@@ -425,18 +472,21 @@ def init() -> None:
     ss().setdefault("selection", [])
     jobs.clean_orphans()  # folders of jobs whose result was read, or a day old
     try:
-        ss().autosave_offer = autosave.load()
+        latest = autosave.load()
     except StagewiseError as e:
-        ss().autosave_offer = None
+        latest = None
         flash("warning", str(e))
     path = default_model_path()
     if path:
         opened = tuple(json.loads(os.environ.get(OPEN_ENV) or "[]")) if path == os.environ.get(MODEL_ENV) else ()
         open_model(ModelRef(path, label=Path(path).name, opened=opened), DEFAULT_N, save=False)
-    offer = ss().get("autosave_offer")
-    # an autosave equal to the plan just opened (profile aside) is nothing to restore
-    if offer is not None and plan() is not None and _without_profile(offer.plan) == _without_profile(plan()) and not offer.weights:
-        ss().autosave_offer = None
+    if latest is not None:  # else an offer open_model made for the model opened (an earlier record) stands
+        # an autosave equal to the plan just opened (profile aside) is nothing to restore; its profile report is kept
+        if plan() is not None and _without_profile(latest.plan) == _without_profile(plan()) and not latest.weights:
+            _attach_saved_profile(latest.plan)
+            ss().autosave_offer, ss().autosave_offer_here = None, False
+        else:  # the latest work, restored from its own files (with its weights), is what a reload offers
+            ss().autosave_offer, ss().autosave_offer_here = latest, False
     resume_job()
 
 
@@ -445,17 +495,26 @@ def _without_profile(p: Plan) -> Plan:
 
 
 def restore_autosave() -> None:
-    """Callback: load the autosaved plan and its model; the restored plan is one undoable step."""
+    """Callback: load the autosaved plan and its model; the restored plan is one undoable step.
+
+    An offer made when a model was opened (autosave_offer_here) applies to that model as it is
+    open now (its file may have moved since the plan was saved).
+    """
     rec = ss().get("autosave_offer")
-    ss().autosave_offer = None
+    here = bool(ss().get("autosave_offer_here"))
+    ss().autosave_offer, ss().autosave_offer_here = None, False
     if rec is None:
+        return
+    if here and history() is not None and model_ref() is not None:
+        _restore_here(rec)
         return
     ref = ModelRef(rec.model_path, rec.weights, label=Path(rec.model_path).name, opened=rec.plan.opened_modules)
     gone = [p for p in (ref.path, *ref.weights) if not Path(p).is_file()]
     if gone:
         flash("error", f"restoring the autosaved plan: its model file{'s' if len(gone) > 1 else ''} "
-                       f"{', '.join(gone)} {'are' if len(gone) > 1 else 'is'} gone (deleted since the plan was saved); "
-                       "open or upload the model again on the Model page")
+                       f"{', '.join(gone)} {'are' if len(gone) > 1 else 'is'} gone (moved or deleted since the plan was "
+                       "saved); open or upload the model again on the Model page and the app offers this plan for it "
+                       "(the autosave keeps it until then)")
         return
     if rec.trust_archive:
         if _still_trusted(rec):
@@ -468,7 +527,7 @@ def restore_autosave() -> None:
     def go() -> tuple[Plan, Plan]:
         require_access()
         m = loaded(ref)
-        restored = planner.validate(rec.plan, m.graph)
+        restored = _fitting(rec, m.graph, ref)
         proposed = planner.propose(m.graph, rec.plan.n_members, {i.name: i.mode for i in rec.plan.inputs}, model=ref.name)
         return proposed, restored
 
@@ -476,9 +535,42 @@ def restore_autosave() -> None:
     if result is None:
         return
     proposed, restored = result
-    history = History.start(proposed)
-    history.push("restored autosave", restored)
-    _install(ref, history, loaded(ref).data)
+    restored_history = History.start(proposed)
+    restored_history.push("restored autosave", restored)
+    _install(ref, restored_history, loaded(ref).data)
+    save_autosave()
+    flash("success", f"restored the autosaved plan ({len(restored.stages)} stages) for {ref.name}")
+
+
+def _fitting(rec: autosave.AutosaveRecord, graph: Any, ref: ModelRef) -> Plan:
+    """The autosaved plan, checked against the model as open now; the refusals name what to do in the app."""
+    if rec.plan.fingerprint != graph.fingerprint or tuple(rec.plan.opened_modules) != tuple(graph.opened_modules):
+        raise PlanMismatchError(
+            f"{ref.name} changed since the plan was saved (its fingerprint is {graph.fingerprint} now, the plan's "
+            f"{rec.plan.fingerprint}), so the saved stages no longer fit it; open it on the Model page and edit the "
+            "plan proposed for it (the autosave keeps the old plan)")
+    if ref.weights and rec.plan.n_members != len(ref.weights):  # the rule model_page._set_n applies to N
+        raise PlanMismatchError(
+            f"the autosaved plan is for N={rec.plan.n_members} members, but {len(ref.weights)} weight files are "
+            f"loaded; upload {rec.plan.n_members} weight files (one per member) with the model on the Model page, "
+            "or dismiss the offer")
+    return planner.validate(rec.plan, graph)
+
+
+def _restore_here(rec: autosave.AutosaveRecord) -> None:
+    """Restore `rec` onto the model open now (one undoable step on its history)."""
+    h, ref = history(), model_ref()
+
+    def go() -> Plan:
+        require_access()
+        return _fitting(rec, loaded(ref).graph, ref)
+
+    restored = guarded("restoring the autosaved plan", go)
+    if restored is None:
+        return
+    h.push("restored autosave", restored)
+    ss().selection = []
+    bump_view()
     save_autosave()
     flash("success", f"restored the autosaved plan ({len(restored.stages)} stages) for {ref.name}")
 
@@ -497,9 +589,10 @@ def _still_trusted(rec: autosave.AutosaveRecord) -> bool:
 def dismiss_autosave() -> None:
     """Callback: drop the offer for good: a reload or a new session does not offer this autosave again."""
     rec = ss().get("autosave_offer")
-    ss().autosave_offer = None
+    here = bool(ss().get("autosave_offer_here"))
+    ss().autosave_offer, ss().autosave_offer_here = None, False
     if rec is not None:
-        autosave.dismiss()
+        autosave.dismiss(fingerprint=rec.plan.fingerprint if here else None)
 
 
 def user_paths(ref: ModelRef) -> tuple[str, tuple[str, ...]]:

@@ -131,13 +131,21 @@ def exclude(plan: Plan, graph: ModelGraph, target: str) -> Plan:
 
     Carving node n out of stage S leaves up to two stages: the nodes of S that are
     not downstream of n, and those that are (both convex, see the module tests).
+    An excluded stage that still runs batched (an attention or GRU stage proposed as
+    `wide`, or one autotune set to wide/compile) is set to the member loop, keeping why
+    it is excluded: "exclude the stage to make it the loop" is what the README promises.
     """
     what = f"exclude({target!r})"
     _check_graph(plan, graph, what)
     if any(s.id == target for s in plan.stages):
         s = plan.stage(target)
+        if s.mode is StageMode.EXCLUDED and s.runs_batched:
+            new = replace(s, options=StageOptions(strategy=Strategy.LOOP))
+            return _finish(plan, graph, [new if x.id == s.id else x for x in plan.stages], what)
         if s.mode is StageMode.EXCLUDED:
-            raise EditError(f"{what}: stage {s.id} is already excluded")
+            batchable = all(graph.dag.nodes[n]["batchable"] for n in s.nodes)
+            raise EditError(f"{what}: stage {s.id} is already excluded and runs as the member loop"
+                            + (f"; include({s.id!r}) batches it again" if batchable else ""))
         new = replace(s, mode=StageMode.EXCLUDED, reason=USER_EXCLUDED, options=StageOptions(strategy=Strategy.LOOP))
         return _finish(plan, graph, [new if x.id == s.id else x for x in plan.stages], what)
     if not graph_has(plan, target):

@@ -6,6 +6,7 @@ works on the frozen dataclasses. Edits (planner.edits) return new plans.
 """
 from __future__ import annotations
 
+import difflib
 import enum
 import json
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,37 @@ def dtype_problem(dtype: Any) -> str:
     if isinstance(dtype, str) and dtype in DTYPES:
         return ""
     return f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}"
+
+
+def _refuse_unknown_keys(d: Mapping[str, Any], known: Iterable[str], where: str) -> None:
+    """Raise PlanFileError for keys of a hand-edited plan object that nothing reads.
+
+    A misspelled key ("stratgy", "chunksize", "dtyp") would otherwise be ignored and the
+    default used: the module would silently differ from what the file asks for. Every key a
+    stagewise plan file has ever held is known, so older files load as they did.
+    """
+    known = sorted(known)
+    unknown = [k for k in d if k not in known]
+    if not unknown:
+        return
+    parts = []
+    for k in unknown:
+        close = difflib.get_close_matches(str(k), known, n=1, cutoff=0.6)
+        parts.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise PlanFileError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; "
+                        f"the keys here are {', '.join(known)}; fix the spelling in the plan file or remove the key")
+
+
+def _tensor_dtype_problem(dtype: str) -> str:
+    """Why `dtype` is not the name of a torch dtype ("float32", "int64", "bool"...), or "" when it is one."""
+    import torch  # not at module level: plan files are read without touching torch otherwise
+
+    if isinstance(getattr(torch, dtype, None), torch.dtype):
+        return ""
+    names = sorted({str(v).replace("torch.", "") for v in vars(torch).values() if isinstance(v, torch.dtype)})
+    close = difflib.get_close_matches(dtype, names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"dtype {dtype!r} is not a torch dtype; {hint}use a name such as float32, int64 or bool"
 
 
 class StageMode(str, enum.Enum):
@@ -79,9 +111,11 @@ class StageOptions:
         return out
 
     @staticmethod
-    def from_json(d: Mapping[str, Any]) -> "StageOptions":
+    def from_json(d: Mapping[str, Any], *, where: str = "stage options") -> "StageOptions":
+        """Parse a stage's "options" object; `where` names it in errors ("stages[1] ('s1') options")."""
         if not isinstance(d, Mapping):
             raise PlanFileError(f"stage options must be a JSON object, got {d!r}; write {{\"strategy\": \"vmap\"}} or leave them out")
+        _refuse_unknown_keys(d, StageOptions.__dataclass_fields__, where)
         try:
             strategy = Strategy(d.get("strategy", "vmap"))
         except ValueError:
@@ -95,7 +129,14 @@ class StageOptions:
             raise PlanFileError(f"carved_from must be a list of node names, got {carved!r}; fix it in the plan file or remove it")
         parent = d.get("carved_options")
         return StageOptions(strategy=strategy, chunk_size=chunk, note=str(d.get("note", "")), carved_from=tuple(carved),
-                            carved_options=StageOptions.from_json(parent) if isinstance(parent, Mapping) else None)
+                            carved_options=StageOptions.from_json(parent, where=f"{where} carved_options")
+                            if isinstance(parent, Mapping) else None)
+
+
+# What stagewise wrote for every excluded stage before excluded stages carried the loop strategy (plan
+# files of 2026-11-21 and before, tests/golden then): read as the loop, as it always ran. Any other vmap
+# or cuda_graph strategy on an excluded stage is refused, as set_options refuses it.
+_OLD_EXCLUDED_OPTIONS = {"strategy": "vmap", "chunk_size": None, "note": ""}
 
 
 @dataclass(frozen=True)
@@ -132,9 +173,12 @@ class Stage:
         }
 
     @staticmethod
-    def from_json(d: Mapping[str, Any]) -> "Stage":
+    def from_json(d: Mapping[str, Any], *, where: str = "") -> "Stage":
+        """Parse one stage object; `where` is its place in the file ("stages[1]"), named in errors."""
         if not isinstance(d, Mapping):
             raise PlanFileError(f"each stage must be a JSON object with id and nodes, got {d!r}")
+        here = f"{where} ({d.get('id')!r})" if where else f"stage {d.get('id')!r}"
+        _refuse_unknown_keys(d, ("id", "nodes", "mode", "reason", "options"), here)
         try:
             mode = StageMode(d.get("mode", "batched"))
         except ValueError:
@@ -142,13 +186,18 @@ class Stage:
         nodes = d.get("nodes")
         if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes) or not nodes:
             raise PlanFileError(f"stage {d.get('id')!r}: 'nodes' must be a non-empty list of node names")
-        return Stage(
-            id=str(d["id"]),
-            nodes=tuple(nodes),
-            mode=mode,
-            reason=str(d.get("reason", "")),
-            options=StageOptions.from_json(d.get("options") or {}),
-        )
+        raw = d.get("options") or {}
+        options = StageOptions.from_json(raw, where=f"{here} options")
+        reason = str(d.get("reason", ""))
+        if (mode is StageMode.EXCLUDED and "strategy" in raw and options.strategy in (Strategy.VMAP, Strategy.CUDA_GRAPH)
+                and dict(raw) != _OLD_EXCLUDED_OPTIONS):
+            # Stage.__post_init__ would quietly make it the loop: the file asked for something else
+            raise PlanFileError(
+                f"{here}: the stage is excluded ({reason or 'no reason given'}), so it cannot run under "
+                f"{options.strategy.value}; set its options' \"strategy\" to \"loop\", \"wide\" or \"compile\", "
+                "or set its \"mode\" to \"batched\" (planner.include) to run it under vmap"
+            )
+        return Stage(id=str(d["id"]), nodes=tuple(nodes), mode=mode, reason=reason, options=options)
 
 
 @dataclass(frozen=True)
@@ -183,6 +232,7 @@ class DynamicDim:
     @staticmethod
     def from_json(d: Any, *, where: str) -> "DynamicDim":
         if isinstance(d, Mapping):
+            _refuse_unknown_keys(d, DynamicDim.__dataclass_fields__, f"{where}: a dynamic_dims entry")
             dim, lo, hi, sym = d.get("dim"), d.get("min", 0), d.get("max"), d.get("symbol", "")
             small_with = d.get("small_with", [])
             if _is_size(dim) and _is_size(lo) and (hi is None or _is_size(hi)) and isinstance(sym, str) \
@@ -231,15 +281,21 @@ class InputSpec:
 
     @staticmethod
     def from_json(d: Any) -> "InputSpec":
+        """Parse one input object; errors name the input ("input 'x': ...")."""
         if not isinstance(d, Mapping):
             raise PlanFileError(f"each input must be a JSON object with a name, got {d!r}; re-create the plan with `stagewise plan`")
         name = str(d["name"])
         shape, dtype, dyn = d.get("shape"), d.get("dtype"), d.get("dynamic_dims", [])
-        where = f"input {name!r}"
+        where = f"input {name!r}"  # input names are unique in a plan: the name places it in the file
+        _refuse_unknown_keys(d, ("name", "mode", "shape", "dtype", "dynamic_dims", "value"), where)
         if shape is not None and (not isinstance(shape, list) or not all(_is_size(s) for s in shape)):
             raise PlanFileError(f"{where}: shape must be a list of non-negative integers or null, got {shape!r}; fix it or re-create the plan")
         if dtype is not None and not isinstance(dtype, str):
             raise PlanFileError(f"{where}: dtype must be a string such as \"float32\", got {dtype!r}; fix it or re-create the plan")
+        if dtype is not None and shape is not None:  # a tensor input: the dtype its zeros are rebuilt with and calls checked against
+            problem = _tensor_dtype_problem(dtype)
+            if problem:
+                raise PlanFileError(f"{where}: {problem}; fix it or re-create the plan")
         if not isinstance(dyn, list):
             raise PlanFileError(f"{where}: dynamic_dims must be a list, got {dyn!r}; fix it or re-create the plan")
         dims = tuple(DynamicDim.from_json(x, where=where) for x in dyn)
@@ -256,6 +312,11 @@ class InputSpec:
     def dynamic_dim(self, dim: int) -> DynamicDim | None:
         """The DynamicDim for `dim`, or None when the trace fixed that dim."""
         return next((x for x in self.dynamic_dims if x.dim == dim), None)
+
+
+# every key a plan file has held (schema_version 1; dtype, opened_modules and capture were added later and are optional)
+_PLAN_KEYS = ("schema_version", "model", "fingerprint", "tracer", "n_members", "inputs", "stages", "profile", "dtype",
+              "opened_modules", "capture")
 
 
 @dataclass(frozen=True)
@@ -367,15 +428,18 @@ class Plan:
                 f"{source}: schema_version is {version!r}, this stagewise reads version {SCHEMA_VERSION}; "
                 "re-create the plan with `stagewise plan`"
             )
+        _refuse_unknown_keys(d, _PLAN_KEYS, source)
         missing = [k for k in ("fingerprint", "tracer", "n_members", "inputs", "stages") if k not in d]
         if missing:
             raise PlanFileError(f"{source}: missing keys {missing}; re-create the plan with `stagewise plan`")
         if not isinstance(d["inputs"], list) or not isinstance(d["stages"], list):
             raise PlanFileError(f"{source}: 'inputs' and 'stages' must be JSON lists; re-create the plan with `stagewise plan`")
         try:
-            inputs = tuple(InputSpec.from_json(i) for i in d["inputs"])
-            stages = tuple(Stage.from_json(s) for s in d["stages"])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:  # Stage.from_json's PlanFileError passes through
+            inputs = tuple(InputSpec.from_json(x) for x in d["inputs"])
+            stages = tuple(Stage.from_json(x, where=f"stages[{i}]") for i, x in enumerate(d["stages"]))
+        except PlanFileError as e:  # one stage's or input's problem: name the file it is in
+            raise (e if str(e).startswith(f"{source}:") else PlanFileError(f"{source}: {e}")) from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanFileError(f"{source}: malformed inputs or stages ({e!r}); re-create the plan with `stagewise plan`") from None
         ids = [s.id for s in stages]
         if len(set(ids)) != len(ids):
@@ -422,6 +486,8 @@ class Plan:
             except UnicodeDecodeError as e:
                 raise PlanFileError(f"{source} is not UTF-8 text (bad byte at offset {e.start}); "
                                     "pass a file written by `stagewise plan` or Plan.save") from None
+        if text.startswith("\ufeff"):  # a byte order mark some editors (Windows Notepad) write first: not part of the JSON
+            text = text[1:]
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
