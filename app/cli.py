@@ -95,6 +95,9 @@ def _parse_modes(values: list[str] | None, names: list[str]):
         name, sep, mode = v.partition("=")
         if not sep:
             raise planner.PlanMismatchError(f"--input-mode {v!r}: give one mode for all inputs, or name=mode per input (inputs: {names})")
+        if name in modes and modes[name] != mode:  # the last would win without a word
+            raise planner.PlanMismatchError(f"--input-mode gives {name!r} two modes ({modes[name]} and {mode}); "
+                                            "give each input one")
         modes[name] = mode
     return modes
 
@@ -350,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `stagewise diff a b | head`: the reader stopped reading, as the user meant
+        try:  # Python's flush of stdout at exit would raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 0
     except Exception as e:  # a bug in stagewise or torch: one line, the traceback on request
         if os.environ.get("STAGEWISE_DEBUG"):
             traceback.print_exc()

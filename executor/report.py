@@ -181,7 +181,7 @@ def capture_text(layout: list) -> str:
 
 
 _STAGE_HEADER = (f"{'stage':<6} {'mode':<9} {'strategy':<14} {'nodes':>5} {'median ms':>10} {'p10-p90 ms':>15} "
-                 f"{'loop ms':>9} {'speedup':>7} {'GFLOP/s':>8} {'peak MB':>8} {'max rel err':>11}")
+                 f"{'loop ms':>9} {'speedup':>7} {'GFLOP/s':>8} {'peak MiB':>8} {'max rel err':>11}")
 
 
 def _fmt(x: Optional[float], spec: str, dash: str = "-") -> str:
@@ -265,7 +265,7 @@ class SweepReport:
     def to_text(self) -> str:
         ids = list(self.break_even)
         lines = [f"N sweep of {self.model} on {self.device}", "",
-                 f"{'N':>5} " + " ".join(f"{i + ' ms':>10} {i + ' loop':>10}" for i in ids) + f" {'total ms':>10} {'loop ms':>10} {'peak MB':>9}"]
+                 f"{'N':>5} " + " ".join(f"{i + ' ms':>10} {i + ' loop':>10}" for i in ids) + f" {'total ms':>10} {'loop ms':>10} {'peak MiB':>9}"]
         for p in self.points:
             if p.error:
                 lines.append(f"{p.n:>5} failed: {p.error}")

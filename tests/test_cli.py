@@ -433,3 +433,20 @@ def test_run_with_grads_compares_every_parameters_gradient(mlp_plan, capsys):
     assert "output out (with gradients)" in out and "grad fc1.weight" in out and "MATCH" in out
     code, _, err = run_cli(capsys, "run", mlp_plan, MLP, "--grads", "--distributed")
     assert code == 2 and "--grads is not yet checked per rank" in err
+
+
+def test_a_reader_that_stops_reading_is_no_error(mlp_plan):
+    """`stagewise show plan.json | head -1`: an 'unexpected BrokenPipeError ... please report it' before."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("STAGEWISE_DEBUG", None)
+    proc = subprocess.Popen([*_console_script(), "show", str(mlp_plan)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # closed before the command writes (it imports torch first)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "unexpected" not in err and "Traceback" not in err
+
+
+def test_an_input_given_two_modes_is_refused(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "plan", MLP, "-n", "2", "--input-mode", "x=per_member", "x=shared")
+    assert_one_line_error(code, err, "plan", "'x' two modes")
