@@ -514,21 +514,21 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
                 f"{' (also ' + ', '.join(repr(k) for k in nested[1:3]) + ')' if len(nested) > 1 else ''}; save that "
                 f"entry alone: torch.save(torch.load(path)[{nested[0]!r}], new_path)")
         raise ModelLoadError(f"weight file {p.name} does not hold a state_dict (a dict of tensors); save model.state_dict()")
-    return _without_wrapper_prefix(state)
+    return state
 
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel's and torch.compile's
 
 
-def _without_wrapper_prefix(state: dict) -> dict:
-    """A state_dict saved from a wrapper (DDP's `module.`, torch.compile's `_orig_mod.`) keyed as the model's own,
-    as torch's consume_prefix_in_state_dict_if_present makes it: every key carries the prefix, so nothing else
-    can be meant."""
+def _without_wrapper_prefix(state: dict, own: Sequence[str]) -> dict:
+    """A state_dict saved from a wrapper (DDP's `module.`, torch.compile's `_orig_mod.`) keyed as the model's own
+    keys `own`, as torch's consume_prefix_in_state_dict_if_present makes it: where every key carries the prefix and
+    none of the model's does (a model whose own submodule is named `module` keeps its keys)."""
     changed = True
     while changed and state:
         changed = False
         for prefix in _WRAPPER_PREFIXES:
-            if all(str(k).startswith(prefix) for k in state):
+            if all(str(k).startswith(prefix) for k in state) and not any(str(k).startswith(prefix) for k in own):
                 state = {str(k)[len(prefix):]: v for k, v in state.items()}
                 changed = True
     return state
@@ -561,8 +561,9 @@ def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], 
         if n != len(states):
             raise MemberError(f"{name}: {len(states)} weight files given but {n} members asked for; pass one weight file per member")
         members = build_n(n)
-        _refuse_shared_apart(name, members, states, weights)
-        for m, w, state in zip(members, weights, states):
+        keyed = [_without_wrapper_prefix(st, list(m.state_dict())) for m, st in zip(members, states)]
+        _refuse_shared_apart(name, members, keyed, weights)
+        for m, w, state in zip(members, weights, keyed):
             load_member_state(m, state, Path(w).name, archive=archive)
         return members
 
@@ -643,6 +644,7 @@ def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: s
     `archive` (a torch.export archive's module, which keeps only the state its graph reads): a file key it dropped is
     accepted where it is a BatchNorm's num_batches_tracked or a tie's other name (its value that of a key loaded)."""
     own = module.state_dict()
+    state = _without_wrapper_prefix(state, list(own))
     ties = _tie_groups(module)
     by_tie: dict[str, str] = {}
     for k in state:

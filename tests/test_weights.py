@@ -588,3 +588,32 @@ def example_inputs():
     again = planner.load_model_file(tmp_path / "xs.py", weights=saved).members(2)
     for a, b in zip(again, members):
         torch.testing.assert_close(a.fc.weight, b.fc.weight)
+
+
+def test_a_model_whose_own_submodule_is_named_module_keeps_its_keys(tmp_path):
+    (tmp_path / "wrap.py").write_text('''
+import torch
+from torch import nn
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.module(x)
+
+def build_model():
+    return Wrapper()
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+''')
+    src = planner.load_model_file(tmp_path / "wrap.py")
+    members = src.members(2)
+    paths = []
+    for i, m in enumerate(members):
+        paths.append(tmp_path / f"m{i}.pt")
+        torch.save(m.state_dict(), paths[-1])
+    for got, want in zip(planner.load_model_file(tmp_path / "wrap.py", weights=paths).members(2), members):
+        assert_same_state(got, want)
