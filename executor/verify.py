@@ -162,6 +162,12 @@ def fresh(inputs: Sequence[Any]) -> tuple:
     return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(inputs)))
 
 
+def _ordered(x: torch.Tensor) -> bool:
+    """Whether `x` is in order (non-decreasing or non-increasing) along its last dim, row by row."""
+    step = x[..., 1:].long() - x[..., :-1].long()
+    return bool((step >= 0).all()) or bool((step <= 0).all())
+
+
 def member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
     """Member i's inputs: shared ones as given, per_member ones indexed [i] (a Python number input, given as an [N]
     tensor, as the Python number it was traced as)."""
@@ -692,9 +698,10 @@ def batched_inputs(plan: Plan, example_inputs: Sequence[Any], seed: int = 0) -> 
             if x.is_floating_point():
                 noise = torch.randn((plan.n_members, *x.shape), generator=gen, dtype=x.dtype)
                 out.append(x.unsqueeze(0) + 0.1 * noise.to(x.device) * (x.abs().mean() + 1e-3))
-            elif x.dim() and x.shape[-1] > 1:
-                # token ids, masks: each member its own rows, rolled along the last dim (the values stay valid: ids
-                # in the vocabulary, a row's count of True), so that members mixed up do not match by accident
+            elif x.dim() and x.shape[-1] > 1 and not _ordered(x):
+                # token ids: each member its own rows, rolled along the last dim (the ids stay in the vocabulary), so
+                # that members mixed up do not match by accident. Values in order along it keep it (offsets,
+                # cumulative lengths, positions, a padding mask's 1...1 0...0: rolled they would mean something else)
                 out.append(torch.stack([x.roll(i, dims=-1) for i in range(plan.n_members)]))
             else:
                 out.append(x.unsqueeze(0).expand(plan.n_members, *x.shape).clone())

@@ -389,5 +389,14 @@ def test_integer_per_member_inputs_differ_per_member():
     """Token ids per member were N copies of one row: a plan feeding member i another member's ids matched."""
     plan = planner.propose(planner.trace(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2, 3]]),)), 3,
                            input_mode="per_member")
-    ids = executor.batched_inputs(plan, (torch.tensor([[1, 2, 3]]),))[0]
+    ids = executor.batched_inputs(plan, (torch.tensor([[3, 1, 2]]),))[0]
     assert ids.shape == (3, 1, 3) and len({tuple(r.flatten().tolist()) for r in ids}) == 3
+
+
+def test_integer_per_member_inputs_in_order_keep_their_order():
+    """Offsets, cumulative lengths, positions and padding masks mean what their order says: not rolled."""
+    plan = planner.propose(planner.trace(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2, 3]]),)), 3,
+                           input_mode="per_member")
+    for x in (torch.tensor([[0, 2, 5]]), torch.tensor([[1, 1, 0]]).bool()):
+        got = executor.batched_inputs(plan, (x,))[0]
+        assert all(torch.equal(row, x) for row in got)
