@@ -303,6 +303,11 @@ class StateSnapshot:
         changed += sorted(k for k in replaced & self.tensors.keys() if k not in changed)
         with torch.no_grad():
             for k in changed:
+                if now[k].grad_fn is not None:  # a buffer written with a value recording gradients (a run under grad)
+                    try:  # takes back the graph it joined: it was a leaf (a later deepcopy needs one)
+                        now[k].detach_()
+                    except RuntimeError:  # a view cannot be detached in place: its values are put back all the same
+                        pass
                 now[k].copy_(self.tensors[k])
                 self.versions[k] = now[k]._version  # the copy back is not a change of the next step
         attrs = plain_attributes(model)
