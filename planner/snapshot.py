@@ -213,7 +213,7 @@ def deepcopy_module(module: nn.Module, memo: dict | None = None) -> nn.Module:
         for table in ("_parameters", "_buffers"):
             mine, theirs = getattr(mod, table), getattr(other, table)
             for k, t in mine.items():
-                if t is None or k not in theirs or not t.numel() or t.device.type == "meta":
+                if t is None or k not in theirs or not t.numel() or t.device.type == "meta" or t.layout != torch.strided:
                     continue
                 key = (table, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
                 first, source = held.setdefault(key, theirs[k]), held_source.setdefault(key, t)

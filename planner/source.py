@@ -595,7 +595,7 @@ def _tie_groups(module: nn.Module) -> dict[str, str]:
     for k, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         # one object, or two on one memory (a torch.export archive loads a tie as two Parameters viewing one storage)
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) \
-            if t.numel() and t.device.type != "meta" else id(t)
+            if t.numel() and t.device.type != "meta" and t.layout == torch.strided else id(t)
         out[k] = first.setdefault(key, k)
     return out
 
