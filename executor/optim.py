@@ -432,7 +432,11 @@ def _hyper_vector(owner: str, name: str, value: Any, n: int, device: torch.devic
         return _check_range(owner, name, _member_vector(owner, name, value, n, device), low, high, high_open)
     pairs = isinstance(value, (tuple, list)) and len(value) > 0 and all(
         isinstance(b, (tuple, list)) and len(b) == 2 for b in value)
-    if pairs and (len(value) != 2 or (n == 2 and isinstance(value, list))):
+    # at N=2 a tuple of two pairs reads both ways: as (beta1s, beta2s) where every member's beta1 < beta2 (as Adam's
+    # are), else as one (beta1, beta2) per member, which is refused below
+    crossed = pairs and n == 2 and len(value) == 2 and all(isinstance(x, (int, float)) for b in value for x in b) \
+        and any(float(value[0][i]) >= float(value[1][i]) for i in range(2))
+    if pairs and (len(value) != 2 or (n == 2 and isinstance(value, list)) or crossed):
         # one (beta1, beta2) per member, as a sweep config lists them: at N=2 it read as (beta1s, beta2s), transposed
         raise OptimizerError(
             f"{owner}: betas={value!r} reads as one (beta1, beta2) pair per member; betas is one pair of per-member "

@@ -7,6 +7,7 @@ and optionally `build_members(n) -> list[nn.Module]`. Without it, members are
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import os
 import hashlib
@@ -65,6 +66,10 @@ class ModelSource:
         members = self._build_members(n)
         if len(members) != n:
             raise MemberError(f"{self.name}: build_members({n}) returned {len(members)} modules; it must return exactly {n}")
+        again = next(((i, j) for j in range(n) for i in range(j) if members[i] is members[j]), None)
+        if again is not None:  # ([m] * n): trained, the loop would train the one model n times
+            raise MemberError(f"{self.name}: members {again[0]} and {again[1]} are one module object ([m] * n?); "
+                              "members must be models of their own: make a new model for each")
         return members
 
 
@@ -112,8 +117,9 @@ def _import_file(p: Path):
         parser = any(f.name == "parse_args" or f.filename.endswith("argparse.py")
                      for f in traceback.extract_tb(e.__traceback__))
         raise ModelLoadError(f"{p.name} called sys.exit({e.code!r}) while being imported"
-                             + (" (argparse's parse_args() read stagewise's own command line: call parse_args([]) or "
-                                "parse_known_args(), or build the parser under `if __name__ == '__main__':`)" if parser
+                             + (" (argparse's parse_args() read stagewise's own command line: parse the arguments "
+                                "under `if __name__ == '__main__':` and give build_model() defaults, or call "
+                                "parse_args([]) where no argument is required)" if parser
                                 else "; remove the exit (guard script code with `if __name__ == '__main__':`)")) from None
     except Exception as e:  # any failure of user code at import time
         sys.modules.pop(module_name, None)
@@ -273,7 +279,21 @@ def load_export(path: str | Path, weights: Sequence[str | Path] | None = None, *
     weights = _weights_list(p.name, weights)
     build = lambda n: [deepcopy_module(model) for _ in range(n)]  # noqa: E731
     if weights is not None:
-        build = _members_from_weights(p.name, build, weights, archive=True)
+        # the archive's record of the exported model's state: every name, the ones its module dropped too (a tie's
+        # other name, a counter the graph does not read), each -> the first name of its tensor
+        names: dict[str, str] = {}
+        kept: list[tuple[str, torch.Tensor]] = []
+        for k, t in ep.state_dict.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            # one tensor, or (a tie saved apart) equal values: the archive holds the exported model's own weights,
+            # where two names with one random tensor's values are one tensor
+            twin = next((name for name, u in kept if u is t or (u.shape == t.shape and u.dtype == t.dtype and t.numel() > 1
+                                                                and torch.equal(u, t) and not _constant(t))), None)
+            names[k] = twin if twin is not None else k
+            if twin is None:
+                kept.append((k, t))
+        build = _members_from_weights(p.name, build, weights, archive=names)
     return ModelSource(name=p.stem, path=p, model=model, example_inputs=tuple(args), _build_members=build)
 
 
@@ -524,13 +544,24 @@ def _without_wrapper_prefix(state: dict, own: Sequence[str]) -> dict:
     """A state_dict saved from a wrapper (DDP's `module.`, torch.compile's `_orig_mod.`) keyed as the model's own
     keys `own`, as torch's consume_prefix_in_state_dict_if_present makes it: where every key carries the prefix and
     none of the model's does (a model whose own submodule is named `module` keeps its keys)."""
+    own = set(own)
     changed = True
     while changed and state:
         changed = False
         for prefix in _WRAPPER_PREFIXES:
-            if all(str(k).startswith(prefix) for k in state) and not any(str(k).startswith(prefix) for k in own):
-                state = {str(k)[len(prefix):]: v for k, v in state.items()}
-                changed = True
+            if not all(str(k).startswith(prefix) for k in state):
+                continue
+            stripped = {str(k)[len(prefix):] for k in state}
+            # the model's own keys may carry it too (a submodule named `module`: an EMA wrapper's model): taken off
+            # where that fits the model better, never where the keys fit as they are
+            if any(str(k).startswith(prefix) for k in own) and (set(state) <= own or not stripped <= own):
+                continue
+            out = collections.OrderedDict(state)
+            meta = getattr(state, "_metadata", None)
+            if meta is not None:
+                out._metadata = collections.OrderedDict(meta)  # renamed with the keys, as torch's own function does
+            torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(out, prefix)
+            state, changed = out, True
     return state
 
 
@@ -551,16 +582,20 @@ def _weights_list(name: str, weights: Any) -> list | None:
 
 
 def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], weights: Sequence[str | Path],
-                          archive: bool = False):
+                          archive: dict[str, str] | None = None):
     """members(n): the n members `build_n` makes (the model file's build_members, or build_model n times), member i
-    loaded with weight file i. `archive`: members of a torch.export archive, which left out state the graph does not
-    read (see load_member_state)."""
+    loaded with weight file i. `archive`: for members of a torch.export archive, its state names (see
+    load_member_state)."""
     states = [read_state_dict(w) for w in weights]
 
     def build(n: int) -> list[nn.Module]:
         if n != len(states):
             raise MemberError(f"{name}: {len(states)} weight files given but {n} members asked for; pass one weight file per member")
         members = build_n(n)
+        again = next(((i, j) for j in range(len(members)) for i in range(j) if members[i] is members[j]), None)
+        if again is not None:  # one model N times: each file would be loaded into it in turn, the last one kept
+            raise ModelLoadError(f"{name}: members {again[0]} and {again[1]} are one module object; members must be "
+                                 "models of their own (make a new model for each)")
         keyed = [_without_wrapper_prefix(st, list(m.state_dict())) for m, st in zip(members, states)]
         _refuse_shared_apart(name, members, keyed, weights)
         for m, w, state in zip(members, weights, keyed):
@@ -637,12 +672,16 @@ def _lossy(value: torch.Tensor, into: torch.dtype) -> str:
     return ""
 
 
-def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: str, archive: bool = False) -> None:
-    """Load `state` into `module`, raising MemberError that lists missing/unexpected/mis-shaped keys, and values the
-    model's dtype cannot hold (a float file value into an integer buffer). A key left out is accepted where torch
-    fills it in: a tied weight saved once (Hugging Face's save_pretrained), BatchNorm's num_batches_tracked.
-    `archive` (a torch.export archive's module, which keeps only the state its graph reads): a file key it dropped is
-    accepted where it is a BatchNorm's num_batches_tracked or a tie's other name (its value that of a key loaded)."""
+def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: str,
+                      archive: dict[str, str] | None = None) -> None:
+    """Load `state` into `module` (a member just built), raising MemberError that lists missing/unexpected/mis-shaped
+    keys, and values the model's dtype cannot hold (a float file value into an integer buffer). A key left out is
+    accepted where torch fills it in: a tied weight saved once (Hugging Face's save_pretrained), BatchNorm's
+    num_batches_tracked. Keys are those torch's load_state_dict reads, through the model's own load code (a
+    load_state_dict pre-hook, a `_load_from_state_dict` override: an old weight_norm's weight_g / weight_v, a frozen
+    BatchNorm dropping its counter). `archive` (a torch.export archive's state names -> the first name of the tensor
+    each is in the archive): its module keeps only the state its graph reads, so a file key the archive records
+    beside (a tie's other name, an unread counter) is accepted, and a tie saved under the name it dropped is loaded."""
     own = module.state_dict()
     state = _without_wrapper_prefix(state, list(own))
     ties = _tie_groups(module)
@@ -656,37 +695,30 @@ def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: s
                     f"{what} holds different values for {first} and {k}, which this model ties (one tensor): loading "
                     "would keep one and drop the other without a word. Save the weights of a model that ties them, or "
                     "untie them in the model")
+    if archive:  # a tie saved under the name the archive dropped (safetensors' save_model keeps one name)
+        for k in [k for k in own if k not in state and k in archive]:
+            twin = next((u for u in state if u not in own and archive.get(u) == archive[k]), None)
+            if twin is not None:
+                state = _with_metadata({**state, k: state[twin]}, state)
     saved_under = {ties.get(k, k) for k in state}
-    if any(m._load_state_dict_pre_hooks for m in module.modules()):
-        # hooks rename what the file holds as torch loads it (an old weight_norm's weight_g / weight_v): the keys as
-        # torch reads them, from a load into a copy
+    if _loads_through_own_code(module):
+        # torch's load runs the model's own code on the file's tensors (which may change them in place: each load
+        # gets its own) and reads the keys as that code leaves them: loaded straight into the member, checked after
         try:
-            result = copy.deepcopy(module).load_state_dict(state, strict=False)
+            result = module.load_state_dict(_own_tensors(state), strict=False)
         except RuntimeError as e:
             raise MemberError(f"{what} does not fit the architecture ({_first_line(e)}); save the weights of this "
                               "exact model") from None
         missing = sorted(k for k in result.missing_keys if not (ties.get(k, k) in saved_under or _filled_in(module, k)))
-        unexpected = sorted(result.unexpected_keys)
+        unexpected = sorted(k for k in result.unexpected_keys if not (archive and k in archive))
+        shapes, lossy = [], []  # (a shape torch cannot load raised above; the model's code may change shapes)
     else:
         missing = sorted(k for k in set(own) - set(state) if not (ties.get(k, k) in saved_under or _filled_in(module, k)))
-        unexpected = sorted(set(state) - set(own))
-    if archive and unexpected:
-        if missing:  # a tie saved under the name the archive dropped (safetensors' save_model keeps one name)
-            for k in list(missing):
-                twin = next((u for u in unexpected if isinstance(state[u], torch.Tensor) and isinstance(own[k], torch.Tensor)
-                             and state[u].shape == own[k].shape and u.rpartition(".")[2] == k.rpartition(".")[2]), None)
-                if twin is not None and len([u for u in unexpected if u.rpartition(".")[2] == k.rpartition(".")[2]]) == 1:
-                    state = {**state, k: state[twin]}
-                    missing.remove(k)
-                    unexpected.remove(twin)
-        loaded = [state[k] for k in own if k in state and isinstance(state[k], torch.Tensor)]
-        unexpected = [u for u in unexpected if not (u.rpartition(".")[2] == "num_batches_tracked" or (
-            isinstance(state[u], torch.Tensor) and any(t.shape == state[u].shape and t.dtype == state[u].dtype
-                                                       and torch.equal(t, state[u]) for t in loaded)))]
-    tensors = [k for k in own if k in state and isinstance(state[k], torch.Tensor) and isinstance(own[k], torch.Tensor)]
-    shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in tensors if state[k].shape != own[k].shape]
-    lossy = [f"{k}: file {state[k].dtype} into model {own[k].dtype} {why}" for k in tensors
-             for why in [_lossy(state[k], own[k].dtype)] if why]
+        unexpected = sorted(k for k in set(state) - set(own) if not (archive and k in archive))
+        tensors = [k for k in own if k in state and isinstance(state[k], torch.Tensor) and isinstance(own[k], torch.Tensor)]
+        shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in tensors if state[k].shape != own[k].shape]
+        lossy = [f"{k}: file {state[k].dtype} into model {own[k].dtype} {why}" for k in tensors
+                 for why in [_lossy(state[k], own[k].dtype)] if why]
     if missing or unexpected or shapes or lossy:
         parts = []
         if missing:
@@ -698,4 +730,38 @@ def load_member_state(module: nn.Module, state: dict[str, torch.Tensor], what: s
         if lossy:
             parts.append("values the model's dtype cannot hold: " + "; ".join(lossy[:3]))
         raise MemberError(f"{what} does not fit the architecture: {', '.join(parts)}; save the weights of this exact model")
-    module.load_state_dict(state, strict=False)  # the keys were checked above, less those torch or the ties fill in
+    if not _loads_through_own_code(module):
+        module.load_state_dict(state, strict=False)  # the keys were checked above, less those torch or the ties fill in
+
+
+def _loads_through_own_code(module: nn.Module) -> bool:
+    """Whether torch's load of `module` runs code of the model's own (a load_state_dict pre- or post-hook, a
+    `_load_from_state_dict` override outside torch), which may read other keys than the module's state_dict holds."""
+    for m in module.modules():
+        if m._load_state_dict_pre_hooks:
+            return True
+        own = type(m)._load_from_state_dict
+        if own is not nn.Module._load_from_state_dict and not getattr(own, "__module__", "").startswith("torch."):
+            return True
+    return False
+
+
+def _own_tensors(state: dict) -> dict:
+    """A copy of `state` whose tensors are copies (a load hook may change what it is given in place), metadata kept."""
+    return _with_metadata({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}, state)
+
+
+def _constant(t: torch.Tensor) -> bool:
+    """All of `t`'s values alike (an untrained norm's ones, a zero bias): equal such tensors are no sign of a tie."""
+    flat = t.detach().reshape(-1)
+    return bool((flat == flat[0]).all())
+
+
+def _with_metadata(new: dict, old: dict) -> dict:
+    """`new` as an OrderedDict carrying `old`'s `_metadata` (each module's state version, which torch's load reads:
+    a file without it is read as the oldest format and migrated)."""
+    out = collections.OrderedDict(new)
+    meta = getattr(old, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta
+    return out

@@ -268,3 +268,11 @@ def test_lr_write_without_source_names_it():
     with pytest.raises(OptimizerError, match="source could not be read.*Run it from a file"):
         exec(compile('for g in opt.param_groups: g["lr"] *= 0.5', "<string>", "exec"), {"opt": opt})
     torch.testing.assert_close(opt.get_hyperparameter("lr"), torch.tensor([0.05, 0.1, 0.15], dtype=torch.float64))
+
+
+def test_betas_as_a_tuple_of_per_member_pairs_at_two_members_is_refused():
+    """((0.9, 0.999), (0.5, 0.9)) read as (beta1s, beta2s) gave member 0 beta1 0.9 > beta2 0.5: 0.29 off after 20 steps."""
+    params = [torch.nn.Parameter(torch.randn(2, 3))]
+    with pytest.raises(OptimizerError, match=r"one \(beta1, beta2\) pair per member"):
+        executor.StackedAdam(params, n_members=2, betas=((0.9, 0.999), (0.5, 0.9)))
+    executor.StackedAdam(params, n_members=2, betas=((0.9, 0.8), (0.999, 0.99)))  # (beta1s, beta2s): accepted
