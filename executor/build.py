@@ -328,6 +328,7 @@ class BatchedModule(nn.Module):
         # which inputs need a look before any stage runs (a per_member axis; an export trace's shapes)
         self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]  # a traced None is shared (InputSpec)
         self._traced_tensors = frozenset(i.name for i in plan.inputs if i.shape is not None)  # inputs traced as tensors
+        self._traced_none = frozenset(i.name for i in plan.inputs if i.dtype == "NoneType")  # inputs traced as None
         self.__dict__["_shapes"] = {k: t.shape for k, t in stacked.items()}  # [N, *member shape] of every stacked tensor
         self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
         stage_of = {n: s.id for s in plan.stages for n in s.nodes}
@@ -706,6 +707,11 @@ class BatchedModule(nn.Module):
                     # `if mask is not None:` took the tensor branch at trace time: the graph would apply None as a tensor
                     raise InputError(f"input {name!r} was traced as a tensor, got None: the plan holds the branch forward() "
                                      f"took for a tensor there; pass a tensor, or re-plan with None in the example inputs")
+                if x is not None and name in self._traced_none:
+                    # `if mask is not None:` took the None branch at trace time: the graph has no use of the input
+                    raise InputError(f"input {name!r} was traced as None, got a {type(x).__name__}: the plan holds the "
+                                     "branch forward() took for None there, which would ignore it; pass None, or re-plan "
+                                     f"with a {type(x).__name__} for {name!r} in the example inputs")
                 env[name] = Shared(x)
         if self._checks_traced:
             self._check_traced_shapes(inputs)
