@@ -764,6 +764,24 @@ class BatchedModule(nn.Module):
 
     def _run_steps(self, env: dict[str, Any], steps: list) -> None:
         """Run `steps` (a slice of the flat program) on the boundary values in `env`, adding their outputs to it."""
+        written = {k for step in steps for k in step[0].written_state} if torch.is_grad_enabled() else ()
+        kept = {k: self._stacked[k].detach().clone() for k in written
+                if k in self._stacked and not self._stacked[k].requires_grad} if written else {}
+        try:
+            self._run_steps_on(env, steps)
+        except ExecutionError as e:
+            if kept and "records gradients into state that records none" in str(e):
+                # a later stage refused the call: what earlier stages wrote into the state goes back too, so that the
+                # refusal leaves the state as it was before the call (as the message says)
+                with torch.no_grad():
+                    for k, before in kept.items():
+                        t = self._stacked[k]
+                        if t.grad_fn is not None or t.requires_grad:
+                            t.detach_()
+                        t.copy_(before)
+            raise
+
+    def _run_steps_on(self, env: dict[str, Any], steps: list) -> None:
         n = self.n_members
         for program, runner, input_names, output_names, writes, state_out in steps:
             args = [env[name] for name in input_names]

@@ -142,8 +142,12 @@ class StageProgram:
                             written_inputs=written, writes_by_name=by_name,
                             outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs),
                             writes_untracked=any(_through_data(n.args[0]) for n in writers),
-                            written_state=tuple(dict.fromkeys(str(r.target) for r in roots
-                                                              if r is not None and r.op == "get_attr")))
+                            written_state=tuple(dict.fromkeys(
+                                [str(r.target) for r in roots if r is not None and r.op == "get_attr"]
+                                # state handed in by another stage and written here (torch.export's
+                                # `ema.mul_(0.9)` reads the buffer in one stage, writes it in the next)
+                                + [str(r.target) for r in (storage_root(nodes[name], every_module=False) for name in written)
+                                   if r.op == "get_attr" and str(r.target) in state_keys])))
 
 
 def _through_data(node: torch.fx.Node) -> bool:

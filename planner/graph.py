@@ -142,7 +142,10 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
             fx_error = f"{type(e).__name__}: {_first_line(e)}"
             # fx ran part of forward() on the real module before it gave up: an in-place update done, a buffer
             # replaced by a proxy (`self.mean += ...` under torch.no_grad()); export starts from the model as it was
-            before.restore_if_changed(model)
+            change = before.restore_if_changed(model)
+            if change.carried and _attributes_carried(model, example_inputs, before):
+                # torch.export puts such an attribute back and would bake its first value in
+                raise TraceError(_changed_refusal(model, change)) from None
     try:
         gm = _export(model, example_inputs)
     except Exception as e:
@@ -248,6 +251,51 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
         if not same:
             return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
     return None
+
+
+def _attributes_carried(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> list[str]:
+    """Plain attributes (not buffers) that carry state from one call of forward() to the next: set to a tensor in a
+    call (`self.h = cell(x, self.h)`, a recurrent state) and read by the next, so that a second call answers otherwise
+    after a first call on other values. An attribute only stored (an attention map kept to look at) or a cache sized
+    by the inputs (a rotary table) does not. The model is put back as `snapshot` holds it; the random streams are the
+    caller's."""
+    def held() -> dict[tuple[int, str], Any]:
+        return {(id(m), k): v for m in model.modules() for k, v in vars(m).items()
+                if k not in ("_parameters", "_buffers", "_modules") and (v is None or isinstance(v, torch.Tensor))}
+
+    def copies(inputs: tuple) -> tuple:
+        return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(inputs)))
+
+    other = tree_map(lambda x: (x + torch.randn_like(x) * (x.abs().mean() + 1)) if isinstance(x, torch.Tensor)
+                     and x.is_floating_point() else x, tuple(example_inputs))
+    names = {(id(m), k): f"{type(m).__name__}.{k}" for m in model.modules() for k in vars(m)}
+    with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
+        try:
+            start = held()
+            torch.manual_seed(0)
+            model(*copies(example_inputs))
+            replaced = [key for key, v in held().items() if v is not start.get(key, _NOT_HELD) and isinstance(v, torch.Tensor)]
+            if not replaced:
+                return []
+            outs = []
+            for first in (example_inputs, other):  # a first call on these values, then one on the example inputs
+                restore_all(snapshot, model)
+                torch.manual_seed(0)
+                model(*copies(first))
+                torch.manual_seed(1)
+                outs.append(model(*copies(example_inputs)))
+        except Exception:  # noqa: BLE001 - the trace reports what forward() does on its inputs
+            return []
+        finally:
+            restore_all(snapshot, model)
+    try:
+        same = _same_output(outs[1], outs[0])
+    except Exception:  # noqa: BLE001 - outputs torch cannot compare: nothing to say
+        return []
+    return [] if same else sorted(names.get(key, str(key)) for key in replaced)
+
+
+_NOT_HELD = object()
 
 
 def _state_written(model: nn.Module, snapshot: StateSnapshot) -> dict[str, torch.Tensor]:
@@ -519,6 +567,10 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         gm, tracer, note = fx_or_export(model, example_inputs, opened, before)
         derivative_in(gm)
         changed = before.restore_if_changed(model)
+        if changed.carried and not _attributes_carried(model, example_inputs, before):
+            # set from the inputs but not read back by a later call (an activation kept to look at): as before
+            kept = set(changed.carried)
+            changed = StateChange(changed.tensors, [a for a in changed.attributes if a not in kept])
         if changed and tracer == "fx" and not changed.attributes:
             # fx ran forward() on the real module: an in-place update of real state happened
             # at trace time and is missing from the graph. export records such updates as nodes.
@@ -571,6 +623,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                          "each member's own. Draw from torch's default generator instead (each member draws from it in "
                          "turn), or pass the noise in as an input")
     if tracer == "export":
+        carried = _attributes_carried(model, example_inputs, before)
+        if carried:  # torch.export put such an attribute back and baked its first value into the graph
+            raise TraceError(_changed_refusal(model, StateChange([], carried, carried)))
         # export's graph checked as fx's is (after the refusals above): forward() may read that it is traced
         # (torch.compiler.is_compiling(), is_exporting(), torch.fx's is_fx_tracing() all hold under export) and take
         # a branch eager calls never take
@@ -720,6 +775,11 @@ def _changed_refusal(model: nn.Module, changed: StateChange) -> str:
         sets = "; ".join(f"model.{k} = {fields[k]!r}" for k in list(shortest.values())[:3])
         return (f"forward() sets the config field(s) {', '.join(repr(k) for k in list(shortest.values())[:3])} on its first "
                 f"call, while it is traced, and the traced graph cannot repeat that per member; set them before tracing ({sets})")
+    if changed.carried:
+        return (f"forward() sets attribute(s) {', '.join(repr(a) for a in changed.carried[:3])} to a value computed from "
+                "its inputs and reads it at the next call (a recurrent state kept as a plain attribute): the traced graph "
+                "would read the first value on every call. Keep it in a buffer (register_buffer) written in place "
+                "(self.h.copy_(h.detach())), or pass the state in as an input and return the new one")
     return (f"forward() changes {changed.describe()} while it is traced, and the traced graph cannot repeat that per member; "
             "keep counters and caches out of forward(), or hold them in a tensor buffer updated in place")
 

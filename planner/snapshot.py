@@ -237,6 +237,9 @@ class StateChange:
 
     tensors: list[str]
     attributes: list[str]
+    # attributes forward() set to a value computed from its inputs (a recurrent state as a plain attribute), in
+    # `attributes` too: state the graph cannot carry to the next call, whichever tracer traces it
+    carried: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.tensors or self.attributes)
@@ -285,9 +288,14 @@ class StateSnapshot:
         """Compare with `model` now; put changed tensors back, and attributes a trace left holding fx Proxies (a cache
         forward() fills lazily, set while traced: the graph computes it, the model keeps what it held). Returns what
         had changed (not the Proxies: what fills a cache is in the graph)."""
+        carried = []
         for mod, before in self.attrs_before:
             for k, v in list(vars(mod).items()):
                 if before.get(k) is not v and _holds_proxy(v):
+                    # a value computed from the inputs' values and kept for the next call (`self.h = cell(x, self.h)`:
+                    # a recurrent state held as a plain attribute) is state the graph cannot carry, not a cache
+                    if isinstance(before.get(k), torch.Tensor) or _reads_inputs(v):
+                        carried.append(f"{type(mod).__name__}.{k}")
                     if k in before:
                         mod.__dict__[k] = before[k]
                     else:
@@ -321,7 +329,32 @@ class StateSnapshot:
                     tensor.copy_(saved)
                 self.held[key] = (mod, k, tensor, saved, tensor._version)
                 moved.append(key)
-        return StateChange(changed, sorted(moved))
+        return StateChange(changed, sorted(set(moved) | set(carried)), sorted(carried))
+
+
+# calls that read a tensor's size, not its values: a cache sized by the input (a rotary table for x.shape[1]) is
+# still a cache
+_SIZE_READS = frozenset({"size", "dim", "numel", "shape", "ndim", "dtype", "device", "sym_size", "nelement", "ndimension"})
+
+
+def _reads_inputs(v: Any) -> bool:
+    """Whether a Proxy (or a container of them) is computed from the values of the traced forward()'s inputs."""
+    proxies = [v] if isinstance(v, torch.fx.Proxy) else list(v.values()) if isinstance(v, dict) else \
+        list(v) if isinstance(v, (list, tuple)) else []
+    seen: set = set()
+    stack = [p.node for p in proxies if isinstance(p, torch.fx.Proxy)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            return True
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name in _SIZE_READS or (name == "getattr" and len(node.args) > 1 and node.args[1] in _SIZE_READS):
+            continue
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def restore_all(snapshot: StateSnapshot, model: nn.Module) -> None:
