@@ -33,6 +33,8 @@ def member_list(members: Any, where: str) -> list[nn.Module]:
     """`members` as a list of modules; MemberError naming what was given instead and the way to modules: state dicts
     or file paths (load them), a method not called (`src.members`), one module, a torch.compile / DDP wrapper (its
     model), a lazy module not yet run, a quantized one."""
+    if isinstance(members, (nn.ModuleList, nn.Sequential)):
+        members = list(members)  # a container of the members: its modules are they
     if isinstance(members, nn.Module):
         raise MemberError(f"{where} takes the N members as a list of modules, got one {type(members).__name__}: pass "
                           "[member_0, member_1, ...] (or src.members(n))")

@@ -597,7 +597,7 @@ def _note_alike_members(report: VerifyReport, outputs: list[Any], rtol: float) -
     other would pass this check (identical members, fine-tuned copies a little apart)."""
     flat = []
     for out in outputs:
-        leaves = [x.detach().reshape(-1).to(torch.float64).cpu() for x in tree_flatten(out)[0]
+        leaves = [_real64(x.detach()).reshape(-1).cpu() for x in tree_flatten(out)[0]
                   if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and x.numel()]
         if not leaves:
             return
@@ -698,17 +698,19 @@ def batched_inputs(plan: Plan, example_inputs: Sequence[Any], seed: int = 0) -> 
             if x.is_floating_point():
                 noise = torch.randn((plan.n_members, *x.shape), generator=gen, dtype=x.dtype)
                 out.append(x.unsqueeze(0) + 0.1 * noise.to(x.device) * (x.abs().mean() + 1e-3))
-            elif x.dim() and x.shape[-1] > 1 and not _ordered(x):
-                # token ids: each member its own rows, rolled along the last dim (the ids stay in the vocabulary), so
-                # that members mixed up do not match by accident. Values in order along it keep it (offsets,
-                # cumulative lengths, positions, a padding mask's 1...1 0...0: rolled they would mean something else)
-                out.append(torch.stack([x.roll(i, dims=-1) for i in range(plan.n_members)]))
+            elif x.dim() > 1 and x.shape[0] > 1 and not _ordered(x):
+                # token ids, actions: each member its own rows, the batch rolled (each row stays a valid row: ids in
+                # the vocabulary, a column's own range), so that members mixed up do not match by accident. Values
+                # in order along the last dim keep theirs (offsets, cumulative lengths, positions, padding masks)
+                out.append(torch.stack([x.roll(i, dims=0) for i in range(plan.n_members)]))
             else:
                 out.append(x.unsqueeze(0).expand(plan.n_members, *x.shape).clone())
         elif spec.mode is InputMode.PER_MEMBER and isinstance(x, (int, float)) and not isinstance(x, bool):
             # a Python number per member (a temperature) goes in as an [N] tensor, each member's own
+            # (float32: a float64 tensor would turn a float32 computation into float64, where the member's Python
+            # number does not)
             values = [x * (1 + 0.1 * i) if isinstance(x, float) else x for i in range(plan.n_members)]
-            out.append(torch.tensor(values, dtype=torch.float64 if isinstance(x, float) else torch.int64))
+            out.append(torch.tensor(values, dtype=torch.float32 if isinstance(x, float) else torch.int64))
         else:
             out.append(x)
     return tuple(out)

@@ -85,3 +85,10 @@ def test_a_compiled_submodule_is_named_with_its_plain_module():
 
     with pytest.raises(planner.TraceError, match=r"torch.compile'd submodule\(s\) 'block'.*m\.block = m\.block\._orig_mod"):
         planner.trace(WithCompiled(), (X,))
+
+
+def test_members_in_a_module_list_are_the_members():
+    """A regression of today's check: an nn.ModuleList of the members was refused as 'one ModuleList'."""
+    members = nn.ModuleList(MLP() for _ in range(N))
+    with torch.no_grad():
+        torch.testing.assert_close(executor.build(plan(), members)(X), torch.stack([m(X) for m in members]))

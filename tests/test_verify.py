@@ -389,14 +389,17 @@ def test_integer_per_member_inputs_differ_per_member():
     """Token ids per member were N copies of one row: a plan feeding member i another member's ids matched."""
     plan = planner.propose(planner.trace(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2, 3]]),)), 3,
                            input_mode="per_member")
-    ids = executor.batched_inputs(plan, (torch.tensor([[3, 1, 2]]),))[0]
-    assert ids.shape == (3, 1, 3) and len({tuple(r.flatten().tolist()) for r in ids}) == 3
+    ids = executor.batched_inputs(plan, (torch.tensor([[3, 1, 2], [0, 4, 1], [2, 2, 0]]),))[0]
+    assert ids.shape == (3, 3, 3) and len({tuple(r.flatten().tolist()) for r in ids}) == 3
+    actions = torch.tensor([[2, 4], [0, 1], [1, 3]])  # MultiDiscrete (3, 5): each column its own range
+    rolled = executor.batched_inputs(plan, (actions,))[0]
+    assert all((r[:, 0] < 3).all() for r in rolled)  # rows rolled, not columns
 
 
 def test_integer_per_member_inputs_in_order_keep_their_order():
     """Offsets, cumulative lengths, positions and padding masks mean what their order says: not rolled."""
     plan = planner.propose(planner.trace(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2, 3]]),)), 3,
                            input_mode="per_member")
-    for x in (torch.tensor([[0, 2, 5]]), torch.tensor([[1, 1, 0]]).bool()):
+    for x in (torch.tensor([[0, 2, 5], [0, 1, 6]]), torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()):
         got = executor.batched_inputs(plan, (x,))[0]
         assert all(torch.equal(row, x) for row in got)
