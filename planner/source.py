@@ -11,6 +11,7 @@ import collections
 import contextlib
 import os
 import hashlib
+import importlib.machinery
 import importlib.util
 import io
 import itertools
@@ -108,7 +109,12 @@ def _import_file(p: Path):
         with _importable_beside(p) as package:
             if package:  # a file in a package: its relative imports (`from .layers import Block`) resolve there
                 module.__package__ = package
-            spec.loader.exec_module(module)
+            _forget_stale_helpers()
+            present = set(sys.modules)
+            try:
+                spec.loader.exec_module(module)
+            finally:
+                _remember_helpers(set(sys.modules) - present - {module_name})
     except SyntaxError as e:
         sys.modules.pop(module_name, None)
         raise ModelLoadError(f"{p.name} has a syntax error at line {e.lineno}: {e.msg}; fix the file and load it again") from None
@@ -130,6 +136,46 @@ def _import_file(p: Path):
             f"{p.name} failed to import: {type(e).__name__}: {e} (line {last.lineno}){hint}; fix the file and load it again"
         ) from None
     return module
+
+
+# modules a model file imported from beside it (`from layers import Block`): name -> (file, its mtime then). Python
+# keeps them by name, so another model's `layers.py`, or this one edited, would not be imported again
+_HELPERS: dict[str, tuple[str, float]] = {}
+
+
+def _remember_helpers(names: set[str]) -> None:
+    """Note the modules a model file's import brought in from outside the installed packages."""
+    installed = tuple(str(Path(d).resolve()) for d in {sys.prefix, sys.base_prefix, *sys.path} if "-packages" in d)
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file and not name.startswith(("stagewise", "_stagewise_model_")) and not str(Path(file).resolve()).startswith(installed):
+            try:
+                _HELPERS[name] = (file, os.path.getmtime(file))
+            except OSError:
+                pass
+
+
+def _forget_stale_helpers() -> None:
+    """Drop from sys.modules the helpers an earlier model file imported that this import would find elsewhere (another
+    project's `layers.py`, with sys.path as it is now) or that changed on disk since, so that they are imported
+    afresh: a model built earlier keeps the classes it has."""
+    for name, (file, mtime) in list(_HELPERS.items()):
+        if name not in sys.modules:
+            _HELPERS.pop(name)
+            continue
+        try:
+            stale = not os.path.exists(file) or os.path.getmtime(file) != mtime
+            if not stale and "." not in name:
+                spec = importlib.machinery.PathFinder.find_spec(name, sys.path)
+                stale = spec is not None and spec.origin is not None and \
+                    os.path.realpath(spec.origin) != os.path.realpath(file)
+        except (OSError, ImportError, ValueError):
+            stale = False
+        if stale:
+            top = name.split(".")[0]
+            for other in [n for n in _HELPERS if n == top or n.startswith(top + ".")]:
+                sys.modules.pop(other, None)
+                _HELPERS.pop(other, None)
 
 
 @contextlib.contextmanager

@@ -252,3 +252,25 @@ def test_argparse_at_import_is_named(write_model, monkeypatch):
                        "def build_model():\n    return torch.nn.Linear(4, 2)\n\ndef example_inputs():\n    return (torch.randn(2, 4),)\n")
     with pytest.raises(ModelLoadError, match=r"parse_args\(\) read stagewise's own command line"):
         planner.load_model_file(path)
+
+
+def test_a_helper_module_of_the_same_name_in_another_project_or_edited_is_imported_afresh(tmp_path, monkeypatch):
+    """Python keeps `layers` by name: project B's model got project A's Block (0.87 off), and an edited layers.py was
+    not read again."""
+    for project, scale in (("a", 1.0), ("b", 2.0)):
+        folder = tmp_path / project
+        folder.mkdir()
+        (folder / "layers.py").write_text(BLOCK.replace("return self.l(x)", f"return self.l(x) * {scale}"))
+        (folder / "model.py").write_text(USES.format(imp="from layers import Block"))
+    monkeypatch.delitem(__import__("sys").modules, "layers", raising=False)
+    x = torch.randn(2, 4)
+    a = planner.load_model_file(tmp_path / "a" / "model.py").members(1)[0]
+    b = planner.load_model_file(tmp_path / "b" / "model.py").members(1)[0]
+    torch.testing.assert_close(b(x), b.l(x) * 2.0)
+    torch.testing.assert_close(a(x), a.l(x) * 1.0)
+    import os, time
+    edited = tmp_path / "b" / "layers.py"
+    edited.write_text(BLOCK.replace("return self.l(x)", "return self.l(x) * 3.0"))
+    os.utime(edited, (time.time() + 5, time.time() + 5))
+    c = planner.load_model_file(tmp_path / "b" / "model.py").members(1)[0]
+    torch.testing.assert_close(c(x), c.l(x) * 3.0)
