@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -162,6 +163,21 @@ def fresh(inputs: Sequence[Any]) -> tuple:
     return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(inputs)))
 
 
+def call_member(member: nn.Module, plan: Plan, args: tuple) -> Any:
+    """`member` called on one member's inputs, in the plan's order: a keyword-only parameter of forward()
+    (`forward(self, x, *, mask)`, which the trace takes in order with the others) passed by its name."""
+    try:
+        kinds = inspect.signature(member.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: as given
+        return member(*args)
+    by_name = [i.name for i in plan.inputs]
+    keyword = {name: x for name, x in zip(by_name, args)
+               if name in kinds and kinds[name].kind is inspect.Parameter.KEYWORD_ONLY}
+    if not keyword:
+        return member(*args)
+    return member(*(x for name, x in zip(by_name, args) if name not in keyword), **keyword)
+
+
 def _ordered(x: torch.Tensor) -> bool:
     """Whether `x` is in order (non-decreasing or non-increasing) along its last dim, row by row."""
     step = x[..., 1:].long() - x[..., :-1].long()
@@ -187,7 +203,7 @@ def _calls_mode() -> Any:
 def loop_outputs(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]) -> list[Any]:
     """The trusted reference: each member on its own inputs, one after another."""
     with _calls_mode():
-        return [m(*member_inputs(plan, inputs, i)) for i, m in enumerate(members)]
+        return [call_member(m, plan, member_inputs(plan, inputs, i)) for i, m in enumerate(members)]
 
 
 def compare(name: str, got: Any, want: Any, rtol: float, n_members: int | None = None) -> list[ErrorRow]:
@@ -532,7 +548,7 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
         report.notes.append("gradients not compared: no parameter requires grad")
         return
     with same_draws(seed):
-        want = [m(*member_inputs(plan, fresh(inputs), i)) for i, m in enumerate(members)]
+        want = [call_member(m, plan, member_inputs(plan, fresh(inputs), i)) for i, m in enumerate(members)]
     want_leaves = [[x for x in tree_flatten(w)[0] if isinstance(x, torch.Tensor)] for w in want]
     generator = torch.Generator().manual_seed(seed)
     recorded = [any(leaves[j].requires_grad and (leaves[j].is_floating_point() or leaves[j].is_complex())

@@ -403,3 +403,22 @@ def test_integer_per_member_inputs_in_order_keep_their_order():
     for x in (torch.tensor([[0, 2, 5], [0, 1, 6]]), torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()):
         got = executor.batched_inputs(plan, (x,))[0]
         assert all(torch.equal(row, x) for row in got)
+
+
+class KeywordOnlyMask(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, *, mask):
+        return self.fc(x) * mask
+
+
+def test_a_keyword_only_input_is_given_to_the_members_by_name():
+    """verify and autotune called each member with every input in order: a raw TypeError."""
+    torch.manual_seed(0)
+    members = [KeywordOnlyMask() for _ in range(2)]
+    x, mask = torch.randn(3, 4), (torch.rand(3, 4) > 0.5).float()
+    plan = planner.propose(planner.trace(members[0], (x, mask)), 2)
+    assert executor.verify(plan, members, (x, mask)).ok
+    executor.autotune(plan, members, (x, mask), budget="quick")
