@@ -399,7 +399,9 @@ _SIZED_FACTORIES = frozenset({"arange", "range", "zeros", "ones", "empty", "full
 _SIZED_DATA_FIRST = frozenset({"narrow", "topk", "split", "tensor_split", "split_with_sizes", "view", "reshape",
                                "expand", "repeat", "tile", "unflatten", "new_zeros", "new_ones", "new_empty",
                                "new_full", "resize_", "slice", "as_strided", "kthvalue", "hsplit", "vsplit", "dsplit",
-                               "chunk", "view_as", "broadcast_to", "pad", "constant_pad_nd"})
+                               "chunk", "view_as", "broadcast_to", "pad", "constant_pad_nd", "interpolate",
+                               "upsample", "unfold", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+                               "adaptive_max_pool1d", "adaptive_max_pool2d"})
 _NUMBER_OF_VALUES = frozenset({"item", "tolist", "_local_scalar_dense", "int", "__int__", "__index__", "long"})
 
 
@@ -446,8 +448,14 @@ def _value_shaped_op(node: torch.fx.Node, values: dict, numbers: set = frozenset
         return True
     if name == "where" and len(node.args) == 1 and not node.kwargs:
         return True
-    if name == "repeat_interleave" and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node):
-        return True
+    if name == "repeat_interleave" and ((len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node))
+                                        or (len(node.args) == 1 and "repeats" not in node.kwargs)):
+        return True  # (one argument: the counts themselves, torch.repeat_interleave(counts))
+    if name == "one_hot" and (node.args[1] if len(node.args) > 1 else node.kwargs.get("num_classes", -1)) == -1:
+        return True  # as many classes as the largest value + 1
+    if name == "multinomial" and (len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node)
+                                  or isinstance(node.kwargs.get("num_samples"), torch.fx.Node)):
+        return True  # a count of draws computed from the values
     if name in ("getitem", "__getitem__", "index") and len(node.args) > 1:  # x[mask]: a bool tensor among the indices
         index = node.args[1]
         leaves = index if isinstance(index, (tuple, list)) else [index]

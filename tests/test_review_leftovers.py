@@ -521,6 +521,10 @@ SIZED_BODIES = {
     "new_zeros": lambda h: h + h.new_zeros((h > 0).sum()).sum(),
     "topk": lambda h: h * h.flatten().topk((h > 0).sum()).values.sum(),
     "tensor_split": lambda h: h + torch.tensor_split(h.flatten(), (h[0, :2].abs() * 10).long().sort().values)[1].sum(),
+    "one_hot without num_classes": lambda h: h * torch.nn.functional.one_hot(h.argmax(-1)).float().sum(),
+    "repeat_interleave(counts)": lambda h: h * h.flatten()[torch.repeat_interleave((h[0] > 0).long())].sum(),
+    "interpolate to a size": lambda h: h * torch.nn.functional.interpolate(h[None], size=(h > 0).sum().item()).mean(),
+    "unfold by a size": lambda h: h * h.flatten().unfold(0, (h[0] > 0).sum().item() + 1, 1).mean(),
 }
 
 
