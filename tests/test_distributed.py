@@ -47,9 +47,9 @@ def rank_env() -> dict:
 
 def run_torchrun(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run a torchrun command line; once more if a rank aborted in gloo's teardown after its work ("terminate called
-    without an active exception", seen only on a loaded machine: torch's worker threads at process exit). Any other
-    failure, or the abort twice, is the test's to report."""
-    for attempt in range(2):
+    without an active exception", seen only on a loaded machine: torch's worker threads at process exit; twice in a
+    row once, with a test tier running beside). Any other failure, or the abort three times, is the test's to report."""
+    for attempt in range(3):
         done = subprocess.run(cmd, env={**rank_env(), "STAGEWISE_DIST_TIMEOUT_S": str(TIMEOUT_S)}, capture_output=True,
                               text=True, timeout=JOB_LIMIT_S, cwd=cwd)
         if done.returncode == 0 or "terminate called without an active exception" not in done.stdout + done.stderr:
