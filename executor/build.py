@@ -899,6 +899,22 @@ class BatchedModule(nn.Module):
             raise
         return _cast_floating(out, caller, only=dtype), env  # outputs in the plan's precision; a float64 one stays float64
 
+    def _by_name(self, inputs: tuple, named: dict) -> tuple:
+        """Positional inputs and keyword ones as the plan's positional inputs; InputError for a name the plan does not
+        take, one given twice, or an input left out (forward()'s defaults beyond the plan's inputs are traced in)."""
+        names = list(self._input_names)
+        unknown = sorted(k for k in named if k not in names)
+        twice = sorted(k for k in named if k in names[:len(inputs)])
+        missing = [k for k in names[len(inputs):] if k not in named]
+        if unknown or twice or missing:
+            why = (f"keyword(s) {unknown} are not inputs of the plan" if unknown else
+                   f"input(s) {twice} given both by position and by name" if twice else
+                   f"input(s) {missing} not given")
+            raise InputError(f"the batched module takes the plan's inputs {names}, by position or by name; {why}: pass "
+                             f"ens({', '.join(names)}) (inputs traced with their default value are part of the graph, "
+                             "not inputs)")
+        return tuple(inputs) + tuple(named[k] for k in names[len(inputs):])
+
     def forward(self, *inputs, **named):
         """Shared inputs as one member takes them, per_member ones [N, ...]; returns N-first outputs.
 
@@ -907,9 +923,8 @@ class BatchedModule(nn.Module):
         later stage fails, for global module hooks registered since build, or for a
         training flag set by hand to a mode forward() was not traced in (see mode_bound).
         """
-        if named:
-            raise InputError(f"the batched module takes its inputs positionally, in the plan's order {self._input_names}; "
-                             f"got keyword(s) {sorted(named)}: pass them as ens({', '.join(self._input_names)})")
+        if named:  # `ens(**batch)`: the plan's inputs by name, in its order
+            inputs = self._by_name(inputs, named)
         if global_hooks_present():  # four dict truthiness tests; torch's own watching hooks pass below
             self._refuse_global_hooks()
         if parametrize._cache_enabled:

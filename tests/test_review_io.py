@@ -205,12 +205,30 @@ def test_outputs_whose_shape_depends_on_the_values_are_refused_by_name():
         executor.build(plan, members)(x)
 
 
-def test_a_keyword_call_says_inputs_are_positional():
-    members = members_of(Ragged)
-    x = torch.randn(5, 4)
-    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
-    with pytest.raises(InputError, match="positionally"):
-        ens(x=x)
+def test_a_keyword_call_takes_the_plans_inputs_by_name():
+    """`ens(**batch)`, as Hugging Face code calls a model: refused before, naming the positional form."""
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x, mask):
+            return self.fc(x) * mask
+
+    torch.manual_seed(0)
+    members = [TwoInputs() for _ in range(N)]
+    x, mask = torch.randn(5, 4), torch.rand(5, 3)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x, mask)), N), members)
+    with torch.no_grad():
+        want = torch.stack([m(x, mask) for m in members])
+        torch.testing.assert_close(ens(mask=mask, x=x), want)
+        torch.testing.assert_close(ens(x, mask=mask), want)
+        with pytest.raises(InputError, match=r"\['y'\] are not inputs of the plan"):
+            ens(x, y=mask)
+        with pytest.raises(InputError, match=r"\['mask'\] not given"):
+            ens(x=x)
+        with pytest.raises(InputError, match=r"\['x'\] given both by position and by name"):
+            ens(x, x=x, mask=mask)
 
 
 class SignAtSizeOne(nn.Module):
