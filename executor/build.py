@@ -764,7 +764,10 @@ class BatchedModule(nn.Module):
 
     def _run_steps(self, env: dict[str, Any], steps: list) -> None:
         """Run `steps` (a slice of the flat program) on the boundary values in `env`, adding their outputs to it."""
-        written = {k for step in steps for k in step[0].written_state} if torch.is_grad_enabled() else ()
+        # what a stage before the last one that writes state writes: a refusal there puts its own stage's writes back
+        # (Runner), so only earlier stages' need a copy here (one writing stage, a memory bank: none)
+        writers = [step[0].written_state for step in steps if step[0].written_state] if torch.is_grad_enabled() else []
+        written = {k for keys in writers[:-1] for k in keys}
         kept = {k: self._stacked[k].detach().clone() for k in written
                 if k in self._stacked and not self._stacked[k].requires_grad} if written else {}
         try:

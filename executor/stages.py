@@ -55,6 +55,15 @@ def _region_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return False
 
 
+def _records_gradients(args: list) -> bool:
+    """Whether a boundary value among `args` (shared, batched or per member) holds a tensor that records gradients."""
+    for a in args:
+        value = a.tree if type(a) is Batched else a.values if type(a) is PerMember else getattr(a, "value", a)
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(value)[0]):
+            return True
+    return False
+
+
 @dataclass
 class StageProgram:
     """A stage's nodes as a standalone GraphModule: inputs are boundary values, outputs a flat tuple."""
@@ -340,10 +349,13 @@ class Runner:
         state = next(iter(self.stacked.values()), None)
         return state.device if state is not None else device_of(args)
 
-    def _state_before_writes(self) -> dict[str, torch.Tensor]:
+    def _state_before_writes(self, args: list) -> dict[str, torch.Tensor]:
         """Copies of the state this stage writes in place, where a write could record gradients into state that records
-        none (a call under grad): taken so that such a write can be undone."""
+        none (a call under grad, on values or state that record them): taken so that such a write can be undone. A
+        write of values that record none (a memory bank filled under torch.no_grad()) takes no copy."""
         if not (self.program.written_state and torch.is_grad_enabled()):
+            return {}
+        if not (any(t.requires_grad for t in self.stacked.values()) or _records_gradients(args)):
             return {}
         return {k: self.stacked[k].detach().clone() for k in self.program.written_state
                 if k in self.stacked and not self.stacked[k].requires_grad}
@@ -371,7 +383,7 @@ class Runner:
     def __call__(self, args: list) -> list:
         token = set_stage_device(self.device_for(args))  # numbers made into tensors anywhere in the run land here
         numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
-        kept = self._state_before_writes()
+        kept = self._state_before_writes(args)
         try:
             out = self.run(args)
             if kept:

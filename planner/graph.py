@@ -259,29 +259,48 @@ def _attributes_carried(model: nn.Module, example_inputs: tuple, snapshot: State
     after a first call on other values. An attribute only stored (an attention map kept to look at) or a cache sized
     by the inputs (a rotary table) does not. The model is put back as `snapshot` holds it; the random streams are the
     caller's."""
-    def held() -> dict[tuple[int, str], Any]:
+    def tensors_in(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list, dict)) and any(
+            isinstance(t, torch.Tensor) for t in tree_flatten(v)[0]))
+
+    def held() -> dict[tuple[int, str], Any]:  # (an LSTM's (h, c) as a tuple too)
         return {(id(m), k): v for m in model.modules() for k, v in vars(m).items()
-                if k not in ("_parameters", "_buffers", "_modules") and (v is None or isinstance(v, torch.Tensor))}
+                if k not in ("_parameters", "_buffers", "_modules") and (v is None or tensors_in(v))}
 
     def copies(inputs: tuple) -> tuple:
         return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(inputs)))
 
-    other = tree_map(lambda x: (x + torch.randn_like(x) * (x.abs().mean() + 1)) if isinstance(x, torch.Tensor)
-                     and x.is_floating_point() else x, tuple(example_inputs))
+    def otherwise(x: Any) -> Any:  # other values of the same shapes: floats moved, integers (token ids) reordered
+        if not isinstance(x, torch.Tensor) or x.numel() < 2:
+            return x
+        if x.is_floating_point():
+            return x + torch.randn_like(x) * (x.abs().mean() + 1)
+        return x.flatten().roll(1).view_as(x)
+
+    def state() -> dict[str, torch.Tensor]:
+        return {k: t for k, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    other = tree_map(otherwise, tuple(example_inputs))
     names = {(id(m), k): f"{type(m).__name__}.{k}" for m in model.modules() for k in vars(m)}
     with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
         try:
             start = held()
             torch.manual_seed(0)
             model(*copies(example_inputs))
-            replaced = [key for key, v in held().items() if v is not start.get(key, _NOT_HELD) and isinstance(v, torch.Tensor)]
+            replaced = [key for key, v in held().items() if v is not start.get(key, _NOT_HELD) and tensors_in(v)]
             if not replaced:
                 return []
-            outs = []
+            outs, after_first = [], {}
             for first in (example_inputs, other):  # a first call on these values, then one on the example inputs
                 restore_all(snapshot, model)
                 torch.manual_seed(0)
                 model(*copies(first))
+                if not after_first:
+                    after_first = {k: t.detach().clone() for k, t in state().items()}
+                else:  # the buffers as the first sequence left them (a running mean, a codebook): only the plain
+                    for k, t in state().items():  # attributes may tell the two second calls apart
+                        if k in after_first and t.shape == after_first[k].shape:
+                            t.copy_(after_first[k])
                 torch.manual_seed(1)
                 outs.append(model(*copies(example_inputs)))
         except Exception:  # noqa: BLE001 - the trace reports what forward() does on its inputs

@@ -203,7 +203,11 @@ def _importable_beside(p: Path):
 def _call_user(p: Path, fn_name: str, fn: Callable, *args):
     try:
         with _importable_beside(p):  # (a function importing lazily, inside build_model())
-            return fn(*args)
+            present = set(sys.modules)
+            try:
+                return fn(*args)
+            finally:
+                _remember_helpers(set(sys.modules) - present)
     except SystemExit as e:  # a model function calling sys.exit() must not end the CLI silently
         raise ModelLoadError(f"{p.name}: {fn_name}() called sys.exit({e.code!r}); return a value from {fn_name}() instead") from None
     except Exception as e:  # user code: report which function failed

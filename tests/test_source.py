@@ -274,3 +274,17 @@ def test_a_helper_module_of_the_same_name_in_another_project_or_edited_is_import
     os.utime(edited, (time.time() + 5, time.time() + 5))
     c = planner.load_model_file(tmp_path / "b" / "model.py").members(1)[0]
     torch.testing.assert_close(c(x), c.l(x) * 3.0)
+
+
+def test_a_helper_imported_inside_build_model_is_imported_afresh_too(tmp_path, monkeypatch):
+    for project, scale in (("a", 1.0), ("b", 2.0)):
+        folder = tmp_path / project
+        folder.mkdir()
+        (folder / "layers2.py").write_text(BLOCK.replace("return self.l(x)", f"return self.l(x) * {scale}"))
+        (folder / "model.py").write_text("import torch\n\ndef build_model():\n    from layers2 import Block\n"
+                                          "    return Block()\n\ndef example_inputs():\n    return (torch.randn(2, 4),)\n")
+    monkeypatch.delitem(__import__("sys").modules, "layers2", raising=False)
+    x = torch.randn(2, 4)
+    planner.load_model_file(tmp_path / "a" / "model.py").members(1)
+    b = planner.load_model_file(tmp_path / "b" / "model.py").members(1)[0]
+    torch.testing.assert_close(b(x), b.l(x) * 2.0)
