@@ -67,11 +67,20 @@ class ModelSource:
         members = self._build_members(n)
         if len(members) != n:
             raise MemberError(f"{self.name}: build_members({n}) returned {len(members)} modules; it must return exactly {n}")
-        again = next(((i, j) for j in range(n) for i in range(j) if members[i] is members[j]), None)
-        if again is not None:  # ([m] * n): trained, the loop would train the one model n times
-            raise MemberError(f"{self.name}: members {again[0]} and {again[1]} are one module object ([m] * n?); "
-                              "members must be models of their own: make a new model for each")
+        _refuse_one_object(self.name, members)
         return members
+
+
+def _refuse_one_object(name: str, members: list[nn.Module], error: type = MemberError) -> None:
+    """MemberError where two members are one module object (build_model() returning a module-level `model = ...`,
+    build_members returning `[m] * n`): trained, the loop would train the one model N times, and weight files would be
+    loaded into it in turn."""
+    again = next(((i, j) for j in range(len(members)) for i in range(j) if members[i] is members[j]), None)
+    if again is not None:
+        i, j = again
+        raise error(f"{name}: members {i} and {j} are one module object: build_model() or build_members() "
+                          f"returned the same module object for members {i} and {j} (a module-level `model = ...`, "
+                          "`[m] * n`); members must be models of their own: make a new model in each call")
 
 
 def load_source(path: str | Path, weights: Sequence[str | Path] | None = None, *, trust_archive: bool = False) -> ModelSource:
@@ -259,14 +268,8 @@ def load_model_file(path: str | Path, weights: Sequence[str | Path] | None = Non
                 out = []
                 for i in range(n):
                     torch.manual_seed(MEMBER_SEED_BASE + i)
-                    made = _call_user(p, "build_model", module.build_model)
-                    again = next((j for j, m in enumerate(out) if m is made), None)
-                    if again is not None:  # N members would be one model: trained, the loop would train it N times
-                        raise ModelLoadError(
-                            f"{p.name}: build_model() returned the same module object for members {again} and {i} (a "
-                            "module-level `model = ...` returned each time): members must be models of their own; make "
-                            "a new model in each call")
-                    out.append(made)
+                    out.append(_call_user(p, "build_model", module.build_model))
+                _refuse_one_object(p.name, out, ModelLoadError)  # (a model file's build_model(): its error)
                 return out
             finally:
                 torch.random.set_rng_state(state)
@@ -642,10 +645,7 @@ def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], 
         if n != len(states):
             raise MemberError(f"{name}: {len(states)} weight files given but {n} members asked for; pass one weight file per member")
         members = build_n(n)
-        again = next(((i, j) for j in range(len(members)) for i in range(j) if members[i] is members[j]), None)
-        if again is not None:  # one model N times: each file would be loaded into it in turn, the last one kept
-            raise ModelLoadError(f"{name}: members {again[0]} and {again[1]} are one module object; members must be "
-                                 "models of their own (make a new model for each)")
+        _refuse_one_object(name, members)  # (before any file is loaded into it in turn, the last one kept)
         keyed = [_without_wrapper_prefix(st, list(m.state_dict())) for m, st in zip(members, states)]
         _refuse_shared_apart(name, members, keyed, weights)
         for m, w, state in zip(members, weights, keyed):

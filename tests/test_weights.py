@@ -610,12 +610,8 @@ def build_model():
 def example_inputs():
     return (torch.randn(2, 4),)
 ''')
-    src = planner.load_model_file(tmp_path / "wrap.py")
-    members = src.members(2)
-    paths = []
-    for i, m in enumerate(members):
-        paths.append(tmp_path / f"m{i}.pt")
-        torch.save(m.state_dict(), paths[-1])
+    members = planner.load_model_file(tmp_path / "wrap.py").members(2)
+    paths = save_weights(members, tmp_path, ".pt")
     for got, want in zip(planner.load_model_file(tmp_path / "wrap.py", weights=paths).members(2), members):
         assert_same_state(got, want)
 
