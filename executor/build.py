@@ -50,7 +50,7 @@ from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes, train_on_copy
 from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
-from stagewise.executor.stages import _region_writes, LoopRunner, Runner, StageProgram, runner_for
+from stagewise.executor.stages import _region_writes, LoopRunner, Runner, StageProgram, put_back, runner_for
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, n_first, reset_call_number_context,
                                        set_call_number_context)
 
@@ -776,12 +776,7 @@ class BatchedModule(nn.Module):
             if kept and "records gradients into state that records none" in str(e):
                 # a later stage refused the call: what earlier stages wrote into the state goes back too, so that the
                 # refusal leaves the state as it was before the call (as the message says)
-                with torch.no_grad():
-                    for k, before in kept.items():
-                        t = self._stacked[k]
-                        if t.grad_fn is not None or t.requires_grad:
-                            t.detach_()
-                        t.copy_(before)
+                put_back(self._stacked, kept)
             raise
 
     def _run_steps_on(self, env: dict[str, Any], steps: list) -> None:

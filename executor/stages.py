@@ -55,6 +55,17 @@ def _region_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return False
 
 
+def put_back(stacked: dict[str, torch.Tensor], kept: dict[str, torch.Tensor]) -> None:
+    """Each stacked tensor as `kept` holds it, as the leaf it was where a write recording gradients made it part of
+    a graph (a refused call's writes undone)."""
+    with torch.no_grad():
+        for k, before in kept.items():
+            t = stacked[k]
+            if t.grad_fn is not None or t.requires_grad:
+                t.detach_()
+            t.copy_(before)
+
+
 def _records_gradients(args: list) -> bool:
     """Whether a boundary value among `args` (shared, batched or per member) holds a tensor that records gradients."""
     for a in args:
@@ -367,11 +378,7 @@ class Runner:
         graphed = [k for k in kept if self.stacked[k].requires_grad or self.stacked[k].grad_fn is not None]
         if not graphed:
             return
-        for k in graphed:
-            t = self.stacked[k]
-            with torch.no_grad():
-                t.detach_()
-                t.copy_(kept[k])
+        put_back(self.stacked, {k: kept[k] for k in graphed})
         names = ", ".join(repr(k) for k in graphed)
         raise ExecutionError(
             f"stage {self.program.describe}: forward() writes a value that records gradients into state that records "
