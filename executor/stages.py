@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
 from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op
-from stagewise.planner.opening import no_mha_fastpath
+from stagewise.planner.opening import ContainerTracer, no_mha_fastpath
 from stagewise.planner.trace_watch import storage_root
 from stagewise.planner.graph import renormalised_weight
 from stagewise.planner.errors import ExecutionError
@@ -38,10 +38,11 @@ from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, b
                                        set_stage_device)
 
 
-class StageRetracer(torch.fx.Tracer):
+class StageRetracer(ContainerTracer):
     """What an unpickled stage module (torch.load of a BatchedModule) is traced again with, from its code: buffers
     stay graph attributes. The default tracer runs ops on a buffer once and keeps the result as a constant, so
-    `select(self.mem, 0, 0)` of a stage traced by torch.export would become a stale copy of the member's row."""
+    `select(self.mem, 0, 0)` of a stage traced by torch.export would become a stale copy of the member's row. An
+    OrderedDict or ModelOutput a stage builds stays one (ContainerTracer)."""
 
     proxy_buffer_attributes = True
 

@@ -267,6 +267,9 @@ def _attributes_carried(model: nn.Module, example_inputs: tuple, snapshot: State
         return {(id(m), k): v for m in model.modules() for k, v in vars(m).items()
                 if k not in ("_parameters", "_buffers", "_modules") and (v is None or tensors_in(v))}
 
+    def leaves(v: Any) -> list[int] | None:  # what a dict or list attribute holds (`self.mem["h"] = h`: the same dict)
+        return [id(t) for t in tree_flatten(v)[0]] if isinstance(v, (tuple, list, dict)) else None
+
     def copies(inputs: tuple) -> tuple:
         return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(inputs)))
 
@@ -284,10 +287,11 @@ def _attributes_carried(model: nn.Module, example_inputs: tuple, snapshot: State
     names = {(id(m), k): f"{type(m).__name__}.{k}" for m in model.modules() for k in vars(m)}
     with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
         try:
-            start = held()
+            start = {key: (v, leaves(v)) for key, v in held().items()}
             torch.manual_seed(0)
             model(*copies(example_inputs))
-            replaced = [key for key, v in held().items() if v is not start.get(key, _NOT_HELD) and tensors_in(v)]
+            replaced = [key for key, v in held().items() if tensors_in(v)
+                        and (v is not start.get(key, (_NOT_HELD,))[0] or leaves(v) != start[key][1])]
             if not replaced:
                 return []
             outs, after_first = [], {}

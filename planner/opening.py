@@ -24,7 +24,9 @@ falls back to torch.export, whose graph opens every module, and says so in the t
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -32,6 +34,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.fx
 from torch import nn
+from torch.fx.immutable_collections import immutable_dict
 
 from stagewise.planner.errors import TraceError
 
@@ -127,7 +130,24 @@ def with_ancestors(paths: Iterable[str]) -> frozenset[str]:
     return frozenset(out)
 
 
-class OpeningTracer(torch.fx.Tracer):
+class ContainerTracer(torch.fx.Tracer):
+    """torch.fx's tracer, keeping a dict of its own type (an OrderedDict, a Hugging Face ModelOutput) as that type:
+    fx itself records every dict as a plain one, so a graph returned `{'logits': ...}` where forward() returns an
+    object with `.logits` and `[0]`, and a layer handed such an object got a dict. Such a dict is built by a node
+    of its type instead, as fx builds a dataclass."""
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, dict) and type(a) is not dict and not isinstance(a, (immutable_dict, torch.fx.Proxy)):
+            if dataclasses.is_dataclass(a):  # ModelOutput: its fields (those left None drop out as in forward())
+                kwargs = {f.name: self.create_arg(getattr(a, f.name)) for f in dataclasses.fields(a)}
+                return self.create_node("call_function", type(a), (), kwargs)
+            if type(a) is collections.OrderedDict:
+                pairs = [(self.create_arg(k), self.create_arg(v)) for k, v in a.items()]
+                return self.create_node("call_function", collections.OrderedDict, (pairs,), {})
+        return super().create_arg(a)
+
+
+class OpeningTracer(ContainerTracer):
     """torch.fx's tracer with the given module paths (and the modules around them) no longer leaves.
 
     `proxy_buffers`: buffers read in forward() become graph values (fx's `proxy_buffer_attributes`),

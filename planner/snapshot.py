@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 
 PLAIN_TYPES = (bool, int, float, str, type(None), enum.Enum)
@@ -267,8 +268,8 @@ class StateSnapshot:
     # (`if self.cache is None: self.cache = self.fc.weight.sum(0)` ran on graph values)
     attrs_before: list[tuple[nn.Module, dict]] = field(default_factory=list)
     # the lists and dicts those attributes hold, with their contents as they were (one level: `self.maps.append(h)`
-    # in forward() leaves an fx Proxy in the list), for restore_all
-    contents: list[tuple[Any, Any]] = field(default_factory=list)
+    # in forward() leaves an fx Proxy in the list) and their names ("Net.mem"), for restore_all
+    contents: list[tuple[Any, Any, str]] = field(default_factory=list)
 
     @staticmethod
     def take(model: nn.Module) -> "StateSnapshot":
@@ -279,8 +280,8 @@ class StateSnapshot:
                     for path, mod in model.named_modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
         slots = [(f"{path}.{k}" if path else k, mod, table, k, t) for path, mod in model.named_modules(remove_duplicate=False)
                  for table in ("_parameters", "_buffers") for k, t in getattr(mod, table).items()]
-        contents = [(v, list(v) if isinstance(v, list) else dict(v)) for mod in model.modules() for k, v in vars(mod).items()
-                    if type(v) in (list, dict) and k not in _MODULE_TABLES]
+        contents = [(v, list(v) if isinstance(v, list) else dict(v), f"{type(mod).__name__}.{k}") for mod in model.modules()
+                    for k, v in vars(mod).items() if type(v) in (list, dict) and k not in _MODULE_TABLES]
         return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held,
                              slots, [(mod, dict(vars(mod))) for mod in model.modules()], contents)
 
@@ -329,6 +330,11 @@ class StateSnapshot:
                     tensor.copy_(saved)
                 self.held[key] = (mod, k, tensor, saved, tensor._version)
                 moved.append(key)
+        for container, was, name in self.contents:  # (after `moved`: a count in a dict, `stats["calls"] += 1`, is news)
+            stored = _put_back_contents(container, was)
+            # `self.mem["h"] = cell(x, self.mem.get("h"))`: a state kept inside a dict or list attribute
+            if stored and _reads_inputs([x for x in tree_flatten(stored)[0] if isinstance(x, torch.fx.Proxy)]):
+                carried.append(name)
         return StateChange(changed, sorted(set(moved) | set(carried)), sorted(carried))
 
 
@@ -361,18 +367,29 @@ def restore_all(snapshot: StateSnapshot, model: nn.Module) -> None:
     """Put `model` back as `snapshot` saw it: its tensors, and every module's attributes (one level: a value
     replaced or added is undone; one changed inside a container it held is not)."""
     snapshot.restore_if_changed(model)
-    for container, was in snapshot.contents:
-        if isinstance(container, list) and (len(container) != len(was) or any(a is not b for a, b in zip(container, was))):
-            container[:] = was
-        elif isinstance(container, dict) and (container.keys() != was.keys() or any(container[k] is not was[k] for k in was)):
-            container.clear()
-            container.update(was)
+    for container, was, _ in snapshot.contents:
+        _put_back_contents(container, was)
     for mod, before in snapshot.attrs_before:
         for k in [k for k in vars(mod) if k not in before]:
             del mod.__dict__[k]
         for k, v in before.items():
             if mod.__dict__.get(k, _MISSING) is not v:
                 mod.__dict__[k] = v
+
+
+def _put_back_contents(container: Any, was: Any) -> list:
+    """Put `container` (a list or dict) back to the contents `was`; the values it held instead that hold fx Proxies
+    (a trace stored them), or [] where it was as it is (or changed without Proxies: put back all the same)."""
+    if isinstance(container, list) and (len(container) != len(was) or any(a is not b for a, b in zip(container, was))):
+        stored = [x for x in container if _holds_proxy(x)]
+        container[:] = was
+        return stored
+    if isinstance(container, dict) and (container.keys() != was.keys() or any(container[k] is not was[k] for k in was)):
+        stored = [x for x in container.values() if _holds_proxy(x)]
+        container.clear()
+        container.update(was)
+        return stored
+    return []
 
 
 _MISSING = object()
