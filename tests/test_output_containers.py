@@ -106,11 +106,12 @@ def test_a_model_output_trains_as_the_loop_does():
 def test_an_ordered_dict_output_keeps_its_type_and_key_order():
     x = torch.randn(4, 6)
     members, ens = built(Heads, (x,))
-    out = ens(x)
-    assert type(out) is collections.OrderedDict
-    assert list(out) == ["second", "first"]
-    for k in out:
-        torch.testing.assert_close(out[k], torch.stack([m(x)[k] for m in members]), rtol=1e-5, atol=1e-6)
+    for x in (x, torch.randn(7, 6), torch.randn(2, 3, 6)):  # calls on other values and shapes
+        out = ens(x)
+        assert type(out) is collections.OrderedDict
+        assert list(out) == ["second", "first"]
+        for k in out:
+            torch.testing.assert_close(out[k], torch.stack([m(x)[k] for m in members]), rtol=1e-5, atol=1e-6)
 
 
 def test_an_ordered_dict_handed_between_layers():
