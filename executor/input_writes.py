@@ -1,11 +1,16 @@
 """executor.input_writes: refuse model inputs forward() writes in place where one batched call cannot do
-what the member loop does (check_input_writes)."""
+what the member loop does (check_input_writes); give the runs profile repeats fresh copies of inputs forward()
+writes (FreshInputs)."""
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.executor.members import state_device
+from stagewise.executor.timing import Prepared
 from stagewise.executor.values import span
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import InputError
@@ -100,3 +105,49 @@ def overlapping_rows_refusal(name: str) -> InputError:
         f"expanded tensor, `x.expand(N, ...)`, or overlapping windows): the member loop writes each member's rows one "
         f"after another, so a member sees the writes of those before it, which one batched call cannot repeat; pass "
         f"{name}.clone() (or .contiguous()) so that each member has its own rows")
+
+
+class FreshInputs:
+    """The inputs for runs that repeat one call (executor.profile's end to end, baselines and training steps).
+
+    Where forward() writes its inputs in place (`written`: the batched module's `_written_inputs`), every run is
+    handed private copies (`values`), never the caller's tensors, and `restore()` puts the caller's values back into
+    them before each run: without that, each of a profile's hundreds of calls would write into the inputs (the
+    caller's, `x.mul_(2)`: x times 2**k) and every call after the first would run on other values than the check's.
+    The copies are made once and refilled in place, so a callable built on them (the loop baseline's per-member
+    views, vmap's, the floor's reshaped batch) sees the fresh values. `contiguous`: copies in torch's contiguous
+    layout (the floor reshapes [N, B, ...] to [N * B, ...], a view of such a copy, so refilling the copy refills it).
+    Copies are leaves; one of a leaf that requires grad requires grad too (a write recording gradients into it then
+    fails, as the member loop's does). Without writes, `values` are the caller's inputs and nothing is copied.
+    """
+
+    def __init__(self, inputs: tuple, written: bool, contiguous: bool = False):
+        self.source, self.written = tuple(inputs), bool(written)
+        if not self.written:
+            self.values = self.source
+            return
+        made: dict[int, torch.Tensor] = {}  # one copy per tensor: an input given twice stays one tensor, as the loop's
+
+        def copy(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if id(x) not in made:
+                c = x.detach().clone(memory_format=torch.contiguous_format if contiguous else torch.preserve_format)
+                made[id(x)] = c.requires_grad_(x.requires_grad and x.is_leaf)
+            return made[id(x)]
+
+        self.values = tuple(tree_map(copy, self.source))
+        self._pairs = [(made[id(x)], x) for x in {id(t): t for t in tree_flatten(self.source)[0]
+                                                  if isinstance(t, torch.Tensor)}.values()]
+
+    def restore(self) -> None:
+        """The caller's values back into the copies (what the last run wrote is gone)."""
+        if self.written:
+            with torch.no_grad():
+                for c, x in self._pairs:
+                    c.copy_(x)
+
+    def timed(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        """`call` (built on `values`) with restore() before each run, outside what timing measures (timing.Prepared):
+        the copy is not the call's cost; `call` itself where nothing is written."""
+        return Prepared(self.restore, call) if self.written else call

@@ -18,7 +18,7 @@ reads), values of different element types over one storage, and storages no writ
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -35,6 +35,9 @@ class OwnStretch:
     copy: torch.Tensor
     original: torch.Tensor
     always: bool  # write back whatever the version counter says (a write through `.data` moves none)
+    # the copy's grad_fn when made (None: it records no gradients): a member's write that records gradients replaces
+    # it (CopySlices, ClampBackward...), one under torch.no_grad() or through `.data` does not (write_back's leaf check)
+    made_by: Any = field(default=None, compare=False)
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -129,7 +132,7 @@ def own_storage(args: list, n: int, written: Iterable[int], always: bool = False
             # of v = h[:3] of a transposed h) has gradients only the base can take back
             original = base.as_strided((hi - lo,), (1,), lo)
             own = original.clone()
-            stretches.append(OwnStretch(own, original, always))
+            stretches.append(OwnStretch(own, original, always, own.grad_fn))
             for k, j, x in found:
                 replaced[(k, i, j)] = own.as_strided(x.size(), x.stride(), x.storage_offset() - lo)
     if not replaced:
@@ -150,7 +153,12 @@ def write_back(stretches: list[OwnStretch], state: set[int] = frozenset()) -> No
     taken now (after one member's write that records gradients, a view taken before it is refused by autograd).
     `state`: storage keys of the module's stacked state. ExecutionError, before any write, where a member wrote a
     value that records gradients into state that records none (a buffer: `self.ema.copy_(0.9 * self.ema + 0.1 * f)`
-    without .detach()); an activation so written (`out.index_add_(0, tok, y)` into zeros_like(x)) records them."""
+    without .detach()); an activation so written (`out.index_add_(0, tok, y)` into zeros_like(x)) records them.
+    ExecutionError too, before any write, where a member's write that records gradients went into (a view of) a leaf
+    that requires grad (`x.clamp_(0, 1)` on an input given with requires_grad=True): the member loop raises torch's
+    RuntimeError there, and a member's copy is no leaf, so torch said nothing in the stage. A leaf written under
+    torch.no_grad() (a max_norm lookup renormalising a parameter's rows) is written back, under no_grad, as torch lets
+    the loop."""
     written = [s for s in stretches if s.always or s.copy.is_inference() or s.copy._version != 0]
     if torch.is_grad_enabled() and any(s.copy.requires_grad and not s.original.requires_grad
                                        and _storage_key(s.original) in state for s in written):
@@ -159,6 +167,9 @@ def write_back(stretches: list[OwnStretch], state: set[int] = frozenset()) -> No
             "`self.ema.copy_(0.9 * self.ema + 0.1 * f)`, a recurrent state `self.h.copy_(h)`, without .detach()): the "
             "member loop's buffer would then carry this call's graph into the next one, whose backward fails there. "
             "Write a detached value (`.detach()`), or call the module under torch.no_grad()")
+    leaf = next((s for s in written if s.copy.grad_fn is not s.made_by and _grad_leaf(s.original) is not None), None)
+    if leaf is not None:
+        raise _leaf_write_refusal(_grad_leaf(leaf.original))
     for s in written:
         target, root = s.original, s.original._base
         if root is not None and root.is_leaf and root.requires_grad:  # a parameter written in place (a max_norm
@@ -168,6 +179,24 @@ def write_back(stretches: list[OwnStretch], state: set[int] = frozenset()) -> No
         if root is not None and s.copy.requires_grad:
             target = root.as_strided(target.size(), target.stride(), target.storage_offset())
         target.copy_(s.copy)
+
+
+def _grad_leaf(t: torch.Tensor) -> torch.Tensor | None:
+    """The leaf that requires grad `t` is (or views), or None."""
+    root = t._base if t._base is not None else t
+    return root if root.is_leaf and root.requires_grad else None
+
+
+def _leaf_write_refusal(leaf: torch.Tensor) -> ExecutionError:
+    """The member loop's own refusal (torch's RuntimeError at the write), said by what was written and how to fix it."""
+    shape = list(leaf.shape)
+    return ExecutionError(
+        f"forward() writes in place, with gradients recorded, a tensor that is (a view of) a leaf that requires grad, of "
+        f"shape {shape} (a model input given with requires_grad=True, the image an input optimisation updates, or a "
+        f"parameter): the member loop fails at that write with torch's RuntimeError \"a view of a leaf Variable that "
+        f"requires grad is being used in an in-place operation.\", so the batched module refuses it too, before anything "
+        f"is written. Pass a non-leaf (x.clone(), whose gradient still reaches x), or clone it in forward() "
+        f"(x = x.clone() before the in-place op)")
 
 
 def as_original(stretches: list[OwnStretch]) -> Callable[[Any], Any]:

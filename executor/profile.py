@@ -18,6 +18,7 @@ loop reference started from.
 """
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import time
@@ -36,9 +37,10 @@ from stagewise.executor.build import BatchedModule, build, resolve_device, tf32_
 from stagewise.executor.candidates import (Progress, SavedTensors, advance, make_runner, loop_reference, max_rel_error,
                                            member_tensors, on_device, private_members, stage_inputs, state_kept, strategy_label,
                                            time_candidates, try_strategy)
+from stagewise.executor.input_writes import FreshInputs
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
-from stagewise.executor.timing import keeps_random_state, native_stderr_silenced
+from stagewise.executor.timing import Prepared, keeps_random_state, native_stderr_silenced
 from stagewise.executor.verify import (DEFAULT_RTOL, counting_draws, default_rtol, draw_order_note, fresh as copy_inputs,
                                        member_inputs, members_rtol, same_draws)
 
@@ -72,33 +74,41 @@ def stage_flops(plan: Plan, member: nn.Module, example: tuple) -> dict[str, int]
             for s in plan.stages}
 
 
-class _Labelled:
-    """A runner wrapped in a torch.profiler record_function label (for chrome traces)."""
+def _labelled(runner: Runner, label: str) -> Runner:
+    """A shallow copy of `runner` whose run is inside a torch.profiler record_function label (for chrome traces).
+    A copy of its own class, not a wrapper: the module asks its runners for more than a call (device_for, whether a
+    stage that writes in place is a LoopRunner), and a wrapper answered otherwise (a writing stage crashed the trace)."""
+    twin = copy.copy(runner)
+    run = runner.run
 
-    def __init__(self, runner: Runner, label: str):
-        self.runner, self.label = runner, label
-        self.trainable = runner.trainable
+    def labelled_run(args: list) -> list:
+        with torch.profiler.record_function(label):
+            return run(args)
 
-    def __call__(self, args: list) -> list:
-        with torch.profiler.record_function(self.label):
-            return self.runner(args)
+    object.__setattr__(twin, "run", labelled_run)
+    return twin
 
 
 def write_chrome_trace(module: BatchedModule, inputs: tuple, path: str, device: torch.device,
                        step: Optional[Callable[[], Any]] = None) -> str:
     """Run the plan twice under torch.profiler, one record_function label per stage; write a chrome trace.
-    `step`: what to run instead of module(*inputs) (a training step that calls the module)."""
+    `step`: what to run instead of module(*inputs) (a training step that calls the module; a timing.Prepared one
+    has its preparation outside the labelled step). Where forward() writes its inputs in place, each forward runs on
+    a copy of `inputs` made outside the label (the caller's tensors are never written)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     saved = module.runners
-    module.runners = [_Labelled(r, f"stage {p.stage.id} [{p.stage.options.strategy.value}]")
+    module.runners = [_labelled(r, f"stage {p.stage.id} [{p.stage.options.strategy.value}]")
                       for p, r in zip(module.programs, saved)]
     try:
         with native_stderr_silenced(), torch.profiler.profile(activities=activities) as prof:
             for _ in range(2):
+                if isinstance(step, Prepared):
+                    step.prepare()
+                args = copy_inputs(inputs) if step is None and module.__dict__.get("_written_inputs") else inputs
                 with torch.profiler.record_function("stagewise forward" if step is None else "stagewise training step"):
-                    module(*inputs) if step is None else step()
+                    module(*args) if step is None else step.call() if isinstance(step, Prepared) else step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -143,6 +153,7 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         for a member that cannot be deep-copied.
     Side effects: none on `members`: the profile runs private copies of them (one copy of their
     state for the call), so buffers a forward updates, BatchNorm statistics included, stay as they were.
+    None on `inputs`: a forward() that writes its inputs in place runs on copies of them (input_writes.FreshInputs).
     """
     warmup = 2 if warmup is None else warmup
     if train:
@@ -276,8 +287,14 @@ def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tup
                    notes: list[str] | None = None) -> dict[str, StrategyResult]:
     """The plan end to end ("stagewise") and the whole-model baselines, checked, then timed round-robin.
     `module` is at the state the members (profile's copies) hold; the members are put back there before
-    each baseline is built and checked, since the loop reference and the loop baseline move them."""
+    each baseline is built and checked, since the loop reference and the loop baseline move them.
+    Where forward() writes its inputs in place, every run (checked, warm-up, timed) of the plan and of each baseline
+    is on private copies of `inputs` refilled with the caller's values before it, outside the timed call
+    (FreshInputs.timed): the caller's tensors are never written, each run sees the values the reference saw, and the
+    times are the calls' alone, without the copy."""
     ticks("end to end and baselines")
+    fresh = FreshInputs(inputs, bool(module.__dict__.get("_written_inputs")))
+    work = fresh.values
     kept = SavedTensors(member_tensors(members))
     with same_draws(0):  # the random state try_strategy checks each candidate from
         ref_out = whole.stack_outputs(whole.loop(plan, members, copy_inputs(inputs))())
@@ -290,16 +307,15 @@ def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tup
     own.restore()
     builders: dict[str, Callable[[], Callable]] = {}
     if all(s.result.ok for s in stages):
-        # forward() writing its inputs: each call (the checked one) on a copy, as the reference ran
-        builders["stagewise"] = lambda: ((lambda: module(*copy_inputs(inputs))) if module.__dict__.get("_written_inputs")
-                                         else (lambda: module(*inputs)))
+        builders["stagewise"] = lambda: fresh.timed(lambda: module(*work))
     if baselines:
-        builders["loop"] = lambda: whole.loop(plan, members, inputs)
-        builders["vmap"] = lambda: whole.whole_vmap(plan, members, inputs, dev)
+        builders["loop"] = lambda: fresh.timed(whole.loop(plan, members, work))
+        builders["vmap"] = lambda: fresh.timed(whole.whole_vmap(plan, members, work, dev))
         if compile_baseline:
-            builders["vmap+compile"] = lambda: whole.whole_vmap_compiled(plan, members, inputs, dev)
+            builders["vmap+compile"] = lambda: fresh.timed(whole.whole_vmap_compiled(plan, members, work, dev))
     if floor:
-        builders["floor"] = lambda: whole.floor(plan, members, inputs)
+        flat = FreshInputs(inputs, fresh.written, contiguous=True)  # the floor's [N * B, ...] batch views these copies
+        builders["floor"] = lambda: flat.timed(whole.floor(plan, members, flat.values))
     results: dict[str, StrategyResult] = {}
     working: dict[str, tuple[StrategyResult, Callable]] = {}
     with warnings.catch_warnings():

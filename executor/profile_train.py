@@ -40,6 +40,7 @@ from stagewise.planner.errors import ExecutionError, StagewiseError
 from stagewise.planner.plan import Plan, Strategy
 from stagewise.executor.autotune_train import tune_training
 from stagewise.executor.build import BatchedModule, build, resolve_device
+from stagewise.executor.input_writes import FreshInputs
 from stagewise.executor.candidates import (SavedTensors, advance, loop_reference, max_rel_error, on_device, private_members,
                                            stage_inputs, state_kept, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.optim import StackedAdam, StackedSGD
@@ -199,12 +200,13 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     stages = _profile_stages(module, inputs, dev, repeats, warmup, ticks, flops, candidates, start)
     start.restore()  # the stages' runs moved it: the training step end to end is checked from the start
     del start
-    end_to_end, base = _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, baselines, optimizer, lr, notes)
+    fresh = FreshInputs(inputs, bool(module.__dict__.get("_written_inputs")))  # forward() writes them: copies
+    end_to_end, base = _profile_steps(plan, module, members, fresh, dev, repeats, warmup, ticks, baselines, optimizer, lr, notes)
     trace_file = None
     if trace_path:
         ticks("chrome trace")
-        step = StagewiseStep(module, inputs, optimizer, lr)
-        trace_file = write_chrome_trace(module, inputs, trace_path, dev, step=step.step)
+        step = StagewiseStep(module, fresh.values, optimizer, lr)
+        trace_file = write_chrome_trace(module, fresh.values, trace_path, dev, step=fresh.timed(step.step))
     ticks.finish()
     notes += [f"training step: forward + backward + {'Adam' if optimizer == 'adam' else 'SGD (momentum 0.9)'} step, lr {lr:g}; "
               "loss = mean square of the outputs, summed over members",
@@ -221,9 +223,12 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     )
 
 
-def _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, baselines, optimizer, lr, notes):
-    """(stagewise end to end, [loop, torch.func]): each checked by its gradients against the loop's, then timed round-robin."""
+def _profile_steps(plan, module, members, fresh: FreshInputs, dev, repeats, warmup, ticks, baselines, optimizer, lr, notes):
+    """(stagewise end to end, [loop, torch.func]): each checked by its gradients against the loop's, then timed round-robin.
+    Every way runs on `fresh.values`; where forward() writes its inputs in place they are copies, refilled with the
+    caller's values before each checked and each timed step, outside the timed step (FreshInputs.timed)."""
     ticks("training step end to end and baselines")
+    inputs = fresh.values
     builders: dict[str, Callable[[], TrainingStep]] = {"stagewise": lambda: StagewiseStep(module, inputs, optimizer, lr)}
     builders["loop"] = lambda: LoopStep(plan, members, inputs, optimizer, lr)  # the reference; timed with the baselines
     if baselines:
@@ -240,6 +245,7 @@ def _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, b
         for name in ["loop"] + [k for k in builders if k != "loop"]:  # the loop first: it is the reference
             def make(name=name):
                 made[name] = step = builders[name]()
+                fresh.restore()
                 step.train(not dropout)
                 g = step.grads()
                 step.train(True)
@@ -252,7 +258,7 @@ def _profile_steps(plan, module, members, inputs, dev, repeats, warmup, ticks, b
                 res.max_rel_err = 0.0
             results[name] = res
             if call is not None and (baselines or name == "stagewise"):
-                working[name] = (res, made[name].step)
+                working[name] = (res, fresh.timed(made[name].step))
         time_candidates(working, dev, repeats, warmup, set())
     end_to_end = results.pop("stagewise")
     end_to_end.compile_s = 0.0

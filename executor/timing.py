@@ -9,7 +9,9 @@ a loop. A synchronize after every call (per-call latency) ranked plans different
 on an H100 (2026-11-23: a conv stage as one CUDA graph 0.45 ms vs torch.compile
 reduce-overhead 0.50 ms per synchronised call, 0.41 vs 0.32 ms back to back).
 Several callables can be timed round-robin (`interleaved`) so that load from
-other processes hits them alike.
+other processes hits them alike. A `Prepared` callable has a preparation run
+before each call outside what is measured (fresh values for inputs a forward()
+writes in place): its calls are timed one by one (CUDA: events around each call).
 
 Peak memory: CUDA allocator peak above the allocation before the call; on CPU
 the allocator's peak live bytes from torch.profiler's allocation events (malloc
@@ -73,12 +75,34 @@ def native_stderr_silenced():
         os.close(saved)
 
 
+class Prepared:
+    """A call timed apart from an untimed preparation run before each call (`prepare()`, e.g. putting fresh values
+    into inputs that forward() writes in place, so that every call sees the caller's values, not the previous call's
+    writes): the samplers, one_call_seconds and peak_memory_bytes run `prepare()` outside what they measure, so the
+    time and memory are the call's alone. Calling it runs both (checks, warm-ups, traces)."""
+
+    def __init__(self, prepare: Callable[[], object], call: Callable[[], object]):
+        self.prepare, self.call = prepare, call
+
+    def __call__(self) -> object:
+        self.prepare()
+        return self.call()
+
+
+def _parts(fn: Callable[[], object]) -> tuple[Optional[Callable[[], object]], Callable[[], object]]:
+    """(the untimed preparation or None, the call to measure)."""
+    return (fn.prepare, fn.call) if isinstance(fn, Prepared) else (None, fn)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def one_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    prepare, fn = _parts(fn)
+    if prepare is not None:
+        prepare()
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -99,6 +123,9 @@ def calls_per_sample(first_call_s: float, device: torch.device) -> int:
 
 
 def _sampler(fn: Callable[[], object], device: torch.device, inner: int) -> Callable[[], float]:
+    prepare, fn = _parts(fn)
+    if prepare is not None:
+        return _prepared_sampler(prepare, fn, device, inner)
     if device.type == "cuda":
         def sample() -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -114,6 +141,35 @@ def _sampler(fn: Callable[[], object], device: torch.device, inner: int) -> Call
             for _ in range(inner):
                 fn()
             return (time.perf_counter() - start) / inner
+    return sample
+
+
+def _prepared_sampler(prepare: Callable[[], object], fn: Callable[[], object], device: torch.device,
+                      inner: int) -> Callable[[], float]:
+    """As _sampler, each call's `prepare()` outside the timed spans: CUDA events around each call (the preparation's
+    kernels run between one call's end event and the next one's start), still one synchronize per sample; CPU
+    perf_counter around each call."""
+    if device.type == "cuda":
+        def sample() -> float:
+            spans = []
+            for _ in range(inner):
+                prepare()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                spans.append((start, end))
+            spans[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in spans) / 1e3 / inner
+    else:
+        def sample() -> float:
+            total = 0.0
+            for _ in range(inner):
+                prepare()
+                start = time.perf_counter()
+                fn()
+                total += time.perf_counter() - start
+            return total / inner
     return sample
 
 
@@ -204,8 +260,12 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
 
     CUDA: the caching allocator's peak. CPU: the allocator peak from the profiler's
     allocation events, or else the growth of the process's peak RSS (VmHWM after
-    a reset through /proc/self/clear_refs; ru_maxrss as a last resort).
+    a reset through /proc/self/clear_refs; ru_maxrss as a last resort). A Prepared call's preparation runs before,
+    unmeasured.
     """
+    prepare, fn = _parts(fn)
+    if prepare is not None:
+        prepare()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
