@@ -78,7 +78,14 @@ per-tensor path: one kernel per parameter and call, still independent of N. On C
 the whole stacked tensor, so for members of a few KB a Python loop of torch optimizers can keep
 more in cache; the win there is in the Python and dispatch overhead of N optimizers.
 
-Imports nothing of ours except planner.errors.
+Third-party optimizers. A ``torch.optim.Optimizer`` subclass stepping a batched module's stacked parameters that is
+not known to update each element alone (torch's SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam,
+ASGD, Rprop, SparseAdam and the stacked optimizers here are) gets an ``executor.JointNormWarning`` at its first step,
+naming it: a norm it takes over a whole parameter (SAM's gradient norm, LAMB's trust ratio) is one over all members.
+Also one whose method steps such an optimizer (SAM's second_step stepping its base SGD). A class that takes no such
+reduction says so with ``stagewise_per_member = True``.
+
+Imports nothing of ours except planner.errors (executor.habits, for the warning's category, where it warns).
 """
 from __future__ import annotations
 
@@ -1327,9 +1334,24 @@ _MIXING = [(getattr(torch.optim, name, None), why) for name, why in (
 _BATCHED_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _WATCH: list = []  # the global optimizer hook's handle, once registered
 
+# Optimizer classes whose step updates every element of a tensor from that element's own gradient and state alone
+# (scalars per tensor, a step count, come from hyper-parameters): on stacked [N, ...] parameters they update each
+# member as its own copy would. Whatever else steps the stacked parameters, a third-party Optimizer subclass (SAM's
+# gradient norm, LAMB's and LARS's trust ratio, a quantized optimizer's blocks) or one wrapping another, may reduce
+# over a whole stacked parameter and mix the members: it is warned about (MIXING_WARNING) at its first step.
+_PER_ELEMENT = tuple(kind for kind in (getattr(torch.optim, name, None) for name in (
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "SparseAdam"))
+    if kind is not None)
+# Optimizers that only hand the step to the optimizer they wrap (each on whole parameters): judged by what they wrap.
+_DELEGATING = frozenset({"accelerate.optimizer.AcceleratedOptimizer",
+                         "torch.distributed.optim.zero_redundancy_optimizer.ZeroRedundancyOptimizer",
+                         "torch.distributed.optim.post_localSGD_optimizer.PostLocalSGDOptimizer"})
+_KINDS_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers whose kind was judged
+
 
 def watch_stacked_parameters(module: torch.nn.Module) -> None:
-    """Refuse, at its first step, a torch optimizer of `_MIXING` stepping `module`'s stacked parameters."""
+    """Refuse, at its first step, a torch optimizer of `_MIXING` stepping `module`'s stacked parameters; warn about one
+    not known to update each element alone (`mixing_warning`)."""
     from stagewise.executor import habits  # torch's gradient-norm functions and update_bn (imports this module's users)
 
     _BATCHED_MODULES.add(module)
@@ -1400,10 +1422,86 @@ def grouping_by_dim_warning(groups: list[dict], who: str, stacked: set[int] | No
 _GROUPS_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
+def _per_element(optimizer: Any) -> bool:
+    """Whether `optimizer`'s step is known to update each element alone: the step that runs is one of _PER_ELEMENT's or
+    a stacked optimizer's (a subclass that only changes __init__ inherits it), its class is a known delegating
+    wrapper, or the class says so (`stagewise_per_member = True`)."""
+    kind = type(optimizer)
+    if getattr(kind, "stagewise_per_member", False) is True or f"{kind.__module__}.{kind.__qualname__}" in _DELEGATING:
+        return True
+    owner = next((c for c in kind.__mro__ if "step" in c.__dict__), None)  # the class whose step runs
+    return owner in _PER_ELEMENT or owner in (StackedSGD, StackedAdam, StackedAdamW)
+
+
+def _stepping_optimizers(optimizer: torch.optim.Optimizer, depth: int = 8) -> list[Any]:
+    """`optimizer` and the optimizers whose methods called its step (SAM's second_step calling its base optimizer's,
+    a Lookahead's step calling the inner one's): the `self` of the caller frames that is an Optimizer."""
+    found, frame = [optimizer], sys._getframe(3)  # past this function, _warn_unknown_optimizers and _refuse_mixing
+    for _ in range(depth):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, torch.optim.Optimizer) and all(owner is not f for f in found):
+            found.append(owner)
+        frame = frame.f_back
+    return found
+
+
+def _callers_level() -> int:
+    """The warnings stacklevel of the first frame outside torch and this module (the call of step, or of the method
+    stepping an optimizer: SAM's second_step)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename == __file__
+                                 or "/torch/" in frame.f_code.co_filename.replace("\\", "/")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _holds_stacked(optimizer: Any, stacked: set[int]) -> bool:
+    return any(id(p) in stacked for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ()))
+
+
+def mixing_warning(name: str) -> str:
+    """The warning for an optimizer `name` not known to update each element alone, stepping stacked parameters."""
+    return (
+        f"{name} steps a batched module's stacked parameters and is not known to update each element alone: a norm, "
+        "sum or mean it takes over a whole parameter (SAM's gradient norm, LAMB's or LARS's trust ratio, an optimizer "
+        "quantizing blocks) is one over all N members of a stacked [N, ...] parameter, so every member's step would "
+        "depend on the others' gradients and weights, where N separate training runs keep them apart. Fix: take such "
+        "a reduction per member (over p.grad.reshape(N, -1) along dim 1, summed over parameters per member; "
+        "executor.clip_grad_norm_per_member_ returns the [N] gradient norms), scale by it viewed [N, 1, ...], and "
+        "step with a torch per-element optimizer or executor.StackedSGD / StackedAdam / StackedAdamW; or run this "
+        "optimizer on each member's own copy (ens.member_state_dicts()). If its update takes no reduction over a "
+        f"whole parameter, say so with {name.rsplit('.', 1)[-1]}.stagewise_per_member = True, or silence this with "
+        "warnings.filterwarnings('ignore', category=executor.JointNormWarning)")
+
+
+def _warn_unknown_optimizers(optimizer: torch.optim.Optimizer) -> None:
+    """At an optimizer's first step while batched modules exist: warn where it, or an optimizer calling its step,
+    holds stacked parameters and is not known to update each element alone (`mixing_warning`). A warning, not a
+    refusal: an optimizer written for them (SAM with per-member norms, a Lookahead) trains each member as its own."""
+    from stagewise.executor.habits import JointNormWarning  # the category users filter for norms over all members
+
+    candidates = [o for o in _stepping_optimizers(optimizer) if o not in _KINDS_CHECKED]
+    if not candidates:
+        return
+    for o in candidates:
+        _KINDS_CHECKED.add(o)
+    stacked = {id(p) for module in list(_BATCHED_MODULES) for p in module.parameters()}
+    for o in candidates:
+        if not _per_element(o) and _holds_stacked(o, stacked):
+            kind = type(o)
+            warnings.warn(mixing_warning(f"{kind.__module__}.{kind.__qualname__}"), JointNormWarning,
+                          stacklevel=_callers_level())
+            return
+
+
 def _refuse_mixing(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     why = next((why for kind, why in _MIXING if isinstance(optimizer, kind)), None)
     if not _BATCHED_MODULES:
         return None
+    if why is None and optimizer not in _KINDS_CHECKED and not torch.compiler.is_compiling():
+        _warn_unknown_optimizers(optimizer)  # (dynamo cannot trace the frame walk nor warnings.warn)
     if why is None and optimizer not in _GROUPS_CHECKED and not isinstance(optimizer, _StackedOptimizer):
         _GROUPS_CHECKED.add(optimizer)  # a torch optimizer on the stacked parameters, at its first step
         stacked = {id(p) for module in list(_BATCHED_MODULES) for p in module.parameters()}
