@@ -233,7 +233,7 @@ def set_options(plan: Plan, graph: ModelGraph, stage: str, **options) -> Plan:
         if s.mode is StageMode.EXCLUDED and options["strategy"] in (Strategy.VMAP, Strategy.CUDA_GRAPH):
             raise EditError(
                 f"{what}: stage {s.id} is excluded ({s.reason}), so it cannot run under vmap; "
-                "use loop, wide or compile, or include it first"
+                "use loop or wide (compile too, unless the reason says vmap fails or computes otherwise there), or include it first"
             )
     chunk = options.get("chunk_size")
     if chunk is not None and (not isinstance(chunk, int) or chunk < 1):

@@ -244,7 +244,7 @@ def test_set_options(dd):
                             ({"chunk_size": 0}, "chunk_size must be a positive integer"), ({"chunk_size": 1.5}, "chunk_size")]:
         with pytest.raises(EditError, match=message):
             planner.set_options(plan, graph, "s0", **kwargs)
-    with pytest.raises(EditError, match="s1 is excluded .*cannot run under vmap; use loop, wide or compile"):
+    with pytest.raises(EditError, match="s1 is excluded .*cannot run under vmap; use loop or wide"):
         planner.set_options(plan, graph, "s1", strategy="vmap")
 
 

@@ -26,8 +26,9 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten
 
 from stagewise.planner.capability import _AUTOCAST_TARGETS
+from stagewise.planner.edits import USER_EXCLUDED
 from stagewise.planner.errors import ExecutionError, PlanFileError
-from stagewise.planner.plan import StageOptions
+from stagewise.planner.plan import Stage, StageMode, StageOptions
 from stagewise.executor.stages import VmapRunner
 from stagewise.executor.values import signature
 
@@ -106,6 +107,34 @@ def compile_fresh(fn: Callable, name: str, mode: str = "") -> Callable:
     return torch.compile(wrapper, backend=BACKEND, dynamic=False)
 
 
+# why the planner excludes a stage (a part of its reason) where torch.compile(vmap(stage)) still runs it as each member
+# does: vmap's slow per-member fallback (what autotune compiles); writes into buffers (a stage that writes in place,
+# BatchNorm in training mode among them, runs as plain vmap, which writes each member's rows); random draws (in
+# training plain vmap, each member drawing its own numbers, in another order than the loop: executor.verify names
+# that); an exclusion by hand of nodes the planner found vmap runs
+_COMPILE_SAFE_REASONS = ("slow per-member loop", "in-place update of buffer", "randomness in", USER_EXCLUDED)
+# the second halves of planner reasons that hold "; " themselves (merged stages join their reasons with "; " too)
+_REASON_TAILS = ("members' state would be shared", "call .eval() or exclude")
+
+
+def excluded_compile_refusal(stage: Stage) -> str:
+    """Why strategy 'compile' cannot run an excluded stage ("" where it can): compile runs the stage under vmap, which
+    the planner found fails there or computes otherwise than each member (no batching rule and no fallback, a
+    data-dependent value or shape, an in-place write vmap cannot batch). Any reason not known to be safe
+    (_COMPILE_SAFE_REASONS) is refused: a plan set by hand is refused at build rather than failing, or answering
+    wrong, at its first call."""
+    if stage.mode is not StageMode.EXCLUDED:
+        return ""
+    parts = [p for p in stage.reason.split("; ") if p and p not in _REASON_TAILS]
+    bad = [p for p in parts if not any(ok in p for ok in _COMPILE_SAFE_REASONS)]
+    if not bad:
+        return ""
+    return (f"stage {stage.id} is excluded ({bad[0]}) and cannot run strategy 'compile': compile runs the stage under "
+            "vmap (torch.compile(vmap(...))), which fails there or does not compute what each member computes. Run it "
+            f"as the member loop, its default (planner.set_options(plan, graph, {stage.id!r}, strategy='loop')), or "
+            "try 'wide', which executor.verify and autotune check against the loop")
+
+
 class CompileRunner(VmapRunner):
     """torch.compile(vmap(stage)) over stacked state; compile time in `compile_seconds`."""
 
@@ -123,6 +152,7 @@ class CompileRunner(VmapRunner):
         self.compile_seconds = 0.0
         self.eager_calls = 0  # calls that ran as plain vmap (training, in-place state, past MAX_SIGNATURES)
         self.mode = compile_mode_of(self.program.stage.options)
+        self._modules = list(module.modules())  # the stage and its submodules, whose training flags run() reads
         regions = [n.name for n in module.graph.nodes if n.op == "call_function"
                    and any(n.target is t for t in _AUTOCAST_TARGETS)]
         if regions:  # vmap, which compile traces, does not apply autocast: the region would compute in float32
@@ -131,6 +161,9 @@ class CompileRunner(VmapRunner):
                 "which torch.compile(vmap(...)) runs without its autocast, in another dtype than each "
                 f"member's: run the stage as loop or wide (planner.set_options(plan, graph, {self.program.stage.id!r}, "
                 "strategy='loop'))")
+        refused = excluded_compile_refusal(self.program.stage)
+        if refused:
+            raise ExecutionError(refused)
         if self.mode == "reduce-overhead":
             if not all(t.is_cuda for t in self.stacked.values()):
                 raise ExecutionError(f"stage {self.program.stage.id}: compile mode reduce-overhead adds CUDA graphs and "
@@ -146,7 +179,7 @@ class CompileRunner(VmapRunner):
 
     def run(self, args: list) -> list:
         inputs, dims, per_member = self._vmap_args(args)
-        if not per_member or self.program.module.training or self.program.writes_in_place:
+        if not per_member or self._in_training() or self.program.writes_in_place:
             # nothing per member: computed once, nothing to compile. Training (per-member randomness,
             # BatchNorm statistics) and in-place state updates run eager: compiling runs the stage
             # more than once on its first call, which would apply an update two or three times
@@ -183,14 +216,27 @@ class CompileRunner(VmapRunner):
                     t.register_hook(self._refuse_double_backward)
         return self._rebuild(tensors, meta)
 
+    def _in_training(self) -> bool:
+        """Whether the stage or any module in it is in training mode now: a BatchNorm put back in training inside an
+        eval model (test-time adaptation) updates its running statistics on every call, as the stage's own flag does
+        not show. Read per call: `.train()` / `.eval()` on a submodule may come after the build."""
+        return any(m.training for m in self._modules)
+
     def _refuse_double_backward(self, grad: torch.Tensor) -> None:
         """torch.compile's backward cannot be differentiated again: say so, naming the stage and the fix, before its
         backward raises a bare RuntimeError."""
         if torch.is_grad_enabled():  # a backward with create_graph=True
             stage = self.program.stage.id
+            # torch.func.grad / vjp / jacrev take every gradient as one that may be differentiated again (grad mode
+            # on in the backward), a first-order one too: say which the user wrote
+            how = ("a gradient taken through a torch.func transform (torch.func.grad, vjp, jacrev, ...), which "
+                   "records the backward so that it could be differentiated again, even for a first-order gradient; "
+                   "take a first-order gradient with loss.backward() or torch.autograd.grad instead, or"
+                   if torch._C._functorch.peek_interpreter_stack() is not None else
+                   "a backward with create_graph=True: a gradient penalty, a Hessian-vector product;")
             raise ExecutionError(
                 f"stage {stage} runs strategy 'compile', whose backward torch.compile cannot differentiate again "
-                "(a backward with create_graph=True: a gradient penalty, a Hessian-vector product). Run the stage "
-                f"with vmap: plan = planner.set_options(plan, graph, {stage!r}, strategy='vmap'), or "
-                "executor.autotune(..., train=True), which keeps compile out of a plan for training")
+                f"({how} run the stage with vmap: plan = planner.set_options(plan, graph, {stage!r}, "
+                "strategy='vmap'), or executor.autotune(..., train=True), which keeps compile out of a plan for "
+                "training)")
         return None

@@ -221,13 +221,20 @@ class WideRunner(Runner):
         return consts, placeholders, steps, tuple(outputs) if isinstance(outputs, (list, tuple)) else (outputs,)
 
     def _generic_step(self, node: torch.fx.Node) -> Callable[[dict], None]:
-        """Interpret one node: load its arguments from env, dispatch through _call."""
+        """Interpret one node: load its arguments from env, dispatch through _call.
+
+        An in-place op (`h.mul_(0.5)`, `F.relu(h, inplace=True)`) hands on its first operand itself, as torch returns
+        it: the result vmap or the member loop gives back is a stacked copy, and a later write through it (`.add_()`
+        chained in the next stage) would miss the value (a buffer's slice) the loop writes."""
         name, args, kwargs, call = node.name, node.args, node.kwargs, self._call
         map_arg = torch.fx.node.map_arg
+        returns_operand = node.op != "call_module" and is_inplace(node) and op_name(node.target) != "setitem"
 
         def step(env: dict) -> None:
             load = lambda a: env[a.name]  # noqa: E731
-            env[name] = call(node, map_arg(args, load), map_arg(kwargs, load))
+            a = map_arg(args, load)
+            out = call(node, a, map_arg(kwargs, load))
+            env[name] = a[0] if returns_operand and type(a[0]) is NFirst and type(out) is NFirst else out
 
         return step
 
@@ -365,19 +372,34 @@ class WideRunner(Runner):
                       **tree_map(lambda x: x.t if is_nf(x) else x, kwargs, is_leaf=is_nf))
         if name == "getitem" and not is_nf(args[0]) and not _any_nf(args[1:]):
             return args[0][args[1]]  # an item of a container (a module's output tuple): None is an item too
+        if name == "setitem" and is_nf(args[0]):
+            # `h[i] = v`, `h.__setitem__(i, v)`: returns None, which vmap cannot hand back; the write is the result
+            if node.name in self._per_member:
+                return _member_loop(fn, {}, args, kwargs, n, stateless=True)
+            fn = _returning_first_operand(fn)
         out = wide_ops.call_function(fn, name, args, kwargs, n) if name in _RULED else None
         if out is None:
             if node.name in self._per_member:
                 return _member_loop(fn, {}, args, kwargs, n, stateless=True)
             try:
                 out = _vmap_call(lambda st, a, kw: fn(*a, **kw), {}, args, kwargs, writes=_keeps_operand(node))
-            except RuntimeError as e:
+            except (RuntimeError, ValueError) as e:  # ValueError: vmap refusing what the op returns
                 if node.name in self._vmap_ran or not _VMAP_CANNOT.search(str(e)):
                     raise
                 self._per_member.add(node.name)
                 return _member_loop(fn, {}, args, kwargs, n, stateless=True)
             self._vmap_ran.add(node.name)
-        return out
+        return None if name == "setitem" else out
+
+
+def _returning_first_operand(fn: Callable) -> Callable:
+    """`fn` (a setitem, which returns None) returning its first operand, the tensor it wrote: vmap hands back tensors
+    only (that result is dropped: the node's value is None, as torch's)."""
+    def call(*args, **kwargs):
+        fn(*args, **kwargs)
+        return args[0]
+
+    return call
 
 
 _RANDOM_METHODS = {"uniform_", "normal_", "bernoulli_", "bernoulli", "random_", "exponential_", "geometric_", "cauchy_",

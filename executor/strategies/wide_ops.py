@@ -120,6 +120,14 @@ def with_dims(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     """Call `fn` on the N-first first operand with its dim arguments shifted past the member axis."""
     args, kwargs = list(args), dict(kwargs)
     x = args[0]
+    if _empty_dims(name, args, kwargs):
+        # torch reads an empty dim list (`x.amax(dim=())`, `sum(x, [])`) as "every dim": shifted, it would still be
+        # empty and reduce the member axis too. Name the member's dims instead, as a missing dim is handled below.
+        if name not in REDUCE_ALL_WITHOUT_DIM or name in ("logsumexp", "prod") or x.rank == 0:
+            return None  # torch refuses it (logsumexp, prod) or a scalar member has no dims to name: vmap's rules
+        args, kwargs = _with_dims_given(name, args, kwargs, list(range(1, x.t.dim())))
+        args[0] = x.t
+        return _wrap_out(fn(*args, **kwargs))
     given = False
     for pos, key, default in DIM_ARGS[name]:
         if pos < len(args) and not isinstance(args[pos], bool):
@@ -147,6 +155,23 @@ def with_dims(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         return None  # e.g. squeeze() or softmax without dim: semantics differ, use vmap
     args[0] = x.t
     return _wrap_out(fn(*args, **kwargs))
+
+
+def _empty_dims(name: str, args: list, kwargs: dict) -> bool:
+    """Whether the call names its reduction dims as an empty list or tuple (torch: all of them)."""
+    pos, key, _ = DIM_ARGS[name][0]
+    value = args[pos] if pos < len(args) else kwargs.get(key)
+    return isinstance(value, (list, tuple)) and len(value) == 0
+
+
+def _with_dims_given(name: str, args: list, kwargs: dict, dims: list) -> tuple[list, dict]:
+    """`args`, `kwargs` with the first dim argument of `name` replaced by `dims` (where it was given)."""
+    pos, key, _ = DIM_ARGS[name][0]
+    if pos < len(args):
+        args[pos] = dims
+    else:
+        kwargs[key] = dims
+    return args, kwargs
 
 
 def _wrap_out(out: Any) -> Any:
