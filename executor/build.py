@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import pickle
 import re
 from pathlib import Path
@@ -28,8 +29,8 @@ from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
-                                      StagewiseError)
-from stagewise.planner.graph import (ModelGraph, fingerprint_lines, global_hooks_present, global_hooks_refusal,
+                                      StagewiseError, TraceError)
+from stagewise.planner.graph import (ModelGraph, global_hooks_present, global_hooks_refusal,
                                       registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage
@@ -45,7 +46,7 @@ from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
 from stagewise.executor.members import (aliasing_of, member_list, check_one_device, copy_member, frozen_apart, written_state, gradient_hooks, shared_across_members,
-                                       stack_member_state, state_device, state_tree, ties_apart, tree_tensor)
+                                       stack_member_state, state_device, state_tree, tensors_overlap, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes, train_on_copy
 from stagewise.executor.optim import watch_stacked_parameters
@@ -129,7 +130,18 @@ _MIXED_DTYPES = re.compile(r"dtype mismatch|same dtype|Expected: Float, Got|mixe
 _VMAP_REFUSED = re.compile(r"vmap: We do not support batching operators that can output dynamic shape|"
                            r"vmap: It looks like you're calling \.item\(\)|vmap: It looks like you're attempting to use a "
                            r"Tensor in some data-dependent control flow")
+# vmap's refusal of an op reading a batched tensor as a Python number (a per_member number as F.leaky_relu's slope)
+_VMAP_ITEM = re.compile(r"vmap: It looks like you're calling \.item\(\)")
 _INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
+
+
+# a non-tensor input's InputSpec.dtype for a Python value torch.export takes as a constant of the graph
+_PYTHON_SCALARS = ("bool", "int", "float")
+
+
+def _is_number(x: Any) -> bool:
+    """A Python bool/int/float, or a one-element tensor standing for one (a row of a per_member [N] tensor)."""
+    return isinstance(x, (bool, int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -140,17 +152,56 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _first_difference(plan: Plan, graph: ModelGraph) -> str:
+def _first_difference(plan: Plan, graph: ModelGraph, member: nn.Module | None = None, example: tuple | None = None) -> str:
+    """Where the members' graph first parts from the plan's, in words: the inputs' names, then the first node (in
+    graph order) one has and the other lacks, with what the other has there, then whether the members' training mode
+    is all that differs (traced again in the other mode: `member`, with `example`). The plan keeps node names alone
+    (and a hash of the rest): a difference in a node's op, a module's class or a parameter's shape is said as such."""
+    planned_inputs = [i.name for i in plan.inputs]
+    if planned_inputs != list(graph.input_names):
+        return f"the plan's model takes inputs {planned_inputs}, these members' forward() takes {list(graph.input_names)}"
     planned = [n for s in plan.stages for n in s.nodes]
-    have = set(graph.compute_nodes)
-    lost = [n for n in planned if n not in have]
-    if lost:
-        return f"first plan node the model lacks: {lost[0]!r}"
-    placed = set(planned)
-    extra = [n for n in graph.compute_nodes if n not in placed]
-    if extra:
-        return f"first model node the plan lacks: {extra[0]!r}"
-    return "same node names: parameter shapes, dtypes or module types differ (" + fingerprint_lines(graph.gm, graph.opened_modules)[-1] + " ...)"
+    have = list(graph.compute_nodes)
+    if set(planned) != set(have):
+        ops = difflib.SequenceMatcher(a=planned, b=have, autojunk=False).get_opcodes()
+        _, i1, i2, j1, j2 = next(op for op in ops if op[0] != "equal")
+        after = f"after {have[j1 - 1]!r}, " if j1 else "at the start, "
+        if i2 > i1 and j2 > j1:
+            what = f"the plan has {_names(planned[i1:i2])} where these members' graph has {_names(have[j1:j2])}"
+        elif i2 > i1:
+            what = f"the plan has {_names(planned[i1:i2])}, which these members' graph lacks"
+        else:
+            what = f"these members' graph has {_names(have[j1:j2])}, which the plan lacks"
+        lost = [n for n in planned[i1:i2] if n not in have] or [n for n in planned if n not in have]
+        extra = [n for n in have[j1:j2] if n not in planned] or [n for n in have if n not in planned]
+        first = (f"first plan node the model lacks: {lost[0]!r}" if lost and (i2 > i1 or not extra) else
+                 f"first model node the plan lacks: {extra[0]!r}")
+        return f"{first}, in graph order: {after}{what}{_mode_difference(plan, member, example)}"
+    why = _mode_difference(plan, member, example)
+    return ("same node names in the same order: parameter shapes, dtypes or module types differ, or a node's op or "
+            "target (a layer's width, bias=False, nn.GELU for nn.ReLU); the plan records a hash of these, not which, so "
+            "compare with the model the plan was made from" + why)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _mode_difference(plan: Plan, member: nn.Module | None, example: tuple | None) -> str:
+    """"; it matches them in eval mode: ..." where member 0 traced in the other training mode gives the plan's
+    fingerprint (a plan made in train mode, members built in eval), else ""."""
+    if member is None:
+        return ""
+    mode = not member.training
+    try:
+        other = retrace(train_on_copy(member, mode), plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
+    except StagewiseError:
+        return ""
+    if other.fingerprint != plan.fingerprint:
+        return ""
+    return (f"; these members in {_MODE_NAME[mode]} mode match the plan: it was made from the model in {_MODE_NAME[mode]} "
+            f"mode, and these members are in {_MODE_NAME[not mode]} mode. Call .{'train()' if mode else 'eval()'} on them "
+            "before executor.build, or re-plan from the model in the mode you will run")
 
 
 def register_output_dataclasses(gm: torch.fx.GraphModule) -> None:
@@ -691,6 +742,11 @@ class BatchedModule(nn.Module):
             if per_member:
                 leaves = (x,) if isinstance(x, torch.Tensor) else [  # (a tensor: the per-call case, no pytree walk)
                     t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)] if isinstance(x, (dict, list, tuple)) else ()
+                if isinstance(x, (list, tuple)) and name in self._traced_tensors:  # one input per member, in a list
+                    raise InputError(
+                        f"input {name!r} is per_member and was traced as one tensor, got a {type(x).__name__} of {len(x)}: "
+                        f"stack the members' inputs into one N-first tensor (torch.stack({name}) gives [{len(x)}, ...]), "
+                        f"with N = {self.n_members}")
                 if not leaves or any(t.dim() == 0 or t.shape[0] != self.n_members for t in leaves):
                     got = (list(x.shape) if isinstance(x, torch.Tensor) else
                            f"a {type(x).__name__} whose tensors are shaped {[list(t.shape) for t in leaves][:4]}" if leaves
@@ -713,6 +769,8 @@ class BatchedModule(nn.Module):
                                      "branch forward() took for None there, which would ignore it; pass None, or re-plan "
                                      f"with a {type(x).__name__} for {name!r} in the example inputs")
                 env[name] = Shared(x)
+        if self.__dict__.get("_written_inputs"):
+            self._check_shared_apart(inputs)
         if self._checks_traced:
             self._check_traced_shapes(inputs)
         dtype = self.__dict__.get("_input_dtype") or LOW_PRECISION.get(self.plan.dtype)
@@ -721,26 +779,113 @@ class BatchedModule(nn.Module):
                    for k, v in env.items()}
         return env
 
+    def _check_shared_apart(self, inputs: tuple) -> None:
+        """InputError for a shared input on memory a per_member input forward() writes in place also holds (`ens(y[0], y)`):
+        the member loop's write into its row reaches the shared value that later members and later ops read; the
+        batched module reads the shared value as it came in (a copy per stage, or read before the rows are written)."""
+        written = [(name, t) for name, per_member, x in zip(self._input_names, self._per_member_at, inputs)
+                   if per_member and name in self._written_inputs for t in _tensor_leaves(x)]
+        if not written:
+            return
+        for name, per_member, x in zip(self._input_names, self._per_member_at, inputs):
+            if per_member:
+                continue
+            for t in _tensor_leaves(x):
+                other = next((w for w, rows in written if tensors_overlap(t, rows)), None)
+                if other is not None:
+                    raise InputError(
+                        f"the shared input {name!r} shares memory with the per_member input {other!r}, which forward() "
+                        f"writes in place (such as a row of it: `ens({other}[0], {other})`): the member loop's writes into "
+                        f"{other!r} reach {name!r}, which the batched module reads as it came in; pass a copy "
+                        f"({name}.clone(), e.g. {other}[0].clone())")
+
     def _check_traced_shapes(self, inputs: tuple) -> None:
-        """InputError before any stage runs if one member's inputs break what the trace assumed (planner.inputs)."""
+        """InputError before any stage runs if a member's inputs break what the trace assumed (planner.inputs).
+
+        The per_member rows of one tensor share their shape, so member 0's inputs speak for every member's shapes;
+        not for a per_member Python number, which torch.export baked into the graph as its traced value (guard
+        `temperature == 1.0`): every member whose number differs from member 0's is put to the guard too, else
+        members 1.. would run member 0's value without a word."""
         one = [x[0] if per_member else x for per_member, x in zip(self._per_member_at, inputs)]
         check_call_inputs(self.plan.tracer, self.plan.inputs, one)
         guard = self.__dict__.get("_input_guard")  # export's own guard: catches relations the spec does not spell out
+        numbers = [k for k, (spec, per_member) in enumerate(zip(self.plan.inputs, self._per_member_at))
+                   if per_member and spec.shape is None and spec.dtype in _PYTHON_SCALARS]
         if guard is not None:
-            try:
-                guard(*one)
-            except AssertionError as e:
-                what = (str(e).strip().splitlines() or ["a guard failed"])[0]
-                numbers = [name for name, x in zip(self._input_names, one)
-                           if isinstance(x, (int, float)) and not isinstance(x, bool) and re.search(rf"\b{re.escape(name)}\b", what)]
-                if numbers:  # `temperature == 1.0`: torch.export baked a Python number input into the graph
+            self._guard(guard, one, 0)
+        for k in numbers:  # (a plan file with no traced value and a module unpickled without its guard: unchecked)
+            x = inputs[k]
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                continue  # refused where the member axis is looked for (bind_inputs)
+            traced = self.plan.inputs[k].value
+            differ = ((x != x[:1]) if traced is None else (x != traced)).reshape(len(x), -1).any(1)
+            for i in differ.nonzero().flatten().tolist():
+                if guard is not None:
+                    self._guard(guard, [x[i] if per_member else x for per_member, x in zip(self._per_member_at, inputs)], i)
+                if traced is not None:  # the guard let it by (none kept), the graph still holds the traced value
+                    raise self._baked_number(self._input_names[k], i, x[i], f"traced as {traced!r}")
+
+    def _guard(self, guard: Any, one: list, member: int) -> None:
+        """Run torch.export's guard on member `member`'s inputs `one`; InputError naming the input it refuses."""
+        try:
+            guard(*one)
+        except Exception as e:  # an AssertionError ("Guard failed: ..."), or torch's own on a value it cannot compare
+            what = (str(e).strip().splitlines() or ["a guard failed"])[0]
+            named = [name for name in self._input_names if re.search(rf"\b{re.escape(name)}\b", what)]
+            if not named and not isinstance(e, AssertionError):
+                # a tensor where the trace took a number (`x == 1.0` of a [2] tensor: "Boolean value of Tensor with
+                # more than one value is ambiguous"): the inputs traced as Python values that got something else
+                named = [spec.name for spec, x in zip(self.plan.inputs, one)
+                         if spec.shape is None and spec.dtype in _PYTHON_SCALARS and not _is_number(x)]
+            scalars = {spec.name for spec in self.plan.inputs if spec.shape is None and spec.dtype in (*_PYTHON_SCALARS, "str")}
+            for name in named:
+                if name not in scalars:
+                    continue
+                value = one[self._input_names.index(name)]
+                spec = self.plan.inputs[self._input_names.index(name)]
+                if isinstance(value, str) != (spec.dtype == "str") or not (_is_number(value) or isinstance(value, str)):
+                    # a [N] tensor for a shared number, a str for a float
+                    got = (f"a tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else
+                           f"a {type(value).__name__}")
+                    per = (f" (member {member}'s value of the per_member input)" if self._per_member_at[
+                        self._input_names.index(name)] else "")
                     raise InputError(
-                        f"input {numbers[0]!r} is a Python number, which the plan's torch.export trace fixed at its "
-                        f"traced value ({what}): another value would run the traced one. Pass it as a tensor "
-                        f"(torch.tensor({one[self._input_names.index(numbers[0])]!r})), which the graph takes as an input, "
-                        "and plan with a tensor in the example inputs") from None
-                raise InputError(f"the inputs break a condition of the plan's torch.export trace ({what}); "
-                                 "pass inputs shaped like the traced ones or re-plan with example inputs of this shape") from None
+                        f"input {name!r} was traced as a Python {spec.dtype}"
+                        f"{' (' + repr(spec.value) + ')' if spec.value is not None else ''}, which the plan's torch.export "
+                        f"trace fixed into its graph, and got {got}{per} ({what}); pass "
+                        f"{'one Python ' + spec.dtype if not per else 'one number per member, as an [N] tensor'}"
+                        f"{' (a value per member, or another value, needs the plan traced with a tensor there)' if spec.dtype in ('int', 'float') else ''}") from None
+                # `temperature == 1.0`: torch.export baked a Python number input into the graph
+                raise self._baked_number(name, member, value, what) from None
+            where = f"member {member}'s inputs " if member else "the inputs "
+            raise InputError(
+                f"{where}break a condition of the plan's torch.export trace ({what}"
+                f"{'' if isinstance(e, AssertionError) else ': ' + type(e).__name__})"
+                f"{' on input ' + repr(named[0]) if named else ''}; pass inputs like the traced ones (shapes, dtypes, "
+                "the same Python values) or re-plan with example inputs like these") from None
+
+    def _baked_number(self, name: str, member: int, value: Any, what: str) -> InputError:
+        """The refusal of a Python number input (bool, int, float) that differs from the value torch.export fixed."""
+        spec = self.plan.inputs[self._input_names.index(name)]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        kind = f"a Python {spec.dtype}" if spec.dtype in ("bool", "str") else "a Python number"
+        traced = "" if spec.value is None else f"torch.tensor({spec.value!r})"
+        per_member = self._per_member_at[self._input_names.index(name)]
+        if spec.dtype in ("bool", "str"):  # a flag picks a branch of forward(): no tensor makes the graph hold both
+            fix = f"Plan a module for each value of {name!r} (re-plan with that value in the example inputs)"
+        else:
+            fix = (f"Plan it as a tensor: trace with a tensor in the example inputs{' (' + traced + ')' if traced else ''}, "
+                   "which the graph then takes as an input, and pass " +
+                   ("the members' values as one [N] tensor" if per_member else
+                    f"torch.tensor({value!r})" if _is_number(value) else "a 0-d tensor"))
+        if per_member:
+            return InputError(
+                f"input {name!r} is per_member and {kind}, which the plan's torch.export trace fixed at its traced value "
+                f"({what}): member {member}'s {value!r} would run as the traced value. {fix}")
+        return InputError(
+            f"input {name!r} is {kind}, which the plan's torch.export trace fixed at its traced value ({what}): another "
+            f"value ({value!r}) would run the traced one. {fix}")
 
     def _run_plain(self, *inputs, keep: bool = False, run: Any = None) -> tuple[Any, dict[str, Any]]:
         """Run all stages in the state's own dtype; returns (N-first outputs, boundary values by node name if `keep`).
@@ -789,10 +934,14 @@ class BatchedModule(nn.Module):
             try:
                 outs = runner(args)
             except ExecutionError as e:
-                error = self._input_error(program, e)
-                if error is e:
-                    raise
-                raise error from e
+                loop = self._loop_for_numbers(program, runner, e) if writes is None else None
+                if loop is None:
+                    error = self._input_error(program, e, env)
+                    if error is e:
+                        raise
+                    raise error from e
+                runner = loop
+                outs = runner(args)
             if copies:
                 try:
                     _write_back(copies, {p for _, p, _ in self._storage})
@@ -813,6 +962,33 @@ class BatchedModule(nn.Module):
                 elif isinstance(env[output_names[k]], PerMember):
                     env[output_names[k]] = as_batched(env[output_names[k]], n)
 
+    def _loop_for_numbers(self, program: StageProgram, runner: Runner, e: ExecutionError) -> Runner | None:
+        """The member loop for a batched stage that failed because it hands a per_member Python number input to an
+        argument that takes a Python number (F.leaky_relu's slope, F.elu's alpha, a slice bound): one vmap call gives
+        the op a tensor, which it reads with .item(); the loop gives each member its own value, as the member loop
+        does. From now on the stage runs so (a warning says it once, with the plan edit that says it in the plan).
+        None where that is not the failure, or where the stage writes state or values in place (its failed run may
+        have written some already)."""
+        numbers = [spec.name for spec in self.plan.inputs if spec.name in program.input_names and spec.shape is None
+                   and spec.dtype in _PYTHON_SCALARS and self.plan.input_mode(spec.name) is InputMode.PER_MEMBER]
+        if (not numbers or isinstance(runner, LoopRunner) or program.writes_in_place or program.written_state
+                or e.__cause__ is None or not _VMAP_ITEM.search(str(e.__cause__))):
+            return None
+        from stagewise.executor.strategies import BoundLoopRunner  # the strategies import this module's neighbours
+        loop = BoundLoopRunner(runner.program, runner.n_members, runner.stacked, runner.member_states)
+        runners = list(self.runners)
+        at = next((i for i, r in enumerate(runners) if r is runner), None)
+        if at is not None:
+            runners[at] = loop
+            self.runners = runners  # the flat program again, with the loop in this stage's step
+        warnings.warn(
+            f"stage {program.describe} hands the per_member Python number input(s) {numbers} to an op that takes a Python "
+            f"number, not a tensor (F.leaky_relu's negative_slope, F.elu's alpha, ...), which one batched call cannot "
+            f"give each member; it runs as a member loop from now on. Say so in the plan: planner.exclude(plan, graph, "
+            f"{program.stage.id!r}); or pass one shared number, or write the op with tensors (torch.where(h > 0, h, h * "
+            "slope)), which batch", stacklevel=8)  # the caller of the module, past forward and nn.Module.__call__
+        return loop
+
     def _outputs(self, env: dict[str, Any]) -> Any:
         """The model's outputs, N-first, from the boundary values in `env`."""
         n = self.n_members
@@ -822,9 +998,21 @@ class BatchedModule(nn.Module):
             result = tree_unflatten(list(result), self._out_spec)
         return result
 
-    def _input_error(self, program: StageProgram, e: ExecutionError) -> StagewiseError:
+    def _input_error(self, program: StageProgram, e: ExecutionError, env: dict[str, Any] | None = None) -> StagewiseError:
         """The error to raise for a stage's failure: an InputError when torch failed in a stage fed by the
-        model inputs (most likely their shape or dtype), else `e` itself."""
+        model inputs (most likely their shape or dtype), or on a None a container input holds (`env`: the call's
+        boundary values), else `e` itself."""
+        if env is not None and e.__cause__ is not None and "NoneType" in str(e.__cause__):
+            # `batch["mask"]` None where the example inputs held a tensor: the graph applies the tensor branch to it
+            for name in self._input_names:
+                value = env.get(name)
+                held = _none_inside(value.value if isinstance(value, Shared) else getattr(value, "tree", None))
+                if held:
+                    return InputError(
+                        f"input {name!r} holds None at {held}, and stage {program.describe} failed on a None "
+                        f"({type(e.__cause__).__name__}: {_first_line(e.__cause__)[:120]}): the plan holds the branch "
+                        "forward() took for what its example inputs held there (a tensor). Pass a tensor there, or "
+                        "re-plan with None there in the example inputs (a plan for each)")
         lifted = [n[len(LIFTED_PREFIX):] for n in program.state_names if n.startswith(LIFTED_PREFIX)]
         if lifted and e.__cause__ is not None and _LIFTED_TROUBLE.search(str(e.__cause__)):
             # a sweep's number, now one per member, written in place into a tensor forward() makes alike for every
@@ -1053,6 +1241,13 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     private = copy_member(members[0], 0, "stagewise builds from a private copy of it")
     # made where member 0 lives: an export retrace of a CUDA member on CPU zeros failed ("two different devices")
     example = example_inputs_from(plan.inputs, state_device(private)) or example_inputs
+    unknown = [s for s in plan.inputs if s.dtype is not None and s.shape is None and s.dtype != "NoneType" and s.value is None]
+    if example is None and plan.tracer == "export" and unknown:  # a str argument (a head name, a mode): not recorded
+        raise TraceError(
+            f"this plan was traced with torch.export, which fixed its input {unknown[0].name!r} (a Python "
+            f"{unknown[0].dtype}) at the value it was traced with, and the plan records no such value: pass the inputs it "
+            f"was traced with, executor.build(plan, members, example_inputs=(...)), and call the module with that "
+            f"{unknown[0].name!r} (another value needs a plan of its own)")
     with _grad_mode_reads(private) as reads:
         graph = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
     traced_with_grad = True
@@ -1071,7 +1266,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
                 f"members, or plan from the {plan.dtype} members as they are")
         raise PlanMismatchError(
             f"the plan's fingerprint {plan.fingerprint} does not match these members' {graph.fingerprint} "
-            f"({_first_difference(plan, graph)}); the plan was made for another model, or for this one by an earlier "
+            f"({_first_difference(plan, graph, private, example)}); the plan was made for another model, or for this one by an earlier "
             "stagewise that traced it otherwise (out= writes now trace as copy_): re-plan with `stagewise plan`"
         )
     # the member traced again below (its modes, the members' numbers, the plan's dtype) in the mode the plan was
@@ -1303,6 +1498,21 @@ class _Writes:
             object.__setattr__(self, "loop", BoundLoopRunner(runner.program, runner.n_members, runner.stacked,
                                                              runner.member_states))
         return self.loop
+
+
+def _none_inside(value: Any, path: str = "") -> str:
+    """Where the first None inside a dict, list or tuple `value` sits (`['mask']`, `[1]`); "" for none."""
+    if isinstance(value, dict):
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return ""
+    for key, v in items:
+        found = path + key if v is None else _none_inside(v, path + key)
+        if found:
+            return found
+    return ""
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:

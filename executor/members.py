@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +36,15 @@ def member_list(members: Any, where: str) -> list[nn.Module]:
     model), a lazy module not yet run, a quantized one."""
     if isinstance(members, (nn.ModuleList, nn.Sequential)):
         members = list(members)  # a container of the members: its modules are they
+    if isinstance(members, (dict, nn.ModuleDict)):  # iterating would hand on its keys: "member 0 is a str"
+        values = list(members.values())
+        if values and all(isinstance(v, torch.Tensor) for v in values):
+            raise MemberError(f"{where} takes the N members as a list or tuple of modules, got one state dict (a dict of "
+                              f"{len(values)} tensors): load each member's state dict into a model "
+                              "(model.load_state_dict(sd)) and pass [model_0, model_1, ...]")
+        raise MemberError(f"{where} takes the N members as a list or tuple of modules, got a {type(members).__name__} "
+                          f"(keys {list(members)[:3]}{', ...' if len(members) > 3 else ''}): pass list(d.values()), in the "
+                          "order the members' outputs should come out")
     if isinstance(members, nn.Module):
         raise MemberError(f"{where} takes the N members as a list of modules, got one {type(members).__name__}: pass "
                           "[member_0, member_1, ...] (or src.members(n))")
@@ -239,6 +249,32 @@ class StateNode(nn.Module):
         super().__init__()
         self.__dict__.update(_parameters=_Watched(changed), _buffers=_Watched(changed), changed=changed)
 
+    def _never_fires(self, kind: str, *args: Any, **kwargs: Any) -> Any:
+        """A module hook registered here, with a warning: this module holds state and is never called, so the hook
+        never fires. A warning, not a refusal: tools that hook every submodule (a model summary) still run."""
+        warnings.warn(
+            f"{kind} on a module of the batched module's stacked state (ens.stacked...): it holds the members' stacked "
+            "parameters and buffers ([N, ...]) and is never called (the plan's stages run the members' ops), so the hook "
+            "never fires. Put the hook's work into forward() before planning (return the feature it would take), "
+            "or run it on the batched module's outputs (ens.register_forward_hook(...) fires on every call, with N-first "
+            "outputs); hooks on the members themselves are refused at planning", UserWarning, stacklevel=3)
+        return getattr(super(), kind)(*args, **kwargs)
+
+    def register_forward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._never_fires("register_forward_hook", *args, **kwargs)
+
+    def register_forward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._never_fires("register_forward_pre_hook", *args, **kwargs)
+
+    def register_full_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._never_fires("register_full_backward_hook", *args, **kwargs)
+
+    def register_full_backward_pre_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._never_fires("register_full_backward_pre_hook", *args, **kwargs)
+
+    def register_backward_hook(self, *args: Any, **kwargs: Any) -> Any:
+        return self._never_fires("register_backward_hook", *args, **kwargs)
+
 
 def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persistent: set[str]) -> StateNode:
     """Stacked member state as a module tree mirroring one member's: `tree.fc1.weight` is [N, *fc1.weight.shape].
@@ -292,8 +328,14 @@ def _overlap(a: tuple | None, b: tuple | None) -> bool:
     return a is not None and b is not None and a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
 
 
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` may share memory (one storage, overlapping first-to-last byte ranges); never for a tensor
+    without storage of its own or with no elements."""
+    return _overlap(_extent(a), _extent(b))
+
+
 _FUNCTIONAL_NORMS = {torch.nn.functional.batch_norm: (1, 2, 5), torch.nn.functional.instance_norm: (1, 2, 5),
-                     torch.batch_norm: (1, 2, 5), torch.instance_norm: (3, 4, 5)}  # running mean, var; training flag
+                     torch.batch_norm: (3, 4, 5), torch.instance_norm: (3, 4, 5)}  # running mean, var; training flag
 
 
 def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], dict[str, str]]:
