@@ -41,7 +41,7 @@ from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, plain_attributes, restore_all, state_refusal  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
-    RANDOM_OPS, _autograd_functions_kept, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
+    RANDOM_OPS, _autograd_functions_kept, _autograd_hooks_refused, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     storage_root, storage_sharers)
 from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes, out_as_copies,
                                       views_as_reshapes)
@@ -321,6 +321,87 @@ def _attributes_carried(model: nn.Module, example_inputs: tuple, snapshot: State
 _NOT_HELD = object()
 
 
+def _attributes_stored(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> dict[str, list[str]]:
+    """Plain attributes (not buffers) that forward() sets to a tensor it computes on every call (a VAE encoder's
+    `self.kl`, a Bayesian layer's `self.log_prior`, an attention map kept to look at), as {"Class.attr": [module
+    paths]}: a traced graph computes such a value and drops it, so the batched module sets it nowhere. Seen as
+    replaced by a first call and again by a second (a cache filled once, a rotary table, is not set again); the
+    `weight` the old weight_norm's pre-hook recomputes is left out. Run eagerly under torch.no_grad(); the model is put
+    back as `snapshot` holds it, and the random streams are the caller's."""
+    def tensors_in(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list, dict)) and any(
+            isinstance(t, torch.Tensor) for t in tree_flatten(v)[0]))
+
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+
+    def held() -> dict[tuple[int, str], Any]:
+        out = {}
+        for m in model.modules():
+            recomputed = {getattr(h, "name", None) for h in m._forward_pre_hooks.values()}
+            out.update({(id(m), k): v for k, v in vars(m).items()
+                        if k not in ("_parameters", "_buffers", "_modules") and k not in recomputed})
+        return out
+
+    def call() -> None:
+        model(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+
+    classes = {id(m): type(m).__name__ for m in model.modules()}
+    with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
+        try:
+            start = held()
+            call()
+            first = held()
+            replaced = [key for key, v in first.items() if tensors_in(v) and v is not start.get(key, _NOT_HELD)]
+            if not replaced:
+                return {}
+            call()
+            again = held()
+            stored = [key for key in replaced if again.get(key, _NOT_HELD) is not first[key] and tensors_in(again.get(key))]
+        except Exception:  # noqa: BLE001 - the trace reports what forward() does on its inputs
+            return {}
+        finally:
+            restore_all(snapshot, model)
+    out: dict[str, list[str]] = {}
+    for m_id, k in stored:
+        path = paths.get(m_id, "")
+        out.setdefault(f"{classes.get(m_id, '?')}.{k}", []).append(f"{path}.{k}" if path else k)
+    return out
+
+
+def _new_leaves_returned(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> list[int]:
+    """The output leaves (pytree order) that are autograd leaves forward() made itself (SIREN's
+    `coords = coords.clone().detach().requires_grad_(True)`, returned so that the caller differentiates the output
+    with respect to it): a tensor recording gradients with no grad_fn that is none of the model's parameters or
+    inputs. Run eagerly with gradients on when the caller has them on (else []); the model is put back as `snapshot`
+    holds it, and the random streams are the caller's."""
+    if not torch.is_grad_enabled():
+        return []
+    inputs = tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+    held = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]  # (plain attributes)
+    own = {id(t) for t in [*model.parameters(), *model.buffers(), *held, *tree_flatten(inputs)[0]] if isinstance(t, torch.Tensor)}
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
+        try:
+            out = model(*inputs)
+        except Exception:  # noqa: BLE001 - the trace reports what forward() does on its inputs
+            return []
+        finally:
+            restore_all(snapshot, model)
+    return [i for i, t in enumerate(tree_flatten(out)[0]) if isinstance(t, torch.Tensor) and t.requires_grad
+            and t.grad_fn is None and id(t) not in own]
+
+
+def _warn_stored(model: nn.Module, stored: dict[str, list[str]]) -> None:
+    """One UserWarning per attribute _attributes_stored found (per class and name: one for every layer's)."""
+    for name, where in sorted(stored.items()):
+        shown = ", ".join(f"model.{p}" for p in where[:3]) + (", ..." if len(where) > 3 else "")
+        warnings.warn(
+            f"forward() stores a tensor it computes as the plain attribute {name} ({shown}) on every call: the traced "
+            "graph computes it and drops it, so the batched module sets it neither on itself nor on the members, and "
+            "code reading it after a call (a VAE's KL term, a Bayesian layer's log prior in the loss) reads a stale "
+            f"value. Return it from forward() instead (out, {name.rpartition('.')[2]} = model(x)); an activation kept "
+            "only to look at can be ignored", UserWarning, stacklevel=3)
+
+
 def _state_written(model: nn.Module, snapshot: StateSnapshot) -> dict[str, torch.Tensor]:
     """Copies of the model's parameters and buffers that a run changed since `snapshot` (written in place, replaced;
     by value too: a BatchNorm's kernel writes its running statistics without a version bump)."""
@@ -429,7 +510,9 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                     f"{type(e).__name__}: {_first_line(e)}), which a trace would keep as member 0's for every member; keep "
                     "the computation on tensors (x * self.scale, torch.where), write `self.t.item()` for float(self.t) "
                     "(recorded per member), or hold a per-member number as a plain attribute (stagewise gives each "
-                    "member its own)") from None
+                    "member its own); for a flag guarding a data-dependent init (Glow ActNorm's "
+                    "`if self.initialized.item() == 0`), run the init on each member before planning and take the "
+                    "branch out of forward()") from None
     if random_drawn.calls:
         # `torch.rand(1) < p` (stochastic depth, layer drop) has no traced input: fx runs it once and bakes the
         # draw into the graph as a constant, so every call of every member would reuse it (export records the op)
@@ -485,7 +568,10 @@ def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Seq
     owners = [(mod, k, b) for mod in model.modules() for k, b in mod._buffers.items() if b is not None]
     if not owners:
         return False
-    for variant in (0, 1, 2):  # small, large and shrinking changes: a threshold one leaves on the same side, another not
+    # small, large and shrinking changes, zero and the sign flipped: a threshold one leaves on the same side, another
+    # not (`if self.initialized.item() == 0:`, Glow's data-dependent init, only sees zero; `if self.s > 0` with a small s
+    # only the flip)
+    for variant in range(_VARIANTS):
         try:
             for mod, k, b in owners:
                 mod._buffers[k] = _other_values(b, variant)
@@ -500,16 +586,23 @@ def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Seq
     return False
 
 
+_VARIANTS = 5  # how many _other_values variants there are
+
+
 def _other_values(t: torch.Tensor, variant: int = 0) -> torch.Tensor:
-    """A tensor like `t` whose every element differs from `t`'s: variant 0 maps floats by -1.37x + 0.29 and ints by
-    + 1, variant 1 floats by 37x + 1000 and ints by + 1000, variant 2 floats by 0.001x + 1e-4 and ints by -x - 1;
-    bools are flipped."""
+    """A tensor like `t` holding other values: variants 0-2 change every element (0 maps floats by -1.37x + 0.29 and
+    ints by + 1, 1 floats by 37x + 1000 and ints by + 1000, 2 floats by 0.001x + 1e-4 and ints by -x - 1), 3 is all
+    zeros, 4 flips the sign (uint8: 255 - x); bools are flipped in every variant."""
     t = t.detach()  # not torch.no_grad(): inside the trace's watches that would count as forward() turning gradients off
     if t.dtype == torch.bool:
         return ~t
+    if variant == 3:
+        return torch.zeros_like(t)
     if t.is_floating_point() or t.is_complex():
-        return (t * -1.37 + 0.29, t * 37.0 + 1000.0, t * 0.001 + 1e-4)[variant]
-    return (t + 1, t + 1000, -t - 1)[variant] if t.dtype != torch.uint8 else t + (1, 100, 50)[variant]
+        return (t * -1.37 + 0.29, t * 37.0 + 1000.0, t * 0.001 + 1e-4, None, -t)[variant]
+    if t.dtype == torch.uint8:
+        return t + (1, 100, 50)[variant] if variant < 3 else 255 - t
+    return (t + 1, t + 1000, -t - 1, None, -t)[variant]
 
 
 def held_generators(gm: torch.fx.GraphModule) -> str:
@@ -586,9 +679,11 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     opened = resolve_open_modules(model, open_modules)
     before = StateSnapshot.take(model)
     with registration_hooks_off(), _host_state_refused(model), _restored_on_failure(model, before), \
-            _distribution_checks_off(), _checkpoints_seen() as checkpointed, _autograd_calls_named() as derivative_in:
+            _distribution_checks_off(), _checkpoints_seen() as checkpointed, _autograd_calls_named() as derivative_in, \
+            _autograd_hooks_refused() as hooks_in:
         gm, tracer, note = fx_or_export(model, example_inputs, opened, before)
         derivative_in(gm)
+        hooks_in(gm)
         changed = before.restore_if_changed(model)
         if changed.carried and not _attributes_carried(model, example_inputs, before):
             # set from the inputs but not read back by a later call (an activation kept to look at): as before
@@ -663,6 +758,18 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                 + (f" ({note})" if note else ""))
     if tracer == "export":
         check_small_sizes(model, gm, example_inputs)
+    leaves = _new_leaves_returned(model, example_inputs, before)
+    if leaves:  # a warning, not a refusal: the outputs' values and the parameters' gradients are the loop's
+        warnings.warn(
+            f"forward() returns a tensor it makes a new autograd leaf (output leaf {leaves[0]}: `x = "
+            "x.detach().requires_grad_(True)`, SIREN's way to differentiate the output with respect to its input "
+            "coordinates): the batched module makes it inside one call for all members and returns it recording no "
+            "gradient, so torch.autograd.grad(out, coords) on its outputs fails (the outputs' values and the "
+            "parameters' gradients are the member loop's). To differentiate with respect to the input, drop that line "
+            "and make the input require grad outside the model: coords = coords.requires_grad_(); out = ens(coords) "
+            "with coords per_member ([N, ...], each member's own derivative), then torch.autograd.grad(out.sum(), "
+            "coords, create_graph=True)", UserWarning, stacklevel=2)
+    _warn_stored(model, _attributes_stored(model, example_inputs, before))
     tensor_attributes = [(mod, k, v) for mod in model.modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]
     # the graph run and the probe draw random numbers (dropout in training): the caller's random state stays its own
     with torch.random.fork_rng(devices=_cuda_devices(model)):
@@ -816,8 +923,10 @@ def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_n
     `opened`: the plan's opened_modules, traced inside again (and part of the fingerprint).
     """
     opened = resolve_open_modules(model, opened)
-    with registration_hooks_off(), _host_state_refused(model), _distribution_checks_off():
-        return _retrace(model, tracer, example_inputs, input_names, opened)
+    with registration_hooks_off(), _host_state_refused(model), _distribution_checks_off(), _autograd_hooks_refused() as hooks_in:
+        graph = _retrace(model, tracer, example_inputs, input_names, opened)
+        hooks_in(graph.gm)
+        return graph
 
 
 def _retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_names: Sequence[str] | None,
@@ -969,6 +1078,28 @@ def renormalised_weight(n: torch.fx.Node) -> torch.fx.Node | None:
     return weight if max_norm is not None and isinstance(weight, torch.fx.Node) else None
 
 
+class _WholeGraphOnly:
+    """Stands in for FlopCounterMode's module tracker, which the planner needs no per-module split from: the tracker
+    hangs a multi-grad hook on every module input that requires grad, and a view of a parameter made under
+    torch.no_grad() (Perceiver latents `self.latents.expand(B, -1, -1)` into a LayerNorm or attention, DETR queries)
+    requires grad without a grad_fn, where torch asserts ("Expected gradient function to be set")."""
+
+    parents = ("Global",)  # what FlopCounterMode books every count under
+
+    def __enter__(self) -> "_WholeGraphOnly":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _flop_counter() -> FlopCounterMode:
+    """A FlopCounterMode counting the total only (get_total_flops), without its module tracker (_WholeGraphOnly)."""
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _WholeGraphOnly()
+    return counter
+
+
 class _Recorder(torch.fx.Interpreter):
     """Runs the graph once, keeping every node's value and FLOPs."""
 
@@ -985,7 +1116,7 @@ class _Recorder(torch.fx.Interpreter):
             if opaque:  # a user's function or a leaf module: what it writes and hands back, the graph cannot show
                 before = [(a, self.values.get(a.name)) for a in n.all_input_nodes]
                 versions = [(a, v._version) for a, v in before if isinstance(v, torch.Tensor) and not v.is_inference()]
-            counter = FlopCounterMode(display=False)
+            counter = _flop_counter()
             with counter:
                 out = super().run_node(n)
             self.flops[n.name] = counter.get_total_flops()

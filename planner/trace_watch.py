@@ -6,7 +6,8 @@ torch random ops on concrete values (`RANDOM_OPS`, `_RandomWatch`: fx bakes the 
 Python-level random draws and clock reads (`_HostStateWatch`, `_host_state_refused`: random, numpy.random,
 generators the model holds, time; refused with HostStateError), torch.inference_mode(), traced as a
 no_grad region (`_inference_mode_as_no_grad`), and augmented assignments to a model input (`x += 1`, which fx
-records as an out-of-place `x + 1`; `_input_writes_recorded` records the write).
+records as an out-of-place `x + 1`; `_input_writes_recorded` records the write), and autograd hooks set in forward()
+(`h.register_hook`, saved_tensors_hooks: no graph holds them; `_autograd_hooks_refused`).
 """
 from __future__ import annotations
 
@@ -751,3 +752,118 @@ def _grad_mode_reads(model: nn.Module, force: dict[str, bool] | None = None):
                     delattr(space, name)
                 else:
                     setattr(space, name, value)
+
+
+# --- autograd hooks set inside forward() --------------------------------------------------------------------------
+# `h.register_hook(lambda g: -lam * g)` (a gradient reversal, DANN; a gradient scale) and
+# `with torch.autograd.graph.saved_tensors_hooks(pack, unpack):` (activation compression) change only the backward.
+# Neither tracer records them: fx cannot hold the hook function (it fails and torch.export takes over), and both run
+# the registration once on the trace's own tensors and keep no trace of it in the graph. The batched module would
+# then train with the plain gradient (10x too large, the sign lost, the lossy unpack not applied) without a word.
+# They are watched in every trace, whatever the grad mode: a plan traced under torch.no_grad() may be built and trained
+# later (a hook guarded by `if h.requires_grad:` is then seen by build's trace, which runs with gradients on).
+
+_TENSOR_HOOKS = ("register_hook", "register_post_accumulate_grad_hook")
+
+
+def _torch_own(f: Any) -> bool:
+    """Whether the callable `f` is torch's own (save_on_cpu's pack and unpack, checkpointing's), not a user's."""
+    module = getattr(f, "__module__", None) or getattr(type(f), "__module__", "") or ""
+    return module == "torch" or module.startswith("torch.")
+
+
+class _AutogradHooksWatch:
+    """While inside (this thread): the model's code calling Tensor.register_hook / register_post_accumulate_grad_hook,
+    torch.autograd.graph.register_multi_grad_hook, or pushing saved-tensor hooks of its own (saved_tensors_hooks;
+    torch's own, save_on_cpu and checkpointing, change no value and pass). `seen`: what was called, labelled.
+    `in_graph(gm)` adds a hook registration fx recorded as a node (a hook it could hold)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def _note(self, label: str) -> None:
+        if label not in self.seen:
+            self.seen.append(label)
+
+    def __enter__(self) -> "_AutogradHooksWatch":
+        owner = threading.get_ident()
+        _PATCHING.acquire()
+        self.patched: list[tuple[Any, str, Any]] = []
+
+        def watched(label: str, f: Callable) -> Callable:
+            def call(*args, **kwargs):
+                if threading.get_ident() == owner and _from_model_code(sys._getframe(1)):
+                    self._note(label)
+                return f(*args, **kwargs)
+            return call
+
+        def push(pack: Any, unpack: Any) -> Any:
+            # called from saved_tensors_hooks.__enter__ (torch's frame): whose hooks they are tells a user's apart
+            if threading.get_ident() == owner and not (_torch_own(pack) and _torch_own(unpack)):
+                self._note("torch.autograd.graph.saved_tensors_hooks")
+            return self._push(pack, unpack)
+
+        try:
+            for name in _TENSOR_HOOKS:
+                self.patched.append((torch.Tensor, name, vars(torch.Tensor)[name]))
+                setattr(torch.Tensor, name, watched(f"Tensor.{name}", vars(torch.Tensor)[name]))
+            multi = torch.autograd.graph.register_multi_grad_hook
+            self.patched.append((torch.autograd.graph, "register_multi_grad_hook", multi))
+            torch.autograd.graph.register_multi_grad_hook = watched("torch.autograd.graph.register_multi_grad_hook", multi)
+            self._push = torch._C._autograd._push_saved_tensors_default_hooks
+            self.patched.append((torch._C._autograd, "_push_saved_tensors_default_hooks", self._push))
+            torch._C._autograd._push_saved_tensors_default_hooks = push
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _restore(self) -> None:
+        try:
+            for owner, name, value in reversed(self.patched):
+                setattr(owner, name, value)
+        finally:
+            _PATCHING.release()
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def in_graph(self, gm: torch.fx.GraphModule) -> None:
+        for n in gm.graph.nodes:
+            if n.op == "call_method" and n.target in _TENSOR_HOOKS:
+                self._note(f"Tensor.{n.target}")
+
+    def refusal(self) -> TraceError | None:
+        """The error naming the hooks forward() set and the fix, or None when it set none."""
+        if not self.seen:
+            return None
+        saved = "torch.autograd.graph.saved_tensors_hooks" in self.seen
+        fixes = []
+        if any(s != "torch.autograd.graph.saved_tensors_hooks" for s in self.seen):
+            fixes.append("for a gradient hook on an activation (a gradient reversal or scale), an autograd.Function doing "
+                         "the same, which stagewise keeps with its backward: class GradReverse(torch.autograd.Function) "
+                         "with forward(ctx, x, lam): ctx.save_for_backward(lam); return x.view_as(x) and backward(ctx, "
+                         "g): return -ctx.saved_tensors[0] * g, None, called as GradReverse.apply(h, self.lam) with lam "
+                         "a tensor buffer (register_buffer), which may differ per member")
+        if saved:
+            fixes.append("for saved-tensor hooks, drop them (torch.autograd.graph.save_on_cpu, which only moves memory, "
+                         "is allowed) or do the packing in an autograd.Function's forward/backward")
+        return TraceError(
+            f"forward() sets autograd hooks ({', '.join(self.seen)}), which neither torch.fx nor torch.export records in "
+            f"a graph: the batched module would train with the plain gradient where each member's own backward runs "
+            f"the hook{' (the pack/unpack of saved tensors)' if saved else ''}. Fix: {'; '.join(fixes)}. Inference "
+            "does not run the hooks: to batch a model for inference alone, build its members without them")
+
+
+@contextlib.contextmanager
+def _autograd_hooks_refused():
+    """Raise the watch's TraceError after the block when forward() set autograd hooks inside it (that refusal wins
+    over an error the block raised: fx fails on a hook it cannot hold). Yields `in_graph(gm)`."""
+    watch = _AutogradHooksWatch()
+    try:
+        with watch:
+            yield watch.in_graph
+    finally:
+        error = watch.refusal()
+        if error is not None:
+            raise error from None
