@@ -41,7 +41,12 @@ checked end to end.
 Side effects: the caller's members are never run (autotune runs private copies),
 and every candidate is checked from the state the loop reference started from (a
 forward that updates buffers moves it on every run; candidates.SavedTensors puts
-it back).
+it back). The caller's inputs are never written: where forward() writes them in
+place (`x.mul_(2)`), every checked, warm-up and timed call of a stage candidate
+(candidates.StageInputs) and of a whole-plan candidate (input_writes.FreshInputs)
+runs on private copies refilled with the caller's values before it, outside the
+timed call, so each sees the values the loop reference saw and its time is the
+call's alone.
 
 The planner cannot import the executor, so autotuning lives here:
 `executor.autotune(plan, members, inputs)` (or `executor.profile(..., autotune=True)`),
@@ -62,8 +67,9 @@ from stagewise.planner.graph import retrace
 from stagewise.planner.plan import Plan, Stage, StageMode, StageOptions, Strategy
 from stagewise.executor.build import BatchedModule, build, capture_backend, resolve_device, tf32_scope
 from stagewise.executor.candidates import (Progress, SavedTensors, advance, compile_mode_of_label, conv_form_of_label, make_runner,
-                                           loop_reference, max_rel_error, on_device, private_members, stage_inputs, state_kept,
+                                           loop_reference, max_rel_error, on_device, private_members, StageInputs, stage_inputs, state_kept,
                                            strategy_label, time_candidates, try_strategy)
+from stagewise.executor.input_writes import FreshInputs
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import Runner, StageProgram
 from stagewise.executor.strategies import wide_rule_gaps
@@ -249,7 +255,7 @@ def race(cands: Cands, device: torch.device, repeats: Optional[int], warmup: int
             alive = alive or _survivors(pool, budget)  # the pruned ones are back in the race (their brief times)
 
 
-def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int, device: torch.device,
+def _tune_stage(program: StageProgram, runner: Runner, fresh: StageInputs, n: int, device: torch.device,
                 allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
                 progress: Progress, done: int, total: int, rtol: float = DEFAULT_RTOL,
                 budget: Budget = BUDGETS["default"]) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
@@ -275,7 +281,7 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: Callable[[], list]
             start.restore()
             r = make_runner(program, runner, strategy, chunk, form, mode)
             runners[label] = r
-            return lambda: r(fresh())
+            return fresh.timed(r)  # a stage writing its inputs: refilled copies, outside the timed call
 
         res, call, out = try_strategy(label, stage.id, make, check, device, rtol=rtol)
         res.chunk_size = chunk
@@ -522,6 +528,10 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
         want = stack_outputs(loop_outputs(plan, members, fresh(inputs)))
     check = lambda out: max_rel_error(out, want)  # noqa: E731
     reset = made_state.restore if made_state is not None else (lambda: None)
+    # forward() writing its inputs in place (`x.mul_(2)`, the module's _written_inputs, the same for every candidate):
+    # every checked, warm-up and timed call on private copies refilled with the caller's values before it, outside
+    # the timed call (the caller's tensors are never written, and each call sees the values `want` was computed from)
+    copies: list[FreshInputs] = []  # made from the first candidate built
     cands: Cands = {}
     plans = {"per-stage": plan}
     results = []
@@ -543,9 +553,10 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
                 m(*other)  # a whole-plan graph is captured on other values: the checked call is a replay on `inputs`
                 own.restore()  # that call updated the buffers (warm-ups too, in the reused runners' state): back to the start
                 reset()
-            if m.__dict__.get("_written_inputs"):  # forward() writes its inputs: each call (the checked one) on a copy
-                return lambda: m(*fresh(inputs))
-            return lambda: m(*inputs)
+            if not copies:
+                copies.append(FreshInputs(inputs, bool(m.__dict__.get("_written_inputs"))))
+            work = copies[0]
+            return work.timed(lambda: m(*work.values))
         res, call, _ = try_strategy(label, "whole", make, check, device, rtol=default_rtol(plan, members))
         results.append(res)
         if call is not None:

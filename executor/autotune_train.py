@@ -77,7 +77,10 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
         reference = LoopRunner(program, n, runner.stacked, runner.member_states)
         in_eval = _set_mode(module, False)  # the check: no dropout masks, so every way must give the loop's gradients
         checked = (lambda call: call) if in_eval else (lambda call: _seeded(call, dev))
-        check = grads_check(checked(fwd_bwd(program, reference, fresh, n))(), n)
+        # fwd_bwd on the stage's inputs as they are (fresh.current), refilled before each run outside the timed call
+        # (fresh.prepared): a stage writing its inputs then runs every check and timed call on the caller's values
+        run = lambda r: fresh.prepared(fwd_bwd(program, r, fresh.current, n))  # noqa: E731
+        check = grads_check(checked(run(reference))(), n)
         results: list[StrategyResult] = []
         working: dict[str, tuple[StrategyResult, Any]] = {}
         for strategy in candidate_strategies(program, dev, allowed):
@@ -88,11 +91,10 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
             if not candidate.trainable:
                 continue
             _set_mode(module, False)
-            res, call, _ = try_strategy(strategy.value, stage.id, lambda c=candidate: checked(fwd_bwd(program, c, fresh, n)),
-                                        check, dev, rtol=GRAD_RTOL)
+            res, call, _ = try_strategy(strategy.value, stage.id, lambda c=candidate: checked(run(c)), check, dev, rtol=GRAD_RTOL)
             results.append(res)
             if call is not None:
-                working[strategy.value] = (res, call if in_eval else fwd_bwd(program, candidate, fresh, n))
+                working[strategy.value] = (res, call if in_eval else run(candidate))
         _set_mode(module, True)  # timed as training runs
         chosen = race(working, dev, repeats, warmup, spend)  # successive halving, as for inference (autotune.Budget)
         _set_mode(module, False)

@@ -25,12 +25,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.plan import StageOptions, Strategy
+from stagewise.executor.input_writes import FreshInputs
 from stagewise.executor.members import copy_member, member_list, state_device
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
 from stagewise.executor.strategies.compiled import with_compile_mode
 from stagewise.executor.strategies.wide import with_conv_form
-from stagewise.executor.timing import describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
+from stagewise.executor.timing import Prepared, describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
 from stagewise.executor.values import Batched, as_batched, leaf_paths, n_first
 from stagewise.executor.verify import DEFAULT_RTOL, dtype_clash, same_draws, same_number
 
@@ -141,15 +142,53 @@ def try_strategy(label: str, stage_id: str, make: Callable[[], Callable[[], Any]
     return StrategyResult(label, ok=True, max_rel_err=err, compile_s=first_s), call, out
 
 
-def stage_inputs(program: StageProgram, env: dict, n: int) -> Callable[[], list]:
-    """The stage's input values from `env`. For a stage that writes in place, a fresh writable
-    [N, ...] copy per call (what BatchedModule passes it), so repeated timing calls and the
-    reference never see each other's writes; the copy is inside the timed call."""
-    args = [env[name] for name in program.input_names]
-    if not program.writes_in_place:
-        return lambda: args
-    base = [as_batched(a, n) for a in args]
-    return lambda: [Batched(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, b.tree)) for b in base]
+class StageInputs:
+    """A stage's input values from `env`, for the runs that check and time its candidates.
+
+    For a stage that writes in place, each run gets private writable [N, ...] copies (what BatchedModule passes it,
+    never `env`'s tensors, which may be the caller's inputs), refilled with `env`'s values before the run: without
+    that, a stage doing `x.mul_(2)` would see x times 2**k on its k-th run, and a candidate checked on such values could
+    be judged wrong (or right where it is wrong). The copies are made once and refilled in place
+    (input_writes.FreshInputs), and `timed(run)` refills them outside what timing measures (timing.Prepared): the
+    copy is not the stage's cost. Calling the object refills and returns them (a reference run, advance()); a stage
+    that writes nothing gets `env`'s values, uncopied.
+    """
+
+    def __init__(self, program: StageProgram, env: dict, n: int):
+        args = [env[name] for name in program.input_names]
+        self.written = bool(program.writes_in_place)
+        if not self.written:
+            self._args, self._fresh = args, None
+            return
+        self._fresh = FreshInputs(tuple(as_batched(a, n).tree for a in args), True)
+        self._args = [Batched(t) for t in self._fresh.values]
+
+    def refill(self) -> None:
+        """`env`'s values back into the copies (what the last run wrote is gone); nothing where nothing is written."""
+        if self._fresh is not None:
+            self._fresh.restore()
+
+    def current(self) -> list:
+        """The values as they are now (no refill): what a call built for `prepared` runs on."""
+        return list(self._args)
+
+    def __call__(self) -> list:
+        self.refill()
+        return self.current()
+
+    def prepared(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        """`call` (built on `current()`) with refill() before each run, outside the timed call; `call` itself where
+        nothing is written."""
+        return Prepared(self.refill, call) if self.written else call
+
+    def timed(self, run: Callable[[list], Any]) -> Callable[[], Any]:
+        """`run(inputs)` as a candidate's call: the refill before it, outside the timed call."""
+        return self.prepared(lambda: run(self.current()))
+
+
+def stage_inputs(program: StageProgram, env: dict, n: int) -> StageInputs:
+    """The stage's input values from `env` (StageInputs: fresh private copies for a stage that writes in place)."""
+    return StageInputs(program, env, n)
 
 
 def advance(program: StageProgram, env: dict, fresh: Callable[[], list], outputs: Optional[list],
@@ -173,7 +212,9 @@ def loop_reference(program: StageProgram, runner: Runner, fresh: Callable[[], li
 
 def stage_check(want_values: list, n: int) -> Callable[[list], float]:
     """Error of a stage's boundary outputs against the loop runner's, per member."""
-    want = _nfirst_all(want_values, n)
+    # a copy: the loop's outputs may view the stage's inputs (`r = h.add_(1)` handed on), which StageInputs refills
+    # before each candidate's run, so the reference would move with the candidate it checks
+    want = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, _nfirst_all(want_values, n))
     return lambda out: max_rel_error(_nfirst_all(out, n), want)
 
 

@@ -26,6 +26,31 @@ def _shared_write_refusal(where: str, name: str) -> InputError:
         f"({name} = {name}.clone()) or give it per_member (planner.propose(..., input_mode='per_member'))")
 
 
+def _graph_writes(gm: torch.fx.GraphModule, depth: int = 0) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(node, the value of `gm` it writes in place) for each write the graph shows: `x.add_()`, `x += 1` as export
+    records it, F.relu(x, inplace=True), nn.ReLU(inplace=True)(x), and a write inside a region op's subgraph
+    (torch.export's `with torch.no_grad(): x.clamp_(0, 1)` is `wrap_with_set_grad_enabled(False, submod, x)`), said as
+    a write by the region op into the operand its subgraph's placeholder stands for."""
+    out = []
+    for node in gm.graph.nodes:
+        if is_inplace(node):
+            out.append((node, node.args[0]))
+        if not isinstance(node.target, torch._ops.HigherOrderOperator) or depth > 4:
+            continue
+        for k, a in enumerate(node.args):  # the subgraph, then its operands (wrap_with_set_grad_enabled, autocast)
+            sub = getattr(gm, str(a.target), None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
+            if not isinstance(sub, torch.fx.GraphModule):
+                continue
+            operands = node.args[k + 1:]
+            places = [p for p in sub.graph.nodes if p.op == "placeholder"]
+            for _, inner in _graph_writes(sub, depth + 1):
+                root = alias_chain(inner)[-1]
+                at = places.index(root) if root in places else -1
+                if 0 <= at < len(operands) and isinstance(operands[at], torch.fx.Node):
+                    out.append((node, operands[at]))
+    return out
+
+
 def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> frozenset[str]:
     """InputError for a model input forward() writes in place where the batched module cannot do what the loop does;
     returns the per_member inputs it writes (each call then checks their member rows do not overlap: rows_overlap).
@@ -42,14 +67,14 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
     names = list(graph.input_names)
     shared = {n for n in names if plan.input_mode(n) is not InputMode.PER_MEMBER}
     shown = set()
-    for node in graph.gm.graph.nodes:
-        # `x.add_()`, `x += 1` as export records it, F.relu(x, inplace=True), nn.ReLU(inplace=True)(x)
-        written = node.args[0] if is_inplace(node) else None
-        root = alias_chain(written)[-1] if written is not None else None
-        if root is not None and root.op == "placeholder":
+    for node, written in _graph_writes(graph.gm):
+        root = alias_chain(written)[-1]
+        if root.op == "placeholder":
             if root.name in shared:
-                raise _shared_write_refusal(f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)})",
-                                            root.name)
+                kind = getattr(node.target, '__name__', node.target)
+                where = (f"{node.name} (an in-place op inside a `with torch.no_grad():` or autocast block, export's {kind})"
+                         if isinstance(node.target, torch._ops.HigherOrderOperator) else f"{node.name} ({node.op} {kind})")
+                raise _shared_write_refusal(where, root.name)
             shown.add(root.name)
     if example is None or not any(isinstance(x, torch.Tensor) for x in example):
         return frozenset(shown)

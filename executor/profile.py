@@ -259,14 +259,14 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
             return run()
         return make
 
-    res, call, out = try_strategy(label, stage.id, from_start(lambda: (lambda: runner(fresh()))), check, dev, rtol=rtol)
+    res, call, out = try_strategy(label, stage.id, from_start(lambda: fresh.timed(runner)), check, dev, rtol=rtol)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
     if label == "loop":
         loop_res = res
     else:  # the stage's own loop strategy on the same inputs, for the speedup column
         loop_res, loop_call, _ = try_strategy(
-            "loop", stage.id, from_start(lambda: (lambda r=make_runner(program, runner, Strategy.LOOP): r(fresh()))), check, dev,
+            "loop", stage.id, from_start(lambda: fresh.timed(make_runner(program, runner, Strategy.LOOP))), check, dev,
             rtol=rtol)
         if loop_call is not None:
             cands["loop"] = (loop_res, loop_call)

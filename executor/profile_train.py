@@ -302,7 +302,7 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeat
     reset()
     ref_grads = loop_call()
     check = grads_check(ref_grads, n)
-    res, call, _ = try_strategy(label, stage.id, lambda: (reset(), fwd_bwd(program, runner, fresh, n))[1], check, dev,
+    res, call, _ = try_strategy(label, stage.id, lambda: (reset(), fresh.prepared(fwd_bwd(program, runner, fresh.current, n)))[1], check, dev,
                                 rtol=GRAD_RTOL)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}

@@ -163,6 +163,16 @@ def fresh(inputs: Sequence[Any]) -> tuple:
     return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(inputs)))
 
 
+def bound_as_given(module: nn.Module, inputs: Sequence[Any]) -> None:
+    """The batched module's own check of the caller's `inputs` (BatchedModule.bind_inputs), before any copy is made.
+
+    Every run below gets copies (`fresh`), and copying each input apart parts what shares memory: a shared input that
+    is a row of a per_member input forward() writes in place (`(y[0], y)`), or per_member rows that overlap
+    (`x.expand(N, ...)`). The module refuses such a call (InputError), so verify raises that InputError too, rather
+    than a MATCH found on copies that the module, called on these inputs, would never run."""
+    module.bind_inputs(tuple(inputs))
+
+
 def call_member(member: nn.Module, plan: Plan, args: tuple) -> Any:
     """`member` called on one member's inputs, in the plan's order: a keyword-only parameter of forward()
     (`forward(self, x, *, mask)`, which the trace takes in order with the others) passed by its name."""
@@ -473,7 +483,9 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
             GRAD_NOISE of the member's whole gradient norm is float32 rounding noise, so a gradient that is zero in
             exact arithmetic (a conv bias before BatchNorm) matches; rtol at least GRADS_RTOL). Off by default: an
             inference plan need not train (sparse embeddings, shared parameters).
-    Every run gets its own copy of the inputs (a forward() that writes them in place), and the
+    The inputs as given first pass the batched module's own check (an InputError where the module refuses them: a
+    shared input on the memory of a per_member input forward() writes in place, overlapping per_member rows it
+    writes); then every run gets its own copy of the inputs (a forward() that writes them in place), and the
     batched module and the loop draw random numbers from the same seeded state, call by call
     (Dropout in training); the caller's random state is left as it was.
     Returns:
@@ -503,6 +515,7 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         more_inputs = [other] if other is not None else []
     example = member_inputs(plan, inputs, 0)
     module = build(plan, members, example_inputs=example, device=device)
+    bound_as_given(module, inputs)
     report = VerifyReport(n_members=plan.n_members, rtol=rtol, calls=calls, shapes=[describe_inputs(inputs)])
     saved = _buffers(members)  # forward may update buffers in place; each run starts from the same state
     state_before = _module_state(module)
@@ -709,6 +722,11 @@ def _verify_more(report: VerifyReport, plan: Plan, module, members: list[nn.Modu
     finally:
         _restore_buffers(members[:1], before[:1])
     target = resolve_device(device)
+    try:
+        bound_as_given(module, inputs)  # what the module says of these inputs themselves, before they are copied
+    except InputError as e:
+        report.notes.append(f"input shape {shape} refused up front by the plan: {_first_line(e)}")
+        return
     for call in range(1, report.calls + 1):
         name = f"out @ {shape} (call {call})"
         try:
