@@ -367,3 +367,39 @@ def test_a_further_input_set_the_loop_cannot_take_is_still_a_note_with_the_model
     assert report.ok and report.shapes == ["[5, 4]"]
     assert report.notes == ["input shape [7, 4] not compared: the member loop itself fails on it (ValueError: 7 rows: "
                             "this model takes 5)"]
+
+
+class LayerScaleBlock(nn.Module):
+    """A ConvNeXt-style block behind a layer scale of 1e-6 (its usual init): the branch's gradients are ~1e-6 of the
+    member's whole gradient, as small as float32 noise of a gradient that is zero in exact arithmetic."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, d, 4, 4)
+        self.dw = nn.Conv2d(d, d, 7, padding=3, groups=d)
+        self.norm = nn.LayerNorm(d)
+        self.pw1, self.pw2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gamma = nn.Parameter(1e-6 * torch.ones(d))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        s = self.stem(x)
+        h = self.dw(s).permute(0, 2, 3, 1)
+        h = self.pw2(F.gelu(self.pw1(self.norm(h)))) * self.gamma
+        return self.head((s + h.permute(0, 3, 1, 2)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("name, change", [("dw.weight", lambda g: -g), ("pw1.weight", lambda g: g * 0)],
+                         ids=["sign_flipped", "zeroed"])
+def test_verify_grads_reports_a_wrong_gradient_of_a_branch_behind_a_small_layer_scale(monkeypatch, name, change):
+    # the noise floor alone (1e-5 of the member's gradient norm) took these as matches: 3.9e-6 and 1.9e-6 of it
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(LayerScaleBlock())
+    x = torch.randn(4, 3, 32, 32)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N, input_mode="shared")
+    assert executor.verify(plan, members, (x,), grads=True, more_inputs=()).ok
+    perturbed_grads(monkeypatch, name, change)
+    report = executor.verify(plan, members, (x,), grads=True, more_inputs=())
+    assert not grad_rows(report)[name].ok and not report.ok
