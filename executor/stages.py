@@ -26,7 +26,7 @@ try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch 
 except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
-from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op
+from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op, norm_stats_updated
 from stagewise.planner.opening import ContainerTracer, no_mha_fastpath
 from stagewise.planner.trace_watch import storage_root
 from stagewise.planner.graph import renormalised_weight
@@ -176,39 +176,6 @@ class StageProgram:
 
 # functional norms that update running statistics in place: target -> (running mean, running var, update flag) positions
 # (None: always updates); the keyword names are F.batch_norm's / F.instance_norm's and aten's
-_NORM_STATS: dict[Any, tuple[int, int, int | None]] = {
-    nn.functional.batch_norm: (1, 2, 5), nn.functional.instance_norm: (1, 2, 5),
-    torch.batch_norm: (3, 4, 5), torch.instance_norm: (3, 4, 5),
-    torch.ops.aten.batch_norm.default: (3, 4, 5), torch.ops.aten.instance_norm.default: (3, 4, 5),
-    torch.ops.aten.native_batch_norm.default: (3, 4, 5), torch.ops.aten._native_batch_norm_legit.default: (3, 4, 5),
-    torch.ops.aten._batch_norm_impl_index.default: (3, 4, 5), torch.ops.aten.cudnn_batch_norm.default: (3, 4, 5),
-    torch.ops.aten.miopen_batch_norm.default: (3, 4, 5), torch.ops.aten._batch_norm_with_update.default: (3, 4, None),
-}
-_NORM_KEYWORDS = (("running_mean",), ("running_var",), ("training", "use_input_stats"))
-
-
-def norm_stats_updated(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The running statistics (graph values) a functional batch or instance norm node updates in place: those it is
-    handed when its training / use_input_stats flag is True, or a value the graph computes (it may be True)."""
-    where = _NORM_STATS.get(node.target) if node.op == "call_function" else None
-    if where is None:
-        return []
-
-    def arg(pos: int | None, keys: tuple[str, ...]) -> Any:
-        if pos is not None and pos < len(node.args):
-            return node.args[pos]
-        return next((node.kwargs[k] for k in keys if k in node.kwargs), None if pos is not None else True)
-
-    mean_at, var_at, flag_at = where
-    flag = arg(flag_at, _NORM_KEYWORDS[2])
-    if flag is None and node.target is nn.functional.batch_norm:
-        flag = False  # F.batch_norm's default (F.instance_norm's use_input_stats defaults to True)
-    if flag is False:
-        return []  # normalises with the statistics, updates nothing
-    stats = (arg(mean_at, _NORM_KEYWORDS[0]), arg(var_at, _NORM_KEYWORDS[1]))
-    return [s for s in stats if isinstance(s, torch.fx.Node)]
-
-
 def _through_data(node: torch.fx.Node) -> bool:
     """Whether `node` is reached from an earlier value through `.data` (views and in-place ops between)."""
     return any(a.op == "call_function" and a.target is getattr and len(a.args) > 1 and a.args[1] == "data"

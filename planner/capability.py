@@ -515,8 +515,54 @@ def value_shape_check(graph, node: torch.fx.Node) -> Optional[str]:
             "fixed size)")
 
 
+_NORM_STATS: dict[Any, tuple[int, int, int | None]] = {
+    nn.functional.batch_norm: (1, 2, 5), nn.functional.instance_norm: (1, 2, 5),
+    torch.batch_norm: (3, 4, 5), torch.instance_norm: (3, 4, 5),
+    torch.ops.aten.batch_norm.default: (3, 4, 5), torch.ops.aten.instance_norm.default: (3, 4, 5),
+    torch.ops.aten.native_batch_norm.default: (3, 4, 5), torch.ops.aten._native_batch_norm_legit.default: (3, 4, 5),
+    torch.ops.aten._batch_norm_impl_index.default: (3, 4, 5), torch.ops.aten.cudnn_batch_norm.default: (3, 4, 5),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4, 5), torch.ops.aten._batch_norm_with_update.default: (3, 4, None),
+}
+_NORM_KEYWORDS = (("running_mean",), ("running_var",), ("training", "use_input_stats"))
+
+
+def norm_stats_updated(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The running statistics (graph values) a functional batch or instance norm node updates in place: those it is
+    handed when its training / use_input_stats flag is True, or a value the graph computes (it may be True)."""
+    where = _NORM_STATS.get(node.target) if node.op == "call_function" else None
+    if where is None:
+        return []
+
+    def arg(pos: int | None, keys: tuple[str, ...]) -> Any:
+        if pos is not None and pos < len(node.args):
+            return node.args[pos]
+        return next((node.kwargs[k] for k in keys if k in node.kwargs), None if pos is not None else True)
+
+    mean_at, var_at, flag_at = where
+    flag = arg(flag_at, _NORM_KEYWORDS[2])
+    if flag is None and node.target is nn.functional.batch_norm:
+        flag = False  # F.batch_norm's default (F.instance_norm's use_input_stats defaults to True)
+    if flag is False:
+        return []  # normalises with the statistics, updates nothing
+    stats = (arg(mean_at, _NORM_KEYWORDS[0]), arg(var_at, _NORM_KEYWORDS[1]))
+    return [s for s in stats if isinstance(s, torch.fx.Node)]
+
+
+def norm_stats_view_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """A functional batch or instance norm updating running statistics handed as a view of a buffer
+    (`F.batch_norm(x, self.stats[0], self.stats[1], training=True)`): under vmap the update of such a strided view of
+    the stacked buffer is dropped without a word (each member's statistics would stay as they were), so the node runs
+    as the member loop. Whole buffers (BatchNorm's own) batch."""
+    for stat in norm_stats_updated(node):
+        root = alias_chain(stat)[-1]
+        if stat.op != "get_attr" and root.op == "get_attr":
+            return (f"{_op_name(node)} updates running statistics held as a view of buffer '{root.target}' "
+                    "(vmap drops the update of a view of a stacked buffer)")
+    return None
+
+
 DEFAULT_CHECK = chain(autocast_region_check, value_shape_check, stateful_module_check, inplace_buffer_check,
-                      unowned_write_check, vmap_probe_check)
+                      norm_stats_view_check, unowned_write_check, vmap_probe_check)
 
 
 def annotate_capability(graph, check: Check = DEFAULT_CHECK) -> None:
