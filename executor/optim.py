@@ -94,6 +94,7 @@ import functools
 import linecache
 import math
 import os
+import inspect
 import sys
 import textwrap
 import warnings
@@ -1429,8 +1430,13 @@ def _per_element(optimizer: Any) -> bool:
     kind = type(optimizer)
     if getattr(kind, "stagewise_per_member", False) is True or f"{kind.__module__}.{kind.__qualname__}" in _DELEGATING:
         return True
-    owner = next((c for c in kind.__mro__ if "step" in c.__dict__), None)  # the class whose step runs
-    return owner in _PER_ELEMENT or owner in (StackedSGD, StackedAdam, StackedAdamW)
+    # the class whose step runs: torch's Optimizer.__init__ writes a profiling wrapper of the inherited step into the
+    # class of the first instance made (a subclass made before any plain Adam holds a wrapped Adam.step of its own),
+    # so the step is unwrapped and its owner is the last class in the MRO holding that same function
+    step = inspect.unwrap(getattr(kind, "step", None)) if getattr(kind, "step", None) is not None else None
+    owners = [c for c in kind.__mro__ if "step" in c.__dict__ and inspect.unwrap(c.__dict__["step"]) is step]
+    owner = owners[-1] if owners else None
+    return owner in _PER_ELEMENT or owner in (StackedSGD, StackedAdam, StackedAdamW, _StackedOptimizer)
 
 
 def _stepping_optimizers(optimizer: torch.optim.Optimizer, depth: int = 8) -> list[Any]:

@@ -403,3 +403,32 @@ def test_verify_grads_reports_a_wrong_gradient_of_a_branch_behind_a_small_layer_
     perturbed_grads(monkeypatch, name, change)
     report = executor.verify(plan, members, (x,), grads=True, more_inputs=())
     assert not grad_rows(report)[name].ok and not report.ok
+
+
+def test_an_adam_subclass_made_before_any_plain_adam_is_not_warned_about(tmp_path):
+    # torch's Optimizer.__init__ writes a profiling wrapper of Adam.step into the class of the first instance made:
+    # a subclass made first held a `step` of its own and was taken for an unknown optimizer (a false JointNormWarning)
+    import subprocess
+    import sys
+    script = tmp_path / "first.py"
+    script.write_text(
+        "import warnings, torch\n"
+        "from torch import nn\n"
+        "from stagewise import executor, planner\n"
+        "class HookedAdam(torch.optim.Adam):\n"
+        "    def __init__(self, params, **kw):\n"
+        "        super().__init__(params, **kw)\n"
+        "        self.register_step_post_hook(lambda *a: None)\n"
+        "members = [nn.Linear(4, 4) for _ in range(3)]\n"
+        "x = torch.randn(2, 4)\n"
+        "plan = planner.propose(planner.trace(members[0], (x,)), n_members=3, input_mode='shared')\n"
+        "ens = executor.build(plan, members)\n"
+        "opt = HookedAdam(ens.parameters(), lr=1e-3)\n"
+        "assert 'step' in HookedAdam.__dict__  # what torch did\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    ens(x).sum().backward(); opt.step()\n"
+        "names = [type(w.message).__name__ for w in caught if 'JointNorm' in type(w.message).__name__]\n"
+        "assert not names, names\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
