@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import re
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -42,6 +43,7 @@ from stagewise.planner.module_refusals import (  # noqa: F401
 from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, plain_attributes, restore_all, state_refusal  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _autograd_hooks_refused, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
+    _tensor_values_read,
     storage_root, storage_sharers)
 from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes, out_as_copies,
                                       views_as_reshapes)
@@ -205,11 +207,13 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
             for d, state in zip(devices, states[1]):
                 torch.cuda.set_rng_state(state, d)
 
+        weigh = not gm.meta.get("stagewise_lost_backwards")  # (a custom backward fx traced through is named elsewhere)
         try:
             same_draws()
             want_inputs = copies()
             want = model(*want_inputs)
             want_state = _state_written(model, snapshot)
+            want_grads = _parameter_grads(model, want) if weigh else None  # before the state is put back under it
         except Exception:
             return None
         finally:
@@ -219,6 +223,7 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
             got_inputs = copies()
             got = gm(*got_inputs)
             got_state = _state_written(model, snapshot)  # gm holds the model's own submodules and tensors
+            got_grads = _parameter_grads(gm, got) if want_grads else None
         except Exception as e:
             return f"its graph fails on the example inputs where forward() runs ({type(e).__name__}: {_first_line(e)[:200]})"
         finally:
@@ -250,6 +255,77 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
             continue
         if not same:
             return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
+    if want_grads and got_grads is not None:
+        return _grads_differ(got_grads, want_grads)
+    return None
+
+
+GRADS_DIFFER = "its graph gives other parameter gradients"  # the start of _fx_disagrees' answer for gradients
+_GRAD_RTOL = 1e-3  # eager and graph run the same ops (export: decomposed), a few ulps apart; a hook changes far more
+_autograd_grad = torch.autograd.grad  # torch's own: the trace watches calls of torch.autograd.grad made from forward()
+
+
+def _grads_refusal(disagreement: str) -> str:
+    """The refusal for a traced graph whose parameter gradients are not forward()'s (`disagreement`)."""
+    return (f"The traced graph's outputs are forward()'s, but {disagreement.removeprefix('its graph gives ')}: forward() "
+            "changes its gradients in a way no graph records, so the batched module would train with other gradients "
+            "than each member's own backward. The usual causes: a hook on an autograd node (h.grad_fn.register_hook / "
+            "register_prehook: a gradient reversal or scale), saved-tensor hooks whose pack/unpack change values "
+            "(torch.autograd.graph.saved_tensors_hooks rounding or compressing what backward reads), or a backward "
+            "that depends on state forward() does not show. Fix: write the gradient change as an autograd.Function "
+            "(stagewise keeps its backward: forward(ctx, x, lam) returns x.view_as(x), backward(ctx, g) returns "
+            "-lam * g, None), or drop the hooks. Inference does not run them: to batch a model for inference alone, "
+            "trace it under torch.no_grad()")
+
+
+def gradients_refusal(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> str | None:
+    """For a plan traced without gradients (built for inference, then trained): why a call with gradients on is
+    refused, where `model`'s own backward (member 0, with gradients on) is not `gm`'s, or None. The model is put
+    back as it was; the random streams are the caller's."""
+    snapshot = StateSnapshot.take(model)
+    try:
+        with torch.enable_grad():
+            disagreement = _fx_disagrees(model, gm, example_inputs, snapshot)
+    finally:
+        restore_all(snapshot, model)
+    if disagreement is None or not disagreement.startswith(GRADS_DIFFER):
+        return None
+    return (_grads_refusal(disagreement).replace("trace it under torch.no_grad()", "call it under torch.no_grad()")
+            + " (this plan was traced without gradients, which set no such hook)")
+
+
+def _parameter_grads(module: nn.Module, out: Any) -> dict[str, torch.Tensor] | None:
+    """The gradients of `module`'s parameters that require grad, by name, of one fixed random weighting of its
+    floating outputs `out` (every output reaches the loss: a hook on any path shows); None where nothing records a
+    gradient (traced under torch.no_grad(), no parameter) or the backward fails (its trouble is named elsewhere)."""
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    params = [(k, p) for k, p in module.named_parameters() if p.requires_grad]
+    if not leaves or not params:
+        return None
+    g = torch.Generator().manual_seed(0)  # the same weights for forward() and for the graph, whatever the random state
+    loss = sum((t * torch.randn(t.shape, generator=g).to(t.device, t.dtype)).sum() for t in leaves)
+    try:
+        grads = _autograd_grad(loss, [p for _, p in params], allow_unused=True)
+    except Exception:  # noqa: BLE001 - a backward that fails (double backward, an op without a derivative)
+        return None
+    return {k: gr.detach().clone() for (k, _), gr in zip(params, grads) if gr is not None}
+
+
+def _grads_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
+    """Why the graph's parameter gradients `got` are not forward()'s `want` (a parameter both reach off by more than
+    rounding: _GRAD_RTOL of its norm, and a floor for one whose gradient is ~0), or None when they agree."""
+    names = [k for k in want if k in got]
+    if not names:
+        return None
+    scale = max(float(want[k].abs().max()) if want[k].numel() else 0.0 for k in names)
+    for k in names:
+        a, b = got[k].double(), want[k].double()
+        if a.shape != b.shape or not torch.isfinite(b).all():
+            continue
+        off = float((a - b).norm())
+        if off > _GRAD_RTOL * float(b.norm()) + 1e-6 * scale * b.numel() ** 0.5:
+            rel = off / max(float(b.norm()), 1e-30)
+            return f"{GRADS_DIFFER} than forward() on the example inputs ({k}: {rel:.3g} of its norm off)"
     return None
 
 
@@ -328,19 +404,20 @@ def _attributes_stored(model: nn.Module, example_inputs: tuple, snapshot: StateS
     replaced by a first call and again by a second (a cache filled once, a rotary table, is not set again); the
     `weight` the old weight_norm's pre-hook recomputes is left out. Run eagerly under torch.no_grad(); the model is put
     back as `snapshot` holds it, and the random streams are the caller's."""
-    def tensors_in(v: Any) -> bool:
-        return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list, dict)) and any(
-            isinstance(t, torch.Tensor) for t in tree_flatten(v)[0]))
-
     paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
 
-    def held() -> dict[tuple[int, str], Any]:
+    def held() -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
+        # the tensors each attribute holds, looked into: a dict or a namespace filled in place (`self.losses["kl"] =`,
+        # `self.aux.kl =`) is the same object after the call, its tensors are not
         out = {}
         for m in model.modules():
             recomputed = {getattr(h, "name", None) for h in m._forward_pre_hooks.values()}
-            out.update({(id(m), k): v for k, v in vars(m).items()
+            out.update({(id(m), k): _tensors_held(v) for k, v in vars(m).items()
                         if k not in ("_parameters", "_buffers", "_modules") and k not in recomputed})
         return out
+
+    def renewed(now: tuple, before: tuple | None) -> bool:
+        return bool(now) and (before is None or len(now) != len(before) or any(a is not b for a, b in zip(now, before)))
 
     def call() -> None:
         model(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
@@ -351,12 +428,12 @@ def _attributes_stored(model: nn.Module, example_inputs: tuple, snapshot: StateS
             start = held()
             call()
             first = held()
-            replaced = [key for key, v in first.items() if tensors_in(v) and v is not start.get(key, _NOT_HELD)]
+            replaced = [key for key, v in first.items() if renewed(v, start.get(key))]
             if not replaced:
                 return {}
             call()
             again = held()
-            stored = [key for key in replaced if again.get(key, _NOT_HELD) is not first[key] and tensors_in(again.get(key))]
+            stored = [key for key in replaced if renewed(again.get(key, ()), first[key])]
         except Exception:  # noqa: BLE001 - the trace reports what forward() does on its inputs
             return {}
         finally:
@@ -388,6 +465,24 @@ def _new_leaves_returned(model: nn.Module, example_inputs: tuple, snapshot: Stat
             restore_all(snapshot, model)
     return [i for i, t in enumerate(tree_flatten(out)[0]) if isinstance(t, torch.Tensor) and t.requires_grad
             and t.grad_fn is None and id(t) not in own]
+
+
+def _tensors_held(v: Any, depth: int = 0) -> tuple[torch.Tensor, ...]:
+    """The tensors attribute value `v` holds: itself, or inside tuples, lists, dicts, a types.SimpleNamespace or a
+    dataclass instance (a few levels deep; modules are not looked into: their own attributes are listed apart)."""
+    if isinstance(v, torch.Tensor):
+        return (v,)
+    if depth > 3 or isinstance(v, nn.Module):
+        return ()
+    if isinstance(v, (tuple, list)):
+        items = v
+    elif isinstance(v, dict):
+        items = list(v.values())
+    elif isinstance(v, types.SimpleNamespace) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
+        items = list(vars(v).values())
+    else:
+        return ()
+    return tuple(t for item in items for t in _tensors_held(item, depth + 1))
 
 
 def _warn_stored(model: nn.Module, stored: dict[str, list[str]]) -> None:
@@ -495,11 +590,13 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                 gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
             return gm
 
-        gm = fx()
-        if baked_constants(gm) or _reads_buffer_values(gm, model, opened, fixed):
+        with _tensor_values_read() as values_read:
+            gm = fx()
+        if baked_constants(gm) or values_read or _reads_buffer_values(gm, model, opened, fixed):
             # fx ran part of forward() on real buffers: a tensor it stored as a constant (`x @ self.B.t()`) or a
             # number it wrote into the graph (`x / self.temp.item()`) holds member 0's value for every member and
-            # goes stale when the buffer changes. Traced again with buffers as graph values, such a computation is
+            # goes stale when the buffer changes; a value read into Python (`if int(self.act_id) == 2:`) took member
+            # 0's branch, even where no other value tried below would take another. Traced again with buffers as graph values, such a computation is
             # recorded (`.item()` then keeps its stage out of vmap); what stays constant comes from no buffer
             # (plain tensor attributes: executor.constants compares them per member)
             try:
@@ -709,6 +806,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         if tracer == "fx" and not changed:
             disagreement = _fx_disagrees(model, gm, example_inputs, before)
             before.restore_if_changed(model)  # the check's own runs write state (BatchNorm statistics): put back, not news
+            if disagreement is not None and disagreement.startswith(GRADS_DIFFER):
+                raise TraceError(_grads_refusal(disagreement))  # torch.export records no such change either
             if disagreement is not None:
                 try:
                     gm = _export(model, example_inputs)
@@ -749,6 +848,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         # a branch eager calls never take
         disagreement = _fx_disagrees(model, gm, example_inputs, before)
         before.restore_if_changed(model)
+        if disagreement is not None and disagreement.startswith(GRADS_DIFFER):
+            raise TraceError(_grads_refusal(disagreement))
         if disagreement is not None and not disagreement.startswith("its graph fails"):  # (that is named below)
             raise TraceError(
                 f"torch.export's graph is not forward(): {disagreement}. forward() runs otherwise when traced: a "

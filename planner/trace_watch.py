@@ -867,3 +867,36 @@ def _autograd_hooks_refused():
         error = watch.refusal()
         if error is not None:
             raise error from None
+
+
+_VALUE_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def _tensor_values_read():
+    """Yields a list that gets the method's name each time code other than stagewise's turns a real tensor's values
+    into Python while inside (this thread): `int(self.act_id)`, `if self.flag:`, `self.t.item()`. Under a plain fx
+    trace only buffers and constants are real tensors (the rest are proxies), so a read there is a buffer's value
+    taken into the graph as member 0's, whichever way the branch on it goes for other values."""
+    owner = threading.get_ident()
+    seen: list[str] = []
+
+    def watched(name: str, f: Callable) -> Callable:
+        def call(self, *args, **kwargs):
+            if threading.get_ident() == owner and not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("stagewise."):
+                seen.append(name)
+            return f(self, *args, **kwargs)
+        return call
+
+    with _PATCHING:
+        own = {name: vars(torch.Tensor)[name] for name in _VALUE_READS if name in vars(torch.Tensor)}
+        try:
+            for name in _VALUE_READS:
+                setattr(torch.Tensor, name, watched(name, getattr(torch.Tensor, name)))
+            yield seen
+        finally:
+            for name in _VALUE_READS:
+                if name in own:
+                    setattr(torch.Tensor, name, own[name])
+                else:
+                    delattr(torch.Tensor, name)
