@@ -2,12 +2,14 @@
 
 Each member's parameters and buffers by dotted name (tied names kept), stacked into [N, ...] tensors, the
 checks that members can be stacked (same architecture, same frozen parameters, no trainable tensor shared
-between members), and the module tree that holds the stacked tensors under one member's names.
+between members), and the module tree that holds the stacked tensors under one member's names (which refuses
+torch's utilities that would reparametrize a stacked tensor as one tensor of all members: prune, spectral_norm).
 """
 from __future__ import annotations
 
 import itertools
 import os
+import sys
 import warnings
 from typing import Any, Sequence
 
@@ -232,6 +234,11 @@ class _Watched(dict):
         self.changed[0] = True
 
     def __delitem__(self, key):
+        refusal = _reparametrization_refusal(key)
+        if refusal:
+            if self.get(f"{key}_orig") is self.get(key):  # prune registered `weight_orig` first: left as it was
+                dict.pop(self, f"{key}_orig", None)
+            raise MemberError(refusal)
         super().__delitem__(key)
         self.changed[0] = True
 
@@ -240,14 +247,83 @@ class _Watched(dict):
         return _Watched, (self.changed, dict(self))
 
 
+# torch's utilities that reparametrize a module's tensor, by their file: each first takes the tensor out of the module
+# (`del module._parameters[name]`, `delattr(module, name)`), which is where a state tree refuses them (_Watched)
+_REPARAMETRIZING = {
+    "prune.py": ("torch.nn.utils.prune",
+                 "would rank all N members' values together (one threshold over the stacked tensor, where pruning "
+                 "each member ranks its own)", "prune.l1_unstructured(member.fc1, 'weight', amount=...), then "
+                 "prune.remove(member.fc1, 'weight'), which planning needs"),
+    "spectral_norm.py": ("torch.nn.utils.spectral_norm",
+                         "would take one spectral norm of the stacked tensor, all members as one matrix",
+                         "torch.nn.utils.parametrizations.spectral_norm(member.fc1)"),
+    "weight_norm.py": ("torch.nn.utils.weight_norm",
+                       "would take its norm over the stacked tensor's dim 0, the member axis",
+                       "torch.nn.utils.parametrizations.weight_norm(member.fc1)"),
+    "parametrize.py": ("torch.nn.utils.parametrize (parametrizations.spectral_norm, weight_norm, orthogonal, ...)",
+                       "would treat the stacked tensor as one tensor (a norm or a decomposition over all members "
+                       "together)", "torch.nn.utils.parametrizations.spectral_norm(member.fc1), or "
+                       "parametrize.register_parametrization(member.fc1, 'weight', ...)"),
+}
+_UTILS_DIR = os.sep + os.path.join("torch", "nn", "utils") + os.sep
+_MODULE_FILE = os.sep + os.path.join("torch", "nn", "modules", "module.py")
+_PARAMETRIZE_FILE = _UTILS_DIR + "parametrize.py"
+
+
+def _reparametrization_refusal(key: str) -> str | None:
+    """Why one of torch's reparametrizing utilities (prune, spectral_norm, weight_norm, parametrize) may not take the
+    state tree's tensor `key` out, where it is what calls (through Module.__delattr__ or not); None otherwise."""
+    frame = sys._getframe(2)  # past this function and _Watched.__delitem__
+    for _ in range(3):
+        if frame is None or not frame.f_code.co_filename.endswith(_MODULE_FILE):
+            break
+        frame = frame.f_back
+    filename = frame.f_code.co_filename if frame is not None else ""
+    what = _REPARAMETRIZING.get(os.path.basename(filename)) if _UTILS_DIR in filename else None
+    if what is None:
+        return None
+    return _refusal(what, repr(key))
+
+
+def _registering_parametrization() -> str | None:
+    """The tensor name torch's parametrize.register_parametrization is registering, where it is among the few callers
+    (through is_parametrized); None otherwise."""
+    frame = sys._getframe(2)  # past this function and StateNode.__getattr__
+    for _ in range(3):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "register_parametrization" and frame.f_code.co_filename.endswith(_PARAMETRIZE_FILE):
+            return str(frame.f_locals.get("tensor_name", "?"))
+        frame = frame.f_back
+    return None
+
+
+def _refusal(what: tuple[str, str, str], tensor: str) -> str:
+    """The refusal of a reparametrizing utility `what` (see _REPARAMETRIZING) on the state tree's `tensor`."""
+    util, mixes, fix = what
+    return (f"{util} on the batched module's stacked state (ens.stacked..., tensor {tensor}, [N, ...]): it {mixes}, and "
+            "the batched module never runs ens.stacked's modules nor their hooks, reading its stacked tensors "
+            "directly; refused, the state is left as it was. Apply it to each member before planning and building "
+            f"({fix}); after training, load ens.member_state_dicts() into the members, apply it there and build again")
+
+
 class StateNode(nn.Module):
     """A module of the stacked state tree. Replacing one of its tensors (`tree.fc.bias = nn.Parameter(...)`,
     `load_state_dict(..., assign=True)`, `torch.func.functional_call`) raises `changed[0]`, shared by the
-    whole tree, so the batched module reads the new tensor instead of the one it was built with."""
+    whole tree, so the batched module reads the new tensor instead of the one it was built with. torch's prune,
+    spectral_norm, weight_norm and parametrize are refused before they change it (see _REPARAMETRIZING)."""
 
     def __init__(self, changed: list[bool]):
         super().__init__()
         self.__dict__.update(_parameters=_Watched(changed), _buffers=_Watched(changed), changed=changed)
+
+    def __getattr__(self, name: str) -> Any:
+        """nn.Module's lookup of parameters, buffers and submodules; parametrize.register_parametrization is refused
+        at its first look (`module.parametrizations`), before a right_inverse (orthogonal's) writes the tensor."""
+        registering = _registering_parametrization() if name == "parametrizations" else None
+        if registering is not None:
+            raise MemberError(_refusal(_REPARAMETRIZING["parametrize.py"], repr(registering)))
+        return super().__getattr__(name)
 
     def _never_fires(self, kind: str, *args: Any, **kwargs: Any) -> Any:
         """A module hook registered here, with a warning: this module holds state and is never called, so the hook
@@ -305,10 +381,16 @@ def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persis
 
 
 def tree_tensor(tree: nn.Module, name: str) -> torch.Tensor:
-    """The tensor `state_tree` registered under dotted `name`."""
+    """The tensor `state_tree` registered under dotted `name`; MemberError where it was taken out after build."""
     path, _, leaf = name.rpartition(".")
-    owner = tree.get_submodule(path) if path else tree
-    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+    try:
+        owner = tree.get_submodule(path) if path else tree
+        return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+    except (AttributeError, KeyError):
+        raise MemberError(f"the batched module's stacked state has no tensor {name!r} any more (taken out of "
+                          f"ens.stacked after build: `del`, a module replaced, a utility moving it elsewhere), and its "
+                          f"stages read it: put back a stacked [N, ...] tensor under that name "
+                          f"(ens.stacked.{name} = nn.Parameter(...)), or build again from the members") from None
 
 
 def _extent(t: torch.Tensor) -> tuple[torch.device, int, int, int] | None:
@@ -334,16 +416,12 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _overlap(_extent(a), _extent(b))
 
 
-_FUNCTIONAL_NORMS = {torch.nn.functional.batch_norm: (1, 2, 5), torch.nn.functional.instance_norm: (1, 2, 5),
-                     torch.batch_norm: (3, 4, 5), torch.instance_norm: (3, 4, 5)}  # running mean, var; training flag
-
-
 def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], dict[str, str]]:
     """(state and constants forward() writes in place in any mode: what an in-place node's value may share storage
     with, a get_attr, and the running statistics F.batch_norm is handed with training=True; {buffer: the leaf module
     holding it} for the buffers of leaf modules the graph calls, which may update them in training mode: BatchNorm's
     running statistics)."""
-    from stagewise.planner.capability import is_inplace
+    from stagewise.planner.capability import is_inplace, norm_stats_updated  # (capability's table of norm ops)
     from stagewise.planner.trace_watch import storage_root
 
     always, training = set(), {}
@@ -352,16 +430,10 @@ def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], dict[str, str]]:
             root = storage_root(node.args[0], every_module=False)
             if root.op == "get_attr":
                 always.add(str(root.target))
-        norm = _FUNCTIONAL_NORMS.get(node.target) if node.op == "call_function" else None
-        if norm is not None:
-            mean, var, flag = norm
-            args = list(node.args)
-            updates = node.kwargs.get("training", node.kwargs.get("use_input_stats", args[flag] if len(args) > flag else False))
-            for k in (mean, var):
-                value = args[k] if len(args) > k else None
-                root = storage_root(value, every_module=False) if isinstance(value, torch.fx.Node) else None
-                if updates is not False and root is not None and root.op == "get_attr":
-                    always.add(str(root.target))
+        for stat in norm_stats_updated(node):  # a batch / instance norm's running statistics, where it updates them
+            root = storage_root(stat, every_module=False)
+            if root.op == "get_attr":
+                always.add(str(root.target))
         if node.op == "call_module":
             training.update({f"{node.target}.{k}": str(node.target) for k, _ in gm.get_submodule(str(node.target)).named_buffers()})
     return always, training

@@ -83,7 +83,14 @@ not known to update each element alone (torch's SGD, Adam, AdamW, RMSprop, Adagr
 ASGD, Rprop, SparseAdam and the stacked optimizers here are) gets an ``executor.JointNormWarning`` at its first step,
 naming it: a norm it takes over a whole parameter (SAM's gradient norm, LAMB's trust ratio) is one over all members.
 Also one whose method steps such an optimizer (SAM's second_step stepping its base SGD). A class that takes no such
-reduction says so with ``stagewise_per_member = True``.
+reduction says so with ``stagewise_per_member = True``. A SAM written as a plain class wrapping a torch optimizer
+(SamsungLabs' ASAM: ``SAM(optimizer, model, rho)``) is no Optimizer: the norm itself is watched instead. While batched
+modules exist, ``torch.linalg.vector_norm`` (which ``torch.norm`` and ``Tensor.norm`` call), ``torch.linalg.norm`` and
+``torch._foreach_norm`` warn (``JointNormWarning``, once per call site) where they reduce over the member axis of a
+stacked parameter's ``.grad`` (itself, ``.data`` or ``.detach()`` of it), outside torch's clip_grad_norm_ (warned by
+executor.habits), an Optimizer's methods and a class saying ``stagewise_per_member = True``. A norm of another tensor
+costs one dict lookup; compiled and traced code sees torch's functions; a function bound by name
+(``from torch.linalg import vector_norm``) before the first build is not watched.
 
 Imports nothing of ours except planner.errors (executor.habits, for the warning's category, where it warns).
 """
@@ -1357,6 +1364,7 @@ def watch_stacked_parameters(module: torch.nn.Module) -> None:
 
     _BATCHED_MODULES.add(module)
     habits.watch(module)
+    _watch_gradient_norms(module)  # a norm over its members' gradients outside an optimizer's step (ASAM's)
     if not _WATCH:
         _WATCH.append(register_optimizer_step_pre_hook(_refuse_mixing))
 
@@ -1527,3 +1535,145 @@ def _refuse_mixing(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
             "optimizer (executor.StackedSGD / StackedAdam / StackedAdamW) on ens.parameters(), or run this optimizer "
             "on each member's own copy (ens.member_state_dicts())")
     return None
+
+
+# --- norms over all members of a stacked gradient, taken outside an optimizer's step ----------
+
+# A class wrapping a torch optimizer without being one (SamsungLabs' ASAM / SAM: `SAM(optimizer, model, rho)` whose
+# ascent_step scales the gradients by one norm over all parameters), a custom clip or a gradient-norm schedule takes a
+# norm over each stacked gradient before a per-element optimizer steps: the step hook above sees only that optimizer.
+# So torch's norm functions are watched while batched modules exist: a norm over the member axis of a stacked
+# parameter's `.grad` (the tensor itself, or `.data` / `.detach()` of it) warns once per call site and module.
+# torch.norm and Tensor.norm reach torch.linalg.vector_norm (strided CPU/CUDA tensors); clip_grad_norm_ and
+# get_total_norm are left to executor.habits (warned there), an Optimizer's own methods to its first step's warning.
+_NORM_FUNCTIONS = (("vector_norm", "torch.linalg.vector_norm (or torch.norm, Tensor.norm)", "aten::linalg_vector_norm"),
+                   ("norm", "torch.linalg.norm", "aten::linalg_norm"),
+                   ("_foreach_norm", "torch._foreach_norm", "aten::_foreach_norm"))
+_NORM_ORIGINALS: dict[str, Callable] = {}
+# the shapes of the watched modules' stacked parameters -> those modules: a norm of a tensor of another shape (every
+# norm in a forward, nearly) costs one dict lookup
+_STACKED_SHAPES: "dict[tuple[int, ...], weakref.WeakSet[torch.nn.Module]]" = {}
+_NORM_SITES_WARNED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+_PACKAGE_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
+                      for part in ("executor", "planner", "app"))
+_CLIP_GRAD_FILE = os.sep + os.path.join("torch", "nn", "utils", "clip_grad.py")
+
+
+def _watch_gradient_norms(module: torch.nn.Module) -> None:
+    """Index `module`'s stacked parameter shapes, and wrap torch's norm functions once (see _NORM_FUNCTIONS)."""
+    for p in module.parameters():
+        _STACKED_SHAPES.setdefault(tuple(p.shape), weakref.WeakSet()).add(module)
+    if _NORM_ORIGINALS:
+        return
+    import torch.jit._builtins as jit_builtins  # TorchScript maps torch functions to aten ops by identity
+
+    for name, public, aten in _NORM_FUNCTIONS:
+        owner = torch if name == "_foreach_norm" else torch.linalg
+        original = _NORM_ORIGINALS[public] = getattr(owner, name)
+        wrapped = _norm_watched(original, public, foreach=name == "_foreach_norm")
+        setattr(owner, name, wrapped)
+        jit_builtins._register_builtin(wrapped, aten)
+
+
+def _norm_watched(original: Callable, public: str, foreach: bool) -> Callable:
+    """`original` (a torch norm function) warning where it reduces over the member axis of a stacked gradient."""
+    @functools.wraps(original)
+    def watched(*args, **kwargs):
+        # (is_compiling first: dynamo cannot trace the frame walk nor warnings.warn, and would guard on the index)
+        if not torch.compiler.is_compiling() and _STACKED_SHAPES:
+            first = args[0] if args else kwargs.get("x", kwargs.get("A", kwargs.get("input")))
+            if not foreach:
+                module = _stacked_grad_of(first, args[2] if len(args) > 2 else kwargs.get("dim"))
+            elif isinstance(first, (list, tuple)):
+                module = next((m for m in map(_stacked_grad_of, first, [None] * len(first)) if m is not None), None)
+            else:
+                module = None
+            if module is not None:
+                _warn_gradient_norm(public, module)
+        return original(*args, **kwargs)
+    return watched
+
+
+def _stacked_grad_of(t: Any, dim: Any) -> "torch.nn.Module | None":
+    """The batched module of several members whose stacked parameter's gradient `t` is (itself, or a tensor on its
+    memory with its layout), where a norm over `dim` (None: all dims) spans its member axis; None otherwise."""
+    modules = _STACKED_SHAPES.get(t.shape) if isinstance(t, torch.Tensor) else None
+    if not modules or t.dim() == 0:
+        return None
+    if dim is not None:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (list, tuple)) else None
+        if dims is None or (dims and all(isinstance(d, int) and d % t.dim() != 0 for d in dims)):
+            return None  # a norm per member (over dims 1, ...), or a dim torch will judge
+    for module in list(modules):
+        if getattr(module, "n_members", 0) < 2:
+            continue
+        for p in module.parameters():
+            g = p.grad
+            if g is t or (g is not None and g.shape == t.shape and _same_memory(g, t)):
+                return module
+    return None
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `b` is `a` under another tensor object (`a.data`, `a.detach()`): same memory, offset and strides."""
+    try:
+        return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+                and a.dtype == b.dtype)
+    except (RuntimeError, NotImplementedError):  # no storage: a vmap BatchedTensor, a fake tensor (not a gradient)
+        return False
+
+
+def _norm_taker() -> "tuple[Any, int] | None":
+    """The frame calling torch's norm function (the first outside torch and this module) and its warnings stacklevel
+    for _warn_gradient_norm's warnings.warn; None where the norm is no user's to warn about: taken by stagewise, by
+    torch's clip_grad_norm_ / get_total_norm (executor.habits warns there), by a torch Optimizer's method (its first
+    step warns unless it is known per element), or by a class saying `stagewise_per_member = True`."""
+    frame, level, site, site_depth = sys._getframe(3), 3, None, 0  # past this, _warn_gradient_norm and the wrapper
+    for depth in range(16):
+        if frame is None:
+            break
+        filename = frame.f_code.co_filename
+        if filename.endswith(_CLIP_GRAD_FILE):
+            return None
+        outside = filename != __file__ and "/torch/" not in filename.replace("\\", "/")
+        if site is None and outside:
+            if filename.startswith(_PACKAGE_DIRS):
+                return None
+            site, site_depth = (frame, level), depth
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if owner is not None and outside and (isinstance(owner, torch.optim.Optimizer)
+                                              or getattr(type(owner), "stagewise_per_member", False) is True):
+            return None
+        if site is not None and depth >= site_depth + 4:  # the method taking it, and what called that
+            break
+        frame, level = frame.f_back, level + 1
+    return site
+
+
+def gradient_norm_warning(what: str, n: int) -> str:
+    """The warning for a norm taken with `what` over all `n` members of a batched module's stacked gradient."""
+    return (
+        f"{what} over a batched module's stacked gradient (p.grad of shape [N, ...]) takes one norm over all {n} "
+        "members together: a SAM / ASAM step (a class wrapping a torch optimizer, SamsungLabs' ASAM), a custom clip or "
+        "any update scaled by it makes every member's step depend on the others' gradients, where N separate training "
+        "runs keep them apart. Fix: take it per member, torch.linalg.vector_norm(p.grad.reshape(N, -1), dim=1) for one "
+        "parameter's [N] norms (executor.clip_grad_norm_per_member_ returns the [N] total norms of all parameters), "
+        "and scale by it viewed [N, 1, ...]. If the members train as one model on a joint loss, the joint norm is "
+        "what you want: set stagewise_per_member = True on the class taking it, or silence this with "
+        "warnings.filterwarnings('ignore', category=executor.JointNormWarning)")
+
+
+def _warn_gradient_norm(what: str, module: torch.nn.Module) -> None:
+    """Warn (once per call site and module) about a norm over all members of `module`'s stacked gradient."""
+    from stagewise.executor.habits import JointNormWarning  # the category users filter for norms over all members
+
+    taker = _norm_taker()
+    if taker is None:
+        return
+    frame, level = taker
+    sites = _NORM_SITES_WARNED.setdefault(module, set())
+    site = (frame.f_code, frame.f_lineno)
+    if site in sites:
+        return
+    sites.add(site)
+    warnings.warn(gradient_norm_warning(what, module.n_members), JointNormWarning, stacklevel=level)
