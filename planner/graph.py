@@ -308,7 +308,9 @@ def _parameter_grads(module: nn.Module, out: Any) -> dict[str, torch.Tensor] | N
         grads = _autograd_grad(loss, [p for _, p in params], allow_unused=True)
     except Exception:  # noqa: BLE001 - a backward that fails (double backward, an op without a derivative)
         return None
-    return {k: gr.detach().clone() for (k, _), gr in zip(params, grads) if gr is not None}
+    # (a sparse gradient, nn.Embedding(sparse=True)'s, compared as the dense tensor it stands for)
+    return {k: (gr.to_dense() if gr.layout != torch.strided else gr).detach().clone()
+            for (k, _), gr in zip(params, grads) if gr is not None}
 
 
 def _grads_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
