@@ -237,12 +237,25 @@ def _loop_fails(e: Exception, i: int, grad: bool) -> InputError:
         "and check that the members run on them (member(*inputs) in a plain loop)")
 
 
+def own_member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
+    """Member i's inputs (member_inputs) with each per_member tensor row its own copy.
+
+    A row x[i] of the stacked input shares the stacked tensor's version counter: where forward() writes its input in
+    place and an op then saves it for backward (`x.mul_(2); return fc(x)`), member 1's write bumps the version member
+    0's saved row records, and member 0's backward fails ("modified by an inplace operation") where the plain loop,
+    each member given its own tensor, runs. Shared inputs stay the one tensor every member is given."""
+    own = member_inputs(plan, inputs, i)
+    return tuple(x.clone() if spec.mode is InputMode.PER_MEMBER and isinstance(x, torch.Tensor) else x
+                 for spec, x in zip(plan.inputs, own)) + own[len(plan.inputs):]
+
+
 def _call_members(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]) -> list[Any]:
-    """Each member on its own inputs (in the current grad mode), a failure of one as `_loop_fails` says."""
+    """Each member on its own inputs (in the current grad mode; per_member rows copied apart, own_member_inputs), a
+    failure of one as `_loop_fails` says."""
     outs = []
     for i, m in enumerate(members):
         try:
-            outs.append(call_member(m, plan, member_inputs(plan, inputs, i)))
+            outs.append(call_member(m, plan, own_member_inputs(plan, inputs, i)))
         except StagewiseError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's model failing on its inputs: said as such, not a traceback
