@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import operator
 import pickle
 import re
+import sys
 from pathlib import Path
 import dataclasses
 import warnings
@@ -30,15 +32,15 @@ from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError, TraceError)
-from stagewise.planner.graph import (ModelGraph, global_hooks_present, global_hooks_refusal,
-                                      registration_hooks_off, retrace)
+from stagewise.planner.graph import (BUFFER_VALUE_READS, ModelGraph, global_hooks_present, global_hooks_refusal,
+                                      gradients_refusal, plain_fx_code, registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
-from stagewise.planner.plan import InputMode, Plan, Stage
+from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
 from stagewise.planner.validate import stage_graph, validate
 from stagewise.planner.snapshot import held_values
 from stagewise.planner.source import MEMBER_SEED_BASE
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
-from stagewise.executor.constants import LIFTED_PREFIX, config_signature, lift_member_constants
+from stagewise.executor.constants import _LEAKY, LIFTED_PREFIX, _liftable, config_signature, lift_member_constants
 from stagewise.executor.precision import take_dtypes_of_a_trace_in
 from stagewise.planner.trace_watch import _grad_mode_reads
 from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
@@ -52,7 +54,8 @@ from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, se
 from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
 from stagewise.executor.stages import _region_writes, LoopRunner, Runner, StageProgram, put_back, runner_for
-from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, n_first, reset_call_number_context,
+from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, leaf_paths, n_first, number_dtype,
+                                       reset_call_number_context, span,
                                        set_call_number_context)
 
 
@@ -130,8 +133,6 @@ _MIXED_DTYPES = re.compile(r"dtype mismatch|same dtype|Expected: Float, Got|mixe
 _VMAP_REFUSED = re.compile(r"vmap: We do not support batching operators that can output dynamic shape|"
                            r"vmap: It looks like you're calling \.item\(\)|vmap: It looks like you're attempting to use a "
                            r"Tensor in some data-dependent control flow")
-# vmap's refusal of an op reading a batched tensor as a Python number (a per_member number as F.leaky_relu's slope)
-_VMAP_ITEM = re.compile(r"vmap: It looks like you're calling \.item\(\)")
 _INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
 
 
@@ -142,6 +143,142 @@ _PYTHON_SCALARS = ("bool", "int", "float")
 def _is_number(x: Any) -> bool:
     """A Python bool/int/float, or a one-element tensor standing for one (a row of a per_member [N] tensor)."""
     return isinstance(x, (bool, int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
+
+
+# Python arithmetic whose result is again a number when its operands are (`-bound`, `slope * 0.5`): under vmap a
+# per-member 0-d tensor, in the member loop a number, read by whatever takes it next
+_NUMBER_ARITHMETIC = {operator.neg, operator.pos, operator.abs, operator.add, operator.sub, operator.mul,
+                      operator.truediv, operator.floordiv, operator.mod, operator.pow}
+_CLAMPS = (torch.clamp, torch.clip, "clamp", "clip")
+
+
+def _takes_a_tensor(node: torch.fx.Node, position: int) -> bool:
+    """Whether `node` runs under vmap with a per-member 0-d tensor at flattened argument `position`, where the member
+    loop hands it a Python number: an operand of arithmetic or of a comparison (constants._liftable), torch.where's
+    values, torch.lerp's weight. Not F.leaky_relu's slope (a lifted attribute gets a tensor slope by a rewrite of the
+    node; an input's number does not), nor one bound of a clamp whose other bound is a Python number (aten's clamp
+    takes both bounds as numbers or both as tensors)."""
+    if node.op == "call_function" and node.target is torch.where:
+        return position in (1, 2)
+    if node.op == "call_function" and node.target is torch.lerp:
+        return position == 2
+    if node.target in _LEAKY or not _liftable(node, position):
+        return False
+    if node.target in _CLAMPS:
+        bounds = [*node.args[1:3], node.kwargs.get("min"), node.kwargs.get("max")]
+        return all(b is None or isinstance(b, torch.fx.Node) for b in bounds)
+    return True
+
+
+def number_takers(gm: torch.fx.GraphModule, sources: dict[torch.fx.Node, str]) -> dict[torch.fx.Node, set[str]]:
+    """{node: the per_member numbers it takes} for the nodes of `gm` that take a per_member Python number (`sources`:
+    the nodes whose value is one, by the name the messages give it) or a number made of such numbers by Python
+    arithmetic, as an argument that must be a Python number (F.leaky_relu's slope, F.hardtanh's bounds, F.dropout's p,
+    a slice bound, a call_module's argument): one vmap call hands the op a per-member 0-d tensor there, which it reads
+    as a number (vmap refuses `.item()` and data-dependent control flow, and `wide` passes the [N] tensor itself);
+    the member loop gives each member its own. Said by the graph alone, before anything runs."""
+    numbers = {node: {name} for node, name in sources.items()}
+    takers: dict[torch.fx.Node, set[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or node in numbers:
+            continue
+        read = [x for x in node.all_input_nodes if x in numbers]
+        if not read:
+            continue
+        names = set().union(*(numbers[x] for x in read))
+        leaves = tree_flatten((node.args, node.kwargs))[0]
+        hits = [k for k, x in enumerate(leaves) if isinstance(x, torch.fx.Node) and x in numbers]
+        if node.op == "call_function" and node.target in _NUMBER_ARITHMETIC and all(x in numbers for x in node.all_input_nodes):
+            numbers[node] = names  # a number of numbers: what takes it is looked at in turn
+        elif (node.op not in ("call_function", "call_method") or not all(_takes_a_tensor(node, k) for k in hits)
+              or {id(x) for x in read} - {id(leaves[k]) for k in hits}):  # inside a slice (`h[:, :n]`), kept whole by pytrees
+            takers[node] = names
+    return takers
+
+
+def container_reads(gm: torch.fx.GraphModule, name: str) -> tuple[dict[tuple, list[torch.fx.Node]], list[tuple[tuple, torch.fx.Node]]]:
+    """How forward() reads the container input `name` (a dict, list or tuple): ({key path: the nodes reading the value
+    there with constant keys (getitem, dict.get), `cfg["slope"]` at ("slope",)}, [(key path, a node reading the part of
+    the container there in any other way: handed on whole, a key computed in forward())]). A per_member number the
+    container holds at a path is what the nodes at that path read; a node of the second kind may read any number the
+    part it reads holds, and what it does with it cannot be followed."""
+    placeholder = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
+    exact: dict[tuple, list[torch.fx.Node]] = {}
+    whole: list[tuple[tuple, torch.fx.Node]] = []
+    todo = [(placeholder, ())] if placeholder is not None else []
+    while todo:
+        node, path = todo.pop()
+        for user in node.users:
+            key = None
+            if user.op == "call_function" and user.target is operator.getitem and user.args[0] is node:
+                key = user.args[1]
+            elif user.op == "call_method" and user.target == "get" and user.args[0] is node and len(user.args) > 1:
+                key = user.args[1]
+            if key is None or isinstance(key, (torch.fx.Node, slice)) or user.op == "output":
+                if user.op != "output":  # handed out as it is: stacked, not read
+                    whole.append((path, user))
+                continue
+            deeper = (*path, key)
+            exact.setdefault(deeper, []).append(user)
+            todo.append((user, deeper))
+    return exact, whole
+
+
+def number_loops(takers: dict[torch.fx.Node, set[str]], stage_of: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """{stage id: what in it takes a per_member number, in words ("'slope' to leaky_relu")} for number_takers' `takers`."""
+    out: dict[str, list[str]] = {}
+    for node, names in takers.items():
+        sid = stage_of.get(node.name)
+        if sid is not None:
+            op = str(node.target) if node.op in ("call_method", "call_module") else getattr(node.target, "__name__", str(node.target))
+            out.setdefault(sid, []).append(f"{', '.join(repr(n) for n in sorted(names))} to {op}")
+    return {sid: tuple(dict.fromkeys(words)) for sid, words in out.items()}
+
+
+def _elements_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` hold an element of memory in common. Their first-to-last byte ranges (tensors_overlap) first;
+    where those overlap, the elements themselves (those of `a` marked in a mask over the range, those of `b` looked up
+    in it): interleaved views share a byte range and no element (y[:, 0] and y[:, 1] of one [B, 2] tensor). Elements
+    of two sizes (views of one memory as two dtypes) are taken to share one wherever the ranges overlap."""
+    if not tensors_overlap(a, b):
+        return False
+    if a.element_size() != b.element_size():
+        return True
+    start = min(a.storage_offset(), b.storage_offset())
+    end = max(a.storage_offset() + span(a), b.storage_offset() + span(b))
+    marks = torch.zeros(end - start, dtype=torch.bool, device=a.device)
+    marks.as_strided(a.shape, a.stride(), a.storage_offset() - start).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset() - start).any())
+
+
+def _as_given(x: torch.Tensor) -> bool | int | float:
+    """The Python number a one-element tensor holds, as the caller wrote it: the shortest decimal that gives the same
+    value in the tensor's dtype (torch.tensor([0.01]) holds 0.009999999776 in float32; it was given as 0.01)."""
+    value = x.item()
+    if not x.is_floating_point() or x.dtype == torch.float64 or value != value or value in (float("inf"), float("-inf")):
+        return value
+    for digits in range(1, 18):
+        short = float(f"{value:.{digits}g}")
+        if torch.tensor(short, dtype=x.dtype).item() == value:
+            return short
+    return value
+
+
+def _caller_level() -> int:
+    """The stacklevel of a warning issued by the caller of this function that names the first frame outside stagewise and
+    torch.nn's Module (the user's call of the batched module, however many of its own frames lie between)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE) or _MODULE_FILE in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent)  # the stagewise package's folder
+_MODULE_FILE = str(Path("torch", "nn", "modules"))
+
+
+def _path_name(name: str, path: tuple) -> str:
+    return name + "".join(f"[{k!r}]" for k in path)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -290,6 +427,45 @@ def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, e
     return out
 
 
+def _members_trace_alike(members: list[nn.Module], private: nn.Module, plan: Plan, example: tuple | None,
+                         graph: ModelGraph) -> None:
+    """MemberError where forward() reads buffer values into Python (`graph`'s BUFFER_VALUE_READS: a branch on
+    `int(self.act_id)`, a NaN guard) and a member's own buffers trace to another graph than member 0's: the batched
+    module would run member 0's branch for it. Each member's buffers (copies) are swapped into `private` in turn, and
+    put back; members whose buffers equal one already traced are not traced again."""
+    reads = ", ".join(graph.gm.meta[BUFFER_VALUE_READS][:3])  # (`graph` itself is not compared: probes shaped it)
+    owners = [(path, mod, k) for path, mod in private.named_modules() for k, b in mod._buffers.items() if b is not None]
+    seen: list[list[torch.Tensor]] = [[mod._buffers[k] for _, mod, k in owners]]
+    names = [i.name for i in plan.inputs]
+    first = plain_fx_code(private, names, plan.opened_modules)
+    for i, member in enumerate(members[1:], 1):
+        theirs = dict(member.named_buffers(remove_duplicate=False))
+        values = [theirs.get(f"{path}.{k}" if path else k) for path, _, k in owners]
+        if any(v is None for v in values) or any(
+                all(v.shape == w.shape and torch.equal(v.detach().cpu(), w.detach().cpu()) for v, w in zip(values, done))
+                for done in seen):
+            continue
+        seen.append(values)
+        kept = [mod._buffers[k] for _, mod, k in owners]
+        try:
+            for (_, mod, k), v, old in zip(owners, values, kept):
+                mod._buffers[k] = v.detach().clone().to(old.device)
+            try:
+                same, why = plain_fx_code(private, names, plan.opened_modules) == first, "traces to another graph"
+            except Exception as e:  # noqa: BLE001 - its values break the trace (a size read from a buffer)
+                same, why = False, f"does not trace ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        finally:
+            for (_, mod, k), old in zip(owners, kept):
+                mod._buffers[k] = old
+        if not same:
+            raise MemberError(
+                f"forward() reads buffer values into Python ({reads}), and member {i} with its own buffers {why} than "
+                "member 0, whose graph the plan holds (a branch on a buffer's value, `if int(self.act_id) == 2:`): the "
+                f"batched module would run member 0's branch for member {i}. Keep the choice on tensors "
+                "(torch.where(self.act_id == 2, torch.tanh(h), torch.relu(h))), or batch the members that take each "
+                "branch apart (one plan and build per group)")
+
+
 def _fast_path_modules_traced_through(member: nn.Module, plan: Plan) -> str:
     """The classes of torch's attention modules with an inference fast path (nn.MultiheadAttention,
     nn.TransformerEncoderLayer, nn.TransformerEncoder; batch_first, which that path needs) that the plan's graph holds
@@ -380,6 +556,8 @@ class BatchedModule(nn.Module):
         self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]  # a traced None is shared (InputSpec)
         self._traced_tensors = frozenset(i.name for i in plan.inputs if i.shape is not None)  # inputs traced as tensors
         self._traced_none = frozenset(i.name for i in plan.inputs if i.dtype == "NoneType")  # inputs traced as None
+        self._traced_numbers = frozenset(i.name for i in plan.inputs if i.shape is None and i.dtype in _PYTHON_SCALARS
+                                         and plan.input_mode(i.name) is InputMode.PER_MEMBER)  # per_member Python numbers
         self.__dict__["_shapes"] = {k: t.shape for k, t in stacked.items()}  # [N, *member shape] of every stacked tensor
         self._checks_traced = plan.tracer == "export" or graph.input_guard is not None
         stage_of = {n: s.id for s in plan.stages for n in s.nodes}
@@ -407,6 +585,7 @@ class BatchedModule(nn.Module):
         self._state_outputs = [[(k, str(gm_nodes[name].target) if gm_nodes[name].op == "get_attr" else None)
                                 for k, name in enumerate(p.output_names)
                                 if _state_itself(gm_nodes[name], keys) is not None] for p in self.programs]
+        self._find_number_loops(graph, stage_of)
         self._build_runners()
         self._make_captured()
         watch_stacked_parameters(self)  # torch optimizers that would mix the members are refused at their first step
@@ -414,6 +593,75 @@ class BatchedModule(nn.Module):
         self._mode_bound: dict[bool, str] = {}
         self._traced_modes = ""  # the members' modes when built, in words
         self._mode_refused: tuple[bool, ...] = ()  # values of the training flag a call refuses (one attribute read per call)
+
+    def _find_number_loops(self, graph: ModelGraph, stage_of: dict[str, str]) -> None:
+        """The stages that run as the member loop whatever their strategy, because an op in them takes a per_member
+        Python number where it must be a number (number_takers): `_number_loops` {stage id: what takes which number},
+        read by _build_runners. For a per_member container input (a dict of settings), which of its values are
+        numbers is known at the call (bind_inputs): `_container_loops` {input: ({key path: such stages if a number
+        sits there}, [(key path, stage id, words) for parts of the container read otherwise])}."""
+        batched = {s.id for s in self.plan.stages if s.options.strategy is not Strategy.LOOP}  # a loop already: nothing to do
+
+        def loops(takers: dict) -> dict[str, tuple[str, ...]]:
+            return {sid: words for sid, words in number_loops(takers, stage_of).items() if sid in batched}
+
+        per_member = [spec for spec in self.plan.inputs if self.plan.input_mode(spec.name) is InputMode.PER_MEMBER]
+        placeholders = {n.name: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
+        sources = {placeholders[spec.name]: spec.name for spec in per_member if spec.shape is None
+                   and spec.dtype in _PYTHON_SCALARS and spec.name in placeholders}
+        self.__dict__["_number_loops"] = loops(number_takers(graph.gm, sources)) if sources else {}
+        containers = {}
+        for spec in per_member:
+            if spec.shape is not None or spec.dtype in (*_PYTHON_SCALARS, "NoneType", "str") or spec.name not in placeholders:
+                continue
+            exact, whole = container_reads(graph.gm, spec.name)
+            by_path = {path: loops(number_takers(graph.gm, {node: _path_name(spec.name, path) for node in nodes}))
+                       for path, nodes in exact.items()}
+            others = [(path, sid, words) for path, node in whole
+                      for sid, words in loops({node: {_path_name(spec.name, path) + "[...]"}}).items()]
+            if any(by_path.values()) or others:
+                containers[spec.name] = ({p: v for p, v in by_path.items() if v}, others)
+        self.__dict__["_container_loops"] = containers
+        self.__dict__["_number_loops_unsaid"] = set(self._number_loops)  # warned about at the first call
+
+    @property
+    def number_loops(self) -> dict[str, tuple[str, ...]]:
+        """{stage id: which per_member numbers go to which op, in words}: the stages that run as the member loop whatever
+        their strategy, because an op in them takes a per_member Python number (see _find_number_loops)."""
+        return dict(self.__dict__.get("_number_loops") or {})
+
+    def _follow_container_numbers(self, name: str, x: Any) -> None:
+        """Run as the member loop the stages that take a number the per_member container input `name` holds now
+        (an [N] tensor of it: one number per member) where an op must get a Python number (see _find_number_loops)."""
+        by_path, others = self.__dict__["_container_loops"][name]
+        numbers = [path for path, leaf in zip(leaf_paths(x), tree_flatten(x)[0])
+                   if isinstance(leaf, torch.Tensor) and leaf.dim() == 1]
+        found: dict[str, tuple[str, ...]] = {}
+        for path in numbers:
+            for sid, words in by_path.get(path, {}).items():
+                found[sid] = found.get(sid, ()) + words
+            for prefix, sid, words in others:
+                if len(path) > len(prefix) and path[:len(prefix)] == prefix:  # (at the prefix itself: by_path's)
+                    found[sid] = found.get(sid, ()) + words
+        new = {sid: words for sid, words in found.items() if sid not in self._number_loops}
+        if new:
+            self.__dict__["_number_loops"] = {**self._number_loops, **new}
+            self._number_loops_unsaid.update(new)
+            self._build_runners()
+
+    def _say_number_loops(self) -> None:
+        """Warn once per stage that runs as the member loop for a per_member number (_find_number_loops)."""
+        for program in self.programs:
+            sid = program.stage.id
+            if sid not in self._number_loops_unsaid:
+                continue
+            warnings.warn(
+                f"stage {program.describe} hands the per_member number(s) {'; '.join(self._number_loops[sid])}, where the "
+                "op takes a Python number, not a tensor (F.leaky_relu's negative_slope, F.hardtanh's bounds, F.dropout's "
+                "p, a slice bound, ...), which one batched call cannot give each member: it runs as the member loop. Say "
+                f"so in the plan: planner.exclude(plan, graph, {sid!r}); or pass one shared number, or write the op with "
+                "tensors (torch.where(h > 0, h, h * slope)), which batch", stacklevel=_caller_level())
+        self._number_loops_unsaid.clear()
 
     def set_mode_bound(self, bound: dict[bool, str], member: nn.Module) -> None:
         """Refuse the modes in `bound` (True = training; value: how the graph differs there) from now on;
@@ -464,10 +712,15 @@ class BatchedModule(nn.Module):
         with torch.enable_grad():
             views = [{k: v[i] for k, v in self._stacked.items()} for i in range(self.n_members)]
         runners: list[Runner] = []
+        loops = self.__dict__.get("_number_loops") or {}  # (a module pickled before there were any: none)
         for p in self.programs:
             stacked = {k: self._stacked[k] for k in p.state_names}
             member_states = [{k: v[k] for k in p.state_names} for v in views]
-            runners.append(runner_for(p, self.n_members, stacked, member_states))
+            if p.stage.id in loops:  # an op in it takes a per_member Python number (see _find_number_loops)
+                from stagewise.executor.strategies import BoundLoopRunner  # the strategies import this module's neighbours
+                runners.append(BoundLoopRunner(p, self.n_members, stacked, member_states))
+            else:
+                runners.append(runner_for(p, self.n_members, stacked, member_states))
         self.runners = runners
         # every stacked tensor: loop runners read them through per-member views made here (new storage: made again),
         # and a tensor given new storage of another shape (`p.data = t` without the member axis) is refused by name
@@ -737,6 +990,8 @@ class BatchedModule(nn.Module):
         """Model inputs by placeholder name as boundary values (Batched for per_member, Shared otherwise); InputError if they do not fit."""
         if len(inputs) != len(self._input_names):
             raise InputError(f"the model takes {len(self._input_names)} inputs {self._input_names}, got {len(inputs)}; pass them positionally")
+        if self.__dict__.get("_traced_numbers"):
+            inputs = self._numbers_per_member(inputs)
         env: dict[str, Any] = {}
         for name, per_member, x in zip(self._input_names, self._per_member_at, inputs):
             if per_member:
@@ -757,6 +1012,8 @@ class BatchedModule(nn.Module):
                     )
                 if name in self.__dict__.get("_written_inputs", ()) and rows_overlap(x):
                     raise overlapping_rows_refusal(name)
+                if name in self.__dict__.get("_container_loops", ()):
+                    self._follow_container_numbers(name, x)
                 env[name] = Batched(x)
             else:
                 if x is None and name in self._traced_tensors:
@@ -779,6 +1036,30 @@ class BatchedModule(nn.Module):
                    for k, v in env.items()}
         return env
 
+    def _numbers_per_member(self, inputs: tuple) -> tuple:
+        """`inputs` with each per_member Python number input (traced as a Python bool, int or float) as one [N] tensor:
+        given as one (the members' numbers, torch.tensor(values)), or as a list or tuple of N Python numbers (floats in
+        the precision the loop computes in beside the stacked state, values.number_dtype). InputError for anything
+        else (one number, a tensor of another shape), naming what to pass."""
+        out = list(inputs)
+        for k, name in enumerate(self._input_names):
+            if name not in self._traced_numbers:
+                continue
+            x, n = inputs[k], self.n_members
+            if isinstance(x, (list, tuple)) and len(x) == n and all(isinstance(v, (bool, int, float)) for v in x):
+                floats = any(isinstance(v, float) for v in x)
+                out[k] = x = torch.tensor(x, dtype=number_dtype(self._stacked) if floats else None)
+            if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] == n:
+                continue
+            spec = self.plan.inputs[k]
+            got = (f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else
+                   f"a {type(x).__name__} of {len(x)}" if isinstance(x, (list, tuple)) else f"a {type(x).__name__} ({x!r})")
+            raise InputError(
+                f"input {name!r} is a per_member Python number (traced as a Python {spec.dtype}), so it takes one number "
+                f"per member: a list of {n} numbers, or one tensor of shape [{n}] (torch.tensor([...])); got {got}. For one number "
+                "for every member, plan it as 'shared'")
+        return tuple(out)
+
     def _check_shared_apart(self, inputs: tuple) -> None:
         """InputError for a shared input on memory a per_member input forward() writes in place also holds (`ens(y[0], y)`):
         the member loop's write into its row reaches the shared value that later members and later ops read; the
@@ -791,7 +1072,7 @@ class BatchedModule(nn.Module):
             if per_member:
                 continue
             for t in _tensor_leaves(x):
-                other = next((w for w, rows in written if tensors_overlap(t, rows)), None)
+                other = next((w for w, rows in written if _elements_shared(t, rows)), None)
                 if other is not None:
                     raise InputError(
                         f"the shared input {name!r} shares memory with the per_member input {other!r}, which forward() "
@@ -868,7 +1149,7 @@ class BatchedModule(nn.Module):
         """The refusal of a Python number input (bool, int, float) that differs from the value torch.export fixed."""
         spec = self.plan.inputs[self._input_names.index(name)]
         if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
+            value = _as_given(value)
         kind = f"a Python {spec.dtype}" if spec.dtype in ("bool", "str") else "a Python number"
         traced = "" if spec.value is None else f"torch.tensor({spec.value!r})"
         per_member = self._per_member_at[self._input_names.index(name)]
@@ -895,6 +1176,8 @@ class BatchedModule(nn.Module):
         if self._storage:
             self._follow_new_storage()
         env = self.bind_inputs(inputs)
+        if self.__dict__.get("_number_loops_unsaid"):
+            self._say_number_loops()
         # per-member floats stacked where no stage's tensors tell their precision (a stage holding no floating tensor,
         # the outputs) follow the whole call's: float64 in a float64 model, as the loop's doubles (values._float_dtype)
         numbers = set_call_number_context((self._stacked, *env.values()))  # the state and the inputs alone
@@ -904,6 +1187,16 @@ class BatchedModule(nn.Module):
             else:
                 run(env)
             return self._outputs(env), (env if keep else {})
+        except ExecutionError as e:
+            loops = self.__dict__.get("_number_loops")
+            if loops and str(e).startswith("members produced tensors of different shapes"):
+                # the member loop could not stack them either: say which number gave each member its own shape
+                said = "; ".join(words for sid in loops for words in loops[sid])
+                raise ExecutionError(
+                    f"{e}. Here a per_member number reaches an op that takes a Python number ({said}): as a size or a "
+                    "slice bound it gives each member its own shape, which the member loop's outputs cannot be stacked "
+                    "in either; pass one shared number there, or pad to one shape in forward()") from None
+            raise
         finally:
             reset_call_number_context(numbers)
 
@@ -934,14 +1227,10 @@ class BatchedModule(nn.Module):
             try:
                 outs = runner(args)
             except ExecutionError as e:
-                loop = self._loop_for_numbers(program, runner, e) if writes is None else None
-                if loop is None:
-                    error = self._input_error(program, e, env)
-                    if error is e:
-                        raise
-                    raise error from e
-                runner = loop
-                outs = runner(args)
+                error = self._input_error(program, e, env)
+                if error is e:
+                    raise
+                raise error from e
             if copies:
                 try:
                     _write_back(copies, {p for _, p, _ in self._storage})
@@ -961,33 +1250,6 @@ class BatchedModule(nn.Module):
                     env[output_names[k]] = Batched(self._stacked[key])
                 elif isinstance(env[output_names[k]], PerMember):
                     env[output_names[k]] = as_batched(env[output_names[k]], n)
-
-    def _loop_for_numbers(self, program: StageProgram, runner: Runner, e: ExecutionError) -> Runner | None:
-        """The member loop for a batched stage that failed because it hands a per_member Python number input to an
-        argument that takes a Python number (F.leaky_relu's slope, F.elu's alpha, a slice bound): one vmap call gives
-        the op a tensor, which it reads with .item(); the loop gives each member its own value, as the member loop
-        does. From now on the stage runs so (a warning says it once, with the plan edit that says it in the plan).
-        None where that is not the failure, or where the stage writes state or values in place (its failed run may
-        have written some already)."""
-        numbers = [spec.name for spec in self.plan.inputs if spec.name in program.input_names and spec.shape is None
-                   and spec.dtype in _PYTHON_SCALARS and self.plan.input_mode(spec.name) is InputMode.PER_MEMBER]
-        if (not numbers or isinstance(runner, LoopRunner) or program.writes_in_place or program.written_state
-                or e.__cause__ is None or not _VMAP_ITEM.search(str(e.__cause__))):
-            return None
-        from stagewise.executor.strategies import BoundLoopRunner  # the strategies import this module's neighbours
-        loop = BoundLoopRunner(runner.program, runner.n_members, runner.stacked, runner.member_states)
-        runners = list(self.runners)
-        at = next((i for i, r in enumerate(runners) if r is runner), None)
-        if at is not None:
-            runners[at] = loop
-            self.runners = runners  # the flat program again, with the loop in this stage's step
-        warnings.warn(
-            f"stage {program.describe} hands the per_member Python number input(s) {numbers} to an op that takes a Python "
-            f"number, not a tensor (F.leaky_relu's negative_slope, F.elu's alpha, ...), which one batched call cannot "
-            f"give each member; it runs as a member loop from now on. Say so in the plan: planner.exclude(plan, graph, "
-            f"{program.stage.id!r}); or pass one shared number, or write the op with tensors (torch.where(h > 0, h, h * "
-            "slope)), which batch", stacklevel=8)  # the caller of the module, past forward and nn.Module.__call__
-        return loop
 
     def _outputs(self, env: dict[str, Any]) -> Any:
         """The model's outputs, N-first, from the boundary values in `env`."""
@@ -1272,7 +1534,16 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # the member traced again below (its modes, the members' numbers, the plan's dtype) in the mode the plan was
     with torch.set_grad_enabled(traced_with_grad):
         validate(plan, graph)
+        if graph.gm.meta.get(BUFFER_VALUE_READS):  # before the graph is edited below
+            _members_trace_alike(members, private, plan, example, graph)
         grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
+        if "grad" not in grad_mode_refused and example is not None:
+            # a plan traced for inference (inside torch.no_grad(), whose graph is often the one traced with
+            # gradients): a hook on an autograd node only a call with gradients sets shows in member 0's own
+            # backward against the graph's (planner.graph.gradients_refusal; the trace checked this with gradients on)
+            why = gradients_refusal(private, graph.gm, example)
+            if why:
+                grad_mode_refused["grad"] = why
         written = check_input_writes(private, graph, plan, example)
         aliasing = aliasing_of(members, graph.gm)  # the members' own tensors: a private copy does not keep their aliasing
         always, in_training = written_state(graph.gm)

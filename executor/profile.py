@@ -179,8 +179,10 @@ def profile(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     env = module.bind_inputs(inputs)
     start = SavedTensors(module.stacked_state.values())  # every check starts from the state the loop starts from
     with torch.no_grad(), tf32_scope(plan.dtype, dev):
+        loops = module.number_loops  # after bind_inputs: a container input's numbers are known there
         stages = [_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                 candidates.get(program.stage.id, []), default_rtol(plan, members), start)
+                                 candidates.get(program.stage.id, []), default_rtol(plan, members), start,
+                                 loops.get(program.stage.id, ()))
                   for program, runner in zip(module.programs, module.runners)]
         start.restore()  # the stages' runs moved it; the end-to-end check runs the whole plan from the start
         del start
@@ -239,12 +241,14 @@ class Ticks:
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.device, repeats: Optional[int], warmup: int,
                    ticks: Ticks, flops: int, candidates: list[StrategyResult], rtol: float = DEFAULT_RTOL,
-                   start: Optional[SavedTensors] = None) -> StageProfile:
+                   start: Optional[SavedTensors] = None, number_loop: tuple[str, ...] = ()) -> StageProfile:
     """One stage's strategy and its member loop on the stage's real inputs; puts its outputs into `env`.
     `start`: the module's state before any run; the stage's part of it is put back before the loop
-    reference and before each candidate, so that a forward updating buffers is checked from one state."""
+    reference and before each candidate, so that a forward updating buffers is checked from one state.
+    `number_loop`: what makes the module run this stage as the member loop whatever its strategy (an op taking a
+    per_member Python number, BatchedModule.number_loops): profiled as the loop it runs, said in its note."""
     stage, n = program.stage, runner.n_members
-    strategy = stage.options.strategy
+    strategy = Strategy.LOOP if number_loop else stage.options.strategy
     label = strategy_label(strategy, stage.options.chunk_size)
     ticks(f"stage {stage.id} ({label})")
     fresh = stage_inputs(program, env, n)
@@ -278,7 +282,16 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev: torch.
     # a failed strategy's consumers go on with the loop's outputs
     advance(program, env, fresh, out if res.ok else ref, runner if res.ok else reference)
     return StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes), flops=flops,
-                        result=res, loop=loop_res, candidates=candidates, note=stage.options.note)
+                        result=res, loop=loop_res, candidates=candidates, note=number_loop_note(stage.options.note, number_loop))
+
+
+def number_loop_note(note: str, number_loop: tuple[str, ...]) -> str:
+    """A stage's note, with why it runs as the member loop whatever its strategy (BatchedModule.number_loops), if so."""
+    if not number_loop:
+        return note
+    why = (f"runs as the member loop: an op takes a per_member Python number ({'; '.join(number_loop)}), which one "
+           "batched call cannot give each member")
+    return f"{note}; {why}" if note else why
 
 
 def _profile_whole(plan: Plan, module: BatchedModule, members: list, inputs: tuple, dev: torch.device,

@@ -44,7 +44,7 @@ from stagewise.executor.input_writes import FreshInputs
 from stagewise.executor.candidates import (SavedTensors, advance, loop_reference, max_rel_error, on_device, private_members,
                                            stage_inputs, state_kept, strategy_label, time_candidates, try_strategy)
 from stagewise.executor.optim import StackedAdam, StackedSGD
-from stagewise.executor.profile import Ticks, device_name, stage_flops, write_chrome_trace
+from stagewise.executor.profile import Ticks, device_name, number_loop_note, stage_flops, write_chrome_trace
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
 from stagewise.executor.stage_grads import GRAD_RTOL, float_leaves, fwd_bwd, grads_check
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram
@@ -279,19 +279,22 @@ def _concat(grads: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> to
 def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, ticks, flops: dict,
                     candidates: dict, start: Optional[SavedTensors] = None) -> list[StageProfile]:
     env = module.bind_inputs(inputs)
+    loops = module.number_loops  # after bind_inputs: a container input's numbers are known there
     out = []
     for program, runner in zip(module.programs, module.runners):
         out.append(_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                  candidates.get(program.stage.id, []), start))
+                                  candidates.get(program.stage.id, []), start, loops.get(program.stage.id, ())))
     return out
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeats, warmup, ticks, flops: int,
-                   candidates: list[StrategyResult], start: Optional[SavedTensors] = None) -> StageProfile:
+                   candidates: list[StrategyResult], start: Optional[SavedTensors] = None,
+                   number_loop: tuple[str, ...] = ()) -> StageProfile:
     """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`.
-    `start`: the module's state before any run; the stage's part of it is put back before each checked run."""
+    `start`: the module's state before any run; the stage's part of it is put back before each checked run.
+    `number_loop`: as for profile._profile_stage (the stage runs as the member loop: profiled as such)."""
     stage, n = program.stage, runner.n_members
-    strategy = stage.options.strategy
+    strategy = Strategy.LOOP if number_loop else stage.options.strategy
     label = strategy_label(strategy, stage.options.chunk_size)
     ticks(f"stage {stage.id} forward + backward ({label})")
     fresh = stage_inputs(program, env, n)
@@ -319,4 +322,4 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeat
         out = runner(fresh()) if res.ok else ref_out
         advance(program, env, fresh, out, runner if res.ok else reference)
     return StageProfile(id=stage.id, mode=stage.mode.value, strategy=label, nodes=list(stage.nodes), flops=flops,
-                        result=res, loop=loop_res, candidates=candidates, note=stage.options.note)
+                        result=res, loop=loop_res, candidates=candidates, note=number_loop_note(stage.options.note, number_loop))

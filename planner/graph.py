@@ -594,24 +594,33 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
 
         with _tensor_values_read() as values_read:
             gm = fx()
-        if baked_constants(gm) or values_read or _reads_buffer_values(gm, model, opened, fixed):
+        baked = bool(baked_constants(gm))
+        varies = not baked and _reads_buffer_values(gm, model, opened, fixed)
+        if baked or values_read or varies:
             # fx ran part of forward() on real buffers: a tensor it stored as a constant (`x @ self.B.t()`) or a
             # number it wrote into the graph (`x / self.temp.item()`) holds member 0's value for every member and
-            # goes stale when the buffer changes; a value read into Python (`if int(self.act_id) == 2:`) took member
-            # 0's branch, even where no other value tried below would take another. Traced again with buffers as graph values, such a computation is
+            # goes stale when the buffer changes. Traced again with buffers as graph values, such a computation is
             # recorded (`.item()` then keeps its stage out of vmap); what stays constant comes from no buffer
             # (plain tensor attributes: executor.constants compares them per member)
             try:
                 gm = fx(proxy_buffers=True)
             except Exception as e:
-                raise TraceError(
-                    f"forward() turns a buffer's values into Python (float(), int(), .tolist(), a branch on them: "
-                    f"{type(e).__name__}: {_first_line(e)}), which a trace would keep as member 0's for every member; keep "
-                    "the computation on tensors (x * self.scale, torch.where), write `self.t.item()` for float(self.t) "
-                    "(recorded per member), or hold a per-member number as a plain attribute (stagewise gives each "
-                    "member its own); for a flag guarding a data-dependent init (Glow ActNorm's "
-                    "`if self.initialized.item() == 0`), run the init on each member before planning and take the "
-                    "branch out of forward()") from None
+                if values_read and not baked and not varies:
+                    # a value read into Python that no other value tried changes the graph of: a NaN guard, a log
+                    # line, or a branch only some values take (`if int(self.act_id) == 2:` with member 0's 0). The
+                    # plain graph stands; executor.build traces every member with its own buffers and refuses where
+                    # one gives another graph (a graph read with gm.meta, so a plan needs no field for it)
+                    gm = fx()
+                    gm.meta[BUFFER_VALUE_READS] = tuple(dict.fromkeys(values_read))
+                else:
+                    raise TraceError(
+                        f"forward() turns a buffer's values into Python (float(), int(), .tolist(), a branch on them: "
+                        f"{type(e).__name__}: {_first_line(e)}), which a trace would keep as member 0's for every member; keep "
+                        "the computation on tensors (x * self.scale, torch.where), write `self.t.item()` for float(self.t) "
+                        "(recorded per member), or hold a per-member number as a plain attribute (stagewise gives each "
+                        "member its own); for a flag guarding a data-dependent init (Glow ActNorm's "
+                        "`if self.initialized.item() == 0`), run the init on each member before planning and take the "
+                        "branch out of forward()") from None
     if random_drawn.calls:
         # `torch.rand(1) < p` (stochastic depth, layer drop) has no traced input: fx runs it once and bakes the
         # draw into the graph as a constant, so every call of every member would reuse it (export records the op)
@@ -653,6 +662,15 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     return gm
 
 
+def plain_fx_code(model: nn.Module, input_names: Sequence[str], opened: Sequence[str] = ()) -> str:
+    """The code of torch.fx's plain trace of `model` (buffers as the tensors they are, no probes): what _fx_trace's
+    first trace gives, for comparing members whose buffers differ (BUFFER_VALUE_READS)."""
+    fixed = _defaults_not_given(model, list(input_names))
+    with registration_hooks_off(), _distribution_checks_off():
+        return symbolic_trace_opening(model, resolve_open_modules(model, opened), fixed or None).code
+
+
+BUFFER_VALUE_READS = "stagewise_buffer_value_reads"  # gm.meta key: what forward() read of buffer values (_fx_trace)
 BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it bakes into a graph
 
 

@@ -870,6 +870,7 @@ def _autograd_hooks_refused():
 
 
 _VALUE_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+_VALUE_COMPARES = ("equal", "allclose")  # Tensor methods and torch functions answering a Python bool
 
 
 @contextlib.contextmanager
@@ -888,14 +889,29 @@ def _tensor_values_read():
             return f(self, *args, **kwargs)
         return call
 
+    def compared(name: str, f: Callable) -> Callable:  # torch.equal(self.mode, ...): a Python bool made in C
+        def call(*args, **kwargs):
+            if threading.get_ident() == owner and any(type(a) in (torch.Tensor, nn.Parameter) for a in args) \
+                    and not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("stagewise."):
+                seen.append(name)
+            return f(*args, **kwargs)
+        return call
+
     with _PATCHING:
-        own = {name: vars(torch.Tensor)[name] for name in _VALUE_READS if name in vars(torch.Tensor)}
+        own = {name: vars(torch.Tensor)[name] for name in _VALUE_READS + _VALUE_COMPARES if name in vars(torch.Tensor)}
+        functions = {name: getattr(torch, name) for name in _VALUE_COMPARES + ("is_nonzero",)}
         try:
             for name in _VALUE_READS:
                 setattr(torch.Tensor, name, watched(name, getattr(torch.Tensor, name)))
+            for name in _VALUE_COMPARES:
+                setattr(torch.Tensor, name, compared(f"Tensor.{name}", getattr(torch.Tensor, name)))
+            for name, f in functions.items():
+                setattr(torch, name, compared(f"torch.{name}", f))
             yield seen
         finally:
-            for name in _VALUE_READS:
+            for name, f in functions.items():
+                setattr(torch, name, f)
+            for name in _VALUE_READS + _VALUE_COMPARES:
                 if name in own:
                     setattr(torch.Tensor, name, own[name])
                 else:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stagewise import executor, planner
-from stagewise.planner import TraceError
+from stagewise.planner import ExecutionError, MemberError, TraceError
 
 torch.set_num_threads(1)
 N = 3
@@ -171,14 +171,59 @@ class ActivationByWhere(ActivationById):
         return self.fc2(torch.where(self.act_id == 2, torch.tanh(h), torch.relu(h)))
 
 
-@pytest.mark.parametrize("cls", [ActivationById, ActivationByFlag])
-def test_branch_on_a_buffer_value_no_probe_flips_is_refused(cls):
+class ActivationByEqual(ActivationById):
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(torch.tanh(h) if torch.equal(self.act_id, torch.tensor(2)) else torch.relu(h))
+
+
+@pytest.mark.parametrize("cls", [ActivationById, ActivationByFlag, ActivationByEqual])
+def test_branch_on_a_buffer_value_no_probe_flips_is_refused_at_build(cls):
     # member 0 holds 0: +1, +1000, -x-1, 0 and -x all take the relu branch, yet members 1 and 2 take others
-    # (before: the batched module ran relu for all, members 0.58 and 0.42 off)
+    # (before: the batched module ran relu for all, members 0.58 and 0.42 off). The trace keeps member 0's graph; the
+    # build traces each member with its own buffers
     torch.manual_seed(0)
     members, x = [cls(k) for k in (0, 2, 3)], torch.randn(5, 4)
-    with pytest.raises(TraceError, match=r"turns a buffer's values into Python"):
-        _plan(members[0], x)
+    plan = _plan(members[0], x)
+    with pytest.raises(MemberError, match=r"member 1 with its own buffers .*torch\.where"):
+        executor.build(plan, members)
+    # members that all take member 0's branch build and run as the loop
+    alike = [cls(k) for k in (0, 1, 5)]
+    ens = executor.build(plan, alike)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in alike]), rtol=1e-5, atol=1e-6)
+
+
+class NanGuard(ActivationById):
+    """Harmless reads of a buffer's value: a guard and a log line (refused by the first version of the read watch)."""
+
+    def forward(self, x):
+        if torch.isnan(self.act_id.float()).any():
+            raise RuntimeError("act_id is NaN")
+        if float(self.act_id) > 1e9:
+            print("large id")
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_harmless_buffer_reads_trace_and_run_as_the_loop():
+    torch.manual_seed(0)
+    members, x = [NanGuard(k) for k in (0, 2, 3)], torch.randn(5, 4)
+    ens = executor.build(_plan(members[0], x), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+
+
+def test_plan_traced_without_gradients_refuses_calls_with_gradients_where_a_node_hook_changes_them():
+    # traced inside torch.no_grad() (for inference) the hook never ran; trained, fc1 came out 11x off
+    torch.manual_seed(0)
+    members, x = [NodePrehook() for _ in range(N)], torch.randn(5, 8)
+    with torch.no_grad():
+        plan = _plan(members[0], x)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ExecutionError, match=r"gradients on is refused.*fc1"):
+        ens(x)
 
 
 def test_choice_kept_on_tensors_runs_as_the_loop():
