@@ -19,6 +19,7 @@ from torch.nn.utils import parametrizations, parametrize
 from stagewise import executor, planner
 from stagewise.executor.habits import JointNormWarning
 from stagewise.planner.errors import MemberError
+from test_review_optim_verify import Net, batched_and_members  # the optimizer review's small model and its module
 
 N = 3
 
@@ -31,22 +32,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.ln, self.fc2 = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.ln(self.fc1(x))))
-
-
-def batched_and_members(n: int = N):
-    members = []
-    for i in range(n):
-        torch.manual_seed(i)
-        members.append(Net())
-    plan = planner.propose(planner.trace(members[0], (torch.randn(5, 8),)), n_members=n, input_mode="per_member")
-    return executor.build(plan, copy.deepcopy(members)), members
 
 
 def batches(n: int = N, steps: int = 4):
