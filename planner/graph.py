@@ -256,7 +256,7 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
         if not same:
             return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
     if want_grads and got_grads is not None:
-        return _grads_differ(got_grads, want_grads)
+        return _grads_differ(got_grads, want_grads, _lowest_precision(gm, model))
     return None
 
 
@@ -313,19 +313,40 @@ def _parameter_grads(module: nn.Module, out: Any) -> dict[str, torch.Tensor] | N
             for (k, _), gr in zip(params, grads) if gr is not None}
 
 
-def _grads_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> str | None:
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _lowest_precision(gm: torch.fx.GraphModule, model: nn.Module) -> torch.dtype | None:
+    """bfloat16 or float16 where `model`'s state, or a cast or autocast region in its graph `gm`, computes in it
+    (the coarser of the two where both), else None."""
+    found = {t.dtype for t in [*model.parameters(), *model.buffers()] if t.dtype in _LOW_PRECISION}
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target in ("half", "bfloat16"):
+            found.add(torch.float16 if node.target == "half" else torch.bfloat16)
+        found.update(v for v in tree_flatten((node.args, node.kwargs))[0] if isinstance(v, torch.dtype) and v in _LOW_PRECISION)
+        if "autocast" in str(node.target):
+            found.add(torch.bfloat16)  # its dtype may be implicit (CPU autocast: bfloat16)
+    return torch.bfloat16 if torch.bfloat16 in found else next(iter(found), None)
+
+
+def _grads_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                  low: torch.dtype | None = None) -> str | None:
     """Why the graph's parameter gradients `got` are not forward()'s `want` (a parameter both reach off by more than
-    rounding: _GRAD_RTOL of its norm, and a floor for one whose gradient is ~0), or None when they agree."""
+    rounding: _GRAD_RTOL of its norm, 8 eps of `low` where a low precision computes on the way, and a floor for one
+    whose gradient is ~0), or None when they agree."""
     names = [k for k in want if k in got]
     if not names:
         return None
     scale = max(float(want[k].abs().max()) if want[k].numel() else 0.0 for k in names)
     for k in names:
+        # bfloat16 / float16 on the way (members, or a cast in forward()): a re-ordered or decomposed op rounds at
+        # that precision (a few eps of the norm)
+        rtol = max(_GRAD_RTOL, 8 * torch.finfo(low).eps) if low is not None else _GRAD_RTOL
         a, b = got[k].double(), want[k].double()
         if a.shape != b.shape or not torch.isfinite(b).all():
             continue
         off = float((a - b).norm())
-        if off > _GRAD_RTOL * float(b.norm()) + 1e-6 * scale * b.numel() ** 0.5:
+        if off > rtol * float(b.norm()) + 1e-6 * scale * b.numel() ** 0.5:
             rel = off / max(float(b.norm()), 1e-30)
             return f"{GRADS_DIFFER} than forward() on the example inputs ({k}: {rel:.3g} of its norm off)"
     return None
