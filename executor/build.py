@@ -1537,10 +1537,11 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
         if graph.gm.meta.get(BUFFER_VALUE_READS):  # before the graph is edited below
             _members_trace_alike(members, private, plan, example, graph)
         grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
-        if "grad" not in grad_mode_refused and example is not None:
+        if traced_with_grad and "grad" not in grad_mode_refused and example is not None:
             # a plan traced for inference (inside torch.no_grad(), whose graph is often the one traced with
             # gradients): a hook on an autograd node only a call with gradients sets shows in member 0's own
-            # backward against the graph's (planner.graph.gradients_refusal; the trace checked this with gradients on)
+            # backward against the graph's (planner.graph.gradients_refusal; the trace checked this with gradients on).
+            # A graph only a trace without gradients gives refuses such calls already (the call's check names why)
             why = gradients_refusal(private, graph.gm, example)
             if why:
                 grad_mode_refused["grad"] = why
