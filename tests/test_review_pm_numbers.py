@@ -16,6 +16,7 @@ from torch import nn
 
 from stagewise import executor, planner
 from stagewise.planner import ExecutionError, InputError
+from test_review_build_inputs import Policy  # the export-traced policy with a temperature input
 
 torch.set_num_threads(1)
 N = 3
@@ -252,20 +253,6 @@ def test_a_per_member_size_that_gives_members_other_shapes_is_named():
     with torch.no_grad():  # one size for every member: runs
         x = torch.randn(6, 4)
         torch.testing.assert_close(quiet_call(ens, x, [3, 3, 3]), torch.stack([m(x, 3) for m in members]), **TOL)
-
-
-class Policy(nn.Module):
-    """A call counter updated in forward() sends the trace to torch.export, which fixes a Python number input."""
-
-    def __init__(self):
-        super().__init__()
-        self.pi = nn.Linear(4, 3)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, obs, temperature):
-        with torch.no_grad():
-            self.calls += 1
-        return F.softmax(self.pi(obs) / temperature, -1)
 
 
 def test_an_export_plans_number_message_shows_the_number_as_given():
