@@ -869,16 +869,56 @@ def _autograd_hooks_refused():
             raise error from None
 
 
-_VALUE_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
-_VALUE_COMPARES = ("equal", "allclose")  # Tensor methods and torch functions answering a Python bool
+_VALUE_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__")
+_VALUE_COMPARES = ("equal", "allclose", "is_nonzero")  # Tensor methods and torch functions answering a Python bool
+
+
+def _caller_outside_stagewise(frame: Any) -> bool:
+    """Whether the code that made a call is not stagewise's own: `frame` is the first frame above the watch, passed
+    over while it is torch's __torch_function__ dispatch (torch.overrides) or a Tensor method written in Python."""
+    while frame is not None and frame.f_globals.get("__name__") in ("torch.overrides", "torch._tensor"):
+        frame = frame.f_back
+    return frame is None or not str(frame.f_globals.get("__name__", "")).startswith("stagewise.")
+
+
+def _real(args: tuple) -> bool:
+    """Whether `args` hold a real tensor (a buffer, a constant): under a plain fx trace the rest are proxies."""
+    return any(type(a) in (torch.Tensor, nn.Parameter) for a in args)
+
+
+class _ValueReadMode(torch.overrides.TorchFunctionMode):
+    """Sees the value reads `_tensor_values_read` watches however forward() reaches them: torch.equal / allclose /
+    is_nonzero and Tensor.item / __bool__ / tolist / ... all dispatch __torch_function__ to an active mode from C, so a
+    reference bound before the trace (`self.fn = torch.equal`, functools.partial(torch.allclose, ...),
+    `self.eq = self.mode.equal`, `torch.Tensor.item` kept in a variable) is seen as well as a name looked up in torch's
+    namespace. Calls torch's own Python code makes inside another op (where the mode is off) are left to the replaced
+    Tensor methods."""
+
+    def __init__(self, owner: int, seen: list[str], functions: dict[int, tuple[Any, str]]) -> None:
+        super().__init__()
+        self.owner, self.seen, self.functions = owner, seen, functions
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", None)
+        if (name in _VALUE_READS or name in _VALUE_COMPARES) and threading.get_ident() == self.owner and _real(args) \
+                and _caller_outside_stagewise(sys._getframe(1)):
+            hit = self.functions.get(id(func))
+            self.seen.append(hit[1] if hit is not None and hit[0] is func
+                             else f"Tensor.{name}" if name in _VALUE_COMPARES else name)
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def _tensor_values_read():
     """Yields a list that gets the method's name each time code other than stagewise's turns a real tensor's values
-    into Python while inside (this thread): `int(self.act_id)`, `if self.flag:`, `self.t.item()`. Under a plain fx
-    trace only buffers and constants are real tensors (the rest are proxies), so a read there is a buffer's value
-    taken into the graph as member 0's, whichever way the branch on it goes for other values."""
+    into Python while inside (this thread): `int(self.act_id)`, `if self.flag:`, `self.t.item()`,
+    `torch.equal(self.mode, ...)`. Under a plain fx trace only buffers and constants are real tensors (the rest are
+    proxies), so a read there is a buffer's value taken into the graph as member 0's, whichever way the branch on it
+    goes for other values. Two watches, each seeing what the other cannot (a call both see is listed twice, under one
+    name): `_ValueReadMode`, which sees a call however the model's code reached the function (a reference bound before
+    the trace, `self.fn = torch.equal`, escapes a replaced name: member 0's branch was baked in for every member), and
+    the Tensor methods and torch functions replaced for the block, which also see the reads torch's own Python code
+    makes inside an op the mode passes through (its nested calls do not reach the mode)."""
     owner = threading.get_ident()
     seen: list[str] = []
 
@@ -891,7 +931,7 @@ def _tensor_values_read():
 
     def compared(name: str, f: Callable) -> Callable:  # torch.equal(self.mode, ...): a Python bool made in C
         def call(*args, **kwargs):
-            if threading.get_ident() == owner and any(type(a) in (torch.Tensor, nn.Parameter) for a in args) \
+            if threading.get_ident() == owner and _real(args) \
                     and not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("stagewise."):
                 seen.append(name)
             return f(*args, **kwargs)
@@ -899,19 +939,24 @@ def _tensor_values_read():
 
     with _PATCHING:
         own = {name: vars(torch.Tensor)[name] for name in _VALUE_READS + _VALUE_COMPARES if name in vars(torch.Tensor)}
-        functions = {name: getattr(torch, name) for name in _VALUE_COMPARES + ("is_nonzero",)}
+        functions = {name: getattr(torch, name) for name in _VALUE_COMPARES}
+        patched: list[str] = []
         try:
             for name in _VALUE_READS:
-                setattr(torch.Tensor, name, watched(name, getattr(torch.Tensor, name)))
+                if hasattr(torch.Tensor, name):
+                    patched.append(name)
+                    setattr(torch.Tensor, name, watched(name, getattr(torch.Tensor, name)))
             for name in _VALUE_COMPARES:
+                patched.append(name)
                 setattr(torch.Tensor, name, compared(f"Tensor.{name}", getattr(torch.Tensor, name)))
             for name, f in functions.items():
                 setattr(torch, name, compared(f"torch.{name}", f))
-            yield seen
+            with _ValueReadMode(owner, seen, {id(f): (f, f"torch.{name}") for name, f in functions.items()}):
+                yield seen
         finally:
             for name, f in functions.items():
                 setattr(torch, name, f)
-            for name in _VALUE_READS + _VALUE_COMPARES:
+            for name in patched:
                 if name in own:
                     setattr(torch.Tensor, name, own[name])
                 else:

@@ -83,6 +83,9 @@ def server(tmp_path, request):
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
+        # pytest shows a test's captured output only when it fails: then the server's own log is there too
+        print(f"--- the app server's log ({tmp_path / 'streamlit.log'}), last 4000 characters:")
+        print((tmp_path / "streamlit.log").read_text(errors="replace")[-4000:])
 
 
 @contextlib.contextmanager
@@ -98,8 +101,12 @@ def chromium_page(failure_png: str, width: int = 1500, height: int = 1500):
         page = browser.new_page(viewport={"width": width, "height": height})
         try:
             yield sync_api, page
-        except Exception:
+        except Exception as e:
             page.screenshot(path=str(ARTIFACTS / failure_png))
+            try:  # what the page said, in the failure itself: CI keeps the log, not the screenshot
+                e.add_note(f"the page at {page.url} showed:\n{page.inner_text('body', timeout=5000)[-3000:]}")
+            except Exception as unread:  # the page itself is gone: say so, keep the first error
+                e.add_note(f"(the page's text could not be read: {unread})")
             raise
         finally:
             browser.close()

@@ -156,7 +156,9 @@ def test_reload_during_a_profile_finds_the_job_and_reaps_its_worker(server, tmp_
 
             page.reload()
             page.get_by_text(f"found the profile job {job_id}").wait_for(timeout=WAIT_MS)
-            page.get_by_text("profile: ").first.wait_for(timeout=WAIT_MS)  # polling again, from the new session
+            # polling again, from the new session; a reload starts the session over (the model is opened and
+            # traced again before the page is drawn), which on a busy machine takes more than a rerun
+            page.get_by_text("profile: ").first.wait_for(timeout=JOB_WAIT_MS)
             sync_api.expect(page.get_by_role("button", name="Cancel")).to_be_visible(timeout=WAIT_MS)
             assert f"job={job_id}" in page.url and "token=" in page.url
             page.screenshot(path=str(ARTIFACTS / "profile_reloaded.png"))
