@@ -431,16 +431,43 @@ def _members_trace_alike(members: list[nn.Module], private: nn.Module, plan: Pla
                          graph: ModelGraph) -> None:
     """MemberError where forward() reads buffer values into Python (`graph`'s BUFFER_VALUE_READS: a branch on
     `int(self.act_id)`, a NaN guard) and a member's own buffers trace to another graph than member 0's: the batched
-    module would run member 0's branch for it. Each member's buffers (copies) are swapped into `private` in turn, and
-    put back; members whose buffers equal one already traced are not traced again."""
-    reads = ", ".join(graph.gm.meta[BUFFER_VALUE_READS][:3])  # (`graph` itself is not compared: probes shaped it)
-    owners = [(path, mod, k) for path, mod in private.named_modules() for k, b in mod._buffers.items() if b is not None]
-    seen: list[list[torch.Tensor]] = [[mod._buffers[k] for _, mod, k in owners]]
+    module would run member 0's branch for it. Members whose buffers equal one already traced are not traced again."""
     names = [i.name for i in plan.inputs]
-    first = plain_fx_code(private, names, plan.opened_modules)
-    for i, member in enumerate(members[1:], 1):
+    first = plain_fx_code(private, names, plan.opened_modules)  # (`graph` itself is not compared: probes shaped it)
+    buffers = []
+    for member in members:
         theirs = dict(member.named_buffers(remove_duplicate=False))
-        values = [theirs.get(f"{path}.{k}" if path else k) for path, _, k in owners]
+        buffers.append({k: theirs.get(k) for k in _buffer_names(private)})
+    why = _buffers_trace_alike(buffers, private, names, plan.opened_modules, first, start=1)
+    if why:
+        i, how = why
+        raise MemberError(_value_read_refusal(graph.gm.meta[BUFFER_VALUE_READS], f"member {i} with its own buffers {how} "
+                                              "than member 0, whose graph the plan holds", i))
+
+
+def _buffer_names(model: nn.Module) -> list[str]:
+    return [f"{path}.{k}" if path else k for path, mod in model.named_modules() for k, b in mod._buffers.items()
+            if b is not None]
+
+
+def _value_read_refusal(reads: Sequence[str], what: str, i: int) -> str:
+    return (f"forward() reads buffer values into Python ({', '.join(reads[:3])}), and {what} (a branch on a buffer's "
+            f"value, `if int(self.act_id) == 2:`): the batched module would run member 0's branch for member {i}. Keep "
+            "the choice on tensors (torch.where(self.act_id == 2, torch.tanh(h), torch.relu(h))), or batch the members "
+            "that take each branch apart (one plan and build per group)")
+
+
+def _buffers_trace_alike(buffers: list[dict[str, torch.Tensor | None]], model: nn.Module, names: list[str],
+                         opened: Sequence[str], first: str, start: int = 0) -> tuple[int, str] | None:
+    """(member, how it differs) for the first member from `start` on whose buffers (`buffers[i]`: dotted name ->
+    tensor) make `model`'s plain fx trace another program than `first`; None when all trace to it. Each member's
+    buffers (copies) are swapped into `model` in turn and put back; buffers equal to ones already traced are not
+    traced again, nor are members missing one (a member's buffer is a buffer of the plan: checked elsewhere)."""
+    owners = [(path, mod, k) for path, mod in model.named_modules() for k, b in mod._buffers.items() if b is not None]
+    keys = [f"{path}.{k}" if path else k for path, _, k in owners]
+    seen: list[list[torch.Tensor]] = [[mod._buffers[k] for _, mod, k in owners]] if start else []
+    for i in range(start, len(buffers)):
+        values = [buffers[i].get(k) for k in keys]
         if any(v is None for v in values) or any(
                 all(v.shape == w.shape and torch.equal(v.detach().cpu(), w.detach().cpu()) for v, w in zip(values, done))
                 for done in seen):
@@ -449,21 +476,57 @@ def _members_trace_alike(members: list[nn.Module], private: nn.Module, plan: Pla
         kept = [mod._buffers[k] for _, mod, k in owners]
         try:
             for (_, mod, k), v, old in zip(owners, values, kept):
-                mod._buffers[k] = v.detach().clone().to(old.device)
+                mod._buffers[k] = v.detach().clone().to(device=old.device, dtype=old.dtype)
             try:
-                same, why = plain_fx_code(private, names, plan.opened_modules) == first, "traces to another graph"
+                same, why = plain_fx_code(model, names, opened) == first, "traces to another graph"
             except Exception as e:  # noqa: BLE001 - its values break the trace (a size read from a buffer)
                 same, why = False, f"does not trace ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         finally:
             for (_, mod, k), old in zip(owners, kept):
                 mod._buffers[k] = old
         if not same:
-            raise MemberError(
-                f"forward() reads buffer values into Python ({reads}), and member {i} with its own buffers {why} than "
-                "member 0, whose graph the plan holds (a branch on a buffer's value, `if int(self.act_id) == 2:`): the "
-                f"batched module would run member 0's branch for member {i}. Keep the choice on tensors "
-                "(torch.where(self.act_id == 2, torch.tanh(h), torch.relu(h))), or batch the members that take each "
-                "branch apart (one plan and build per group)")
+            return i, why
+    return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, on the same device in the same dtype (after .to() the values are compared again)."""
+    return a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+class _ValueReadWatch:
+    """Buffers a plan's forward() reads the values of (BUFFER_VALUE_READS) that forward() itself never writes, as
+    the build checked them: a later change of one (ens.load_member_state_dict, a PBT exploit step copying a member's
+    state, a write into stacked_state) is traced again before the call runs, since the graph holds the branch the
+    build-time values take. Costs a torch.equal per such buffer per call, for such plans only."""
+
+    def __init__(self, private: nn.Module, plan: Plan, stacked: dict[str, torch.Tensor], written: set[str],
+                 reads: Sequence[str]):
+        self.model = copy.deepcopy(private)  # its own: the stage modules share `private`'s submodules
+        self.names = [i.name for i in plan.inputs]
+        self.opened = tuple(plan.opened_modules)
+        self.first = plain_fx_code(self.model, self.names, self.opened)
+        self.reads = tuple(reads)
+        self.keys = [k for k in _buffer_names(self.model) if k in stacked and k not in written]
+        self.seen = [stacked[k].detach().clone() for k in self.keys]
+
+    def check(self, stacked: dict[str, torch.Tensor]) -> None:
+        now = [stacked[k] for k in self.keys]
+        if all(_same(a, b) for a, b in zip(now, self.seen)):
+            return
+        n = now[0].shape[0]
+        buffers = [{k: t[i] for k, t in zip(self.keys, now)} for i in range(n)]
+        changed = [i for i in range(n) if not all(_same(t[i], s[i]) for t, s in zip(now, self.seen))]
+        fixed = dict(self.model.named_buffers(remove_duplicate=False))
+        why = _buffers_trace_alike([{**fixed, **buffers[i]} for i in changed], self.model, self.names, self.opened,
+                                   self.first)
+        if why:
+            i = changed[why[0]]
+            raise ExecutionError(_value_read_refusal(
+                self.reads, f"member {i}'s buffers changed since build (ens.load_member_state_dict, a write into "
+                f"stacked_state), with which it {why[1]} than the graph the plan holds", i)
+                + "; the batched module's state is as it was before this call")
+        self.seen = [t.detach().clone() for t in now]
 
 
 def _fast_path_modules_traced_through(member: nn.Module, plan: Plan) -> str:
@@ -1389,6 +1452,8 @@ class BatchedModule(nn.Module):
             warnings.warn(AUTOCAST_WARNING, stacklevel=4)  # the caller, past nn.Module.__call__
         if self._state_replaced[0]:
             self._follow_replaced_state()
+        if self.__dict__.get("_value_reads") is not None:  # forward() reads buffer values: changed since build?
+            self.__dict__["_value_reads"].check(self._stacked)
         captured = self.__dict__["_captured"]
         if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
             try:
@@ -1632,6 +1697,9 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
+    if graph.gm.meta.get(BUFFER_VALUE_READS):
+        module.__dict__["_value_reads"] = _ValueReadWatch(private, plan, module._stacked, always | set(in_training),
+                                                          graph.gm.meta[BUFFER_VALUE_READS])
     return module
 
 
