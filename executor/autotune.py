@@ -29,6 +29,10 @@ stages try loop and, where every node has a hand-batched rule, wide: this is how
 scaled_dot_product_attention, nn.GRU and nn.LSTM (no vmap batching rule on
 CPU), nn.MultiheadAttention and nn.TransformerEncoderLayer / TransformerEncoder
 (which vmap runs only through its slow per-member fallback) still run batched.
+A stage that runs as the member loop whatever its strategy, because an op in it
+takes a per_member Python number (BatchedModule.number_loops, decided at build),
+tries loop alone: the others are listed as not applicable, with that reason
+(number_loop_refusal), and so are the merged alternatives other than merged/loop.
 Finally the per-stage plan races the whole model as one stage (merged/compile,
 merged/wide, merged/vmap, merged/loop; on a GPU also merged/compile/<mode> for the
 torch.compile modes max-autotune-no-cudagraphs and reduce-overhead, the mode kept
@@ -141,12 +145,30 @@ def stage_candidates(program: StageProgram, device: torch.device, allowed: Optio
     return out
 
 
+NOT_APPLICABLE = "not applicable: "  # the error of a candidate that cannot run the stage at all, so never tried
+
+
+def number_loop_refusal(label: str, number_loop: tuple[str, ...]) -> StrategyResult:
+    """The result of a batched candidate (`label`) for a stage that runs as the member loop whatever its strategy,
+    because an op in it takes a per_member Python number (BatchedModule.number_loops, `number_loop` its words): one
+    batched call hands such an op a tensor, so the candidate is not tried (vmap's raw refusal of .item() said nothing
+    of why)."""
+    return StrategyResult(label, ok=False, error=f"{NOT_APPLICABLE}the stage takes a per_member Python number "
+                                                 f"({'; '.join(number_loop)}) where torch needs a Python number")
+
+
 def _measured(results: list[StrategyResult], unit: str = "") -> str:
-    """'wide 1.1/1.2 ms, vmap 1.9/2.0 ms +0.4s compile; loop failed (...)': fastest first, min/median."""
+    """'wide 1.1/1.2 ms, vmap 1.9/2.0 ms +0.4s compile; loop failed (...)': fastest first, min/median. Candidates not
+    applicable for one reason are named once with it ('vmap, wide not applicable: ...')."""
     ok = sorted((r for r in results if r.ok and r.time), key=lambda r: r.time.min_ms)
     parts = [f"{r.strategy} {r.time.min_ms:.3g}/{r.time.median_ms:.3g}{unit}"
              + (f" +{r.compile_s:.1f}s compile" if r.compile_s >= 0.05 else "") for r in ok]
-    failed = [f"{r.strategy} failed ({r.error[:80]})" for r in results if not r.ok]
+    failed = [f"{r.strategy} failed ({r.error[:80]})" for r in results if not r.ok and not r.error.startswith(NOT_APPLICABLE)]
+    why: dict[str, list[str]] = {}
+    for r in results:
+        if not r.ok and r.error.startswith(NOT_APPLICABLE):
+            why.setdefault(r.error[len(NOT_APPLICABLE):], []).append(r.strategy)
+    failed += [f"{', '.join(labels)} not applicable ({reason})" for reason, labels in why.items()]
     return ", ".join(parts) + "".join(f"; {f}" for f in failed)
 
 
@@ -258,11 +280,14 @@ def race(cands: Cands, device: torch.device, repeats: Optional[int], warmup: int
 def _tune_stage(program: StageProgram, runner: Runner, fresh: StageInputs, n: int, device: torch.device,
                 allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
                 progress: Progress, done: int, total: int, rtol: float = DEFAULT_RTOL,
-                budget: Budget = BUDGETS["default"]) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
+                budget: Budget = BUDGETS["default"],
+                number_loop: tuple[str, ...] = ()) -> tuple[list[StrategyResult], StrategyResult, Any, Runner]:
     """Every candidate of one stage on its real inputs; returns (results, chosen, its outputs, its runner).
 
     Eager candidates are run, checked and timed briefly first; their best time decides
     whether the slow ones (compile, cuda_graph) are worth building; then the race (Budget).
+    `number_loop`: what in the stage takes a per_member Python number (BatchedModule.number_loops): the stage runs as
+    the member loop whatever its strategy, so only loop is tried, the others listed as not applicable.
     """
     stage = program.stage
     start = SavedTensors(runner.stacked.values())  # forward may update buffers: each candidate starts where the loop did
@@ -291,6 +316,10 @@ def _tune_stage(program: StageProgram, runner: Runner, fresh: StageInputs, n: in
         return res
 
     candidates = stage_candidates(program, device, allowed, budget)
+    if number_loop:
+        results += [number_loop_refusal(strategy_label(s, None, compile_mode=m), number_loop)
+                    for s, m in candidates if s is not Strategy.LOOP]
+        candidates = [(s, m) for s, m in candidates if s is Strategy.LOOP]
     for strategy in [s for s, _ in candidates if s in EAGER]:
         res = attempt(strategy)
         if strategy is Strategy.VMAP and not res.ok and is_oom_text(res.error):
@@ -388,11 +417,13 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
     found: dict[str, list[StrategyResult]] = {}
     stage_ms = 0.0
     made: dict[str, Runner] = {}  # stage id -> the chosen runner (compiled/captured already)
+    loops = module.number_loops  # after bind_inputs (tuning_start): a container input's numbers are known there
     with torch.no_grad(), tf32_scope(plan.dtype, dev):
         for program, runner in zip(module.programs, module.runners):
             fresh = stage_inputs(program, env, n)
             results, chosen, out, chosen_runner = _tune_stage(program, runner, fresh, n, dev, allowed, repeats, warmup,
-                                                              progress, done, total, default_rtol(plan, members), spend)
+                                                              progress, done, total, default_rtol(plan, members), spend,
+                                                              loops.get(program.stage.id, ()))
             done += len(stage_candidates(program, dev, allowed, spend))
             found[program.stage.id] = results
             advance(program, env, fresh, out, chosen_runner)
@@ -413,7 +444,7 @@ def tune(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, dev
         progress(total, total, "comparing with one merged stage")
     with torch.no_grad():
         best, merged_results, checked = _best_of_merged(per_stage, members, inputs, dev, allowed, repeats, warmup, spend, stage_ms,
-                                                        made, start)
+                                                        made, start, tuple(w for words in loops.values() for w in words))
     if merged_results is not None:  # one merged stage won: its candidates are whole plans
         found = {"s0": merged_results, **{f"per-stage {k}": v for k, v in found.items()}}
     if not checked:  # the whole-plan comparison built `best` from its plan and checked it already
@@ -493,7 +524,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
                     allowed: Optional[set[Strategy]], repeats: Optional[int], warmup: int,
                     budget: Budget = BUDGETS["default"], stage_ms: float = math.inf,
                     made: Optional[dict[str, Runner]] = None,
-                    made_state: Optional[SavedTensors] = None) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
+                    made_state: Optional[SavedTensors] = None,
+                    number_loop: tuple[str, ...] = ()) -> tuple[Plan, Optional[list[StrategyResult]], bool]:
     """The per-stage plan, or one merged stage if that is faster end to end and matches the loop.
 
     Every alternative (the per-stage plan too) is built afresh from its plan and checked
@@ -504,6 +536,8 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     state_kept); `made_state` puts the reused runners' state back to where tuning started, before each
     candidate that reuses them is built and after a whole-plan graph's capture call, so every candidate
     is checked from the state the loop started from.
+    `number_loop`: what in the plan takes a per_member Python number (BatchedModule.number_loops): one merged stage
+    holds it, so it would run as the member loop whatever its strategy; only merged/loop is tried there.
     Returns (plan, the whole-plan candidates if the merged stage won, else None, whether the
     returned plan was checked end to end here).
     """
@@ -536,6 +570,9 @@ def _best_of_merged(plan: Plan, members: Sequence[nn.Module], inputs: tuple, dev
     plans = {"per-stage": plan}
     results = []
     for label, p in [("per-stage", plan)] + captured + [(_merged_label(a), a) for a in alternatives]:
+        if number_loop and label.startswith("merged/") and label != "merged/loop":
+            results.append(number_loop_refusal(label, number_loop))
+            continue
         if label.startswith("merged/compile") and (not budget.compile or stage_ms < COMPILE_MIN_MS):
             why = "the autotune budget skips torch.compile" if not budget.compile else f"the plan takes {stage_ms:.3f} ms, under {COMPILE_MIN_MS} ms"
             results.append(StrategyResult(label, ok=False, error=f"not tried: {why}"))

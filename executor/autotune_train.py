@@ -28,10 +28,10 @@ from torch import nn
 
 from stagewise.planner.errors import ExecutionError
 from stagewise.planner.plan import Plan, Stage, StageOptions, Strategy
-from stagewise.executor.autotune import Budget, _note, budget_of, candidate_strategies, race, tuning_start
+from stagewise.executor.autotune import Budget, _note, budget_of, candidate_strategies, number_loop_refusal, race, tuning_start
 from stagewise.executor.build import resolve_device
 from stagewise.executor.candidates import Progress, advance, loop_reference, make_runner, stage_inputs, try_strategy
-from stagewise.executor.stage_grads import GRAD_RTOL, fwd_bwd, grads_check
+from stagewise.executor.stage_grads import GRAD_RTOL, fwd_bwd, grads_check, per_member_numbers
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import LoopRunner
 
@@ -68,6 +68,8 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
     n = plan.n_members
     allowed = set(TRAINING_CANDIDATES) & ({Strategy(s) for s in strategies} if strategies is not None else set(TRAINING_CANDIDATES))
     inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
+    loops = module.number_loops  # stages running as the member loop for a per_member Python number: loop only
+    numbers = per_member_numbers(module, env)  # no gradient leaves: the loop hands each member a Python number
     done = 0
     tuned: list[Stage] = []
     found: dict[str, list[StrategyResult]] = {}
@@ -79,14 +81,18 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
         checked = (lambda call: call) if in_eval else (lambda call: _seeded(call, dev))
         # fwd_bwd on the stage's inputs as they are (fresh.current), refilled before each run outside the timed call
         # (fresh.prepared): a stage writing its inputs then runs every check and timed call on the caller's values
-        run = lambda r: fresh.prepared(fwd_bwd(program, r, fresh.current, n))  # noqa: E731
+        run = lambda r: fresh.prepared(fwd_bwd(program, r, fresh.current, n, numbers))  # noqa: E731
         check = grads_check(checked(run(reference))(), n)
         results: list[StrategyResult] = []
         working: dict[str, tuple[StrategyResult, Any]] = {}
+        number_loop = loops.get(stage.id, ())
         for strategy in candidate_strategies(program, dev, allowed):
             if progress is not None:
                 progress(done, total, f"{stage.id}: {strategy.value} forward + backward")
             done += 1
+            if number_loop and strategy is not Strategy.LOOP:  # one batched call cannot give each member its number
+                results.append(number_loop_refusal(strategy.value, number_loop))
+                continue
             candidate = make_runner(program, runner, strategy)
             if not candidate.trainable:
                 continue

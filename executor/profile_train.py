@@ -17,7 +17,8 @@ and backward; the optimizers themselves are checked in tests/test_optim.py. A mo
 is compared in eval() mode (masks differ between ways) and timed in train() mode.
 
 Per stage, forward + backward through the stage alone: its runner on its real inputs (the outputs
-of the stages before it, float ones made leaves that require grad), surrogate loss = the sum of its
+of the stages before it, float ones made leaves that require grad, a per_member Python number never:
+stage_grads.per_member_numbers), surrogate loss = the sum of its
 float outputs, `torch.autograd.grad` for its parameters and those inputs; the plan's strategy and
 the stage's member loop, their gradients compared. No optimizer step per stage. A stage that writes
 into its inputs in place has only its parameters differentiated.
@@ -46,7 +47,7 @@ from stagewise.executor.candidates import (SavedTensors, advance, loop_reference
 from stagewise.executor.optim import StackedAdam, StackedSGD
 from stagewise.executor.profile import Ticks, device_name, number_loop_note, stage_flops, write_chrome_trace
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
-from stagewise.executor.stage_grads import GRAD_RTOL, float_leaves, fwd_bwd, grads_check
+from stagewise.executor.stage_grads import GRAD_RTOL, float_leaves, fwd_bwd, grads_check, per_member_numbers
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram
 from stagewise.executor.verify import member_inputs
 
@@ -280,19 +281,21 @@ def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, 
                     candidates: dict, start: Optional[SavedTensors] = None) -> list[StageProfile]:
     env = module.bind_inputs(inputs)
     loops = module.number_loops  # after bind_inputs: a container input's numbers are known there
+    numbers = per_member_numbers(module, env)  # no gradient leaves: the loop hands each member a Python number
     out = []
     for program, runner in zip(module.programs, module.runners):
         out.append(_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                  candidates.get(program.stage.id, []), start, loops.get(program.stage.id, ())))
+                                  candidates.get(program.stage.id, []), start, loops.get(program.stage.id, ()), numbers))
     return out
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeats, warmup, ticks, flops: int,
                    candidates: list[StrategyResult], start: Optional[SavedTensors] = None,
-                   number_loop: tuple[str, ...] = ()) -> StageProfile:
+                   number_loop: tuple[str, ...] = (), numbers: Optional[dict[str, frozenset]] = None) -> StageProfile:
     """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`.
     `start`: the module's state before any run; the stage's part of it is put back before each checked run.
-    `number_loop`: as for profile._profile_stage (the stage runs as the member loop: profiled as such)."""
+    `number_loop`: as for profile._profile_stage (the stage runs as the member loop: profiled as such).
+    `numbers`: the per_member numbers among the boundary values (stage_grads.per_member_numbers), never grad leaves."""
     stage, n = program.stage, runner.n_members
     strategy = Strategy.LOOP if number_loop else stage.options.strategy
     label = strategy_label(strategy, stage.options.chunk_size)
@@ -301,11 +304,11 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeat
     own = list(runner.stacked.values())
     reset = (lambda: start.restore(own)) if start is not None else (lambda: None)
     reference = LoopRunner(program, n, runner.stacked, runner.member_states)
-    loop_call = fwd_bwd(program, reference, fresh, n)
+    loop_call = fwd_bwd(program, reference, fresh, n, numbers)
     reset()
     ref_grads = loop_call()
     check = grads_check(ref_grads, n)
-    res, call, _ = try_strategy(label, stage.id, lambda: (reset(), fresh.prepared(fwd_bwd(program, runner, fresh.current, n)))[1], check, dev,
+    res, call, _ = try_strategy(label, stage.id, lambda: (reset(), fresh.prepared(fwd_bwd(program, runner, fresh.current, n, numbers)))[1], check, dev,
                                 rtol=GRAD_RTOL)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}

@@ -208,8 +208,8 @@ def _stage_row(s: StageProfile) -> str:
 def _candidate_row(c: StrategyResult, chosen: bool) -> str:
     mark = "*" if chosen else " "
     label = f"  {mark} {c.strategy}"
-    if not c.ok:
-        return f"{label:<31} failed: {c.error}"
+    if not c.ok:  # a candidate not applicable to the stage did not fail: it was never tried (autotune.NOT_APPLICABLE)
+        return f"{label:<31} {c.error}" if c.error.startswith("not applicable: ") else f"{label:<31} failed: {c.error}"
     extra = f"  (+{c.compile_s:.1f} s compile)" if c.compile_s else ""
     return f"{label:<31} {c.ms:>10.3f} {_spread(c.time):>15}  err {_fmt(c.max_rel_err, '.1e')}{extra}"
 

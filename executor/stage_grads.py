@@ -4,18 +4,25 @@ Used by the training profile (executor.profile_train) and the training-mode auto
 (executor.autotune_train). A stage's float inputs that come from earlier stages are made
 leaves that require grad, the surrogate loss is the sum of its float outputs, and
 `torch.autograd.grad` gives the gradients of its member state and of those inputs.
+A per_member Python number (an [N] tensor holding the members' numbers, see
+per_member_numbers) is no such input: the member loop hands each member a Python number,
+which has no gradient, and an op that must get a Python number (F.leaky_relu's slope)
+refuses a 0-d tensor that requires grad ("must be Number, not Tensor"), so it stays as given.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+# what keeps a per_member number a number (build.number_takers follows the same ops: `a * 0.5` is still one)
+from stagewise.executor.build import _NUMBER_ARITHMETIC
 from stagewise.executor.candidates import max_rel_error
 from stagewise.executor.own_storage import own_storage
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram
-from stagewise.executor.values import Batched, PerMember, Shared, n_first
+from stagewise.executor.values import Batched, PerMember, Shared, leaf_paths, n_first
 
 GRAD_RTOL = 1e-4  # float32 gradients summed in different orders
 
@@ -29,14 +36,27 @@ def _leaf(x: Any) -> Any:
     return x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def _with_grad_leaves(args: list) -> tuple[list, list[torch.Tensor]]:
-    """The stage's arguments with every float tensor of a batched or per-member value a fresh leaf that requires grad."""
+def _leaves_but(tree: Any, numbers: frozenset) -> Any:
+    """`tree` with every float tensor a fresh leaf that requires grad, but those at the key paths in `numbers`
+    (() for the whole value)."""
+    if () in numbers:
+        return tree
+    if not numbers:
+        return tree_map(_leaf, tree)
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([x if path in numbers else _leaf(x) for x, path in zip(flat, leaf_paths(tree))], spec)
+
+
+def _with_grad_leaves(args: list, numbers: list[frozenset] | None = None) -> tuple[list, list[torch.Tensor]]:
+    """The stage's arguments with every float tensor of a batched or per-member value a fresh leaf that requires grad,
+    but the per_member numbers (`numbers[k]`: the key paths in argument k that hold one, see per_member_numbers)."""
     out, leaves = [], []
-    for a in args:
+    for k, a in enumerate(args):
+        skip = numbers[k] if numbers else frozenset()
         if isinstance(a, Batched):
-            a = Batched(tree_map(_leaf, a.tree))
+            a = Batched(_leaves_but(a.tree, skip))
         elif isinstance(a, PerMember):
-            a = PerMember([tree_map(_leaf, v) for v in a.values])
+            a = PerMember([_leaves_but(v, skip) for v in a.values])
         out.append(a)
         if not isinstance(a, Shared):
             leaves += [x for x in tree_flatten(a.tree if isinstance(a, Batched) else a.values)[0]
@@ -44,10 +64,53 @@ def _with_grad_leaves(args: list) -> tuple[list, list[torch.Tensor]]:
     return out, leaves
 
 
-def fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int) -> Callable[[], list]:
-    """A call running the stage forward and backward (surrogate loss = sum of its float outputs); returns the gradients."""
+def per_member_numbers(module: Any, env: dict) -> dict[str, frozenset]:
+    """{boundary value name: the key paths in it (() for the whole value) that hold a per_member Python number} for
+    the BatchedModule `module` whose bound inputs (bind_inputs) are `env`: an input traced as a Python number, a
+    number inside a per_member container input that build follows (an [N] leaf, as build's
+    _follow_container_numbers counts it), and what the stages make of them with Python arithmetic or by reading the
+    container (`cfg["slope"] * 0.5`), handed from stage to stage. Said by the stages' graphs, nothing is run."""
+    found: dict[str, set] = {name: {()} for name in module.__dict__.get("_traced_numbers") or ()}
+    for name in module.__dict__.get("_container_loops") or {}:
+        v = env.get(name)
+        if isinstance(v, Batched):
+            paths = {path for path, x in zip(leaf_paths(v.tree), tree_flatten(v.tree)[0])
+                     if isinstance(x, torch.Tensor) and x.dim() == 1}
+            if paths:
+                found[name] = paths
+    if not found:
+        return {}
+    for program in module.programs:
+        inputs = {f"in_{name}": name for name in program.input_names}
+        held: dict[str, set] = {}  # node name in the stage -> the number paths under its value
+        for node in program.module.graph.nodes:
+            if node.op == "placeholder":
+                paths = found.get(inputs.get(node.name, ""))
+                if paths:
+                    held[node.name] = set(paths)
+            elif node.op == "call_function" and node.target in _NUMBER_ARITHMETIC and node.all_input_nodes and all(
+                    () in held.get(x.name, ()) for x in node.all_input_nodes):
+                held[node.name] = {()}
+            elif (node.op == "call_function" and node.target is operator.getitem or node.op == "call_method"
+                  and node.target == "get") and len(node.args) > 1 and isinstance(node.args[0], torch.fx.Node) \
+                    and not isinstance(node.args[1], (torch.fx.Node, slice)) and node.args[0].name in held:
+                key = node.args[1]
+                under = {path[1:] for path in held[node.args[0].name] if path and path[0] == key}
+                if under:
+                    held[node.name] = under
+        for name in program.output_names:
+            if name in held:
+                found[name] = held[name]
+    return {name: frozenset(paths) for name, paths in found.items()}
+
+
+def fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int,
+            numbers: dict[str, frozenset] | None = None) -> Callable[[], list]:
+    """A call running the stage forward and backward (surrogate loss = sum of its float outputs); returns the gradients.
+    `numbers`: per_member_numbers of the module, kept out of the gradient leaves."""
     params = [t for t in runner.stacked.values() if t.requires_grad]
-    fixed = None if program.writes_in_place else _with_grad_leaves(fresh())
+    skip = [(numbers or {}).get(name, frozenset()) for name in program.input_names]
+    fixed = None if program.writes_in_place else _with_grad_leaves(fresh(), skip)
 
     by_member = program.writes_in_place and isinstance(runner, LoopRunner)
 
