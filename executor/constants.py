@@ -85,7 +85,7 @@ class _Difference:
 def callable_identity(f: Any) -> str:
     """A callable attribute as a trace sees it: its name, plus the plain values it closes over or has as defaults
     (`lambda x: x * scale` with a scale per member is one name but another graph per member)."""
-    name = getattr(f, "__module__", "") + "." + getattr(f, "__qualname__", repr(f))
+    name = (getattr(f, "__module__", None) or "") + "." + getattr(f, "__qualname__", repr(f))  # a bound builtin: None
     func = getattr(f, "__func__", f)
     captured = closure_values(func)
     captured += list(getattr(func, "__defaults__", None) or ()) + list((getattr(func, "__kwdefaults__", None) or {}).values())

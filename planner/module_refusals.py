@@ -97,6 +97,9 @@ def closure_values(func: Any) -> list:
 
 def _closes_over_state(f: Any) -> str:
     """What a plain function closes over that a deepcopy of its module would not follow ("a module (Net)", "a tensor"), or ""."""
+    if isinstance(f, (types.BuiltinMethodType, types.MethodWrapperType)) and isinstance(getattr(f, "__self__", None),
+                                                                                        torch.Tensor):
+        return "a tensor (a method bound to it: self.mode.equal, self.s.mul)"  # a deepcopy keeps it bound to the original's tensor
     for v in closure_values(f) if isinstance(f, types.FunctionType) else ():
         if isinstance(v, nn.Module):
             return f"a module ({type(v).__name__})"

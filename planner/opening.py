@@ -37,6 +37,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict
 
 from stagewise.planner.errors import TraceError
+from stagewise.planner.trace_watch import _bound_state_reads_refused
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,31 @@ def resolve_open_modules(model: nn.Module, names: Iterable[str]) -> tuple[str, .
             raise TraceError(f"open_modules: {type(model).__name__} has no module {name!r}; "
                              f"{_openable_hint(model)}")
         chosen.update(p for p in matched if p in openable)
-    return tuple(path for path, _ in modules if path in chosen)
+    opened = tuple(path for path, _ in modules if path in chosen)
+    for path in opened:
+        why = cumulative_batchnorm(model.get_submodule(path), path)
+        if why:
+            raise TraceError(
+                f"open_modules: {why}. Leave {path} closed (the default: it runs as one module for each member and "
+                "updates its running statistics as the member loop does), or give it a momentum (momentum=0.1 is "
+                "BatchNorm's default); traced in eval mode it opens, for a batched module kept in eval mode")
+    return opened
+
+
+def cumulative_batchnorm(module: nn.Module, path: str) -> str:
+    """Why `module` (at `path`) cannot be traced inside as it is now ("" when it can).
+
+    A BatchNorm layer with momentum=None keeps a cumulative moving average: in training its forward() takes
+    `1.0 / float(self.num_batches_tracked)` as the update factor, a buffer's value read into Python on every call.
+    torch.fx cannot follow it, and torch.export stops on the data-dependent number (GuardOnDataDependentSymNode, which
+    named neither the layer nor the fix). Closed, the layer runs as one module per member and updates its statistics
+    as the member loop does."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None and module.training \
+            and module.track_running_stats:
+        return (f"{path} ({type(module).__name__}) has momentum=None (a cumulative moving average), so in training its "
+                "forward() reads the value of its num_batches_tracked buffer into Python on every call (the update "
+                "factor 1 / num_batches_tracked), which neither torch.fx nor torch.export can trace")
+    return ""
 
 
 def _matches(name: str, path: str, cls: str) -> bool:
@@ -169,9 +194,11 @@ def symbolic_trace_opening(model: nn.Module, opened: Iterable[str], concrete_arg
                            proxy_buffers: bool = False) -> torch.fx.GraphModule:
     """torch.fx.symbolic_trace with `opened` traced inside (the same GraphModule when nothing is opened);
     `proxy_buffers` as OpeningTracer says. The constants fx stores on `model` while tracing
-    (`_tensor_constant0`, ...) are taken off it again: the GraphModule holds its own."""
+    (`_tensor_constant0`, ...) are taken off it again: the GraphModule holds its own. A buffer's values read through a
+    callable attribute holding the tensor (`self.eq = self.mode.equal`) are refused (`_bound_state_reads_refused`):
+    no trace could swap each member's buffer in there."""
     tracer = OpeningTracer(opened, proxy_buffers)
-    with no_mha_fastpath(), tracer_attributes_removed(model):
+    with no_mha_fastpath(), tracer_attributes_removed(model), _bound_state_reads_refused(model):
         graph = tracer.trace(model, concrete_args=concrete_args)
         return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 

@@ -12,6 +12,7 @@ records as an out-of-place `x + 1`; `_input_writes_recorded` records the write),
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import pickle
 import sys
@@ -922,7 +923,9 @@ def _tensor_values_read():
     owner = threading.get_ident()
     seen: list[str] = []
 
+    # functools.wraps: torch hands the mode the function it finds on torch.Tensor, which is then one of these
     def watched(name: str, f: Callable) -> Callable:
+        @functools.wraps(f)
         def call(self, *args, **kwargs):
             if threading.get_ident() == owner and not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("stagewise."):
                 seen.append(name)
@@ -930,6 +933,7 @@ def _tensor_values_read():
         return call
 
     def compared(name: str, f: Callable) -> Callable:  # torch.equal(self.mode, ...): a Python bool made in C
+        @functools.wraps(f)
         def call(*args, **kwargs):
             if threading.get_ident() == owner and _real(args) \
                     and not str(sys._getframe(1).f_globals.get("__name__", "")).startswith("stagewise."):
@@ -949,9 +953,11 @@ def _tensor_values_read():
             for name in _VALUE_COMPARES:
                 patched.append(name)
                 setattr(torch.Tensor, name, compared(f"Tensor.{name}", getattr(torch.Tensor, name)))
+            labels = {id(f): (f, f"torch.{name}") for name, f in functions.items()}
             for name, f in functions.items():
                 setattr(torch, name, compared(f"torch.{name}", f))
-            with _ValueReadMode(owner, seen, {id(f): (f, f"torch.{name}") for name, f in functions.items()}):
+                labels[id(getattr(torch, name))] = (getattr(torch, name), f"torch.{name}")
+            with _ValueReadMode(owner, seen, labels):
                 yield seen
         finally:
             for name, f in functions.items():
@@ -961,3 +967,92 @@ def _tensor_values_read():
                     setattr(torch.Tensor, name, own[name])
                 else:
                     delattr(torch.Tensor, name)
+
+
+def _state_held(value: Any, state: dict[int, str]) -> torch.Tensor | None:
+    """The tensor the callable `value` holds a reference to, bound when it was made, that a trace cannot give each
+    member its own of (None if none): the tensor of a bound tensor method (`self.mode.equal`, whichever tensor: a
+    deep copy of the model keeps a bound builtin method as it is, bound to the original's buffer), or one of the
+    model's parameters and buffers (`state`, by id) among a functools.partial's arguments (a shared constant there,
+    torch.ones(1), is no member's). A function closing over a tensor is refused before any trace
+    (planner.snapshot.state_refusal)."""
+    if isinstance(value, (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)):
+        return value.__self__ if isinstance(getattr(value, "__self__", None), torch.Tensor) else None
+    if not isinstance(value, functools.partial):
+        return None
+    for h in [value.func, *value.args, *value.keywords.values()]:
+        if isinstance(h, (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)):
+            h = getattr(h, "__self__", None)  # functools.partial(self.mode.equal)
+        if isinstance(h, torch.Tensor) and id(h) in state:
+            return h
+    return None
+
+
+class _BoundStateReadMode(torch.overrides.TorchFunctionMode):
+    """Refuses a value read (`_VALUE_READS`, `_VALUE_COMPARES`) of a tensor a callable attribute holds, made while that
+    attribute runs (`inside`: the ids of the tensors the attributes running now hold; `names`: id -> (attribute,
+    parameter or buffer name))."""
+
+    def __init__(self, names: dict[int, tuple[str, str]]) -> None:
+        super().__init__()
+        self.names, self.inside = names, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.inside and getattr(func, "__name__", None) in _VALUE_READS + _VALUE_COMPARES:
+            for a in list(args) + list((kwargs or {}).values()):
+                if isinstance(a, torch.Tensor) and id(a) in self.inside:
+                    attribute, buffer = self.names[id(a)]
+                    raise TraceError(
+                        f"forward() reads the values of {buffer} ({getattr(func, '__name__', func)}) through "
+                        f"{attribute}, a callable made before the trace that holds the tensor itself (a bound "
+                        f"`self.mode.equal`, functools.partial(torch.equal, self.mode), a closure over it): the traces "
+                        f"that give each member its own buffers swap them in by attribute, which that reference "
+                        f"escapes, so member 0's value (and the branch it takes) would be kept for every member. Reach "
+                        f"the tensor through its attribute when called: self.fn = torch.equal with "
+                        f"self.fn(self.mode, ...), or self.mode.equal(...) in forward()")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _bound_state_reads_refused(model: nn.Module) -> Any:
+    """TraceError where forward() reads a parameter's or buffer's values through a callable attribute that holds the
+    tensor itself (`_state_held`). The value-read watch sees such a read, but the traces that tell members apart
+    (buffers as graph values, each member's buffers swapped in by attribute) cannot reach the tensor the reference
+    holds: every one of them reads member 0's and agrees, and the batched module took member 0's branch for every
+    member, 0.8 off, without a word. Such attributes are wrapped for the block (put back after); a model without
+    them (nearly every one) pays a scan of its modules' attributes."""
+    state = {id(t): name for name, t in list(model.named_buffers(remove_duplicate=False))
+             + list(model.named_parameters(remove_duplicate=False))}
+    found: list[tuple[dict, str, Any, torch.Tensor]] = []
+    names: dict[int, tuple[str, str]] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        for k, v in list(vars(mod).items()):
+            if k.startswith("__") or isinstance(v, (torch.Tensor, nn.Module, dict)) or not callable(v):
+                continue
+            t = _state_held(v, state)
+            if t is not None:
+                found.append((vars(mod), k, v, t))
+                names.setdefault(id(t), (f"{path}.{k}" if path else f"self.{k}",
+                                         state.get(id(t), "the tensor it is bound to (a deep copy of a model keeps the original's)")))
+    if not found:
+        yield
+        return
+    mode = _BoundStateReadMode(names)
+
+    def wrapped(f: Callable, t: torch.Tensor) -> Callable:
+        def call(*args, **kwargs):
+            mode.inside.append(id(t))
+            try:
+                return f(*args, **kwargs)
+            finally:
+                mode.inside.pop()
+        return call
+
+    try:
+        for space, k, v, t in found:
+            space[k] = wrapped(v, t)
+        with mode:
+            yield
+    finally:
+        for space, k, v, _ in found:
+            space[k] = v

@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import TraceError
-from stagewise.planner.trace_watch import _autograd_functions_seen, _inference_mode_as_no_grad
+from stagewise.planner.opening import cumulative_batchnorm
+from stagewise.planner.trace_watch import _autograd_functions_seen, _bound_state_reads_refused, _inference_mode_as_no_grad
 
 
 def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
@@ -78,6 +79,18 @@ def _export(model: nn.Module, example_inputs: tuple) -> torch.fx.GraphModule:
     as gm._guards_fn (planner.inputs records and checks what they say).
     """
     args = tuple(example_inputs)
+    for path, module in model.named_modules():
+        why = cumulative_batchnorm(module, path or type(model).__name__)
+        if why:  # export traces inside every module, and stops deep inside this one
+            raise TraceError(f"torch.export traces inside every module, and {why}. Give it a momentum (momentum=0.1 is "
+                             "BatchNorm's default), or make the rest of forward() traceable by torch.fx, which keeps it "
+                             "closed (one module per member, its statistics updated as the member loop does)")
+    with _bound_state_reads_refused(model):  # a buffer's values read through a bound reference: refused as fx's trace does
+        return _export_watched(model, args)
+
+
+def _export_watched(model: nn.Module, args: tuple) -> torch.fx.GraphModule:
+    """_export's body, inside its watch."""
     auto = tree_map(lambda v: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None, args)
     try:
         with _quiet_on_failure(), _inference_mode_as_no_grad(), _autograd_functions_seen() as functions:
