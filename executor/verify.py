@@ -249,18 +249,35 @@ def own_member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
                  for spec, x in zip(plan.inputs, own)) + own[len(plan.inputs):]
 
 
-def _call_members(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any]) -> list[Any]:
+def _call_members(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], graded: Sequence[int] = (),
+                  leaves: list[dict[int, torch.Tensor]] | None = None) -> list[Any]:
     """Each member on its own inputs (in the current grad mode; per_member rows copied apart, own_member_inputs), a
-    failure of one as `_loop_fails` says."""
+    failure of one as `_loop_fails` says. The inputs at positions `graded` are given as gradient leaves of the
+    member's own (`grad_leaves`), appended to `leaves` member by member."""
     outs = []
     for i, m in enumerate(members):
         try:
-            outs.append(call_member(m, plan, own_member_inputs(plan, inputs, i)))
+            args = own_member_inputs(plan, inputs, i)
+            if graded:
+                args, own = grad_leaves(args, graded)
+                leaves.append(own)
+            outs.append(call_member(m, plan, args))
         except StagewiseError:
             raise
         except Exception as e:  # noqa: BLE001 - the user's model failing on its inputs: said as such, not a traceback
             raise _loop_fails(e, i, torch.is_grad_enabled()) from e
     return outs
+
+
+def grad_leaves(args: Sequence[Any], graded: Sequence[int]) -> tuple[tuple, dict[int, torch.Tensor]]:
+    """`args` with the tensor at each position in `graded` replaced by a copy recording gradients into a fresh leaf,
+    and those leaves by position: the call is given a non-leaf copy of each (forward() may write its input in place,
+    x.add_(1), which a leaf requiring grad refuses), so the leaf's gradient is the input's, as x.grad is the caller's."""
+    args, leaves = list(args), {}
+    for k in graded:
+        leaves[k] = args[k].detach().clone().requires_grad_(True)
+        args[k] = leaves[k].clone()
+    return tuple(args), leaves
 
 
 # whether verify's calls run with gradients on: for a module that refuses calls with them off (forward() branches on
@@ -630,13 +647,21 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
     """One call with gradients on: the outputs, and each stacked parameter's gradient of sum(outputs * w) (w one random
     weight per output element, the same on both sides) against each member's own backward. Which outputs record
     gradients is the loop's to say: a batched output that records none where the loop's does is a mismatch, and so
-    is a gradient the batched module does not give where a member's is not zero."""
+    is a gradient the batched module does not give where a member's is not zero. A floating tensor input given
+    requiring grad (a training step that reads x.grad: an adversarial step, a gradient penalty) has its gradient
+    compared too: a per_member one member by member (the batched x.grad[i] against member i's own x_i.grad), a shared
+    one as the sum of the members' (what the batched module's one input gathers); the call is as given, so an input
+    not requiring grad gets none on either side."""
     params = [(name, p) for name, p in module.named_stacked_parameters() if p.requires_grad]
-    if not params:
-        report.notes.append("gradients not compared: no parameter requires grad")
+    graded = [k for k, (spec, x) in enumerate(zip(plan.inputs, inputs))
+              if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
+              and (spec.mode is not InputMode.PER_MEMBER or (x.dim() > 0 and x.shape[0] == len(members)))]
+    if not params and not graded:
+        report.notes.append("gradients not compared: no parameter requires grad, and no input was given requiring grad")
         return
+    member_leaves: list[dict[int, torch.Tensor]] = []
     with same_draws(seed):
-        want = _call_members(plan, members, fresh(inputs))
+        want = _call_members(plan, members, fresh(inputs), graded, member_leaves)
     want_leaves = [[x for x in tree_flatten(w)[0] if isinstance(x, torch.Tensor)] for w in want]
     generator = torch.Generator().manual_seed(seed)
     recorded = [any(leaves[j].requires_grad and (leaves[j].is_floating_point() or leaves[j].is_complex())
@@ -644,8 +669,9 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
     weights = [torch.randn((len(members), *_real64(want_leaves[0][j]).shape), generator=generator, dtype=torch.float64)
                if r else None for j, r in enumerate(recorded)]  # N-first, as the batched module's outputs
     try:
+        args, batched_leaves = grad_leaves(on_device(), graded)
         with same_draws(seed):
-            got = module(*on_device())
+            got = module(*args)
         _compare_outputs(report, got, want, " (with gradients)")
         got_leaves = [x for x in tree_flatten(got)[0] if isinstance(x, torch.Tensor)]
         if len(got_leaves) != len(weights):
@@ -658,18 +684,23 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
             report.notes.append("gradients not compared: no output of the loop records gradients")
             return
         terms = [(_real64(g) * w.to(g.device)).sum() for g, w in zip(got_leaves, weights) if w is not None and g.requires_grad]
-        got_grads = torch.autograd.grad(sum(terms), [p for _, p in params], allow_unused=True) if terms else [None] * len(params)
+        targets = [p for _, p in params] + [batched_leaves[k] for k in graded]
+        got_grads = list(torch.autograd.grad(sum(terms), targets, allow_unused=True)) if terms else [None] * len(targets)
     except Exception as e:  # noqa: BLE001 - the batched module failing in training is this check's finding
         report.gradients.append(ErrorRow(f"gradients: {type(e).__name__}: {_first_line(e)}", float("inf"), float("inf"), False))
         return
-    per_member = []
+    got_grads, got_inputs = got_grads[:len(params)], got_grads[len(params):]
+    per_member, per_member_inputs = [], []
     for i, (m, leaves) in enumerate(zip(members, want_leaves)):
         own = dict(m.named_parameters(remove_duplicate=False))
         targets = [own.get(name) for name, _ in params]
         terms = [(_real64(x) * w[i].to(x.device)).sum() for x, w in zip(leaves, weights) if w is not None and x.requires_grad]
         found = [t for t in targets if t is not None and t.requires_grad]
-        grads_i = dict(zip(map(id, found), torch.autograd.grad(sum(terms), found, allow_unused=True))) if found and terms else {}
+        asked = found + [member_leaves[i][k] for k in graded]  # one backward: the member's graph is freed after it
+        grads = torch.autograd.grad(sum(terms), asked, allow_unused=True) if asked and terms else [None] * len(asked)
+        grads_i = dict(zip(map(id, found), grads[:len(found)]))
         per_member.append([None if t is None else grads_i.get(id(t)) for t in targets])
+        per_member_inputs.append([None if g is None else _real64(g.detach()).cpu() for g in grads[len(found):]])
     # a member's scale: its whole gradient's norm (a gradient that is zero in exact arithmetic, a key bias under
     # softmax, comes out as rounding noise: measured against the member's scale, not its own)
     scales = [math.sqrt(sum(float(_real64(g).norm()) ** 2 for g in grads if g is not None)) for grads in per_member]
@@ -703,6 +734,43 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
                         rel = diff / max(float(w.norm()), noise * scales[i], 1e-30)
             worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, rel)
         report.gradients.append(ErrorRow(name, worst_abs, worst_rel, worst_rel <= rtol))
+    _compare_input_grads(report, plan, graded, got_inputs, per_member_inputs,
+                         [member_leaves[0][k].shape for k in graded], rtol)
+
+
+def _compare_input_grads(report: VerifyReport, plan: Plan, graded: Sequence[int], got: Sequence[torch.Tensor | None],
+                         per_member: list[list[torch.Tensor | None]], shapes: list[torch.Size], rtol: float) -> None:
+    """One gradient row per input in `graded` (positions of floating inputs given requiring grad): the batched
+    module's gradient `got` of the weighted outputs against each member's own (`per_member[i][j]`, float64, of the
+    gradient leaf member i was called with for graded[j], of one member's shape `shapes[j]`). A per_member input is
+    compared member by member, normwise over the member's own row (a member whose gradient is below 1e-3 of the
+    largest member's over that: rounding noise); a shared one against the sum of the members'. A gradient torch
+    leaves None is a zero one."""
+    floor = 1e-3
+    if plan.dtype in LOW_PRECISION_DTYPES:
+        floor = max(floor, 2 * torch.finfo(LOW_PRECISION_DTYPES[plan.dtype]).eps)
+    for j, k in enumerate(graded):
+        spec = plan.inputs[k]
+        shared = spec.mode is not InputMode.PER_MEMBER
+        batched = _real64(got[j].detach()).cpu() if got[j] is not None else None
+        if batched is None and all(grads[j] is None for grads in per_member):
+            report.notes.append(f"gradient of input {spec.name} not compared: neither side gives one")
+            continue
+        shape = shapes[j]
+        own = [grads[j] if grads[j] is not None else torch.zeros(shape, dtype=torch.float64) for grads in per_member]
+        if shared:
+            pairs = [(batched if batched is not None else torch.zeros(shape, dtype=torch.float64), sum(own))]
+            label = f"input {spec.name} (shared: the members' summed)"
+        else:
+            pairs = [(batched[i] if batched is not None else torch.zeros_like(w), w) for i, w in enumerate(own)]
+            label = f"input {spec.name}"
+        scale = max(float(w.norm()) for _, w in pairs)
+        worst_abs = worst_rel = 0.0
+        for g, w in pairs:
+            diff = float((g - w).norm()) if g.shape == w.shape else float("inf")
+            worst_abs = max(worst_abs, diff)
+            worst_rel = max(worst_rel, diff / max(float(w.norm()), floor * scale, 1e-30))
+        report.gradients.append(ErrorRow(label, worst_abs, worst_rel, worst_rel <= rtol))
 
 
 def _grads64(plan: Plan, member: nn.Module, inputs: tuple, weights: list, names: list[str], loop: list,

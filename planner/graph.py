@@ -26,7 +26,7 @@ import networkx as nx
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -256,17 +256,116 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
         if not same:
             return f"its graph computes other values than forward() on the example inputs (output leaf {i})"
     if want_grads and got_grads is not None:
-        return _grads_differ(got_grads, want_grads, _lowest_precision(gm, model))
-    return None
+        differ = _grads_differ(got_grads, want_grads, _lowest_precision(gm, model))
+        if differ is not None:
+            return differ
+    return _input_grads_disagree(model, gm, example_inputs, snapshot) if weigh else None
 
 
 GRADS_DIFFER = "its graph gives other parameter gradients"  # the start of _fx_disagrees' answer for gradients
+INPUT_GRADS_DIFFER = "its graph gives other input gradients"  # (with its floating inputs requiring grad)
+_WITH_INPUT_GRADS = " with its floating inputs requiring grad"
 _GRAD_RTOL = 1e-3  # eager and graph run the same ops (export: decomposed), a few ulps apart; a hook changes far more
 _autograd_grad = torch.autograd.grad  # torch's own: the trace watches calls of torch.autograd.grad made from forward()
 
 
+def _grads_disagreement(disagreement: str | None) -> bool:
+    """Whether `disagreement` (an _fx_disagrees answer) is about gradients alone (the outputs agree)."""
+    return disagreement is not None and disagreement.startswith((GRADS_DIFFER, INPUT_GRADS_DIFFER))
+
+
+def _input_names(gm: torch.fx.GraphModule, example_inputs: tuple) -> list[str]:
+    """A name for each leaf of `example_inputs` (tree_flatten's order): its graph input's name (the plan's), with the
+    key inside a dict, list or tuple input (`batch['x']`)."""
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = []
+    for path, _ in tree_flatten_with_path(tuple(example_inputs))[0]:
+        i = path[0].idx
+        arg = placeholders[i] if len(placeholders) == len(example_inputs) else f"input {i}"
+        names.append(arg + keystr(path[1:]))
+    return names
+
+
+def _input_grads_disagree(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple,
+                          snapshot: StateSnapshot) -> str | None:
+    """Why `gm`'s gradients differ from forward()'s when the floating example inputs require grad, or None.
+
+    A training step that needs x.grad (an adversarial step, a gradient penalty) calls the batched module with x
+    requiring grad, whatever the example was traced with; forward() may then set a hook on an autograd node that only
+    such a call sets (`if xs.requires_grad: xs.grad_fn.register_hook(...)`, damping the input's gradient), which no
+    graph records and a parameter's gradient need not show. So both run once more, in the caller's grad mode, on
+    copies whose floating tensors are fresh leaves requiring grad (passed as a non-leaf copy of each: forward() may
+    write its input in place, x.add_(1), which a leaf requiring grad refuses; integer inputs as given), from one
+    random state (dropout draws alike), and the parameters' and the inputs' gradients of one fixed weighting of the
+    outputs are compared (the same bound as the parameters'). Outputs that differ on this run (forward() branching
+    on x.requires_grad to compute something else), or a run that fails, say nothing here: the values are compared on
+    the inputs as given, and a gradient is only compared where the outputs agree. The model is put back as
+    `snapshot` holds it; the random streams are the caller's."""
+    flat, spec = tree_flatten(tuple(example_inputs))
+    floating = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not floating or not torch.is_grad_enabled():
+        return None
+    names = _input_names(gm, example_inputs)
+    devices = _cuda_devices(model)
+
+    def run(fn: Any) -> tuple[Any, tuple | None]:
+        leaves = {names[k]: flat[k].detach().clone().requires_grad_(True) for k in floating}
+        given = [leaves[names[k]].clone() if k in floating else (x.clone() if isinstance(x, torch.Tensor) else x)
+                 for k, x in enumerate(flat)]
+        try:
+            out = fn(*tree_unflatten(given, spec))
+            return out, _backward(fn, out, leaves)
+        finally:
+            restore_all(snapshot, model)
+
+    with torch.random.fork_rng(devices=devices):
+        states = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
+
+        def same_draws() -> None:
+            torch.set_rng_state(states[0])
+            for d, state in zip(devices, states[1]):
+                torch.cuda.set_rng_state(state, d)
+
+        try:
+            same_draws()
+            want, want_grads = run(model)
+            if want_grads is None:
+                return None
+            same_draws()
+            got, got_grads = run(gm)
+        except Exception:  # noqa: BLE001 - a failure with gradients on inputs is named where it happens
+            return None
+    got_leaves, want_leaves = tree_flatten(got)[0], tree_flatten(want)[0]
+    if len(got_leaves) != len(want_leaves):
+        return None
+    for a, b in zip(got_leaves, want_leaves):
+        try:
+            if not _same_output(a, b):
+                return None
+        except Exception:  # noqa: BLE001 - a layout torch cannot compare
+            continue
+    if got_grads is None:
+        return None
+    low = _lowest_precision(gm, model)
+    differ = _grads_differ(got_grads[0], want_grads[0], low)
+    if differ is not None:
+        at = " than forward() on the example inputs"
+        return differ.replace(at, at + _WITH_INPUT_GRADS)
+    return _grads_differ(got_grads[1], want_grads[1], low, INPUT_GRADS_DIFFER, missing_is_zero=True)
+
+
 def _grads_refusal(disagreement: str) -> str:
-    """The refusal for a traced graph whose parameter gradients are not forward()'s (`disagreement`)."""
+    """The refusal for a traced graph whose parameter or input gradients are not forward()'s (`disagreement`)."""
+    if disagreement.startswith(INPUT_GRADS_DIFFER):
+        return (f"The traced graph's outputs are forward()'s, but {disagreement.removeprefix('its graph gives ')}: "
+                "called with an input requiring grad (a training step that reads x.grad: an adversarial step, a "
+                "gradient penalty), forward() changes that input's gradient in a way no graph records, so the batched "
+                "module would give x.grad other than each member's own backward, with no error. The usual cause: a "
+                "hook on an autograd node, often set only where the input records gradients (`if xs.requires_grad: "
+                "xs.grad_fn.register_hook(...)` scaling grad_input). Fix: write the gradient change as an "
+                "autograd.Function (stagewise keeps its backward: forward(ctx, x, s) returns x.view_as(x), "
+                "backward(ctx, g) returns s * g, None), or drop the hook. Inference does not run it: to batch a model "
+                "for inference alone, trace it under torch.no_grad()")
     return (f"The traced graph's outputs are forward()'s, but {disagreement.removeprefix('its graph gives ')}: forward() "
             "changes its gradients in a way no graph records, so the batched module would train with other gradients "
             "than each member's own backward. The usual causes: a hook on an autograd node (h.grad_fn.register_hook / "
@@ -288,7 +387,7 @@ def gradients_refusal(model: nn.Module, gm: torch.fx.GraphModule, example_inputs
             disagreement = _fx_disagrees(model, gm, example_inputs, snapshot)
     finally:
         restore_all(snapshot, model)
-    if disagreement is None or not disagreement.startswith(GRADS_DIFFER):
+    if not _grads_disagreement(disagreement):
         return None
     return (_grads_refusal(disagreement).replace("trace it under torch.no_grad()", "call it under torch.no_grad()")
             + " (this plan was traced without gradients, which set no such hook)")
@@ -298,19 +397,29 @@ def _parameter_grads(module: nn.Module, out: Any) -> dict[str, torch.Tensor] | N
     """The gradients of `module`'s parameters that require grad, by name, of one fixed random weighting of its
     floating outputs `out` (every output reaches the loss: a hook on any path shows); None where nothing records a
     gradient (traced under torch.no_grad(), no parameter) or the backward fails (its trouble is named elsewhere)."""
+    grads = _backward(module, out, {})
+    return grads[0] if grads is not None and grads[0] else None
+
+
+def _backward(module: nn.Module, out: Any, inputs: dict[str, torch.Tensor]) -> tuple[dict, dict] | None:
+    """(the parameters' gradients by name, the gradients of the leaves `inputs` by name) of one fixed random
+    weighting of `module`'s floating outputs `out`, a gradient torch leaves None left out; None where no output records
+    a gradient, nothing asks for one, or the backward fails."""
     leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     params = [(k, p) for k, p in module.named_parameters() if p.requires_grad]
-    if not leaves or not params:
+    targets = params + list(inputs.items())
+    if not leaves or not targets:
         return None
     g = torch.Generator().manual_seed(0)  # the same weights for forward() and for the graph, whatever the random state
     loss = sum((t * torch.randn(t.shape, generator=g).to(t.device, t.dtype)).sum() for t in leaves)
     try:
-        grads = _autograd_grad(loss, [p for _, p in params], allow_unused=True)
+        grads = _autograd_grad(loss, [p for _, p in targets], allow_unused=True)
     except Exception:  # noqa: BLE001 - a backward that fails (double backward, an op without a derivative)
         return None
     # (a sparse gradient, nn.Embedding(sparse=True)'s, compared as the dense tensor it stands for)
-    return {k: (gr.to_dense() if gr.layout != torch.strided else gr).detach().clone()
-            for (k, _), gr in zip(params, grads) if gr is not None}
+    found = {k: (gr.to_dense() if gr.layout != torch.strided else gr).detach().clone()
+             for (k, _), gr in zip(targets, grads) if gr is not None}
+    return {k: found[k] for k, _ in params if k in found}, {k: found[k] for k in inputs if k in found}
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -330,10 +439,15 @@ def _lowest_precision(gm: torch.fx.GraphModule, model: nn.Module) -> torch.dtype
 
 
 def _grads_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                  low: torch.dtype | None = None) -> str | None:
+                  low: torch.dtype | None = None, differ: str = GRADS_DIFFER, missing_is_zero: bool = False) -> str | None:
     """Why the graph's parameter gradients `got` are not forward()'s `want` (a parameter both reach off by more than
     rounding: _GRAD_RTOL of its norm, 8 eps of `low` where a low precision computes on the way, and a floor for one
-    whose gradient is ~0), or None when they agree."""
+    whose gradient is ~0), or None when they agree. `differ` starts the answer; `missing_is_zero`: a gradient one side
+    gives and the other leaves None is compared with zeros (inputs: a hook returning None for one, a float mask only
+    compared, which neither reaches)."""
+    if missing_is_zero:
+        got = {**{k: torch.zeros_like(v) for k, v in want.items()}, **got}
+        want = {**{k: torch.zeros_like(v) for k, v in got.items()}, **want}
     names = [k for k in want if k in got]
     if not names:
         return None
@@ -348,7 +462,9 @@ def _grads_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         off = float((a - b).norm())
         if off > rtol * float(b.norm()) + 1e-6 * scale * b.numel() ** 0.5:
             rel = off / max(float(b.norm()), 1e-30)
-            return f"{GRADS_DIFFER} than forward() on the example inputs ({k}: {rel:.3g} of its norm off)"
+            of_input = differ == INPUT_GRADS_DIFFER
+            return (f"{differ} than forward() on the example inputs{_WITH_INPUT_GRADS if of_input else ''} "
+                    f"({'input ' if of_input else ''}{k}: {rel:.3g} of its norm off)")
     return None
 
 
@@ -847,7 +963,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         if tracer == "fx" and not changed:
             disagreement = _fx_disagrees(model, gm, example_inputs, before)
             before.restore_if_changed(model)  # the check's own runs write state (BatchNorm statistics): put back, not news
-            if disagreement is not None and disagreement.startswith(GRADS_DIFFER):
+            if _grads_disagreement(disagreement):
                 raise TraceError(_grads_refusal(disagreement))  # torch.export records no such change either
             if disagreement is not None:
                 try:
@@ -889,7 +1005,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         # a branch eager calls never take
         disagreement = _fx_disagrees(model, gm, example_inputs, before)
         before.restore_if_changed(model)
-        if disagreement is not None and disagreement.startswith(GRADS_DIFFER):
+        if _grads_disagreement(disagreement):
             raise TraceError(_grads_refusal(disagreement))
         if disagreement is not None and not disagreement.startswith("its graph fails"):  # (that is named below)
             raise TraceError(
