@@ -729,10 +729,17 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                 gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
             return gm
 
+        versions = {id(b): b._version for b in model.buffers()}  # a write on a real buffer leaves no node: seen here
         with _tensor_values_read() as values_read:
             gm = fx()
+        written_eagerly = any(b._version != versions.get(id(b)) for b in model.buffers())
         baked = bool(baked_constants(gm))
+        # (the probes trace branches member 0 does not take, a data-dependent init's `with torch.no_grad():`: what
+        # the watches see there is no part of member 0's graph)
+        seen = (list(turned_off), copy.copy(random_drawn.calls))
         varies = not baked and _reads_buffer_values(gm, model, opened, fixed)
+        turned_off[:] = seen[0]
+        random_drawn.calls = seen[1]
         if baked or values_read or varies:
             # fx ran part of forward() on real buffers: a tensor it stored as a constant (`x @ self.B.t()`) or a
             # number it wrote into the graph (`x / self.temp.item()`) holds member 0's value for every member and
@@ -742,12 +749,16 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
             try:
                 gm = fx(proxy_buffers=True)
             except Exception as e:
-                if values_read and not baked and not varies:
+                plain = fx() if values_read and not baked and not (varies and written_eagerly) else None
+                if plain is not None and (not varies or not _graph_writes_state(plain, model)):
                     # a value read into Python that no other value tried changes the graph of: a NaN guard, a log
-                    # line, or a branch only some values take (`if int(self.act_id) == 2:` with member 0's 0). The
-                    # plain graph stands; executor.build traces every member with its own buffers and refuses where
-                    # one gives another graph (a graph read with gm.meta, so a plan needs no field for it)
-                    gm = fx()
+                    # line, or a branch only some values take (`if int(self.act_id) == 2:` with member 0's 0). Or one
+                    # that other values change where member 0's graph writes no state, so it stays what it is from call
+                    # to call: members loaded from a checkpoint (Glow's ActNorm, `if self.initialized.item() == 0`, with
+                    # every member initialised). The plain graph stands; executor.build traces every member with its
+                    # own buffers and refuses where one gives another graph (a graph read with gm.meta, so a plan needs
+                    # no field for it), and the batched module traces again a member whose buffers change after build
+                    gm = plain
                     gm.meta[BUFFER_VALUE_READS] = tuple(dict.fromkeys(values_read))
                 else:
                     raise TraceError(
@@ -814,6 +825,24 @@ BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it ba
 def baked_constants(gm: torch.fx.GraphModule) -> list[str]:
     """The get_attr targets of `gm` that torch.fx made for tensors computed at trace time (not model state)."""
     return [str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(BAKED_PREFIXES)]
+
+
+def _graph_writes_state(gm: torch.fx.GraphModule, model: nn.Module) -> bool:
+    """Whether `gm` may write the model's state when it runs: an in-place op on a parameter or buffer (or a view of
+    one: `self.initialized.fill_(1)`, `self.loc.data.copy_(...)`), or a leaf module holding buffers called in training
+    mode (BatchNorm updates its statistics and num_batches_tracked). A graph that writes none computes the same
+    program on every call, so a branch member 0's buffers took at trace stays taken."""
+    for node in gm.graph.nodes:
+        if is_inplace(node) and isinstance(node.args[0], torch.fx.Node):
+            root = alias_chain(node.args[0])[-1]
+            if root.op == "get_attr" or root.op not in ("placeholder",) and any(
+                    n.op == "get_attr" for n in root.all_input_nodes):
+                return True
+        if node.op == "call_module":
+            mod = model.get_submodule(str(node.target))
+            if mod.training and any(b is not None for b in mod.buffers()):
+                return True
+    return False
 
 
 def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict) -> bool:
