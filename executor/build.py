@@ -854,6 +854,21 @@ class BatchedModule(nn.Module):
         self._build_runners()
         self._make_captured()
 
+    def to(self, *args, **kwargs) -> "BatchedModule":
+        """nn.Module.to, but a memory_format (`ens.to(memory_format=torch.channels_last)`, as timm and torchvision
+        training scripts call on a model) is not applied: the stacked conv weights carry the member axis (5-D), which
+        torch's channels_last refuses ("required rank 4 tensor"), and a layout changes no value. The device and dtype
+        are applied; a warning says the format was not. Inputs in channels_last are taken as they are."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is not None:
+            warnings.warn(f"the batched module keeps its own memory layout: {memory_format} is not applied to its "
+                          "stacked state (the member axis makes a conv weight 5-D; the values are the same either way). "
+                          "executor.autotune chooses each conv stage's fastest formulation", UserWarning, stacklevel=2)
+            if device is None and dtype is None:
+                return self
+            return super().to(*[a for a in (device, dtype) if a is not None], non_blocking=non_blocking)
+        return super().to(*args, **kwargs)
+
     def _apply(self, fn, recurse=True):
         kept = self.__dict__.get("_kept_dtypes") or {}
         # per-member constants forward() makes in float32 (lifted into the stacked state): moved, not cast
