@@ -40,7 +40,8 @@ from stagewise.planner.validate import stage_graph, validate
 from stagewise.planner.snapshot import held_values
 from stagewise.planner.source import MEMBER_SEED_BASE
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
-from stagewise.executor.constants import _LEAKY, LIFTED_PREFIX, _liftable, config_signature, lift_member_constants
+from stagewise.executor.constants import (_LEAKY, LIFTED_PREFIX, MEMBER_NUMBERS, MEMBER_SHAPES, _liftable, config_signature,
+                                          lift_member_constants)
 from stagewise.executor.precision import take_dtypes_of_a_trace_in
 from stagewise.planner.trace_watch import _grad_mode_reads
 from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
@@ -672,7 +673,13 @@ class BatchedModule(nn.Module):
         placeholders = {n.name: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
         sources = {placeholders[spec.name]: spec.name for spec in per_member if spec.shape is None
                    and spec.dtype in _PYTHON_SCALARS and spec.name in placeholders}
+        # a number the members hold differently (`self.k`), lifted per member where an op takes it as a size or a
+        # slice bound (constants._member_number): read like a per_member number input
+        attributes = graph.gm.meta.get(MEMBER_NUMBERS) or {}
+        sources.update({n: attributes[str(n.target)] for n in graph.gm.graph.nodes
+                        if n.op == "get_attr" and str(n.target) in attributes})
         self.__dict__["_number_loops"] = loops(number_takers(graph.gm, sources)) if sources else {}
+        self._refuse_member_shapes(graph, stage_of, attributes)
         containers = {}
         for spec in per_member:
             if spec.shape is not None or spec.dtype in (*_PYTHON_SCALARS, "NoneType", "str") or spec.name not in placeholders:
@@ -686,6 +693,44 @@ class BatchedModule(nn.Module):
                 containers[spec.name] = ({p: v for p, v in by_path.items() if v}, others)
         self.__dict__["_container_loops"] = containers
         self.__dict__["_number_loops_unsaid"] = set(self._number_loops)  # warned about at the first call
+
+    def _refuse_member_shapes(self, graph: ModelGraph, stage_of: dict[str, str], attributes: dict[str, str]) -> None:
+        """MemberError where numbers the members hold differently (`self.k` in `h[:, :self.k]`), each member's own in
+        the member loop, give the members' values of a node read outside its stage (or returned) other shapes: the
+        loop's results cannot be stacked N-first there. The shapes are build's run of each member's graph on the
+        example inputs (constants.member_shapes); without them the call names them (_run_plain)."""
+        shapes = graph.gm.meta.get(MEMBER_SHAPES) or {}
+        if not shapes:
+            return
+        takers = number_loops(number_takers(graph.gm, {n: attributes[str(n.target)] for n in graph.gm.graph.nodes
+                                                       if n.op == "get_attr" and str(n.target) in attributes}), stage_of)
+        # a value handed from one stage running as the member loop to another stays one tensor per member (PerMember);
+        # one handed to a batched stage, or returned, is stacked
+        looped = {s.id for s in self.plan.stages if s.options.strategy is Strategy.LOOP} | set(self._number_loops)
+        for node in graph.gm.graph.nodes:
+            column = shapes.get(node.name)
+            sid = stage_of.get(node.name)
+            stacked_by = [u for u in node.users if u.op == "output" or (stage_of.get(u.name) != sid
+                                                                        and stage_of.get(u.name) not in looped)]
+            if column is None or not stacked_by:
+                continue
+            differing = [i for i, s in enumerate(column) if s != column[0]]
+            shown = ", ".join(f"member {i}: {', '.join(str(list(s)) for s in column[i]) or 'no tensor'}"
+                              for i in [0, *differing[:2]])
+            numbers = "; ".join(
+                f"the number there, from {label}: " + ", ".join(f"member {i}: {v}" for i, v in enumerate(self._stacked[target].tolist())
+                                              if i == 0 or i in differing[:2])
+                for target, label in attributes.items() if target in self._stacked)
+            read = "as an output" if stacked_by[0].op == "output" else f"by stage {stage_of.get(stacked_by[0].name)}, a batched one"
+            raise MemberError(
+                f"the members' values of node {node.name!r} (stage {sid}, read {read}) differ in shape ({shown}): the "
+                f"members differ in a number forward() takes as a size, a dim or a slice bound ({numbers}; "
+                f"{'; '.join(takers.get(sid, ())) or 'taken in an earlier stage'}), so each member's result has its own "
+                "shape, and the members' results cannot be stacked N-first. Pad them to one size in forward() "
+                "(F.pad(h[:, :k], (0, size - k))), " + (
+                    "" if stacked_by[0].op == "output" else
+                    f"run the stage reading it as the member loop too (planner.exclude(plan, graph, "
+                    f"{stage_of.get(stacked_by[0].name)!r})), ") + "or plan the members that differ here separately")
 
     @property
     def number_loops(self) -> dict[str, tuple[str, ...]]:
@@ -721,9 +766,10 @@ class BatchedModule(nn.Module):
             warnings.warn(
                 f"stage {program.describe} hands the per_member number(s) {'; '.join(self._number_loops[sid])}, where the "
                 "op takes a Python number, not a tensor (F.leaky_relu's negative_slope, F.hardtanh's bounds, F.dropout's "
-                "p, a slice bound, ...), which one batched call cannot give each member: it runs as the member loop. Say "
-                f"so in the plan: planner.exclude(plan, graph, {sid!r}); or pass one shared number, or write the op with "
-                "tensors (torch.where(h > 0, h, h * slope)), which batch", stacklevel=_caller_level())
+                "p, a slice bound, a size, ...), which one batched call cannot give each member: it runs as the member "
+                f"loop. Say so in the plan: planner.exclude(plan, graph, {sid!r}); or give every member one number there "
+                "(one shared input; one value of a self. attribute), or write the op with tensors "
+                "(torch.where(h > 0, h, h * slope)), which batch", stacklevel=_caller_level())
         self._number_loops_unsaid.clear()
 
     def set_mode_bound(self, bound: dict[bool, str], member: nn.Module) -> None:
@@ -1270,10 +1316,18 @@ class BatchedModule(nn.Module):
             if loops and str(e).startswith("members produced tensors of different shapes"):
                 # the member loop could not stack them either: say which number gave each member its own shape
                 said = "; ".join(words for sid in loops for words in loops[sid])
+                at = next(((name, [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in v.values])
+                           for name, v in env.items() if isinstance(v, PerMember)
+                           and len({tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in v.values}) > 1), None)
+                where = "" if at is None else f" at node {at[0]!r} (" + ", ".join(
+                    f"member {i}: {list(s) if s is not None else 'no tensor'}" for i, s in enumerate(at[1])
+                    if i == 0 or s != at[1][0]) + ")"
                 raise ExecutionError(
-                    f"{e}. Here a per_member number reaches an op that takes a Python number ({said}): as a size or a "
-                    "slice bound it gives each member its own shape, which the member loop's outputs cannot be stacked "
-                    "in either; pass one shared number there, or pad to one shape in forward()") from None
+                    f"members produced tensors of different shapes{where}: a per_member number reaches an op that takes "
+                    f"a Python number ({said}), and as a size or a slice bound gives each member its own shape, so the "
+                    "members' results cannot be stacked N-first (the member loop's cannot either). Pad them to one size "
+                    "in forward() (F.pad(h[:, :k], (0, size - k))), give every member one number there, or plan the "
+                    "members that differ here separately") from None
             raise
         finally:
             reset_call_number_context(numbers)

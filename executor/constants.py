@@ -8,8 +8,12 @@ running all of them with member 0's values would be a quiet wrong answer.
 
 `lift_member_constants` compares every member with member 0 and, where they
 differ, lifts the value into per-member state (a stacked `[N]` tensor read
-through a new `get_attr` node) when the op takes a tensor there; otherwise it
-refuses with a MemberError naming the node, the attribute and the members.
+through a new `get_attr` node) when the op takes a tensor there. A whole number the op
+takes as a Python number (a slice bound in `h[:, :self.k]`, a size, a pad width, a dim) is
+lifted the same way and marked (MEMBER_NUMBERS): build runs the stages taking it as the
+member loop, each member with its own, and refuses by name where the members' results then
+differ in shape at a stage boundary (MEMBER_SHAPES). Otherwise it refuses with a MemberError
+naming the node, the attribute and the members.
 Members whose module attributes all equal member 0's are not traced again.
 """
 from __future__ import annotations
@@ -201,7 +205,8 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
         attributes the graph reads as constants ([N, *shape]) when members hold different ones.
     Raises:
         MemberError naming the node, the attribute and the members, when a differing constant
-        sits where the op needs a Python value (a size, a dim, a flag), when members differ in
+        sits where the op needs a Python value other than a whole number (a flag, a float setting
+        such as alpha=; whole numbers there run as the member loop, see _member_number), when members differ in
         structure or training mode, or in a module's config the op cannot take as a tensor.
     """
     n = len(members)
@@ -257,6 +262,8 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
     for diff in _differences(graph, others, n):
         _lift(graph, diff, attr_diffs, lifted)
     lifted.update(_baked_differences(graph, others, baked, n))
+    if graph.gm.meta.get(MEMBER_NUMBERS):  # a size per member: where the members' shapes differ, build refuses by name
+        graph.gm.meta[MEMBER_SHAPES] = member_shapes(graph, others, n, example_inputs)
     graph.gm.recompile()
     return lifted
 
@@ -393,19 +400,36 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
                       + (f" (a setting inside the leaf module {type(leaf).__name__} at {node.target})." if mod is not leaf else "."))
     if _dropout_off(node):  # F.dropout(x, p, training=False), aten.dropout(x, p, False): p has no effect
         return
+    if node.op in ("call_function", "call_method") and _slice_numbers(diff.values):  # `h[:, :self.k]`
+        parts = []
+        for part in ("start", "stop", "step"):
+            values = [getattr(v, part) for v in diff.values]
+            if any(v != values[0] for v in values):
+                value = _constant_node(gm, node, _Difference(diff.node, f"{diff.where}.{part}", values), lifted)
+                parts.append((part, value))
+        first = diff.values[0]
+        bounds = {"start": first.start, "stop": first.stop, "step": first.step, **dict(parts)}
+        _set_leaf(node, diff.where, slice(bounds["start"], bounds["stop"], bounds["step"]))
+        for _, value in parts:
+            _member_number(gm, value, attr_diffs)
+        return
     if not _numbers(diff.values):
-        raise _refuse(diff, attr_diffs, "It is not a number.")
+        raise _refuse(diff, attr_diffs, f"It is {_kind_of(diff.values)}, which cannot be given per member.")
     if node.op == "output":
         raise _refuse(diff, attr_diffs, "forward() returns it as a Python number, which one batched output cannot hold "
                       "per member; return it as a tensor (torch.tensor(self.t)) to get an [N] output.")
     if not _liftable(node, diff.where):
+        if node.op in ("call_function", "call_method") and all(isinstance(v, int) for v in diff.values):
+            # a size, a count, a dim, a pad width (`x.view(-1, self.k, 8 // self.k)`, F.pad's (0, 8 - self.k)): each
+            # member's own, in the member loop its stage runs as (build reads the mark _member_number leaves)
+            value = _constant_node(gm, node, diff, lifted)
+            _set_leaf(node, diff.where, value)
+            _member_number(gm, value, attr_diffs)
+            return
         raise _refuse(diff, attr_diffs, f"{_op_name(node)} takes a plain Python value there (a size, a dim, a flag, a "
                       "setting such as alpha= or beta=), which cannot be given per member.")
     value = _constant_node(gm, node, diff, lifted)
-    args_kwargs = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
-    leaves, spec = args_kwargs
-    leaves[diff.where] = value
-    node.args, node.kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+    _set_leaf(node, diff.where, value)
     if node.target in _LEAKY:
         x = node.args[0]
         node.target, node.args, node.kwargs = leaky_relu_per_member, (x, value), {}
@@ -417,6 +441,85 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
             node.target = torch.ops.aten.pow.Tensor_Tensor
         else:
             node.target = _ATEN_SCALAR_TO_TENSOR[base]
+
+
+MEMBER_NUMBERS = "stagewise_member_numbers"  # gm.meta: {lifted buffer: the attribute(s) it comes from}, for the loop
+MEMBER_SHAPES = "stagewise_member_shapes"  # gm.meta: {node: [its tensors' shapes, per member]} where members' differ
+
+
+def _set_leaf(node: torch.fx.Node, position: int, value: Any) -> None:
+    """Put `value` at flattened position `position` of the node's (args, kwargs)."""
+    leaves, spec = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    leaves[position] = value
+    node.args, node.kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+def _member_number(gm: torch.fx.GraphModule, value: torch.fx.Node, attr_diffs: dict[str, list]) -> None:
+    """Mark the lifted number `value` reads as one an op must get as a Python number (a size, a slice bound): build
+    runs the stages taking it as the member loop, each member with its own (BatchedModule._find_number_loops), as
+    it does for a per_member number input. Named by the attribute(s) the members differ in."""
+    named = sorted(attr_diffs)
+    label = ("self." + named[0] if len(named) == 1 else "one of " + ", ".join("self." + k for k in named[:3]) if named
+             else "a number the members hold differently")
+    gm.meta.setdefault(MEMBER_NUMBERS, {})[str(value.target)] = label
+
+
+def _slice_numbers(values: list) -> bool:
+    """Whether `values` are slices that differ only in whole numbers (`slice(None, k)` with its own k per member)."""
+    if not all(isinstance(v, slice) for v in values):
+        return False
+    for part in ("start", "stop", "step"):
+        column = [getattr(v, part) for v in values]
+        if any(x != column[0] for x in column) and not all(isinstance(x, int) and not isinstance(x, bool) for x in column):
+            return False
+    return True
+
+
+def _kind_of(values: list) -> str:
+    """What the members' differing values are, in words, for a refusal."""
+    kinds = {type(v) for v in values}
+    if kinds <= {slice}:
+        return "a slice whose bounds differ in something other than whole numbers (None in some members)"
+    if kinds == {bool}:
+        return "a flag (True/False)"
+    return "not a number (" + ", ".join(sorted(t.__name__ for t in kinds)) + ")"
+
+
+def member_shapes(graph: ModelGraph, others: dict, n: int, example_inputs: tuple | None) -> dict[str, list] | None:
+    """{node name: [the shapes of its tensors, per member]} for the nodes whose shapes differ between members, from
+    one run of member 0's graph (its lifted numbers member 0's) and of each other member's own graph on the example
+    inputs, without gradients, from one random state, which is the caller's again afterwards. None where there are no
+    example inputs or a graph does not run on them (the call then names the shapes, at the stage boundary)."""
+    if example_inputs is None:
+        return None
+
+    def shapes_of(gm: torch.fx.GraphModule) -> dict[str, tuple]:
+        seen: dict[str, tuple] = {}
+
+        class Record(torch.fx.Interpreter):
+            def run_node(self, node: torch.fx.Node) -> Any:
+                out = super().run_node(node)
+                seen[node.name] = tuple(tuple(t.shape) for t in torch.utils._pytree.tree_flatten(out)[0]
+                                        if isinstance(t, torch.Tensor))
+                return out
+
+        inputs = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs))
+        Record(gm).run(*inputs)
+        return seen
+
+    devices = [t.device for t in graph.gm.parameters() if t.is_cuda][:1]
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            first = shapes_of(copy.deepcopy(graph.gm))  # (a copy: a norm layer in training updates what it runs)
+            theirs = {i: shapes_of(g.gm) for i, g in others.items()}
+    except Exception:
+        return None
+    out = {}
+    for name, shape in first.items():
+        column = [theirs[i].get(name, shape) if i in theirs else shape for i in range(n)]
+        if any(s != shape for s in column):
+            out[name] = column
+    return out
 
 
 _DROPOUTS = {"dropout", "alpha_dropout", "feature_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d"}
