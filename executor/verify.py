@@ -203,8 +203,21 @@ def member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
             return x
         if spec.dtype in ("int", "float") and _is_number(x):
             return x
+        if isinstance(x, (dict, list, tuple)) and spec.shape is None:  # a container (a batch dict): each leaf's row i
+            return tree_map(_member_leaf(i), x)
         return x[i].item() if spec.dtype in ("int", "float") and isinstance(x, torch.Tensor) else x[i]
     return tuple(own(spec, x) for spec, x in zip(plan.inputs, inputs))
+
+
+def _member_leaf(i: int) -> Callable[[Any], Any]:
+    """Member i's part of a leaf of a per_member container input: row i of a tensor, and of an [N] tensor the Python
+    number it holds (the batched module takes a number in a container as one per member, BatchedModule's
+    _follow_container_numbers); anything else (a string, a flag) is every member's."""
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t[i].item() if t.dim() == 1 else t[i]
+    return leaf
 
 
 def _is_number(x: Any) -> bool:
