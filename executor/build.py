@@ -48,7 +48,7 @@ from stagewise.executor.own_storage import OwnStretch, as_original, own_storage
 from stagewise.executor.own_storage import write_back as own_storage_write_back
 # moved out of this module; still importable from here (tests patch stack_member_state on it)
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
-from stagewise.executor.members import (aliasing_of, member_list, check_one_device, copy_member, frozen_apart, written_state, gradient_hooks, shared_across_members,
+from stagewise.executor.members import (aliasing_of, member_list, check_one_device, copy_member, frozen_apart, frozen_apart_flags, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, tensors_overlap, ties_apart, tree_tensor)
 from stagewise.executor.members import member_state, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes, train_on_copy
@@ -1003,12 +1003,25 @@ class BatchedModule(nn.Module):
                 "behind where the member loop's moves both. Give the other name its own tensor (a copy), read the "
                 "parameter itself in forward(), or freeze it (requires_grad_(False)); inference (torch.no_grad()) is "
                 "unaffected")
-        if self.__dict__.get("_frozen_apart"):
-            raise ExecutionError(f"{self.__dict__['_frozen_apart']}; inference (torch.no_grad()) is unaffected")
-        shared = [k for k in self.__dict__.get("_shared_across", ()) if self._stacked[k].requires_grad]
+        # members freezing apart: refused while a stacked parameter keeps member 0's flag (built so); set otherwise on
+        # this module, it is one flag every member holds (ens.stacked.fc1.requires_grad_(False): frozen in all)
+        apart = self.__dict__.get("_frozen_apart_flags")
+        kept = [k for k, flag in (apart or {}).items() if k not in self._stacked or self._stacked[k].requires_grad == flag]
+        if self.__dict__.get("_frozen_apart") and (apart is None or kept):
+            hint = (f" Or set its one flag for every member on this module: ens.stacked.{kept[0]}.requires_grad_"
+                    f"({not apart[kept[0]]}) {'trains it in' if not apart[kept[0]] else 'freezes it for'} every member"
+                    if kept and kept[0] in self._stacked else "")
+            raise ExecutionError(f"{self.__dict__['_frozen_apart']}; inference (torch.no_grad()) is unaffected.{hint}")
+        held = self.__dict__.get("_shared_across") or {}
+        shared = [k for k in held if k in self._stacked and self._stacked[k].requires_grad]
         if shared:
+            # a dict since the shared frozen ones are kept (members.shared_across_members): False = frozen at build
+            unfrozen = [k for k in shared if isinstance(held, dict) and not held[k]]
             raise ExecutionError(
-                f"members share the trainable parameter(s) {shared[:3]} (one tensor, or tensors on one memory, held by several members): the batched "
+                f"members share the trainable parameter(s) {shared[:3]} (one tensor, or tensors on one memory, held by several members)"
+                + (", made trainable on this module after build (frozen in the members then"
+                   f"{'' if unfrozen == shared else ': ' + str(unfrozen[:3])}, allowed while frozen; unfrozen since by "
+                   "ens.stacked...requires_grad_(True))" if unfrozen else "") + ": the batched "
                 "module holds a copy per member, so training would update the copies apart where the member loop updates "
                 "one tensor. Give each member its own copy (copy.deepcopy), or freeze it (requires_grad_(False)); "
                 "inference (torch.no_grad()) is unaffected")
@@ -1740,7 +1753,10 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     explained = module.__dict__["_own_train_modes"].get(private.training, {})
     module.__dict__["_modes_set_by_hand"] = tuple(name for name, m in private.named_modules()
                                                   if m.training != private.training and name not in explained)
-    training_refused = aliasing.training_mode_refusal(set(in_training))
+    # .train() follows the class's train() override (set_train_modes): a layer it keeps in eval (a shared frozen
+    # BatchNorm backbone) updates nothing in training, as in the member loop
+    kept_in_eval = {name for name, flag in module.__dict__["_own_train_modes"].get(True, {}).items() if not flag}
+    training_refused = aliasing.training_mode_refusal({k for k, owner in in_training.items() if owner not in kept_in_eval})
     eval_only = graph.gm.meta.get("stagewise_eval_only_differences")
     if eval_only and not training_refused:  # accepted in eval mode, where they do nothing
         training_refused = (f"members differ in dropout rates, {'; '.join(eval_only[:3])}, which do nothing in eval mode "
@@ -1755,6 +1771,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_traced_without_grad"] = not traced_with_grad
     module.__dict__["_shared_across"] = shared_across_members(members)
     module.__dict__["_frozen_apart"] = frozen_apart(members)  # trains member 0's choice for all: refused in training
+    module.__dict__["_frozen_apart_flags"] = frozen_apart_flags(members)  # ... while the stacked flag stays member 0's
     module.__dict__["_ties_apart"] = apart
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())

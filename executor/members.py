@@ -186,6 +186,16 @@ def frozen_apart(members: Sequence[nn.Module]) -> str:
     return ""
 
 
+def frozen_apart_flags(members: Sequence[nn.Module]) -> dict[str, bool]:
+    """Parameter names some member freezes otherwise than member 0 (see frozen_apart) -> member 0's requires_grad, the
+    flag the stacked parameter is built with. Training stays refused while a stacked parameter keeps that flag; once
+    set otherwise on the batched module (`ens.stacked.fc1.requires_grad_(False)` where member 0 trained it), it is
+    one flag for every member, as in a member loop whose members all hold it so."""
+    ref = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
+    return {k: ref[k] for m in members[1:] for k, p in m.named_parameters(remove_duplicate=False)
+            if k in ref and ref[k] != p.requires_grad}
+
+
 def ties_apart(members: Sequence[nn.Module]) -> dict[str, list[int]]:
     """Parameter names tied to another name in some members but not in all (a sweep over `tie_word_embeddings`)
     -> the members that tie them. Stacked apart (stack_member_state keeps only ties every member has), a tied
@@ -210,16 +220,19 @@ def gradient_hooks(members: Sequence[nn.Module]) -> list[str]:
     return out
 
 
-def shared_across_members(members: Sequence[nn.Module]) -> list[str]:
-    """Names of trainable parameters that two members hold as one tensor, or as tensors on one memory (members
-    made with `load_state_dict(..., assign=True)` from one state dict). Stacked, each member gets its own copy:
-    forward is the same, but training would update the copies apart where the loop updates one memory."""
+def shared_across_members(members: Sequence[nn.Module]) -> dict[str, bool]:
+    """Names of parameters that two members hold as one tensor, or as tensors on one memory (members made with
+    `load_state_dict(..., assign=True)` from one state dict) -> whether a member holding it trains it now. Stacked,
+    each member gets its own copy: forward is the same, but training would update the copies apart where the loop
+    updates one memory. Frozen ones are kept too: the batched module refuses training once one is made trainable on
+    it (gradual unfreezing of a shared backbone, `ens.stacked.backbone.requires_grad_(True)`), as it refuses a shared
+    parameter trainable at build; frozen, the copies stay alike."""
     by_name: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for i, m in enumerate(members):
         for name, p in m.named_parameters():
-            if p.requires_grad:
-                by_name.setdefault(name, []).append((i, p))
-    return [name for name, held in by_name.items() if len(held) > 1 and _overlapping(held, one_object_too=True)]
+            by_name.setdefault(name, []).append((i, p))
+    return {name: any(p.requires_grad for _, p in held) for name, held in by_name.items()
+            if len(held) > 1 and _overlapping(held, one_object_too=True)}
 
 
 class _Watched(dict):
