@@ -655,6 +655,68 @@ def _scheduler_problem(scheduler: Any, group: dict, old: float, new: float) -> s
             f"own lr), or give every member the same lr")
 
 
+# what a per-member value given where an lr scale goes (a LambdaLR returning [N] values, a tensor max_lr) is told
+_FACTOR_FIX = (
+    "A torch scheduler's factor (LambdaLR, MultiplicativeLR) is one number for all members: it then scales each "
+    "member's own lr, as N torch optimizers with that schedule would. Per-member schedules: executor.StackedStepLR / "
+    "executor.StackedCosineLR (a per-member decay d_i ** epoch is StackedStepLR(opt, step_size=1, gamma=d)), or the "
+    "per-member lrs given to the optimizer (lr=[...]) times one LambdaLR factor; per-member lrs now: "
+    "opt.set_hyperparameter('lr', values)")
+_ABSOLUTE_CYCLES = (_LRS.OneCycleLR, _LRS.CyclicLR)
+
+
+def _cycle_fix(kind: str, name: str) -> str:
+    """The fix for per-member values given to OneCycleLR / CyclicLR (`name`: its argument or the group key)."""
+    if "momentum" in name:
+        return (f"{kind} cycles one {name} per param group; it writes that momentum to every member. Pass one value "
+                f"(cycle_momentum=False keeps the optimizer's per-member momentum)")
+    if kind == "OneCycleLR":
+        return ("OneCycleLR takes one max_lr per param group and writes absolute lrs, so it cannot peak each member at "
+                "its own lr. Its lr is max_lr times a factor of the step alone, so per-member peaks are the members' "
+                "own lrs times that factor: give the optimizer lr=max_lrs (one per member) and "
+                "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: f[step]), f[step] the lr OneCycleLR(max_lr=1.0, "
+                "the same other arguments) gives a throwaway torch.optim.SGD([torch.zeros(1)], lr=1.0) at that step "
+                "(momentum is then not cycled); or one max_lr for all members")
+    return (f"{kind} takes one {name} per param group and writes absolute lrs, so it cannot give each member its own. "
+            "Where every member's max_lr / base_lr ratio is the same, give the optimizer the per-member base lrs and "
+            "the cycle as a factor: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: f(step)); or one value for all "
+            "members")
+
+
+def _refuse_per_member_values(name: str, optimizer: Any, param: Any) -> None:
+    """OptimizerError for one value per member given where torch's OneCycleLR / CyclicLR take one per param group
+    (max_lr=[...] of N values: torch's own error spoke of param_groups alone; a tensor of N values failed later, on
+    group['initial_lr'], naming neither the scheduler nor the fix)."""
+    n, groups = optimizer.n_members, len(optimizer.param_groups)
+    per_member = (isinstance(param, (list, tuple)) and len(param) == n != groups) or \
+        (isinstance(param, torch.Tensor) and param.numel() > 1)
+    if not per_member:
+        return
+    caller = sys._getframe(2).f_locals.get("self")
+    kind = type(caller).__name__ if isinstance(caller, _LRS.LRScheduler) else "this scheduler"
+    shown = param.tolist() if isinstance(param, torch.Tensor) else list(param)
+    shown = [round(x, 8) if isinstance(x, float) else x for x in shown]
+    raise OptimizerError(f"{type(optimizer).__name__}: {kind}({name}={shown}) gives one value per member "
+                         f"({n} members, {groups} param group{'s' if groups != 1 else ''}). " + _cycle_fix(kind, name))
+
+
+def _format_param_for_stacked(original: Callable) -> Callable:
+    """torch's lr_scheduler._format_param (how OneCycleLR and CyclicLR read max_lr, base_lr and momenta: one per
+    param group), first refusing per-member values on a stacked optimizer with the fix; for any other optimizer it
+    is torch's own call."""
+    @functools.wraps(original)
+    def format_param(name, optimizer, param):
+        if isinstance(optimizer, _StackedOptimizer):
+            _refuse_per_member_values(name, optimizer, param)
+        return original(name, optimizer, param)
+    format_param.stagewise_wrapped = True
+    return format_param
+
+
+if callable(getattr(_LRS, "_format_param", None)) and not getattr(_LRS._format_param, "stagewise_wrapped", False):
+    _LRS._format_param = _format_param_for_stacked(_LRS._format_param)
+
+
 # the fix the refusal of a derived lr write names: per param group, each group's member lrs from its own (a get
 # without group= reads group 0, a set without it writes every group: a head at 10x lr would get the body's lrs)
 DERIVED_LR_FIX = ("for k in range(len(opt.param_groups)): opt.set_hyperparameter('lr', "
@@ -736,8 +798,12 @@ class _MemberGroup(dict):
         """Refuse an lr (or initial_lr, the base torch's schedulers and hand-written schedules scale) that is not one
         number, or one a non-proportional scheduler or the user's code writes while member lrs differ."""
         if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise OptimizerError(f"{self.owner}: param_groups[...]['{key}'] = {value!r}: group['{key}'] is the scale shared by "
-                                 f"all members; set per-member lrs with opt.set_hyperparameter('lr', values)")
+            scheduler = _writing_scheduler()
+            by = f" (written by {type(scheduler).__name__})" if scheduler is not None else ""
+            raise OptimizerError(f"{self.owner}: param_groups[...]['{key}'] = {value!r}{by}: group['{key}'] is one scale "
+                                 "shared by all members (member i runs at group['lr'] * group['member_lr'][i]), so it "
+                                 "takes one number. " + (_cycle_fix(type(scheduler).__name__, key)
+                                                         if isinstance(scheduler, _ABSOLUTE_CYCLES) else _FACTOR_FIX))
         if not bool((self["member_lr"] != 1).any()):
             return  # every member has lr = the scale itself: any scheduler acts as on one torch optimizer
         scheduler = _writing_scheduler()
@@ -1119,8 +1185,16 @@ class StackedLRScheduler:
 
     Like a torch scheduler it applies epoch 0 at construction and ``step()`` advances one epoch;
     ``base_lrs`` (one [N] tensor per group) are the member lrs at construction. Subclasses give
-    ``_member_lr(base, epoch)`` in closed form. It leaves the shared scale ``group["lr"]`` to torch's schedulers.
-    Its next ``step()`` overwrites an lr set with ``set_hyperparameter``; change ``base_lrs`` instead.
+    ``_member_lr(base, epoch)`` in closed form. It leaves the shared scale ``group["lr"]`` to torch's schedulers,
+    recording it as ``group["initial_lr"]`` where no torch scheduler has (torch's SequentialLR restarts from it).
+    StackedStepLR's next ``step()`` overwrites an lr set with ``set_hyperparameter`` (change ``base_lrs`` instead);
+    StackedCosineLR, recursive as torch's CosineAnnealingLR, goes on from it as torch's would.
+
+    Inside ``torch.optim.lr_scheduler.SequentialLR``: torch calls ``_initial_step()`` on the first scheduler and
+    ``_update_lr(0)`` on the one a milestone starts; as torch's own, this one then restarts from the base lrs (the
+    shared scale back to ``group["initial_lr"]``, undoing a warmup's), so ``SequentialLR(opt, [LinearLR(...),
+    StackedCosineLR(...)], milestones=[k])`` gives member i what its own SequentialLR of LinearLR and
+    CosineAnnealingLR gives it. It must come after every torch scheduler of the sequence (see _check_place_in_sequence).
     """
 
     def __init__(self, optimizer: _StackedOptimizer):
@@ -1128,6 +1202,9 @@ class StackedLRScheduler:
         self.optimizer = optimizer
         self.n_members = optimizer.n_members
         self.base_lrs = [g["member_lr"].clone() for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            # as torch's schedulers record it: the scale the schedules start from (SequentialLR resets to it)
+            g.setdefault("initial_lr", g["lr"])
         self.last_epoch = -1
         self.step()
 
@@ -1147,20 +1224,79 @@ class StackedLRScheduler:
         """The members' lr multipliers at `epoch`; `scale` is the group's shared lr (the effective lr is scale x this)."""
         raise NotImplementedError
 
-    def step(self) -> None:
-        """Advance one epoch and write every member's lr in place (times the cuts of a StackedReduceLROnPlateau on the
-        same optimizer, which a closed form alone would undo)."""
+    def _next_member_lr(self, group: dict, base: torch.Tensor, epoch: int) -> torch.Tensor:
+        """The members' lr multipliers one epoch on, at `epoch` >= 1 (before any plateau cuts): the closed form here."""
+        return self._member_lr(base, epoch, float(group["lr"]))
+
+    def _refuse_plateau_cuts(self) -> list[torch.Tensor] | None:
+        """The cuts of StackedReduceLROnPlateau schedulers on the same optimizer (a StepLR's closed form is multiplied
+        by them, which it alone would undo), or None; OptimizerError for StackedCosineLR beside one."""
         cuts = _plateau_cuts(self.optimizer)
         if cuts is not None and isinstance(self, StackedCosineLR):
             raise OptimizerError(
                 "StackedCosineLR and a StackedReduceLROnPlateau on one optimizer: torch's recursive cosine scales a cut "
-                "lr's distance to eta_min, and past T_max adds to the lr, so N torch optimizers would not keep the cuts "
-                "as this closed form times the cuts would. Use one of the two (StackedStepLR composes with the plateau "
-                "scheduler)")
+                "lr's distance to eta_min, and past T_max adds to the lr; that pair is not supported. "
+                "Use one of the two (StackedStepLR composes with the plateau scheduler)")
+        return cuts
+
+    def step(self) -> None:
+        """Advance one epoch and write every member's lr in place (times the cuts of a StackedReduceLROnPlateau on the
+        same optimizer, which a closed form alone would undo)."""
+        cuts = self._refuse_plateau_cuts()
         self.last_epoch += 1
         for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
+            if self.last_epoch <= 0:  # the initial step (construction, SequentialLR's _initial_step): the base lrs
+                lr = self._member_lr(base, 0, float(group["lr"]))
+            else:
+                lr = self._next_member_lr(group, base, self.last_epoch)
+            group["member_lr"].copy_(lr * cuts[g] if cuts is not None else lr)
+
+    def _initial_step(self) -> None:
+        """What torch's SequentialLR calls on its first scheduler at construction (after moving it back an epoch):
+        epoch 0 again, from the shared scale SequentialLR has just reset to group["initial_lr"]."""
+        self._check_place_in_sequence()
+        self.step()
+
+    def _update_lr(self, epoch: int | None = None) -> None:
+        """What torch's SequentialLR calls at the milestone starting this scheduler, `epoch`=0: as torch's scheduler
+        writes its closed form from its base lrs (the lr a warmup before it left is dropped), the shared scale goes
+        back to group["initial_lr"] and each member's lr to the schedule at `epoch` from its base; None: a step."""
+        self._check_place_in_sequence()
+        if epoch is None:
+            self.step()
+            return
+        cuts = self._refuse_plateau_cuts()
+        self.last_epoch = int(epoch)
+        for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
+            group["lr"] = float(group.get("initial_lr", group["lr"]))
             lr = self._member_lr(base, self.last_epoch, float(group["lr"]))
             group["member_lr"].copy_(lr * cuts[g] if cuts is not None else lr)
+
+    def _check_place_in_sequence(self) -> None:
+        """OptimizerError where a torch SequentialLR (the caller of _initial_step / _update_lr) has a torch scheduler
+        after this one: at its milestone that scheduler writes the shared scale group["lr"] from its base, but the
+        member lrs this one wrote (group["member_lr"]) would stay, where N torch optimizers would each restart from
+        their own base lr. A stacked scheduler after it restarts the member lrs itself."""
+        frame = sys._getframe(1)
+        for _ in range(4):
+            if frame is None:
+                return
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, _LRS.SequentialLR):
+                scheds = list(getattr(owner, "_schedulers", ()))
+                at = next((k for k, s in enumerate(scheds) if s is self), None)
+                later = [type(s).__name__ for s in scheds[at + 1:] if not isinstance(s, StackedLRScheduler)] \
+                    if at is not None else []
+                if later:
+                    raise OptimizerError(
+                        f"{type(self).__name__} is scheduler {at} of {len(scheds)} in a torch SequentialLR, followed by "
+                        f"{', '.join(later)}: at its milestone a torch scheduler restarts the shared scale group['lr'] "
+                        "from its base, but the per-member lrs this one wrote (group['member_lr']) would stay, so the "
+                        "members would not restart from their own lrs as on N torch optimizers. Put the stacked "
+                        "scheduler last: SequentialLR(opt, [LinearLR(opt, 0.1, total_iters=k), "
+                        "executor.StackedCosineLR(opt, T_max)], milestones=[k])")
+                return
+            frame = frame.f_back
 
     def get_last_lr(self) -> list[torch.Tensor]:
         """Effective per-member lr of each group (shared scale x member lr), [N] each."""
@@ -1179,6 +1315,8 @@ class StackedStepLR(StackedLRScheduler):
 
     step_size (positive) and gamma (>= 0) may each be a scalar or length N. Torch multiplies by gamma
     every step_size epochs; this is its closed form (``StepLR._get_closed_form_lr``), equal up to float64 rounding.
+    A factor a torch scheduler puts on the shared scale multiplies it, as it multiplies each member's lr on N torch
+    optimizers.
     """
 
     def __init__(self, optimizer, step_size, gamma=0.1):
@@ -1193,12 +1331,17 @@ class StackedStepLR(StackedLRScheduler):
 
 
 class StackedCosineLR(StackedLRScheduler):
-    """Per-member ``torch.optim.lr_scheduler.CosineAnnealingLR`` (no restarts):
-    ``lr_i = eta_min_i + (base_i - eta_min_i) * (1 + cos(pi * epoch / T_max_i)) / 2``.
+    """Per-member ``torch.optim.lr_scheduler.CosineAnnealingLR`` (no restarts), computed as torch computes it.
 
-    T_max (positive) and eta_min (>= 0) may each be a scalar or length N. Torch computes it
-    recursively; this is the closed form it documents, equal up to float64 rounding (also past
-    T_max, where both rise again).
+    T_max (positive) and eta_min (>= 0) may each be a scalar or length N. Each step applies torch's recursion
+    (``CosineAnnealingLR.get_lr``) to each member's effective lr (shared scale x member lr), with member i's T_max,
+    eta_min and base lr, and writes the member lr that gives it under the scale as it stands. So a torch scheduler
+    composed with it (ChainedScheduler([LinearLR, StackedCosineLR]), [StackedCosineLR, ExponentialLR], a warmup in
+    SequentialLR), whose factor on the shared scale is the factor it puts on each member's lr on N torch optimizers,
+    gives each member what torch's recursion on its own lr gives it, eta_min > 0 included (a closed form times the
+    scale would scale eta_min too). Alone it is torch's documented closed form
+    ``eta_min_i + (base_i - eta_min_i) * (1 + cos(pi * epoch / T_max_i)) / 2`` up to float64 rounding, also past
+    T_max, where both rise again.
     """
 
     def __init__(self, optimizer, T_max, eta_min=0.0):
@@ -1211,6 +1354,29 @@ class StackedCosineLR(StackedLRScheduler):
         # there (the scale), so their floor in multiplier units is eta_min / scale
         eta = self.eta_min / scale if scale > 0 else self.eta_min
         return eta + (base - eta) * (1 + torch.cos(math.pi * epoch / self.T_max)) / 2
+
+    def _next_member_lr(self, group, base, epoch):
+        """torch's CosineAnnealingLR.get_lr, per member, on the effective lr: at the epoch after each trough (where the
+        ratio below would be 0/0) the lr rises by (base - eta_min) * (1 - cos(pi / T_max)) / 2, else the distance to
+        eta_min is scaled by (1 + cos(pi * t / T_max)) / (1 + cos(pi * (t - 1) / T_max)). base is the member's lr
+        where scheduling began (group["initial_lr"] x its member lr at construction), as torch's base_lrs."""
+        scale, member = float(group["lr"]), group["member_lr"].to(self.eta_min.dtype)
+        lr, eta, t_max = scale * member, self.eta_min, self.T_max
+        start = float(group.get("initial_lr", scale)) * base
+        turn = torch.remainder(epoch - 1 - t_max, 2 * t_max) == 0
+        ratio = (1 + torch.cos(math.pi * epoch / t_max)) / (1 + torch.cos(math.pi * (epoch - 1) / t_max))
+        rise = lr + (start - eta) * (1 - torch.cos(math.pi / t_max)) / 2
+        new = torch.where(turn, rise, ratio * (lr - eta) + eta)
+        if scale != 0:
+            return new / scale
+        if not bool(turn.any()) and not bool((eta != 0).any()):
+            return ratio * member  # every lr is 0 and stays 0, as on N torch optimizers
+        raise OptimizerError(
+            f"StackedCosineLR: the shared scale group['lr'] is 0 (a torch scheduler composed with it wrote 0), where "
+            f"torch's cosine would give member i an lr of its own ({[round(x, 8) for x in new.tolist()[:4]]}"
+            f"{', ...' if new.numel() > 4 else ''}: eta_min, or the rise past T_max), which no member lr can give under "
+            "a scale of 0. Start a warmup above 0 (LinearLR's start_factor > 0), or put it before the cosine in a "
+            "SequentialLR(opt, [warmup, StackedCosineLR(...)], milestones=[k])")
 
 
 def _plateau_cuts(optimizer) -> list[torch.Tensor] | None:
