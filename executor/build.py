@@ -453,9 +453,11 @@ def _buffer_names(model: nn.Module) -> list[str]:
 
 def _value_read_refusal(reads: Sequence[str], what: str, i: int) -> str:
     return (f"forward() reads buffer values into Python ({', '.join(reads[:3])}), and {what} (a branch on a buffer's "
-            f"value, `if int(self.act_id) == 2:`): the batched module would run member 0's branch for member {i}. Keep "
-            "the choice on tensors (torch.where(self.act_id == 2, torch.tanh(h), torch.relu(h))), or batch the members "
-            "that take each branch apart (one plan and build per group)")
+            f"value, `if int(self.act_id) == 2:`, or a number made of it, `x / float(self.t)`): the batched module would "
+            f"run member 0's branch (or number) for member {i}. Keep the choice on tensors (torch.where(self.act_id == 2, "
+            "torch.tanh(h), torch.relu(h))); for a number, write `self.t.item()` (recorded per member: its stage runs as "
+            "the member loop) or keep it a tensor (x / self.t); or batch the members that take each branch apart (one "
+            "plan and build per group)")
 
 
 def _buffers_trace_alike(buffers: list[dict[str, torch.Tensor | None]], model: nn.Module, names: list[str],
@@ -495,11 +497,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
+_READ_ALWAYS = 65536  # elements: a buffer this small is compared by value on every call (about 10 us at most)
+
+
 class _ValueReadWatch:
     """Buffers a plan's forward() reads the values of (BUFFER_VALUE_READS) that forward() itself never writes, as
     the build checked them: a later change of one (ens.load_member_state_dict, a PBT exploit step copying a member's
     state, a write into stacked_state) is traced again before the call runs, since the graph holds the branch the
-    build-time values take. Costs a torch.equal per such buffer per call, for such plans only."""
+    build-time values take. Costs, for such plans only, a torch.equal per small buffer per call and a look at the
+    version counters of the large ones (see _marks), and one copy of those buffers."""
 
     def __init__(self, private: nn.Module, plan: Plan, stacked: dict[str, torch.Tensor], written: set[str],
                  reads: Sequence[str]):
@@ -510,10 +516,23 @@ class _ValueReadWatch:
         self.reads = tuple(reads)
         self.keys = [k for k in _buffer_names(self.model) if k in stacked and k not in written]
         self.seen = [stacked[k].detach().clone() for k in self.keys]
+        self.marks = self._marks(stacked)
+
+    def _marks(self, stacked: dict[str, torch.Tensor]) -> list[tuple]:
+        """What tells, without reading values, that a large buffer is as last checked: the tensor, its memory and its
+        version counter (an in-place write, a row's too, bumps its base's; a replacement is another tensor). Buffers
+        of up to _READ_ALWAYS elements (the flags and ids forward() branches on) are compared by value every call,
+        since a write through `.data` bumps no version counter; a larger one is read only when its marks change."""
+        return [(id(t), t.data_ptr(), t._version) for t in (stacked[k] for k in self.keys) if t.numel() > _READ_ALWAYS]
 
     def check(self, stacked: dict[str, torch.Tensor]) -> None:
+        marks = self._marks(stacked)
+        small = [(stacked[k], s) for k, s in zip(self.keys, self.seen) if s.numel() <= _READ_ALWAYS]
+        if marks == self.marks and all(_same(a, b) for a, b in small):
+            return
         now = [stacked[k] for k in self.keys]
         if all(_same(a, b) for a, b in zip(now, self.seen)):
+            self.marks = marks
             return
         n = now[0].shape[0]
         buffers = [{k: t[i] for k, t in zip(self.keys, now)} for i in range(n)]
@@ -528,6 +547,7 @@ class _ValueReadWatch:
                 f"stacked_state), with which it {why[1]} than the graph the plan holds", i)
                 + "; the batched module's state is as it was before this call")
         self.seen = [t.detach().clone() for t in now]
+        self.marks = marks
 
 
 def _fast_path_modules_traced_through(member: nn.Module, plan: Plan) -> str:

@@ -15,7 +15,7 @@ from torch import nn
 from test_review_trace_values import ActivationById, NanGuard, _plan
 
 from stagewise import executor
-from stagewise.planner import ExecutionError
+from stagewise.planner import ExecutionError, MemberError
 
 torch.set_num_threads(1)
 build_module = importlib.import_module("stagewise.executor.build")  # (executor.build is the function)
@@ -111,3 +111,48 @@ def test_statistics_forward_updates_are_not_watched(monkeypatch):
             torch.testing.assert_close(ens(x), _loop(loop, x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ens.stacked_state["bn.running_mean"], torch.stack([m.bn.running_mean for m in loop]))
     assert not traced
+
+
+class BigTableBranch(nn.Module):
+    """A branch on one element of a large buffer (over build's 65536-element cut: checked by its version counter)."""
+
+    def __init__(self, sign):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("table", torch.full((300, 300), float(sign)))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.tanh(h) if float(self.table[0, 0]) > 0 else torch.relu(h)
+
+
+def test_a_large_buffer_written_in_place_is_traced_again_and_a_small_one_written_through_data_too():
+    torch.manual_seed(0)
+    members, x = [BigTableBranch(s) for s in (1, 1, 1)], torch.randn(5, 4)
+    ens = executor.build(_plan(members[0], x), members)
+    with torch.no_grad():
+        ens.stacked_state["table"][1].fill_(-1.0)  # member 1 now takes relu
+        with pytest.raises(ExecutionError, match="member 1's buffers changed since build"):
+            ens(x)
+    members, x = _members(ActivationById, (0, 1, 5)), torch.randn(5, 4)
+    ens = executor.build(_plan(members[0], x), members)
+    ens.stacked_state["act_id"].data[2] = 2  # .data: no version counter moves
+    with torch.no_grad(), pytest.raises(ExecutionError, match="member 2's buffers changed since build"):
+        ens(x)
+
+
+class Temperature(nn.Module):
+    def __init__(self, t):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("t", torch.tensor(t))
+
+    def forward(self, x):
+        return self.fc(x) / float(self.t)
+
+
+def test_a_number_made_of_a_buffer_names_item_as_the_fix():
+    torch.manual_seed(0)
+    members, x = [Temperature(t) for t in (1.0, 2.0, 0.5)], torch.randn(5, 4)
+    with pytest.raises(MemberError, match=r"self\.t\.item\(\)"):
+        executor.build(_plan(members[0], x), members)
