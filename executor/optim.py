@@ -1180,6 +1180,11 @@ def clip_grad_norm_per_member_(params: Iterable[torch.Tensor] | torch.Tensor, ma
 
 # --- per-member LR schedules -------------------------------------------------------------------
 
+def _count_step(optimizer, args, kwargs) -> None:
+    """An optimizer step post hook: counts the steps, which tells stacked schedules stepped together apart."""
+    optimizer.__dict__["_stagewise_steps"][0] += 1
+
+
 class StackedLRScheduler:
     """Base of the per-member schedules: writes ``group["member_lr"]`` from each member's base lr.
 
@@ -1206,7 +1211,29 @@ class StackedLRScheduler:
             # as torch's schedulers record it: the scale the schedules start from (SequentialLR resets to it)
             g.setdefault("initial_lr", g["lr"])
         self.last_epoch = -1
+        if "_stagewise_steps" not in optimizer.__dict__:  # counts optimizer steps: see _refuse_another_schedule
+            optimizer.__dict__["_stagewise_steps"] = [0]
+            optimizer.register_step_post_hook(_count_step)
         self.step()
+
+    def _refuse_another_schedule(self) -> None:
+        """OptimizerError where another stacked schedule stepped on this optimizer since its last step (a
+        ChainedScheduler of StackedCosineLR and StackedStepLR, or both stepped side by side): each writes every
+        member's lr outright from its own closed form or recursion, so the last one stepped would undo the other
+        (the cosine was dropped: lrs 5e10 off at its trough, params 1.14 off after 30 steps). One after the other, in a
+        SequentialLR or a scheduler replaced later, is fine: they step at different optimizer steps."""
+        steps = self.optimizer.__dict__.get("_stagewise_steps", [0])[0]
+        last = self.optimizer.__dict__.get("_stagewise_last_schedule")
+        other = last[0]() if last is not None else None
+        if other is not None and other is not self and last[1] == steps:
+            raise OptimizerError(
+                f"{type(self).__name__} steps on an optimizer that {type(other).__name__} has stepped on since the last "
+                "optimizer step: two stacked schedules at once (a ChainedScheduler of them, or both stepped each "
+                "epoch) each set every member's lr outright, so the last one would undo the other. Give one stacked "
+                "schedule the whole shape (StackedCosineLR's T_max and eta_min per member; a step decay "
+                "d ** epoch is StackedStepLR(step_size=1, gamma=d)) and compose it with torch's factor schedulers, or "
+                "run them one after the other in a SequentialLR")
+        self.optimizer.__dict__["_stagewise_last_schedule"] = (weakref.ref(self), steps)
 
     def _device_of(self, optimizer) -> torch.device:
         """The device of ``optimizer``'s [N] hyper-parameters, after checking it is a stacked optimizer."""
@@ -1243,6 +1270,8 @@ class StackedLRScheduler:
         """Advance one epoch and write every member's lr in place (times the cuts of a StackedReduceLROnPlateau on the
         same optimizer, which a closed form alone would undo)."""
         cuts = self._refuse_plateau_cuts()
+        if self.last_epoch >= 0:  # (not the initial step, construction's)
+            self._refuse_another_schedule()
         self.last_epoch += 1
         for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
             if self.last_epoch <= 0:  # the initial step (construction, SequentialLR's _initial_step): the base lrs

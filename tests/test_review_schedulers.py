@@ -217,3 +217,37 @@ def test_lambda_returning_per_member_values_says_factors_are_shared_and_the_fix(
     # the fix it names gives each member its own decay, as N torch LambdaLRs
     run(lambda o: executor.StackedStepLR(o, step_size=1, gamma=decays),
         lambda o, i: S.LambdaLR(o, lambda e, d=decays[i]: d ** e), steps=16)
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["chained", "side_by_side"])
+def test_two_stacked_schedules_stepped_together_are_refused_before_either_writes(chained):
+    # before: the last one stepped wrote every member's lr from its own closed form, dropping the other (the cosine's
+    # trough 5e10 off in lr, params 1.14 off after 30 steps), silently
+    both = Both()
+    cos = executor.StackedCosineLR(both.opt, T_max=[5, 7, 9])
+    step = executor.StackedStepLR(both.opt, step_size=3, gamma=[0.5, 0.6, 0.7])
+    both.p.grad = torch.ones_like(both.p)
+    both.opt.step()
+    before = [g["member_lr"].clone() for g in both.opt.param_groups]
+    with pytest.raises(OptimizerError, match="two stacked schedules at once"):
+        if chained:
+            S.ChainedScheduler([cos, step]).step()
+        else:
+            cos.step()
+            step.step()
+    if chained:  # refused at the second one's step: the first one's write stands, the second's was never made
+        assert not torch.equal(both.opt.param_groups[0]["member_lr"], before[0])
+
+
+def test_stacked_schedules_one_after_the_other_at_other_steps_are_fine():
+    both = Both()
+    cos = executor.StackedCosineLR(both.opt, T_max=5)
+    for _ in range(3):
+        both.p.grad = torch.ones_like(both.p)
+        both.opt.step()
+        cos.step()
+    step = executor.StackedStepLR(both.opt, step_size=2, gamma=0.5)  # a second phase, the first scheduler kept alive
+    for _ in range(3):
+        both.p.grad = torch.ones_like(both.p)
+        both.opt.step()
+        step.step()
