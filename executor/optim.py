@@ -796,7 +796,10 @@ class _MemberGroup(dict):
 
     def _check_lr(self, value: Any, key: str = "lr") -> None:
         """Refuse an lr (or initial_lr, the base torch's schedulers and hand-written schedules scale) that is not one
-        number, or one a non-proportional scheduler or the user's code writes while member lrs differ."""
+        number, or one a non-proportional scheduler or the user's code writes while member lrs differ. A torch
+        LambdaLR writing the lr outright is noted for the stacked schedules (StackedLRScheduler._refuse_outright)."""
+        if key == "lr" and isinstance(_writing_scheduler(), _LRS.LambdaLR):
+            self.__dict__["outright_by"] = "LambdaLR"
         if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
             scheduler = _writing_scheduler()
             by = f" (written by {type(scheduler).__name__})" if scheduler is not None else ""
@@ -1216,6 +1219,21 @@ class StackedLRScheduler:
             optimizer.register_step_post_hook(_count_step)
         self.step()
 
+    def _refuse_outright(self) -> None:
+        """OptimizerError where a torch LambdaLR set the shared lr since this schedule's last step (a ChainedScheduler
+        of LambdaLR and StackedCosineLR, or both stepped each epoch): on N torch optimizers LambdaLR's initial_lr * f
+        throws away the lr this schedule made, and this schedule then steps from that; here each member's schedule
+        lives in its member lr and would go on from its own (lrs 0.97 off, params 2.17 off after 30 steps). Run them
+        one after the other in a SequentialLR, or give the schedule as factors of torch's (MultiplicativeLR, LinearLR)."""
+        if any(group.__dict__.get("outright_by") for group in self.optimizer.param_groups):
+            raise OptimizerError(
+                f"a torch LambdaLR set the lr outright (initial_lr * f) on the optimizer {type(self).__name__} steps on: "
+                "on N torch optimizers that throws away the lr this schedule made, which here lives in each member's "
+                "own lr, so the two would give other lrs than N torch optimizers. Run them one after the other "
+                "(SequentialLR(opt, [LambdaLR(opt, warmup), executor.StackedCosineLR(opt, ...)], milestones=[k])), or "
+                "write the other schedule as a factor of the lr (MultiplicativeLR, LinearLR, ExponentialLR), which "
+                "composes with it")
+
     def _refuse_another_schedule(self) -> None:
         """OptimizerError where another stacked schedule stepped on this optimizer since its last step (a
         ChainedScheduler of StackedCosineLR and StackedStepLR, or both stepped side by side): each writes every
@@ -1272,6 +1290,9 @@ class StackedLRScheduler:
         cuts = self._refuse_plateau_cuts()
         if self.last_epoch >= 0:  # (not the initial step, construction's)
             self._refuse_another_schedule()
+            self._refuse_outright()
+        for group in self.optimizer.param_groups:
+            group.__dict__.pop("outright_by", None)
         self.last_epoch += 1
         for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
             if self.last_epoch <= 0:  # the initial step (construction, SequentialLR's _initial_step): the base lrs
@@ -1297,6 +1318,7 @@ class StackedLRScheduler:
         cuts = self._refuse_plateau_cuts()
         self.last_epoch = int(epoch)
         for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
+            group.__dict__.pop("outright_by", None)  # (a warmup LambdaLR before the milestone: its lr is dropped here)
             group["lr"] = float(group.get("initial_lr", group["lr"]))
             lr = self._member_lr(base, self.last_epoch, float(group["lr"]))
             group["member_lr"].copy_(lr * cuts[g] if cuts is not None else lr)
