@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import InputMode, Plan, Strategy
@@ -669,6 +669,13 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
     graded = [k for k, (spec, x) in enumerate(zip(plan.inputs, inputs))
               if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
               and (spec.mode is not InputMode.PER_MEMBER or (x.dim() > 0 and x.shape[0] == len(members)))]
+    held = [f"{spec.name}{keystr(path)}" for spec, x in zip(plan.inputs, inputs) if not isinstance(x, torch.Tensor)
+            for path, leaf in tree_flatten_with_path(x)[0]
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
+    if held:  # (the trace compares them: planner.graph._input_grads_disagree)
+        report.notes.append(f"gradients of the tensors inside container inputs ({', '.join(held[:3])}"
+                            f"{', ...' if len(held) > 3 else ''}) not compared: only top-level tensor inputs are; "
+                            "pass such a tensor as an input of its own to compare its gradient")
     if not params and not graded:
         report.notes.append("gradients not compared: no parameter requires grad, and no input was given requiring grad")
         return

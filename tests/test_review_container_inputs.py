@@ -61,3 +61,10 @@ def test_verify_and_profile_give_each_member_its_number_from_a_dict():
         prof = executor.profile(plan, members, inputs, repeats=2, warmup=1)
     assert report.ok, report.to_text()
     assert all(s.result.ok for s in prof.stages), prof.to_text()
+
+
+def test_verify_says_the_gradients_inside_a_container_input_are_not_compared():
+    members, plan, batch = _dict_plan()
+    batch["x"].requires_grad_(True)
+    report = executor.verify(plan, members, (batch,), grads=True)
+    assert any("container inputs (batch['x']) not compared" in n for n in report.notes), report.notes
