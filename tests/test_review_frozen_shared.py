@@ -15,6 +15,7 @@ from torch import nn
 from stagewise import executor, planner
 from stagewise.executor.optim import StackedSGD
 from stagewise.planner.errors import ExecutionError
+from test_review_modes import Two  # (members that freeze different parameters)
 
 N = 3
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -67,16 +68,6 @@ def test_shared_frozen_backbone_trains_heads_as_the_loop_then_unfreezing_it_on_e
         ens(x)
     ens.stacked.backbone.requires_grad_(False)  # frozen again: trains as before
     ens(x).sum().backward()
-
-
-class Two(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 @pytest.mark.parametrize("member0_trains", [True, False])
