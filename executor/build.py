@@ -737,10 +737,17 @@ class BatchedModule(nn.Module):
             differing = [i for i, s in enumerate(column) if s != column[0]]
             shown = ", ".join(f"member {i}: {', '.join(str(list(s)) for s in column[i]) or 'no tensor'}"
                               for i in [0, *differing[:2]])
-            numbers = "; ".join(
+            numbers = "; ".join(dict.fromkeys(  # (one number lifted at several nodes is said once)
                 f"the number there, from {label}: " + ", ".join(f"member {i}: {v}" for i, v in enumerate(self._stacked[target].tolist())
                                               if i == 0 or i in differing[:2])
-                for target, label in attributes.items() if target in self._stacked)
+                for target, label in attributes.items() if target in self._stacked))
+            # every batched stage reading a value whose shapes differ (after one is made a loop, its outputs are per
+            # member too): excluding them all at once, not the first alone, which led to the same error one stage on
+            readers = sorted({stage_of.get(u.name) for n in graph.gm.graph.nodes
+                              if (c := shapes.get(n.name)) is not None and any(x != c[0] for x in c)
+                              for u in n.users if u.op != "output" and stage_of.get(u.name) != stage_of.get(n.name)
+                              and stage_of.get(u.name) not in looped} - {None})
+            excluding = "; ".join(f"plan = planner.exclude(plan, graph, {r!r})" for r in readers)
             read = "as an output" if stacked_by[0].op == "output" else f"by stage {stage_of.get(stacked_by[0].name)}, a batched one"
             raise MemberError(
                 f"the members' values of node {node.name!r} (stage {sid}, read {read}) differ in shape ({shown}): the "
@@ -749,8 +756,8 @@ class BatchedModule(nn.Module):
                 "shape, and the members' results cannot be stacked N-first. Pad them to one size in forward() "
                 "(F.pad(h[:, :k], (0, size - k))), " + (
                     "" if stacked_by[0].op == "output" else
-                    f"run the stage reading it as the member loop too (planner.exclude(plan, graph, "
-                    f"{stage_of.get(stacked_by[0].name)!r})), ") + "or plan the members that differ here separately")
+                    f"run the stage{'s' if len(readers) > 1 else ''} reading such values as the member loop too "
+                    f"({excluding}), ") + "or plan the members that differ here separately")
 
     @property
     def number_loops(self) -> dict[str, tuple[str, ...]]:

@@ -6,6 +6,7 @@ refuses naming the node, the shapes and the number; the same for a per_member nu
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -154,3 +155,40 @@ def test_a_per_member_size_input_runs_as_the_loop_and_other_shapes_name_the_node
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ens(torch.randn(BATCHES[0], 8), [2, 4, 6])
+
+
+class Heads(nn.Module):
+    """A sweep over the number of attention heads (self.h in view): the members' outputs have one shape."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.q, self.o, self.h = nn.Linear(8, 24), nn.Linear(8, 8), h
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = [z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in self.q(x).split(8, -1)]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_a_heads_sweep_names_every_stage_to_exclude_and_excluding_them_runs_as_the_loop():
+    # before: the refusal named s1 alone, and excluding it gave the same refusal for s2; its number part said thrice
+    members = [Heads(h) for h in (1, 2, 4)]
+    x = torch.randn(N, 2, 5, 8)
+    graph = planner.trace(copy.deepcopy(members[0]), (x[0].clone(),))
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    with pytest.raises(MemberError) as refused:
+        executor.build(plan, members)
+    said = str(refused.value)
+    parts = re.findall(r"the number there, from self\.h: [^;)]*", said)
+    assert parts and len(parts) == len(set(parts)), said  # each number once
+    named = re.findall(r"planner\.exclude\(plan, graph, '(s\d+)'\)", said)
+    assert len(named) > 1, said
+    for sid in named:
+        plan = planner.exclude(plan, graph, sid)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the number stages' note
+        ens = executor.build(plan, members)
+        with torch.no_grad():
+            torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]),
+                                       rtol=1e-5, atol=1e-6)
