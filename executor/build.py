@@ -32,7 +32,7 @@ from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError, TraceError)
-from stagewise.planner.graph import (BUFFER_VALUE_READS, ModelGraph, global_hooks_present, global_hooks_refusal,
+from stagewise.planner.graph import (BUFFER_VALUE_READS, REAL_BUFFERS, ModelGraph, global_hooks_present, global_hooks_refusal,
                                       gradients_refusal, plain_fx_code, registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
@@ -429,21 +429,24 @@ def _numbers_by_mode(members: list[nn.Module], private: nn.Module, plan: Plan, e
 
 
 def _members_trace_alike(members: list[nn.Module], private: nn.Module, plan: Plan, example: tuple | None,
-                         graph: ModelGraph) -> None:
+                         graph: ModelGraph) -> str:
     """MemberError where forward() reads buffer values into Python (`graph`'s BUFFER_VALUE_READS: a branch on
     `int(self.act_id)`, a NaN guard) and a member's own buffers trace to another graph than member 0's: the batched
-    module would run member 0's branch for it. Members whose buffers equal one already traced are not traced again."""
+    module would run member 0's branch for it. Members whose buffers equal one already traced are not traced again.
+    Returns member 0's plain trace's code (what the per-call watch compares with, _ValueReadWatch)."""
     names = [i.name for i in plan.inputs]
-    first = plain_fx_code(private, names, plan.opened_modules)  # (`graph` itself is not compared: probes shaped it)
+    real = graph.gm.meta.get(REAL_BUFFERS, ())
+    first = plain_fx_code(private, names, plan.opened_modules, real)  # (`graph` itself is not compared: probes shaped it)
     buffers = []
     for member in members:
         theirs = dict(member.named_buffers(remove_duplicate=False))
         buffers.append({k: theirs.get(k) for k in _buffer_names(private)})
-    why = _buffers_trace_alike(buffers, private, names, plan.opened_modules, first, start=1)
+    why = _buffers_trace_alike(buffers, private, names, plan.opened_modules, first, real, start=1)
     if why:
         i, how = why
         raise MemberError(_value_read_refusal(graph.gm.meta[BUFFER_VALUE_READS], f"member {i} with its own buffers {how} "
                                               "than member 0, whose graph the plan holds", i))
+    return first
 
 
 def _buffer_names(model: nn.Module) -> list[str]:
@@ -461,9 +464,10 @@ def _value_read_refusal(reads: Sequence[str], what: str, i: int) -> str:
 
 
 def _buffers_trace_alike(buffers: list[dict[str, torch.Tensor | None]], model: nn.Module, names: list[str],
-                         opened: Sequence[str], first: str, start: int = 0) -> tuple[int, str] | None:
+                         opened: Sequence[str], first: str, real: Sequence[str], start: int = 0) -> tuple[int, str] | None:
     """(member, how it differs) for the first member from `start` on whose buffers (`buffers[i]`: dotted name ->
-    tensor) make `model`'s plain fx trace another program than `first`; None when all trace to it. Each member's
+    tensor) make `model`'s plain fx trace (`real`: REAL_BUFFERS) another program than `first`; None when all trace to
+    it. Each member's
     buffers (copies) are swapped into `model` in turn and put back; buffers equal to ones already traced are not
     traced again, nor are members missing one (a member's buffer is a buffer of the plan: checked elsewhere)."""
     owners = [(path, mod, k) for path, mod in model.named_modules() for k, b in mod._buffers.items() if b is not None]
@@ -481,7 +485,7 @@ def _buffers_trace_alike(buffers: list[dict[str, torch.Tensor | None]], model: n
             for (_, mod, k), v, old in zip(owners, values, kept):
                 mod._buffers[k] = v.detach().clone().to(device=old.device, dtype=old.dtype)
             try:
-                same, why = plain_fx_code(model, names, opened) == first, "traces to another graph"
+                same, why = plain_fx_code(model, names, opened, real) == first, "traces to another graph"
             except Exception as e:  # noqa: BLE001 - its values break the trace (a size read from a buffer)
                 same, why = False, f"does not trace ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         finally:
@@ -508,11 +512,13 @@ class _ValueReadWatch:
     version counters of the large ones (see _marks), and one copy of those buffers."""
 
     def __init__(self, private: nn.Module, plan: Plan, stacked: dict[str, torch.Tensor], written: set[str],
-                 reads: Sequence[str]):
+                 reads: Sequence[str], first: str, real: Sequence[str]):
+        """`first`: member 0's plain trace's code, as _members_trace_alike traced it; `real`: REAL_BUFFERS."""
         self.model = copy.deepcopy(private)  # its own: the stage modules share `private`'s submodules
         self.names = [i.name for i in plan.inputs]
         self.opened = tuple(plan.opened_modules)
-        self.first = plain_fx_code(self.model, self.names, self.opened)
+        self.first = first
+        self.real = tuple(real)
         self.reads = tuple(reads)
         self.keys = [k for k in _buffer_names(self.model) if k in stacked and k not in written]
         self.seen = [stacked[k].detach().clone() for k in self.keys]
@@ -539,7 +545,7 @@ class _ValueReadWatch:
         changed = [i for i in range(n) if not all(_same(t[i], s[i]) for t, s in zip(now, self.seen))]
         fixed = dict(self.model.named_buffers(remove_duplicate=False))
         why = _buffers_trace_alike([{**fixed, **buffers[i]} for i in changed], self.model, self.names, self.opened,
-                                   self.first)
+                                   self.first, self.real)
         if why:
             i = changed[why[0]]
             raise ExecutionError(_value_read_refusal(
@@ -1708,8 +1714,9 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # the member traced again below (its modes, the members' numbers, the plan's dtype) in the mode the plan was
     with torch.set_grad_enabled(traced_with_grad):
         validate(plan, graph)
+        first_code = None
         if graph.gm.meta.get(BUFFER_VALUE_READS):  # before the graph is edited below
-            _members_trace_alike(members, private, plan, example, graph)
+            first_code = _members_trace_alike(members, private, plan, example, graph)
         grad_mode_refused = _grad_modes_refused(reads, private, plan, example, graph.fingerprint, traced_with_grad)
         if traced_with_grad and "grad" not in grad_mode_refused and example is not None:
             # a plan traced for inference (inside torch.no_grad(), whose graph is often the one traced with
@@ -1810,9 +1817,10 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
-    if graph.gm.meta.get(BUFFER_VALUE_READS):
+    if first_code is not None:
         module.__dict__["_value_reads"] = _ValueReadWatch(private, plan, module._stacked, always | set(in_training),
-                                                          graph.gm.meta[BUFFER_VALUE_READS])
+                                                          graph.gm.meta[BUFFER_VALUE_READS], first_code,
+                                                          graph.gm.meta.get(REAL_BUFFERS, ()))
     return module
 
 

@@ -34,7 +34,7 @@ from stagewise.planner.capability import alias_chain, annotate_capability, is_in
 from stagewise.planner.errors import TraceError
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.inputs import traced_specs
-from stagewise.planner.opening import LeafModule, resolve_open_modules, symbolic_trace_opening
+from stagewise.planner.opening import LeafModule, buffers_read_in_python, resolve_open_modules, symbolic_trace_opening
 from stagewise.planner.plan import InputSpec
 # names the executor imports from here stay importable from here (noqa: F401); tests patch
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
@@ -721,23 +721,41 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     with _grad_mode_watch() as turned_off, _inference_mode_as_no_grad(), _RandomWatch() as random_drawn, \
             _input_writes_recorded() as writes, _autograd_functions_kept() as inlined_functions, _grad_state_proxied() as grad_state:
 
+        real: frozenset[str] = frozenset()  # buffers kept real tensors where the others are graph values (below)
+
         def fx(proxy_buffers: bool = False) -> torch.fx.GraphModule:
-            gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
+            gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers, () if proxy_buffers else real)
             observed = writes.observed(gm)
             if observed:  # `a = h[:, :2]; h += y; return a`: traced again with those writes recorded in place
                 writes.in_place_sites |= observed
-                gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=proxy_buffers)
+                gm = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers, () if proxy_buffers else real)
             return gm
 
         versions = {id(b): b._version for b in model.buffers()}  # a write on a real buffer leaves no node: seen here
         with _tensor_values_read() as values_read:
-            gm = fx()
+            try:
+                gm = fx()
+            except Exception as plain_failed:  # noqa: BLE001 - fx raises many types for untraceable Python
+                # `self.pe[:, :x.size(1)]` beside `int(self.act_id)`: neither all buffers real nor all graph values
+                # trace; the ones read into Python are kept real, the rest made graph values (the "plain" trace below)
+                seen = (list(turned_off), copy.copy(random_drawn.calls))
+                real = buffers_read_in_python(model, opened, fixed or None)
+                turned_off[:] = seen[0]
+                random_drawn.calls = seen[1]
+                if not real:
+                    raise
+                del values_read[:]
+                try:
+                    gm = fx()
+                except Exception:  # noqa: BLE001 - named as the plain trace's failure
+                    raise plain_failed from None
+                gm.meta[REAL_BUFFERS] = tuple(sorted(real))
         written_eagerly = any(b._version != versions.get(id(b)) for b in model.buffers())
         baked = bool(baked_constants(gm))
         # (the probes trace branches member 0 does not take, a data-dependent init's `with torch.no_grad():`: what
         # the watches see there is no part of member 0's graph)
         seen = (list(turned_off), copy.copy(random_drawn.calls))
-        varies = not baked and _reads_buffer_values(gm, model, opened, fixed)
+        varies = not baked and _reads_buffer_values(gm, model, opened, fixed, real)
         turned_off[:] = seen[0]
         random_drawn.calls = seen[1]
         if baked or values_read or varies:
@@ -760,6 +778,8 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                     # no field for it), and the batched module traces again a member whose buffers change after build
                     gm = plain
                     gm.meta[BUFFER_VALUE_READS] = tuple(dict.fromkeys(values_read))
+                    if real:
+                        gm.meta[REAL_BUFFERS] = tuple(sorted(real))
                 else:
                     raise TraceError(
                         f"forward() turns a buffer's values into Python (float(), int(), .tolist(), a branch on them: "
@@ -810,15 +830,19 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
     return gm
 
 
-def plain_fx_code(model: nn.Module, input_names: Sequence[str], opened: Sequence[str] = ()) -> str:
+def plain_fx_code(model: nn.Module, input_names: Sequence[str], opened: Sequence[str] = (),
+                  real: Sequence[str] = ()) -> str:
     """The code of torch.fx's plain trace of `model` (buffers as the tensors they are, no probes): what _fx_trace's
-    first trace gives, for comparing members whose buffers differ (BUFFER_VALUE_READS)."""
+    first trace gives, for comparing members whose buffers differ (BUFFER_VALUE_READS). `real`: the graph's
+    REAL_BUFFERS, where only those are real tensors and every other buffer a graph value."""
     fixed = _defaults_not_given(model, list(input_names))
     with registration_hooks_off(), _distribution_checks_off():
-        return symbolic_trace_opening(model, resolve_open_modules(model, opened), fixed or None).code
+        return symbolic_trace_opening(model, resolve_open_modules(model, opened), fixed or None, real_buffers=real).code
 
 
 BUFFER_VALUE_READS = "stagewise_buffer_value_reads"  # gm.meta key: what forward() read of buffer values (_fx_trace)
+# gm.meta key: the buffers a trace kept real tensors where every other was a graph value (opening.buffers_read_in_python)
+REAL_BUFFERS = "stagewise_real_buffers"
 BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it bakes into a graph
 
 
@@ -845,9 +869,11 @@ def _graph_writes_state(gm: torch.fx.GraphModule, model: nn.Module) -> bool:
     return False
 
 
-def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict) -> bool:
-    """Whether fx's plain trace of `model` (`gm`, buffers not graph values) changes when every buffer holds other
-    values: then a number or a branch in it came from a buffer's values. Buffers are swapped, not written."""
+def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict,
+                         real: frozenset[str] = frozenset()) -> bool:
+    """Whether fx's plain trace of `model` (`gm`, buffers not graph values, or only the `real` ones not) changes when
+    every buffer holds other values: then a number or a branch in it came from a buffer's values. Buffers are
+    swapped, not written."""
     owners = [(mod, k, b) for mod in model.modules() for k, b in mod._buffers.items() if b is not None]
     if not owners:
         return False
@@ -858,7 +884,7 @@ def _reads_buffer_values(gm: torch.fx.GraphModule, model: nn.Module, opened: Seq
         try:
             for mod, k, b in owners:
                 mod._buffers[k] = _other_values(b, variant)
-            again = symbolic_trace_opening(model, opened, fixed or None)
+            again = symbolic_trace_opening(model, opened, fixed or None, real_buffers=real)
         except Exception:
             return True  # other values break the trace: it depends on them
         finally:

@@ -179,28 +179,127 @@ class OpeningTracer(ContainerTracer):
     so what forward() computes from them (`self.B.t()`, `self.pe[:16]`) is recorded as ops on them
     instead of run once at trace time on member 0's buffer and stored as a constant."""
 
-    def __init__(self, opened: Iterable[str] = (), proxy_buffers: bool = False):  # no arguments: unpickling a GraphModule
+    def __init__(self, opened: Iterable[str] = (), proxy_buffers: bool = False,
+                 real_buffers: Iterable[str] = ()):  # no arguments: unpickling a GraphModule
         super().__init__()
         self.opened = with_ancestors(opened)
         self.proxy_buffer_attributes = proxy_buffers
+        self.real_buffers = frozenset(real_buffers)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opened:
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        # `real_buffers` (names) stay the tensors they are while the other buffers are graph values: forward() reads
+        # their values into Python (`int(self.act_id)`), which no graph value can give, beside a buffer sliced by a
+        # traced size (`self.pe[:, :x.size(1)]`), which no real tensor can take (buffers_read_in_python)
+        if self.real_buffers and isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
+            for name, b in self.root.named_buffers():
+                if b is attr_val:
+                    if name in self.real_buffers:
+                        return attr_val
+                    break
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+class _ReadProxy(torch.fx.Proxy):
+    """A proxy that, turned into a Python number, bool, index or length, tells its tracer which buffers its value
+    came from before it fails as any proxy does (see _ReadRecordingTracer)."""
+
+    def _refused(self, what: str) -> Any:
+        self.tracer.record(self.node)
+        raise TypeError(f"{what}() of a traced value")
+
+    def __int__(self):
+        return self._refused("int")
+
+    def __float__(self):
+        return self._refused("float")
+
+    def __complex__(self):
+        return self._refused("complex")
+
+    def __index__(self):
+        return self._refused("index")
+
+    def __len__(self):
+        return self._refused("len")
+
+
+class _ReadRecordingTracer(OpeningTracer):
+    """OpeningTracer with every buffer but `real_buffers` a graph value, recording the buffers (get_attr names) whose
+    values forward() turns into Python: what the node made into a number, bool, index or iterator derives from."""
+
+    def __init__(self, opened: Iterable[str], real_buffers: Iterable[str]):
+        super().__init__(opened, True, real_buffers)
+        self.read: set[str] = set()
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _ReadProxy(node, self)
+
+    def record(self, node: torch.fx.Node) -> None:
+        buffers = {name for name, _ in self.root.named_buffers()}
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "get_attr" and str(n.target) in buffers:
+                self.read.add(str(n.target))
+            todo.extend(n.all_input_nodes)
+
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        self.record(obj.node)
+        return super().to_bool(obj)
+
+    def iter(self, obj: torch.fx.Proxy) -> Iterator:
+        self.record(obj.node)
+        return super().iter(obj)
+
 
 def symbolic_trace_opening(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None,
-                           proxy_buffers: bool = False) -> torch.fx.GraphModule:
+                           proxy_buffers: bool = False, real_buffers: Iterable[str] = ()) -> torch.fx.GraphModule:
     """torch.fx.symbolic_trace with `opened` traced inside (the same GraphModule when nothing is opened);
-    `proxy_buffers` as OpeningTracer says. The constants fx stores on `model` while tracing
-    (`_tensor_constant0`, ...) are taken off it again: the GraphModule holds its own. A buffer's values read through a
-    callable attribute holding the tensor (`self.eq = self.mode.equal`) are refused (`_bound_state_reads_refused`):
-    no trace could swap each member's buffer in there."""
-    tracer = OpeningTracer(opened, proxy_buffers)
+    `proxy_buffers` and `real_buffers` as OpeningTracer says (`real_buffers` given makes every other buffer a graph
+    value). The constants fx stores on `model` while tracing (`_tensor_constant0`, ...) are taken off it again: the
+    GraphModule holds its own. A buffer's values read through a callable attribute holding the tensor
+    (`self.eq = self.mode.equal`) are refused (`_bound_state_reads_refused`): no trace could swap each member's buffer
+    in there."""
+    real_buffers = frozenset(real_buffers)
+    tracer = OpeningTracer(opened, proxy_buffers or bool(real_buffers), real_buffers)
+    return _traced(model, tracer, concrete_args)
+
+
+def _traced(model: nn.Module, tracer: OpeningTracer, concrete_args: dict[str, Any] | None) -> torch.fx.GraphModule:
     with no_mha_fastpath(), tracer_attributes_removed(model), _bound_state_reads_refused(model):
         graph = tracer.trace(model, concrete_args=concrete_args)
         return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def buffers_read_in_python(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None) -> frozenset[str]:
+    """The buffers (dotted names) to keep real tensors in a trace where every other buffer is a graph value, for a
+    forward() that neither trace takes alone: one buffer sliced by a traced size (the tutorial PositionalEncoding's
+    `self.pe[:, :x.size(1)]`, a causal mask's `self.bias[:, :, :T, :T]`), which only a graph value can take, beside
+    another whose value forward() turns into Python (`int(self.act_id)`, Glow ActNorm's `self.initialized.item()`),
+    which only a real tensor can give. Traced with every buffer a graph value, then again with the buffers the last
+    failure read kept real, until a trace succeeds; empty when no buffer read is what fails (or nothing more is
+    found to keep). Nothing is written to `model`."""
+    names = [name for name, _ in model.named_buffers()]
+    real: frozenset[str] = frozenset()
+    for _ in range(len(names) + 1):
+        tracer = _ReadRecordingTracer(opened, real)
+        try:
+            _traced(model, tracer, concrete_args)
+            return real
+        except Exception:  # noqa: BLE001 - the failure is the finding: what it read is kept real next time
+            more = tracer.read - real
+            if not more:
+                return frozenset()
+            real |= more
+    return frozenset()
 
 
 @contextlib.contextmanager
