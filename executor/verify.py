@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import KeyPath, keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from stagewise.planner.graph import retrace
 from stagewise.planner.plan import InputMode, Plan, Strategy
@@ -262,11 +262,12 @@ def own_member_inputs(plan: Plan, inputs: Sequence[Any], i: int) -> tuple:
                  for spec, x in zip(plan.inputs, own)) + own[len(plan.inputs):]
 
 
-def _call_members(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], graded: Sequence[int] = (),
-                  leaves: list[dict[int, torch.Tensor]] | None = None) -> list[Any]:
+def _call_members(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], graded: Sequence[GradKey] = (),
+                  leaves: list[dict[GradKey, torch.Tensor]] | None = None) -> list[Any]:
     """Each member on its own inputs (in the current grad mode; per_member rows copied apart, own_member_inputs), a
-    failure of one as `_loop_fails` says. The inputs at positions `graded` are given as gradient leaves of the
-    member's own (`grad_leaves`), appended to `leaves` member by member."""
+    failure of one as `_loop_fails` says. The input tensors at `graded` (an input's position, and the path to a leaf
+    inside a container input) are given as gradient leaves of the member's own (`grad_leaves`), appended to `leaves`
+    member by member."""
     outs = []
     for i, m in enumerate(members):
         try:
@@ -282,14 +283,28 @@ def _call_members(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
     return outs
 
 
-def grad_leaves(args: Sequence[Any], graded: Sequence[int]) -> tuple[tuple, dict[int, torch.Tensor]]:
-    """`args` with the tensor at each position in `graded` replaced by a copy recording gradients into a fresh leaf,
-    and those leaves by position: the call is given a non-leaf copy of each (forward() may write its input in place,
-    x.add_(1), which a leaf requiring grad refuses), so the leaf's gradient is the input's, as x.grad is the caller's."""
+# an input tensor whose gradient verify compares: the input's position in forward()'s arguments, and the pytree path
+# to the tensor inside a container input (a batch dict's ('x',)), () for a tensor input itself
+GradKey = tuple[int, KeyPath]
+
+
+def grad_leaves(args: Sequence[Any], graded: Sequence[GradKey]) -> tuple[tuple, dict[GradKey, torch.Tensor]]:
+    """`args` with the tensor at each key in `graded` (a top-level input, or a leaf inside a container input: a batch
+    dict's x) replaced by a copy recording gradients into a fresh leaf, and those leaves by key: the call is given a
+    non-leaf copy of each (forward() may write its input in place, x.add_(1), which a leaf requiring grad refuses), so
+    the leaf's gradient is the input's, as x.grad is the caller's. A container is rebuilt around its new leaves, its
+    other leaves (an integer mask, a flag) as they were."""
     args, leaves = list(args), {}
-    for k in graded:
-        leaves[k] = args[k].detach().clone().requires_grad_(True)
-        args[k] = leaves[k].clone()
+    for k in dict.fromkeys(k for k, _ in graded):
+        paths = {path for kk, path in graded if kk == k}
+        flat, spec = tree_flatten_with_path(args[k])
+        given = []
+        for path, x in flat:
+            if path in paths:
+                leaves[(k, path)] = x.detach().clone().requires_grad_(True)
+                x = leaves[(k, path)].clone()
+            given.append(x)
+        args[k] = tree_unflatten(given, spec)
     return tuple(args), leaves
 
 
@@ -664,18 +679,13 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
     requiring grad (a training step that reads x.grad: an adversarial step, a gradient penalty) has its gradient
     compared too: a per_member one member by member (the batched x.grad[i] against member i's own x_i.grad), a shared
     one as the sum of the members' (what the batched module's one input gathers); the call is as given, so an input
-    not requiring grad gets none on either side."""
+    not requiring grad gets none on either side. A container input (a batch dict, a list of tensors) is compared leaf
+    by leaf, each floating tensor inside given requiring grad a row of its own named as the trace names it
+    (`input batch['x']`): of a per_member container member i's leaf is row i (`_member_leaf`), of a shared one the
+    members' gradients are summed."""
     params = [(name, p) for name, p in module.named_stacked_parameters() if p.requires_grad]
-    graded = [k for k, (spec, x) in enumerate(zip(plan.inputs, inputs))
-              if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
-              and (spec.mode is not InputMode.PER_MEMBER or (x.dim() > 0 and x.shape[0] == len(members)))]
-    held = [f"{spec.name}{keystr(path)}" for spec, x in zip(plan.inputs, inputs) if not isinstance(x, torch.Tensor)
-            for path, leaf in tree_flatten_with_path(x)[0]
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
-    if held:  # (the trace compares them: planner.graph._input_grads_disagree)
-        report.notes.append(f"gradients of the tensors inside container inputs ({', '.join(held[:3])}"
-                            f"{', ...' if len(held) > 3 else ''}) not compared: only top-level tensor inputs are; "
-                            "pass such a tensor as an input of its own to compare its gradient")
+    graded, held = _graded_inputs(plan, inputs, len(members))
+    report.notes.extend(held)
     if not params and not graded:
         report.notes.append("gradients not compared: no parameter requires grad, and no input was given requiring grad")
         return
@@ -704,7 +714,7 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
             report.notes.append("gradients not compared: no output of the loop records gradients")
             return
         terms = [(_real64(g) * w.to(g.device)).sum() for g, w in zip(got_leaves, weights) if w is not None and g.requires_grad]
-        targets = [p for _, p in params] + [batched_leaves[k] for k in graded]
+        targets = [p for _, p in params] + [batched_leaves[key] for key in graded]
         got_grads = list(torch.autograd.grad(sum(terms), targets, allow_unused=True)) if terms else [None] * len(targets)
     except Exception as e:  # noqa: BLE001 - the batched module failing in training is this check's finding
         report.gradients.append(ErrorRow(f"gradients: {type(e).__name__}: {_first_line(e)}", float("inf"), float("inf"), False))
@@ -716,7 +726,7 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
         targets = [own.get(name) for name, _ in params]
         terms = [(_real64(x) * w[i].to(x.device)).sum() for x, w in zip(leaves, weights) if w is not None and x.requires_grad]
         found = [t for t in targets if t is not None and t.requires_grad]
-        asked = found + [member_leaves[i][k] for k in graded]  # one backward: the member's graph is freed after it
+        asked = found + [member_leaves[i][key] for key in graded]  # one backward: the member's graph is freed after it
         grads = torch.autograd.grad(sum(terms), asked, allow_unused=True) if asked and terms else [None] * len(asked)
         grads_i = dict(zip(map(id, found), grads[:len(found)]))
         per_member.append([None if t is None else grads_i.get(id(t)) for t in targets])
@@ -755,35 +765,81 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
             worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, rel)
         report.gradients.append(ErrorRow(name, worst_abs, worst_rel, worst_rel <= rtol))
     _compare_input_grads(report, plan, graded, got_inputs, per_member_inputs,
-                         [member_leaves[0][k].shape for k in graded], rtol)
+                         [member_leaves[0][key].shape for key in graded], rtol)
 
 
-def _compare_input_grads(report: VerifyReport, plan: Plan, graded: Sequence[int], got: Sequence[torch.Tensor | None],
+def _graded_inputs(plan: Plan, inputs: Sequence[Any], n_members: int) -> tuple[list[GradKey], list[str]]:
+    """The input tensors whose gradients verify(grads=True) compares, and a note for each it cannot compare.
+
+    Compared: each floating tensor given requiring grad, a top-level input or a leaf of a container input (a batch
+    dict, a list or tuple of tensors, as torch's pytree opens it). A per_member one needs its members on dim 0 ([N,
+    ...]); of a per_member container a 1-D leaf is each member's Python number (`_member_leaf`), with no gradient on
+    the member's side. An object pytree does not open (a plain class holding tensors) is given to forward() as it is,
+    so the tensors it holds are not compared either."""
+    graded: list[GradKey] = []
+    held: list[str] = []
+    for k, (spec, x) in enumerate(zip(plan.inputs, inputs)):
+        per_member = spec.mode is InputMode.PER_MEMBER
+        container = not isinstance(x, torch.Tensor)
+        for path, leaf in tree_flatten_with_path(x)[0]:
+            name = f"input {spec.name}{keystr(path)}"
+            if not isinstance(leaf, torch.Tensor):
+                inside = [t for t in _held_tensors(leaf) if t.requires_grad and t.is_floating_point()]
+                if inside:
+                    held.append(f"gradients of the tensors inside {name} not compared: a {type(leaf).__name__} "
+                                "object, which torch's pytree does not open (forward() is given it as it is); pass "
+                                "them as inputs of their own, or in a dict, list or tuple, to compare their gradients")
+                continue
+            if not (leaf.requires_grad and leaf.is_floating_point()):
+                continue
+            if not per_member or (leaf.dim() > int(container) and leaf.shape[0] == n_members):
+                graded.append((k, path))
+            elif container and leaf.dim() == 1:
+                held.append(f"gradient of {name} not compared: a 1-D leaf of a per_member container is each "
+                            "member's Python number, which records no gradient; pass it as [N, 1] (each member a [1] "
+                            "tensor) to compare its gradient")
+    return graded, held
+
+
+def _held_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors among `obj`'s attributes (one level: a plain batch object's fields), for saying they are not
+    compared."""
+    try:
+        fields = vars(obj)
+    except TypeError:  # no __dict__ (a number, a string, a slotted object): nothing found
+        return []
+    return [t for t in fields.values() if isinstance(t, torch.Tensor)]
+
+
+def _compare_input_grads(report: VerifyReport, plan: Plan, graded: Sequence[GradKey],
+                         got: Sequence[torch.Tensor | None],
                          per_member: list[list[torch.Tensor | None]], shapes: list[torch.Size], rtol: float) -> None:
-    """One gradient row per input in `graded` (positions of floating inputs given requiring grad): the batched
-    module's gradient `got` of the weighted outputs against each member's own (`per_member[i][j]`, float64, of the
-    gradient leaf member i was called with for graded[j], of one member's shape `shapes[j]`). A per_member input is
-    compared member by member, normwise over the member's own row (a member whose gradient is below 1e-3 of the
-    largest member's over that: rounding noise); a shared one against the sum of the members'. A gradient torch
-    leaves None is a zero one."""
+    """One gradient row per input tensor in `graded` (floating inputs given requiring grad, and floating leaves so
+    given inside container inputs): the batched module's gradient `got` of the weighted outputs against each member's
+    own (`per_member[i][j]`, float64, of the gradient leaf member i was called with for graded[j], of one member's
+    shape `shapes[j]`). A per_member input (or a leaf of a per_member container) is compared member by member,
+    normwise over the member's own row (a member whose gradient is below 1e-3 of the largest member's over that:
+    rounding noise); a shared one against the sum of the members'. A gradient torch leaves None is a zero one. A row
+    is named as the trace names the input: `input x`, `input batch['x']` for a leaf inside a container."""
     floor = 1e-3
     if plan.dtype in LOW_PRECISION_DTYPES:
         floor = max(floor, 2 * torch.finfo(LOW_PRECISION_DTYPES[plan.dtype]).eps)
-    for j, k in enumerate(graded):
+    for j, (k, path) in enumerate(graded):
         spec = plan.inputs[k]
+        name = f"{spec.name}{keystr(path)}"
         shared = spec.mode is not InputMode.PER_MEMBER
         batched = _real64(got[j].detach()).cpu() if got[j] is not None else None
         if batched is None and all(grads[j] is None for grads in per_member):
-            report.notes.append(f"gradient of input {spec.name} not compared: neither side gives one")
+            report.notes.append(f"gradient of input {name} not compared: neither side gives one")
             continue
         shape = shapes[j]
         own = [grads[j] if grads[j] is not None else torch.zeros(shape, dtype=torch.float64) for grads in per_member]
         if shared:
             pairs = [(batched if batched is not None else torch.zeros(shape, dtype=torch.float64), sum(own))]
-            label = f"input {spec.name} (shared: the members' summed)"
+            label = f"input {name} (shared: the members' summed)"
         else:
             pairs = [(batched[i] if batched is not None else torch.zeros_like(w), w) for i, w in enumerate(own)]
-            label = f"input {spec.name}"
+            label = f"input {name}"
         scale = max(float(w.norm()) for _, w in pairs)
         worst_abs = worst_rel = 0.0
         for g, w in pairs:

@@ -63,8 +63,11 @@ def test_verify_and_profile_give_each_member_its_number_from_a_dict():
     assert all(s.result.ok for s in prof.stages), prof.to_text()
 
 
-def test_verify_says_the_gradients_inside_a_container_input_are_not_compared():
+def test_verify_compares_the_gradients_inside_a_container_input():
     members, plan, batch = _dict_plan()
     batch["x"].requires_grad_(True)
     report = executor.verify(plan, members, (batch,), grads=True)
-    assert any("container inputs (batch['x']) not compared" in n for n in report.notes), report.notes
+    assert report.ok, report.to_text()
+    row = next(r for r in report.gradients if r.name == "input batch['x']")
+    assert row.ok and row.max_rel < 1e-5
+    assert not any("not compared" in n for n in report.notes), report.notes
