@@ -248,6 +248,10 @@ class _StackedOptimizer(torch.optim.Optimizer):
         if isinstance(group, _MemberGroup):
             group.remember()
         group["member_lr"] = _check_range(owner, "lr", _member_vector(owner, "lr", group["member_lr"], n, device), 0.0)
+        if "initial_member_lr" in group:  # recorded with initial_lr (see _MemberGroup.__setitem__), loaded or moved
+            dict.__setitem__(group, "initial_member_lr", _check_range(
+                owner, "initial_member_lr", _member_vector(owner, "initial_member_lr", group["initial_member_lr"], n,
+                                                           device), 0.0))
         for name, bounds in self._RANGES.items():
             dict.__setitem__(group, name, _hyper_vector(owner, name, group[name], n, device, bounds))
         for name in _FLAGS:
@@ -785,6 +789,14 @@ class _MemberGroup(dict):
             self._check_lr(value, key)
             # kept a Python float: torch's schedulers fill_() a tensor lr in place, past this check
             value = float(value)
+            if key == "initial_lr" and "initial_member_lr" not in self:
+                # a torch scheduler's initial_lr is each member's lr where scheduling began (its base_lrs, what
+                # SequentialLR restarts from): here the shared scale, so the member part is recorded beside it
+                super().__setitem__("initial_member_lr", self["member_lr"].clone())
+            elif key == "lr" and "initial_member_lr" in self and _sequence_resetting():
+                # SequentialLR's construction sets every lr back to initial_lr: on N torch optimizers each member's
+                # own, here the shared scale and each member lr (a member lr loaded before it was built included)
+                self["member_lr"].copy_(self["initial_member_lr"])
         super().__setitem__(key, value)
         if key in ("lr", "initial_lr"):
             self.seen[key] = value
@@ -852,6 +864,19 @@ class _MemberGroup(dict):
         problem = _scheduler_problem(scheduler, self, float(self["lr"]), float(value))
         if problem is not None:
             raise OptimizerError(f"{self.owner} with per-member lrs {(self['lr'] * self['member_lr']).tolist()}: {problem}")
+
+
+def _sequence_resetting() -> bool:
+    """Whether torch's SequentialLR.__init__ is writing a group's "lr" right now (directly or through
+    _update_param_group_val): its reset of every lr to group["initial_lr"], not a scheduler's step it starts."""
+    frame = sys._getframe(2)  # past this function and _MemberGroup.__setitem__
+    for _ in range(2):
+        if frame is None:
+            return False
+        if frame.f_code is _LRS.SequentialLR.__init__.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _rebuild_member_group(items: dict, owner: str, n: int, ranges: dict) -> _MemberGroup:
@@ -1191,12 +1216,15 @@ def _count_step(optimizer, args, kwargs) -> None:
 class StackedLRScheduler:
     """Base of the per-member schedules: writes ``group["member_lr"]`` from each member's base lr.
 
-    Like a torch scheduler it applies epoch 0 at construction and ``step()`` advances one epoch;
-    ``base_lrs`` (one [N] tensor per group) are the member lrs at construction. Subclasses give
-    ``_member_lr(base, epoch)`` in closed form. It leaves the shared scale ``group["lr"]`` to torch's schedulers,
-    recording it as ``group["initial_lr"]`` where no torch scheduler has (torch's SequentialLR restarts from it).
-    StackedStepLR's next ``step()`` overwrites an lr set with ``set_hyperparameter`` (change ``base_lrs`` instead);
-    StackedCosineLR, recursive as torch's CosineAnnealingLR, goes on from it as torch's would.
+    Like a torch scheduler it applies epoch 0 at construction, keeping the lrs the optimizer holds, and ``step()``
+    advances one epoch; ``base_lrs`` (one [N] tensor per group) are, as torch's base_lrs are each group's
+    ``initial_lr``, the member lrs where scheduling began: ``group["initial_member_lr"]``, recorded beside
+    ``group["initial_lr"]`` by the first scheduler built on the optimizer (torch's or this) and saved with the
+    optimizer. So one built after ``opt.load_state_dict(saved)`` starts from the loaded lrs and the original bases,
+    as torch's does, not from the loaded lrs taken as bases. Subclasses give ``_member_lr(base, epoch)`` in closed
+    form (a milestone of SequentialLR, torch's ``_get_closed_form_lr``) and ``_next_member_lr`` as torch's
+    ``get_lr`` recursion. It leaves the shared scale ``group["lr"]`` to torch's schedulers. Both go on from an lr set
+    with ``set_hyperparameter`` as torch's StepLR and CosineAnnealingLR go on from a written lr.
 
     Inside ``torch.optim.lr_scheduler.SequentialLR``: torch calls ``_initial_step()`` on the first scheduler and
     ``_update_lr(0)`` on the one a milestone starts; as torch's own, this one then restarts from the base lrs (the
@@ -1209,10 +1237,14 @@ class StackedLRScheduler:
         self._device_of(optimizer)
         self.optimizer = optimizer
         self.n_members = optimizer.n_members
-        self.base_lrs = [g["member_lr"].clone() for g in optimizer.param_groups]
         for g in optimizer.param_groups:
-            # as torch's schedulers record it: the scale the schedules start from (SequentialLR resets to it)
+            # as torch's schedulers record it: the scale the schedules start from (SequentialLR resets to it), and
+            # with it (_MemberGroup.__setitem__) the member lrs; a group loaded from a state dict saved before
+            # initial_member_lr existed has an initial_lr and no member part: its member lrs now, as before
             g.setdefault("initial_lr", g["lr"])
+            if "initial_member_lr" not in g:
+                dict.__setitem__(g, "initial_member_lr", g["member_lr"].clone())
+        self.base_lrs = [g["initial_member_lr"].clone() for g in optimizer.param_groups]
         self.last_epoch = -1
         if "_stagewise_steps" not in optimizer.__dict__:  # counts optimizer steps: see _refuse_another_schedule
             optimizer.__dict__["_stagewise_steps"] = [0]
@@ -1285,21 +1317,21 @@ class StackedLRScheduler:
         return cuts
 
     def step(self) -> None:
-        """Advance one epoch and write every member's lr in place (times the cuts of a StackedReduceLROnPlateau on the
-        same optimizer, which a closed form alone would undo)."""
-        cuts = self._refuse_plateau_cuts()
+        """Advance one epoch and write every member's lr in place, recursively from the lr it has (so the cuts of a
+        StackedReduceLROnPlateau on the same optimizer stay, as they stay in each lr on N torch optimizers)."""
+        self._refuse_plateau_cuts()
         if self.last_epoch >= 0:  # (not the initial step, construction's)
             self._refuse_another_schedule()
             self._refuse_outright()
         for group in self.optimizer.param_groups:
             group.__dict__.pop("outright_by", None)
         self.last_epoch += 1
-        for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
-            if self.last_epoch <= 0:  # the initial step (construction, SequentialLR's _initial_step): the base lrs
-                lr = self._member_lr(base, 0, float(group["lr"]))
-            else:
-                lr = self._next_member_lr(group, base, self.last_epoch)
-            group["member_lr"].copy_(lr * cuts[g] if cuts is not None else lr)
+        if self.last_epoch <= 0:
+            # the initial step (construction, SequentialLR's _initial_step): torch's keep the lr the group holds (a
+            # loaded one, or initial_lr that SequentialLR has just reset it to, the member lrs with it)
+            return
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["member_lr"].copy_(self._next_member_lr(group, base, self.last_epoch))
 
     def _initial_step(self) -> None:
         """What torch's SequentialLR calls on its first scheduler at construction (after moving it back an epoch):
@@ -1364,10 +1396,12 @@ class StackedLRScheduler:
 class StackedStepLR(StackedLRScheduler):
     """Per-member ``torch.optim.lr_scheduler.StepLR``: ``lr_i = base_i * gamma_i ** (epoch // step_size_i)``.
 
-    step_size (positive) and gamma (>= 0) may each be a scalar or length N. Torch multiplies by gamma
-    every step_size epochs; this is its closed form (``StepLR._get_closed_form_lr``), equal up to float64 rounding.
-    A factor a torch scheduler puts on the shared scale multiplies it, as it multiplies each member's lr on N torch
-    optimizers.
+    step_size (positive) and gamma (>= 0) may each be a scalar or length N. As torch's, each step multiplies member
+    i's lr by gamma_i at every step_size_i-th epoch and keeps it otherwise (``StepLR.get_lr``), so it goes on from
+    the lr the member has: a resumed one (also where the optimizer was loaded before it was built), one set with
+    set_hyperparameter, a StackedReduceLROnPlateau's cut. A milestone of SequentialLR restarts it at its closed form
+    (``StepLR._get_closed_form_lr``). A factor a torch scheduler puts on the shared scale multiplies it, as it
+    multiplies each member's lr on N torch optimizers.
     """
 
     def __init__(self, optimizer, step_size, gamma=0.1):
@@ -1379,6 +1413,11 @@ class StackedStepLR(StackedLRScheduler):
 
     def _member_lr(self, base, epoch, scale):
         return base * self.gamma ** torch.floor(epoch / self.step_size)
+
+    def _next_member_lr(self, group, base, epoch):
+        """torch's StepLR.get_lr per member: times gamma where `epoch` is a multiple of step_size, else as it is."""
+        member = group["member_lr"].to(self.gamma.dtype)
+        return torch.where(torch.remainder(epoch, self.step_size) == 0, member * self.gamma, member)
 
 
 class StackedCosineLR(StackedLRScheduler):
