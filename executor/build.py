@@ -32,8 +32,9 @@ from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError, TraceError)
-from stagewise.planner.graph import (BUFFER_VALUE_READS, REAL_BUFFERS, ModelGraph, global_hooks_present, global_hooks_refusal,
-                                      gradients_refusal, plain_fx_code, registration_hooks_off, retrace)
+from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFFERS, ModelGraph, global_hooks_present,
+                                      global_hooks_refusal, gradients_refusal, plain_fx_code, registration_hooks_off,
+                                      retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
 from stagewise.planner.validate import stage_graph, validate
@@ -511,18 +512,46 @@ class _ValueReadWatch:
     build-time values take. Costs, for such plans only, a torch.equal per small buffer per call and a look at the
     version counters of the large ones (see _marks), and one copy of those buffers."""
 
-    def __init__(self, private: nn.Module, plan: Plan, stacked: dict[str, torch.Tensor], written: set[str],
-                 reads: Sequence[str], first: str, real: Sequence[str]):
-        """`first`: member 0's plain trace's code, as _members_trace_alike traced it; `real`: REAL_BUFFERS."""
+    def __init__(self, private: nn.Module, plan: Plan, stacked: dict[str, torch.Tensor], always: set[str],
+                 in_training: dict[str, str], reads: Sequence[str], first: str, real: Sequence[str],
+                 read: Sequence[str] | None):
+        """`first`: member 0's plain trace's code, as _members_trace_alike traced it; `real`: REAL_BUFFERS; `read`:
+        READ_BUFFERS (None where not known); `always`, `in_training`: the buffers forward() writes (written_state)."""
         self.model = copy.deepcopy(private)  # its own: the stage modules share `private`'s submodules
         self.names = [i.name for i in plan.inputs]
         self.opened = tuple(plan.opened_modules)
-        self.first = first
         self.real = tuple(real)
         self.reads = tuple(reads)
-        self.keys = [k for k in _buffer_names(self.model) if k in stacked and k not in written]
+        # a buffer read into Python that a layer updates in training (BatchNorm's num_batches_tracked): watched (a
+        # loaded state changes it), and a call with that layer in training refused (_refuse_trained_reads)
+        self.trained = {k: owner for k, owner in in_training.items() if read is None or k in read}
+        self.keys = [k for k in _buffer_names(self.model) if k in stacked and k not in always
+                     and (k not in in_training or k in self.trained)]
         self.seen = [stacked[k].detach().clone() for k in self.keys]
         self.marks = self._marks(stacked)
+        own = dict(self.model.named_buffers(remove_duplicate=False))
+        cast = False
+        with torch.no_grad():
+            for k in self.keys:  # member 0's values as the plan holds them (a bfloat16 plan rounds a float's value)
+                if k in own and own[k].dtype != stacked[k].dtype:
+                    own[k].copy_(stacked[k][0].to(own[k].dtype))
+                    cast = True
+        self.first = plain_fx_code(self.model, self.names, self.opened, self.real) if cast else first
+
+    def refuse_trained_reads(self, module: "BatchedModule") -> None:
+        """ExecutionError for a call with a layer in training whose buffer forward() reads the value of (a warm-up
+        branch on BatchNorm's num_batches_tracked): the layer writes it each call, so the loop's members take the
+        other branch once it crosses, which the graph, holding the branch member 0's value took at build, never
+        does."""
+        trained = [k for k, owner in self.trained.items() if module._stage_layer_mode(owner)]
+        if trained:
+            raise ExecutionError(
+                f"forward() turns the values of {', '.join(trained[:3])} into Python (a branch or a number made of "
+                f"{'them' if len(trained) > 1 else 'it'}), which {'their layers update' if len(trained) > 1 else 'its layer updates'} "
+                "on every call in training mode: the graph keeps the branch member 0's value took at build, and the "
+                "loop's members would take the other once the value crosses (a warm-up switch after k steps). Call it "
+                "in eval mode, or keep the choice on tensors (torch.where(...)), or count the steps outside the model "
+                "and pass the switch in as an input")
 
     def _marks(self, stacked: dict[str, torch.Tensor]) -> list[tuple]:
         """What tells, without reading values, that a large buffer is as last checked: the tensor, its memory and its
@@ -1569,6 +1598,7 @@ class BatchedModule(nn.Module):
             self._follow_replaced_state()
         if self.__dict__.get("_value_reads") is not None:  # forward() reads buffer values: changed since build?
             self.__dict__["_value_reads"].check(self._stacked)
+            self.__dict__["_value_reads"].refuse_trained_reads(self)  # (a layer in training: by .train() or by hand)
         captured = self.__dict__["_captured"]
         if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
             try:
@@ -1818,9 +1848,10 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
     if first_code is not None:
-        module.__dict__["_value_reads"] = _ValueReadWatch(private, plan, module._stacked, always | set(in_training),
+        module.__dict__["_value_reads"] = _ValueReadWatch(private, plan, module._stacked, always, in_training,
                                                           graph.gm.meta[BUFFER_VALUE_READS], first_code,
-                                                          graph.gm.meta.get(REAL_BUFFERS, ()))
+                                                          graph.gm.meta.get(REAL_BUFFERS, ()),
+                                                          graph.gm.meta.get(READ_BUFFERS))
     return module
 
 

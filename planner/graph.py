@@ -30,7 +30,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace
+from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace, norm_stats_updated
 from stagewise.planner.errors import TraceError
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.inputs import traced_specs
@@ -732,6 +732,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
             return gm
 
         versions = {id(b): b._version for b in model.buffers()}  # a write on a real buffer leaves no node: seen here
+        first_values = {id(b): b.detach().clone() for b in model.buffers()}  # (what the first trace may write)
         with _tensor_values_read() as values_read:
             try:
                 gm = fx()
@@ -739,7 +740,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                 # `self.pe[:, :x.size(1)]` beside `int(self.act_id)`: neither all buffers real nor all graph values
                 # trace; the ones read into Python are kept real, the rest made graph values (the "plain" trace below)
                 seen = (list(turned_off), copy.copy(random_drawn.calls))
-                real = buffers_read_in_python(model, opened, fixed or None)
+                real = buffers_read_in_python(model, opened, fixed or None) or frozenset()
                 turned_off[:] = seen[0]
                 random_drawn.calls = seen[1]
                 if not real:
@@ -767,19 +768,62 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
             try:
                 gm = fx(proxy_buffers=True)
             except Exception as e:
-                plain = fx() if values_read and not baked and not (varies and written_eagerly) else None
-                if plain is not None and (not varies or not _graph_writes_state(plain, model)):
+                plain, clash, read = None, [], None
+                if values_read:
+                    seen = (list(turned_off), copy.copy(random_drawn.calls))
+                    read = real or buffers_read_in_python(model, opened, fixed or None)
+                    turned_off[:] = seen[0]
+                    random_drawn.calls = seen[1]
+                if read:
+                    # traced again with only the buffers read into Python real tensors, every other a graph value: no
+                    # other buffer's value baked in (`x @ self.B.t()`), no other buffer written at trace time (a
+                    # running mean beside the flag). A read buffer written at trace time is one forward() writes
+                    real = read
+                    # what the first trace wrote is put back: a buffer now a graph value records its writes as nodes;
+                    # one read into Python that forward() writes (`self.initialized.fill_(1)`) is refused below
+                    undone = [(name, b) for name, b in model.named_buffers()
+                              if b._version != versions.get(id(b)) and id(b) in first_values]
+                    for _, b in undone:  # (not torch.no_grad(): the watches would count it as forward()'s)
+                        b.detach().copy_(first_values[id(b)])
+                    clash = sorted(name for name, _ in undone if name in read)
+                    if not clash:
+                        again = {id(b): b._version for b in model.buffers()}
+                        plain = fx()
+                        clash = sorted(name for name, b in model.named_buffers()
+                                       if name in read and b._version != again.get(id(b)))
+                        plain.meta[TRACE_WRITES_UNDONE] = tuple(name for name, _ in undone)
+                elif values_read and not (varies and written_eagerly):
+                    plain = fx()  # (what is read is not known: every buffer a real tensor, as the first trace)
+                if plain is not None and baked_constants(plain) and _baked_from_buffers(plain, model, opened, fixed, real):
+                    plain = None  # (`x * (self.act_id + 1)` beside the read: member 0's value baked in for every member)
+                if plain is not None and not clash:
+                    clash = _read_buffers_written(plain, model, read)
+                if plain is not None and not clash:
                     # a value read into Python that no other value tried changes the graph of: a NaN guard, a log
                     # line, or a branch only some values take (`if int(self.act_id) == 2:` with member 0's 0). Or one
-                    # that other values change where member 0's graph writes no state, so it stays what it is from call
-                    # to call: members loaded from a checkpoint (Glow's ActNorm, `if self.initialized.item() == 0`, with
-                    # every member initialised). The plain graph stands; executor.build traces every member with its
-                    # own buffers and refuses where one gives another graph (a graph read with gm.meta, so a plan needs
-                    # no field for it), and the batched module traces again a member whose buffers change after build
+                    # that other values change: members loaded from a checkpoint (Glow's ActNorm,
+                    # `if self.initialized.item() == 0`, with every member initialised). Member 0's graph writes none
+                    # of the buffers read, so its side of the branch stays taken from call to call. The plain graph
+                    # stands; executor.build traces every member with its own buffers and refuses where one gives
+                    # another graph (a graph read with gm.meta, so a plan needs no field for it), and the batched
+                    # module traces again a member whose buffers change after build
                     gm = plain
                     gm.meta[BUFFER_VALUE_READS] = tuple(dict.fromkeys(values_read))
+                    if read is not None:
+                        gm.meta[READ_BUFFERS] = tuple(sorted(read))
                     if real:
                         gm.meta[REAL_BUFFERS] = tuple(sorted(real))
+                elif clash:
+                    raise TraceError(
+                        f"forward() turns a buffer's values into Python ({', '.join(clash[:3])}: a branch or a number "
+                        "made of them), and forward() itself writes "
+                        f"{'them' if len(clash) > 1 else 'it'} (an in-place update, or a layer updating its statistics "
+                        "in training: BatchNorm's num_batches_tracked): the graph keeps the side member 0's value takes "
+                        "now, and the loop's members would take the other once their values cross (a warm-up "
+                        "switch after k steps). Keep the choice on tensors (torch.where(...)), or count the steps "
+                        "outside the model and pass the switch in as an input; for a flag guarding a data-dependent "
+                        "init (Glow ActNorm's `if self.initialized.item() == 0`), run the init on each member before "
+                        "planning (members all initialised trace and run as the loop)") from None
                 else:
                     raise TraceError(
                         f"forward() turns a buffer's values into Python (float(), int(), .tolist(), a branch on them: "
@@ -841,6 +885,10 @@ def plain_fx_code(model: nn.Module, input_names: Sequence[str], opened: Sequence
 
 
 BUFFER_VALUE_READS = "stagewise_buffer_value_reads"  # gm.meta key: what forward() read of buffer values (_fx_trace)
+# gm.meta key: the buffers forward() reads the values of into Python (opening.buffers_read_in_python), where known
+READ_BUFFERS = "stagewise_read_buffers"
+# gm.meta key: buffers the first plain trace wrote at trace time that the graph kept records as nodes (put back)
+TRACE_WRITES_UNDONE = "stagewise_trace_writes_undone"
 # gm.meta key: the buffers a trace kept real tensors where every other was a graph value (opening.buffers_read_in_python)
 REAL_BUFFERS = "stagewise_real_buffers"
 BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it bakes into a graph
@@ -851,21 +899,54 @@ def baked_constants(gm: torch.fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(BAKED_PREFIXES)]
 
 
-def _graph_writes_state(gm: torch.fx.GraphModule, model: nn.Module) -> bool:
-    """Whether `gm` may write the model's state when it runs: an in-place op on a parameter or buffer (or a view of
-    one: `self.initialized.fill_(1)`, `self.loc.data.copy_(...)`), or a leaf module holding buffers called in training
-    mode (BatchNorm updates its statistics and num_batches_tracked). A graph that writes none computes the same
-    program on every call, so a branch member 0's buffers took at trace stays taken."""
+def _read_buffers_written(gm: torch.fx.GraphModule, model: nn.Module, read: frozenset[str] | None) -> list[str]:
+    """The buffers of `read` (buffers forward() reads the values of into Python) that `gm` writes when it runs (in
+    place, or as a leaf module's statistics in training); with `read` unknown (None), every buffer `gm` writes."""
+    written = _buffers_written(gm, model)
+    return sorted(written if read is None else written & read)
+
+
+def _buffers_written(gm: torch.fx.GraphModule, model: nn.Module) -> set[str]:
+    """The buffers (dotted names) `gm` may write when it runs: the root of an in-place op's target (a view of one:
+    `self.initialized.fill_(1)`, `self.loc.data.copy_(...)`), a functional norm's running statistics, and the buffers
+    of a leaf module called in training mode (BatchNorm's statistics and num_batches_tracked)."""
+    buffers = {name for name, _ in model.named_buffers()}
+    out: set[str] = set()
     for node in gm.graph.nodes:
+        roots = set()
         if is_inplace(node) and isinstance(node.args[0], torch.fx.Node):
-            root = alias_chain(node.args[0])[-1]
-            if root.op == "get_attr" or root.op not in ("placeholder",) and any(
-                    n.op == "get_attr" for n in root.all_input_nodes):
-                return True
+            roots |= {alias_chain(node.args[0])[-1], storage_root(node.args[0], every_module=False)}
+        roots |= {storage_root(stat, every_module=False) for stat in norm_stats_updated(node)}
+        for root in roots:  # (a root made of a get_attr otherwise, `self.loc.data`, counts as that buffer)
+            for n in [root] if root.op == "get_attr" else [] if root.op == "placeholder" else root.all_input_nodes:
+                if n.op == "get_attr" and str(n.target) in buffers:
+                    out.add(str(n.target))
         if node.op == "call_module":
             mod = model.get_submodule(str(node.target))
-            if mod.training and any(b is not None for b in mod.buffers()):
-                return True
+            if mod.training:
+                out.update(f"{node.target}.{k}" for k, b in mod.named_buffers() if b is not None)
+    return out
+
+
+def _baked_from_buffers(gm: torch.fx.GraphModule, model: nn.Module, opened: Sequence[str], fixed: dict,
+                        real: frozenset[str]) -> bool:
+    """Whether a tensor fx baked into `gm` (a plain trace, or one with only `real` buffers real) comes from buffers:
+    traced again with every buffer holding other values (swapped, not written), the program or a baked tensor's
+    value changes. One that does not is a constant forward() makes (`torch.tensor([1., -1.])`)."""
+    owners = [(mod, k, b) for mod in model.modules() for k, b in mod._buffers.items() if b is not None]
+    for variant in (0, 1):
+        try:
+            for mod, k, b in owners:
+                mod._buffers[k] = _other_values(b, variant)
+            again = symbolic_trace_opening(model, opened, fixed or None, real_buffers=real)
+        except Exception:  # noqa: BLE001 - other values break the trace: it depends on them
+            return True
+        finally:
+            for mod, k, b in owners:
+                mod._buffers[k] = b
+        if again.code != gm.code or any(not _same_tensor(getattr(gm, t), getattr(again, t, None))
+                                        for t in baked_constants(gm)):
+            return True
     return False
 
 
@@ -938,16 +1019,21 @@ def _state_derived_constants(gm: torch.fx.GraphModule, model: nn.Module, opened:
     grads = [t for t in baked if getattr(gm, t).requires_grad]
     if grads:
         return ", ".join(grads)
+    # a graph kept with buffers read into Python real tensors (_fx_trace's fallback, BUFFER_VALUE_READS) is traced again
+    # as it was, its buffers as they are: their other values would take another branch, and _baked_from_buffers has
+    # shown its baked tensors come from no buffer
+    kept = BUFFER_VALUE_READS in gm.meta
+    real = gm.meta.get(REAL_BUFFERS, ())
     swapped = []
     try:
         for mod in model.modules():
-            for table in (mod._parameters, mod._buffers):
+            for table in (mod._parameters,) if kept else (mod._parameters, mod._buffers):
                 for k, t in table.items():
                     if t is not None:
                         swapped.append((table, k, t))
                         other = _other_values(t)
                         table[k] = nn.Parameter(other, t.requires_grad) if isinstance(t, nn.Parameter) else other
-        again = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=True)
+        again = symbolic_trace_opening(model, opened, fixed or None, proxy_buffers=not kept, real_buffers=real)
     except Exception:  # noqa: BLE001 - other values break the trace: it depends on them
         return ", ".join(baked)
     finally:
@@ -994,6 +1080,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         derivative_in(gm)
         hooks_in(gm)
         changed = before.restore_if_changed(model)
+        undone = set(gm.meta.get(TRACE_WRITES_UNDONE, ())) if tracer == "fx" else set()
+        if undone:  # written by fx's first trace, which _fx_trace put back: the graph records those writes as nodes
+            changed = StateChange([t for t in changed.tensors if t not in undone], changed.attributes, changed.carried)
         if changed.carried and not _attributes_carried(model, example_inputs, before):
             # set from the inputs but not read back by a later call (an activation kept to look at): as before
             kept = set(changed.carried)

@@ -27,9 +27,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import operator
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx
@@ -204,60 +205,132 @@ class OpeningTracer(ContainerTracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
+class _ReadFailure(TypeError):
+    """A traced value forward() turns into Python that no state alone makes: the buffers it derives from."""
+
+    def __init__(self, what: str, buffers: set[str]):
+        super().__init__(f"{what}() of a traced value")
+        self.buffers = buffers
+
+
 class _ReadProxy(torch.fx.Proxy):
     """A proxy that, turned into a Python number, bool, index or length, tells its tracer which buffers its value
-    came from before it fails as any proxy does (see _ReadRecordingTracer)."""
+    came from and, where the value comes from the model's state alone, gives the state's value instead of failing
+    (see _ReadRecordingTracer)."""
 
-    def _refused(self, what: str) -> Any:
-        self.tracer.record(self.node)
-        raise TypeError(f"{what}() of a traced value")
+    def _read(self, what: str, convert: Callable[[Any], Any]) -> Any:
+        return convert(self.tracer.value_of(self.node, what))
 
     def __int__(self):
-        return self._refused("int")
+        return self._read("int", int)
 
     def __float__(self):
-        return self._refused("float")
+        return self._read("float", float)
 
     def __complex__(self):
-        return self._refused("complex")
+        return self._read("complex", complex)
 
     def __index__(self):
-        return self._refused("index")
+        return self._read("index", operator.index)
 
     def __len__(self):
-        return self._refused("len")
+        return self._read("len", len)
+
+
+_SHAPE_READS = frozenset({"size", "dim", "numel", "shape", "ndim", "ndimension", "dtype", "device"})
+
+
+def _shape_read(node: torch.fx.Node) -> bool:
+    """`t.size(1)`, `t.shape`, `t.dim()`: what it reads of `t` is no value (a buffer's shape is the same per member)."""
+    if node.op == "call_method":
+        return node.target in _SHAPE_READS
+    return node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] in _SHAPE_READS
 
 
 class _ReadRecordingTracer(OpeningTracer):
-    """OpeningTracer with every buffer but `real_buffers` a graph value, recording the buffers (get_attr names) whose
-    values forward() turns into Python: what the node made into a number, bool, index or iterator derives from."""
+    """OpeningTracer with every buffer a graph value, recording the buffers (get_attr names) whose values forward()
+    turns into Python (a number, bool, index, length or iterator of a value derived from them, not through a shape
+    read). A value made of the model's state alone is worked out on the real state (copies: nothing is written) and
+    given to forward(), so one trace finds every such read; one that derives from an input, or through a module call,
+    fails as any proxy does (a _ReadFailure naming its buffers)."""
 
     def __init__(self, opened: Iterable[str], real_buffers: Iterable[str]):
         super().__init__(opened, True, real_buffers)
         self.read: set[str] = set()
+        self._values: dict[torch.fx.Node, Any] = {}
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _ReadProxy(node, self)
 
-    def record(self, node: torch.fx.Node) -> None:
+    def _ancestry(self, node: torch.fx.Node) -> tuple[set[str], bool]:
+        """(the buffers `node`'s value derives from, not through shape reads; whether it derives from state alone)"""
         buffers = {name for name, _ in self.root.named_buffers()}
+        found, alone = set(), True
         seen, todo = set(), [node]
         while todo:
             n = todo.pop()
             if n in seen:
                 continue
             seen.add(n)
+            if n.op in ("placeholder", "call_module"):
+                alone = False
             if n.op == "get_attr" and str(n.target) in buffers:
-                self.read.add(str(n.target))
+                found.add(str(n.target))
+            if not _shape_read(n):
+                todo.extend(n.all_input_nodes)
+            else:
+                alone = alone and all(self._state_alone(m) for m in n.all_input_nodes)
+        return found, alone
+
+    def _state_alone(self, node: torch.fx.Node) -> bool:
+        todo, seen = [node], set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op in ("placeholder", "call_module"):
+                return False
             todo.extend(n.all_input_nodes)
+        return True
+
+    def value_of(self, node: torch.fx.Node, what: str) -> Any:
+        found, alone = self._ancestry(node)
+        if not alone:  # (not recorded: torch's argument parsing tries __index__ and goes on where it fails)
+            raise _ReadFailure(what, found)
+        try:
+            value = self._evaluate(node)
+        except Exception as e:  # noqa: BLE001 - named as the read it is
+            raise _ReadFailure(what, found) from e
+        self.read |= found
+        return value
+
+    def _evaluate(self, node: torch.fx.Node) -> Any:
+        """`node`'s value on copies of the real state (get_attr, call_function and call_method nodes only)."""
+        if node in self._values:
+            return self._values[node]
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self._evaluate)
+        if node.op == "get_attr":
+            # (not getattr: while fx traces, a module's attribute access gives the proxy of a parameter or buffer)
+            path, _, name = str(node.target).rpartition(".")
+            owner = self.root.get_submodule(path)
+            value = owner._buffers[name] if name in owner._buffers else owner._parameters[name] \
+                if name in owner._parameters else vars(owner)[name]
+            value = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        elif node.op == "call_function":
+            value = node.target(*args, **kwargs)
+        elif node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            raise _ReadFailure("evaluate", set())
+        self._values[node] = value
+        return value
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
-        self.record(obj.node)
-        return super().to_bool(obj)
+        return bool(self.value_of(obj.node, "bool"))
 
     def iter(self, obj: torch.fx.Proxy) -> Iterator:
-        self.record(obj.node)
-        return super().iter(obj)
+        return iter(self.value_of(obj.node, "iter"))
 
 
 def symbolic_trace_opening(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None,
@@ -279,27 +352,24 @@ def _traced(model: nn.Module, tracer: OpeningTracer, concrete_args: dict[str, An
         return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def buffers_read_in_python(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None) -> frozenset[str]:
-    """The buffers (dotted names) to keep real tensors in a trace where every other buffer is a graph value, for a
-    forward() that neither trace takes alone: one buffer sliced by a traced size (the tutorial PositionalEncoding's
-    `self.pe[:, :x.size(1)]`, a causal mask's `self.bias[:, :, :T, :T]`), which only a graph value can take, beside
-    another whose value forward() turns into Python (`int(self.act_id)`, Glow ActNorm's `self.initialized.item()`),
-    which only a real tensor can give. Traced with every buffer a graph value, then again with the buffers the last
-    failure read kept real, until a trace succeeds; empty when no buffer read is what fails (or nothing more is
-    found to keep). Nothing is written to `model`."""
-    names = [name for name, _ in model.named_buffers()]
-    real: frozenset[str] = frozenset()
-    for _ in range(len(names) + 1):
-        tracer = _ReadRecordingTracer(opened, real)
-        try:
-            _traced(model, tracer, concrete_args)
-            return real
-        except Exception:  # noqa: BLE001 - the failure is the finding: what it read is kept real next time
-            more = tracer.read - real
-            if not more:
-                return frozenset()
-            real |= more
-    return frozenset()
+def buffers_read_in_python(model: nn.Module, opened: Iterable[str], concrete_args: dict[str, Any] | None
+                           ) -> frozenset[str] | None:
+    """The buffers (dotted names) whose values forward() turns into Python (`int(self.act_id)`, Glow ActNorm's
+    `self.initialized.item()`, `if self.flag.any():`), found by a trace with every buffer a graph value where each
+    such read of a value made of the state alone is worked out on the real state (nothing is written to `model`).
+    None where that trace fails all the same (a read of a value an input makes, a Python loop over a buffer's rows
+    through a module): what is read is then not known.
+
+    Keeping those buffers real tensors and making every other buffer a graph value traces a forward() that neither
+    plain trace takes: one buffer sliced by a traced size (the tutorial PositionalEncoding's `self.pe[:, :x.size(1)]`,
+    a causal mask's `self.bias[:, :, :T, :T]`), which only a graph value can take, beside a buffer read into Python,
+    which only a real tensor can give (planner.graph._fx_trace)."""
+    tracer = _ReadRecordingTracer(opened, ())
+    try:
+        _traced(model, tracer, concrete_args)
+    except Exception:  # noqa: BLE001 - whatever stops fx stops the reads' search too
+        return None
+    return frozenset(tracer.read)
 
 
 @contextlib.contextmanager

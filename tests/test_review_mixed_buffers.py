@@ -145,3 +145,142 @@ def test_a_read_buffer_changed_after_build_is_traced_again_with_the_others_as_gr
         ens.stacked_state["act_id"][1] = 7  # relu again
         members[1].act_id.fill_(7)
         torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]), rtol=1e-5, atol=1e-6)
+
+
+# --- which buffers are read, and whether forward() writes them ----------------------------------------------------
+
+class WarmUp(nn.Module):
+    """A warm-up switch on BatchNorm's step count, read after the layer ran (the loop switches at call 1005)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = self.bn(self.fc(x))
+        if self.bn.num_batches_tracked.item() < 1005:
+            h = h * 0.5
+        return h
+
+
+def test_a_branch_on_a_buffer_forward_writes_in_training_is_refused_at_trace():
+    # before: traced (no tried value crosses 1005), and after 1003 training calls the batched module kept damping
+    # where the loop had switched: 0.50 off, silently
+    torch.manual_seed(0)
+    with pytest.raises(planner.TraceError, match=r"buffer.s values into Python \(bn\.num_batches_tracked.*forward\(\) itself writes it"):
+        planner.trace(WarmUp().train(), (torch.randn(5, 8),))
+
+
+def test_a_branch_on_a_statistic_traced_in_eval_watches_loads_and_refuses_training_calls():
+    torch.manual_seed(0)
+    members = [WarmUp().eval() for _ in range(N)]
+    x = torch.randn(5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+        sd = members[1].state_dict()
+        sd["bn.num_batches_tracked"] = torch.tensor(5000)
+        ens.load_member_state_dict(1, sd)  # before: not watched (BatchNorm writes it in training), 0.41 off
+        with pytest.raises(ExecutionError, match=r"member 1's buffers changed since build"):
+            ens(x)
+        sd["bn.num_batches_tracked"] = torch.tensor(0)
+        ens.load_member_state_dict(1, sd)
+        ens.train()
+        with pytest.raises(ExecutionError, match=r"bn\.num_batches_tracked into Python.*in training mode"):
+            ens(x)
+
+
+class SizedMask(EncodedById):
+    """A mask made from the traced size after the positional table (the recorded reads once took pe through T)."""
+
+    def __init__(self, act_id: int = 0, kind: str = "eye"):
+        super().__init__(act_id)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.fc(self.pos(x))
+        t = h.size(-2)
+        mask = torch.eye(t) if self.kind == "eye" else nn.Transformer.generate_square_subsequent_mask(t)
+        h = torch.softmax(h @ h.transpose(-1, -2) + mask, -1) @ h
+        return torch.tanh(h) if int(self.act_id) == 2 else torch.relu(h)
+
+
+@pytest.mark.parametrize("kind", ["eye", "causal"])
+def test_a_mask_made_from_a_traced_size_beside_the_table_and_the_read_traces(kind):
+    members = [SizedMask(v, kind) for v in (0, 1, 5)]
+    x = torch.randn(N, 4, 10, 16)
+    graph, plan = _plan(members[0], x)
+    assert graph.tracer == "fx" and graph.gm.meta[graph_module.REAL_BUFFERS] == ("act_id",)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]), rtol=1e-5, atol=1e-6)
+
+
+class ConstantAndRead(nn.Module):
+    """A constant tensor made in forward() beside a buffer read (refused as if the constant came from a buffer)."""
+
+    def __init__(self, act_id: int = 0):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("act_id", torch.tensor(act_id))
+
+    def forward(self, x):
+        h = self.fc(x) * torch.tensor([1.0, -1.0]).repeat(8)
+        return torch.tanh(h) if int(self.act_id) == 2 else torch.relu(h)
+
+
+class WrittenBesideRead(nn.Module):
+    """A flag read into Python beside state forward() writes (a running mean), and BatchNorm in training."""
+
+    def __init__(self, flag: bool = True):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+        self.register_buffer("use_ema", torch.tensor(flag))
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.bn(self.fc(x))
+        if self.use_ema:
+            self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+            h = h - self.ema
+        return h
+
+
+@pytest.mark.parametrize("cls,arg", [(ConstantAndRead, 0), (WrittenBesideRead, True), (WrittenBesideRead, False)])
+def test_reads_beside_constants_or_other_written_state_trace_and_run_as_the_loop(cls, arg):
+    # before: refused (a constant from no buffer counted as baked from one; any state written counted as the read one)
+    torch.manual_seed(0)
+    members = [cls(arg).train() for _ in range(N)]
+    x = torch.randn(5, 16)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-6)
+    for k, v in ens.stacked_state.items():
+        torch.testing.assert_close(v, torch.stack([m.state_dict()[k] for m in members]), rtol=1e-5, atol=1e-6)
+
+
+class Temperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("temp", torch.tensor(0.1))
+        self.register_buffer("gain", torch.ones(8))
+
+    def forward(self, x):
+        return self.fc(x) * self.gain * float(self.temp)
+
+
+def test_a_bfloat16_plan_reading_a_float_is_not_refused_when_another_buffer_changes():
+    # before: the watch compared bfloat16-rounded values' trace (0.10009765625) with the float32 one (0.1): refused
+    torch.manual_seed(0)
+    members = [Temperature() for _ in range(N)]
+    x = torch.randn(5, 8)
+    plan = planner.set_dtype(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N), "bfloat16")
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        ens.stacked_state["gain"][1].mul_(2)
+        members[1].gain.mul_(2)
+        torch.testing.assert_close(ens(x).float(), torch.stack([m(x) for m in members]), rtol=3e-2, atol=3e-2)
