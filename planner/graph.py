@@ -794,8 +794,10 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                         plain.meta[TRACE_WRITES_UNDONE] = tuple(name for name, _ in undone)
                 elif values_read and not (varies and written_eagerly):
                     plain = fx()  # (what is read is not known: every buffer a real tensor, as the first trace)
+                derived: list[str] = []
                 if plain is not None and baked_constants(plain) and _baked_from_buffers(plain, model, opened, fixed, real):
-                    plain = None  # (`x * (self.act_id + 1)` beside the read: member 0's value baked in for every member)
+                    # (`x * (self.act_id + 1)` beside the read: member 0's value baked in for every member)
+                    derived, plain = baked_constants(plain), None
                 if plain is not None and not clash:
                     clash = _read_buffers_written(plain, model, read)
                 if plain is not None and not clash:
@@ -824,6 +826,14 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                         "outside the model and pass the switch in as an input; for a flag guarding a data-dependent "
                         "init (Glow ActNorm's `if self.initialized.item() == 0`), run the init on each member before "
                         "planning (members all initialised trace and run as the loop)") from None
+                elif derived and read:
+                    raise TraceError(
+                        f"forward() turns a buffer's values into Python ({', '.join(sorted(read)[:3])}: a branch or a "
+                        "number made of them) and also computes a tensor from such a buffer alone (`self.act_id.float() "
+                        "+ 1`), which torch.fx then runs once at trace time and keeps as member 0's for every member "
+                        f"({', '.join(derived[:3])}). Keep the choice on tensors instead of the Python branch "
+                        "(torch.where(self.act_id == 2, torch.tanh(h), torch.relu(h))): the buffer is then a graph value "
+                        "and both computations are recorded per member") from None
                 else:
                     raise TraceError(
                         f"forward() turns a buffer's values into Python (float(), int(), .tolist(), a branch on them: "

@@ -284,3 +284,15 @@ def test_a_bfloat16_plan_reading_a_float_is_not_refused_when_another_buffer_chan
         ens.stacked_state["gain"][1].mul_(2)
         members[1].gain.mul_(2)
         torch.testing.assert_close(ens(x).float(), torch.stack([m(x) for m in members]), rtol=3e-2, atol=3e-2)
+
+
+class DerivedAndRead(ConstantAndRead):
+    def forward(self, x):
+        h = self.fc(x) * (self.act_id.float() + 1)
+        return torch.tanh(h) if self.act_id.item() == 2 else torch.relu(h)
+
+
+def test_a_tensor_made_of_a_read_buffer_alone_is_refused_naming_both():
+    # before: the generic "keep the computation on tensors ... write self.t.item()" though the model does just that
+    with pytest.raises(planner.TraceError, match=r"\(act_id: a branch.*_tensor_constant0.*torch\.where"):
+        planner.trace(DerivedAndRead(), (torch.randn(5, 16),))
