@@ -748,8 +748,13 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
                 del values_read[:]
                 try:
                     gm = fx()
-                except Exception:  # noqa: BLE001 - named as the plain trace's failure
-                    raise plain_failed from None
+                except Exception as e:  # noqa: BLE001 - named with what was tried
+                    raise TraceError(
+                        f"{type(plain_failed).__name__}: {_first_line(plain_failed)}; traced again with the buffers "
+                        f"forward() reads into Python ({', '.join(sorted(real)[:3])}) real tensors and every other a "
+                        f"graph value, {type(e).__name__}: {_first_line(e)} (a buffer both read into Python and sliced "
+                        "or shaped by a traced size is neither; keep the read on tensors, torch.where, or make the "
+                        "read from another buffer)") from None
                 gm.meta[REAL_BUFFERS] = tuple(sorted(real))
         written_eagerly = any(b._version != versions.get(id(b)) for b in model.buffers())
         baked = bool(baked_constants(gm))
