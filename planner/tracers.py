@@ -4,6 +4,7 @@ torch.fx: the forward() parameters the given inputs leave out are fixed to their
 (`_defaults_not_given`) and fx's placeholders for them removed (`_drop_concrete_placeholders`).
 torch.export (`_export`): non-strict, every dim offered as dynamic (static when that fails), quiet
 unless it succeeds; the symbol ranges are kept, the input-guard node dropped and sym_size reads made size() calls.
+nn.Transformer layers' causal-mask detection is taken as the caller gave it (`_causal_masks_as_given`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import io
 import logging
 import operator
 import sys
+import threading
 import warnings
 from typing import Any, Sequence
 
@@ -93,10 +95,12 @@ def _export_watched(model: nn.Module, args: tuple) -> torch.fx.GraphModule:
     """_export's body, inside its watch."""
     auto = tree_map(lambda v: {d: torch.export.Dim.AUTO for d in range(v.dim())} if isinstance(v, torch.Tensor) else None, args)
     try:
-        with _quiet_on_failure(), _inference_mode_as_no_grad(), _autograd_functions_seen() as functions:
+        with _quiet_on_failure(), _inference_mode_as_no_grad(), _autograd_functions_seen() as functions, \
+                _causal_masks_as_given():
             ep = torch.export.export(model, args, dynamic_shapes=auto, strict=False)
     except Exception:  # export raises many types; the static export below reports its own failure
-        with _quiet_on_failure(), _inference_mode_as_no_grad(), _autograd_functions_seen() as functions:
+        with _quiet_on_failure(), _inference_mode_as_no_grad(), _autograd_functions_seen() as functions, \
+                _causal_masks_as_given():
             ep = torch.export.export(model, args, strict=False)
     gm = ep.module()
     gm.meta["stagewise_ranges"] = {str(sym): _range_of(vr) for sym, vr in ep.range_constraints.items()}
@@ -108,6 +112,85 @@ def _export_watched(model: nn.Module, args: tuple) -> torch.fx.GraphModule:
     _drop_self_copies(gm)
     out_as_copies(gm)
     return gm
+
+
+_causal_lock = threading.Lock()
+_causal_depth = 0  # exports inside _causal_masks_as_given now (nested, or on other threads)
+_causal_saved: list[tuple[Any, str, Any]] = []  # (owner, name, torch's own) for each function replaced while they run
+# id(mask) -> [mask, whether it is the square subsequent mask (a 0-dim bool tensor), the mask with the gradient torch's
+# hint leaves it, made at its first use]: the masks the detection was asked about, for the layers' self-attention
+_causal_compared: dict[int, list] = {}
+
+
+def _causal_hint_as_given(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
+    """torch's _detect_is_causal_mask without turning the mask's values into a Python bool: the caller's is_causal as
+    given, False where it gave none (torch's answer for no mask and for every mask that is not the square subsequent
+    one). Where torch would have compared, the comparison is kept as a tensor for `_self_attention_as_hinted`."""
+    if is_causal is None and mask is not None:
+        from torch.nn.modules import transformer
+        sz = size if size is not None else mask.size(-2)
+        causal = transformer._generate_square_subsequent_mask(sz, device=mask.device, dtype=mask.dtype)
+        if mask.size() == causal.size():  # sizes, as torch compares them (a shape guard, not a value read)
+            _causal_compared[id(mask)] = [mask, (mask == causal).all(), None]
+    return is_causal is True
+
+
+def _self_attention_as_hinted(sa_block: Any) -> Any:
+    """A Transformer{Encoder,Decoder}Layer._sa_block that gives a compared mask the gradient torch gives it.
+
+    Where torch found the mask causal (and no key padding mask), MultiheadAttention drops it and lets
+    scaled_dot_product_attention apply its own causal mask: the mask gets no gradient. Here the mask is applied, as
+    torch.where(is_causal, mask.detach(), mask): its own values, and a gradient only where torch gives one (each
+    member's mask decides for that member)."""
+    def block(self, x, attn_mask, key_padding_mask, is_causal=False):
+        entry = _causal_compared.get(id(attn_mask)) if attn_mask is not None else None
+        if entry is not None and entry[0] is attn_mask and not is_causal and key_padding_mask is None:
+            if entry[2] is None:
+                entry[2] = torch.where(entry[1], attn_mask.detach(), attn_mask)
+            attn_mask = entry[2]
+        return sa_block(self, x, attn_mask, key_padding_mask, is_causal)
+    return block
+
+
+@contextlib.contextmanager
+def _causal_masks_as_given():
+    """Inside: nn.TransformerEncoder / nn.TransformerDecoder take the is_causal their caller gave (False for None)
+    instead of comparing the mask with the square subsequent mask in Python; torch's own functions are back
+    afterwards, also when export fails.
+
+    Given no is_causal, they call `bool((mask == causal).all())` (torch.nn.modules.transformer._detect_is_causal_mask)
+    on the mask's values, which export cannot follow (a GuardOnDataDependentSymNode, Eq(u0, 1)): the PyTorch
+    tutorial TransformerModel, whose mask is nn.Transformer.generate_square_subsequent_mask(len(src)), was refused.
+    The answer only picks how the same attention is computed: True, MultiheadAttention (no key padding mask, no
+    weights) drops the mask and scaled_dot_product_attention applies its own causal one, equal to it by that very
+    comparison (the layers' fused inference path reads the mask and ignores the answer). Here the mask is applied:
+    the same values up to rounding (1.6e-7 on the tutorial), right for every member (a per-member mask may be
+    causal for some only), and, through `_self_attention_as_hinted`, no gradient for a mask torch would have
+    dropped. A model whose export never reaches the comparison traces to the same graph: with is_causal given,
+    with no mask, or with a mask of another size, torch answered without reading values; a call that read them was
+    refused. While an export runs, these modules called on another thread take the same path: the same values."""
+    global _causal_depth
+    from torch.nn.modules import transformer
+    with _causal_lock:
+        if _causal_depth == 0 and getattr(transformer, "_detect_is_causal_mask", None) is not None:
+            replaced = [(transformer, "_detect_is_causal_mask", _causal_hint_as_given)]
+            for layer in (transformer.TransformerEncoderLayer, transformer.TransformerDecoderLayer):
+                if "_sa_block" in vars(layer):
+                    replaced.append((layer, "_sa_block", _self_attention_as_hinted(vars(layer)["_sa_block"])))
+            for owner, name, new in replaced:
+                _causal_saved.append((owner, name, vars(owner)[name]))
+                setattr(owner, name, new)
+        _causal_depth += 1
+    try:
+        yield
+    finally:
+        with _causal_lock:
+            _causal_depth -= 1
+            if _causal_depth == 0:
+                while _causal_saved:
+                    owner, name, own = _causal_saved.pop()
+                    setattr(owner, name, own)
+                _causal_compared.clear()
 
 
 def _functional_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
