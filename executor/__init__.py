@@ -10,7 +10,7 @@ from stagewise.executor.timing import Timing, simulate_oom  # noqa: F401,E402
 from stagewise.executor.profile import profile  # noqa: F401,E402
 from stagewise.executor.autotune import autotune  # noqa: F401,E402
 from stagewise.executor.sweep import n_sweep  # noqa: F401,E402
-from stagewise.executor.optim import StackedAdam, StackedAdamW, StackedCosineLR, StackedReduceLROnPlateau, StackedSGD, StackedStepLR, clip_grad_norm_per_member_  # noqa: F401,E402
+from stagewise.executor.optim import MemberLeftOutWarning, StackedAdam, StackedAdamW, StackedCosineLR, StackedReduceLROnPlateau, StackedSGD, StackedStepLR, clip_grad_norm_per_member_  # noqa: F401,E402
 from stagewise.executor.distributed import ShardedModule, build_sharded, member_slice  # noqa: F401,E402
 from stagewise.executor.capture import CapturedPlan, ReplayBackend, capture  # noqa: F401,E402
 from stagewise.executor.habits import JointNormWarning, update_bn  # noqa: F401,E402

@@ -6,7 +6,9 @@ their real inputs (the outputs of the strategies already chosen upstream). Each
 candidate runs the stage forward, takes a surrogate loss (the sum of its float
 outputs) and computes the gradients of the stage's member state and of its
 batched inputs; those gradients are checked against the member loop's (normwise,
-worst member) before anything is timed. Only strategies that carry gradients are
+worst member) before anything is timed, at verify(grads=True)'s tolerance for the plan's
+and the members' precision (stage_grads.grads_tolerance: 1e-4 in float32, 0.25 for a
+bfloat16 / float16 plan or members). Only strategies that carry gradients are
 candidates (cuda_graph is inference-only; compile runs eager in training mode, so
 it would only repeat vmap). Gradients are checked in eval() mode, where every way
 draws the same (no) dropout masks, and timed in train() mode, as training runs.
@@ -31,7 +33,7 @@ from stagewise.planner.plan import Plan, Stage, StageOptions, Strategy
 from stagewise.executor.autotune import Budget, _note, budget_of, candidate_strategies, number_loop_refusal, race, tuning_start
 from stagewise.executor.build import resolve_device
 from stagewise.executor.candidates import Progress, advance, loop_reference, make_runner, stage_inputs, try_strategy
-from stagewise.executor.stage_grads import GRAD_RTOL, fwd_bwd, grads_check, per_member_numbers
+from stagewise.executor.stage_grads import fwd_bwd, grads_check, grads_tolerance, per_member_numbers
 from stagewise.executor.report import StrategyResult
 from stagewise.executor.stages import LoopRunner
 
@@ -67,6 +69,7 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
     spend = budget_of(budget)
     n = plan.n_members
     allowed = set(TRAINING_CANDIDATES) & ({Strategy(s) for s in strategies} if strategies is not None else set(TRAINING_CANDIDATES))
+    rtol = grads_tolerance(plan, members)  # verify(grads=True)'s, at the plan's and the members' own precision
     inputs, members, module, env, total = tuning_start(plan, members, inputs, dev, allowed)
     loops = module.number_loops  # stages running as the member loop for a per_member Python number: loop only
     numbers = per_member_numbers(module, env)  # no gradient leaves: the loop hands each member a Python number
@@ -97,7 +100,7 @@ def tune_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any
             if not candidate.trainable:
                 continue
             _set_mode(module, False)
-            res, call, _ = try_strategy(strategy.value, stage.id, lambda c=candidate: checked(run(c)), check, dev, rtol=GRAD_RTOL)
+            res, call, _ = try_strategy(strategy.value, stage.id, lambda c=candidate: checked(run(c)), check, dev, rtol=rtol)
             results.append(res)
             if call is not None:
                 working[strategy.value] = (res, call if in_eval else run(candidate))

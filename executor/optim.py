@@ -49,7 +49,18 @@ Read and write them with ``opt.get_hyperparameter(name)`` / ``opt.set_hyperparam
 Step count. Adam keeps ``state[p]["step"]`` as a float32 tensor ``[N]`` per parameter (torch keeps a
 scalar tensor per parameter): all members share the same count unless ``opt.reset_member(i)``
 restarts member ``i`` (its moments and step go back to zero, so its bias correction restarts too,
-exactly like a fresh ``torch.optim.Adam``).
+exactly like a fresh ``torch.optim.Adam``), or ``step(active=...)`` leaves it out.
+
+A step of some members. ``opt.step(active=mask)`` (a bool mask of N, or the indices of the members that step) updates
+those members only; every other one is left as N torch optimizers leave a model whose loss was not backpropagated
+(grads None after ``zero_grad()``: torch skips such a parameter): parameters, moments, momentum buffer and step count
+unchanged, whatever its gradient rows hold; state created at that step starts fresh for it. It is for the pattern
+``per_member_loss[active].sum().backward()`` (PBT, bootstrap, a finished RL episode), where the members left out have
+zero gradient rows, and a zero gradient is still a step here as in torch (momentum, weight decay, Adam's count: 0.11
+off N torch AdamWs after two steps out). The members left out are put back after the step (their rows saved, then
+copied back: the cost grows with the number left out, nothing without ``active``). A step without ``active`` where
+some members' whole gradient is exactly zero while others' is not warns once (``MemberLeftOutWarning``), read
+without a device sync (see ``_watch_left_out``).
 
 Also here:
 
@@ -115,7 +126,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from stagewise.planner.errors import OptimizerError
 
 __all__ = [
-    "StackedSGD", "StackedAdam", "StackedAdamW", "clip_grad_norm_per_member_",
+    "StackedSGD", "StackedAdam", "StackedAdamW", "clip_grad_norm_per_member_", "MemberLeftOutWarning",
     "StackedLRScheduler", "StackedStepLR", "StackedCosineLR", "StackedReduceLROnPlateau",
 ]
 
@@ -330,22 +341,165 @@ class _StackedOptimizer(torch.optim.Optimizer):
 
     # step ---------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every member; ``closure`` re-evaluates the loss as in torch.optim."""
+    def step(self, closure=None, active=None):
+        """One update of every member; ``closure`` re-evaluates the loss as in torch.optim.
+
+        ``active``: the members this step updates (a bool mask of N, or member indices; a tensor on the GPU is read, one
+        sync); None = all. A member not
+        active is left exactly as N torch optimizers leave a model whose loss was not backpropagated (every grad None
+        after ``zero_grad()``): its parameters, its state (moments, momentum buffer) and its step count do not change,
+        whatever its gradient rows hold. That is what a step of a subset needs (PBT, bootstrap, a finished RL episode:
+        ``per_member_loss[active].sum().backward()``): without it the members left out have zero gradient rows, and a
+        zero gradient is still a step (momentum, weight decay, Adam's step count), as torch steps a zero grad. Without
+        ``active``, a step where some members' whole gradient is exactly zero while others' is not warns once
+        (MemberLeftOutWarning)."""
         if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
             _forget_grad_scaler(self)
             raise OptimizerError(f"{type(self).__name__}: {GRAD_SCALER_REFUSAL}")
         for group in self.param_groups:
             if isinstance(group, _MemberGroup):
                 group.check_unseen_writes()
+        left_out = self._left_out(active)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if active is None:
+            try:
+                self._watch_left_out()
+            except Warning:  # (warnings made errors: the caller's choice)
+                raise
+            except Exception:  # noqa: BLE001 - a warning's check must never stop a step (its CUDA path unmeasured)
+                self.__dict__["_left_out_warned"] = True
+        kept = self._keep_members(left_out) if left_out is not None else None
         for group in self.param_groups:
             for params, grads in self._buckets(group):
                 self._step_group(group, params, grads)
+        if kept is not None:
+            self._put_back_members(left_out, kept)
         return loss
+
+    def _left_out(self, active: Any) -> torch.Tensor | None:
+        """The members `active` leaves out of this step as an int64 index tensor (None where every member is in);
+        OptimizerError for a value that is neither a bool mask of N nor member indices."""
+        if active is None:
+            return None
+        owner, n = type(self).__name__, self.n_members
+        try:
+            t = torch.as_tensor(active.detach() if isinstance(active, torch.Tensor) else
+                                (list(active) if not isinstance(active, (list, tuple)) else active))
+        except (TypeError, ValueError, RuntimeError):
+            raise OptimizerError(f"{owner}.step(active={active!r}): not a mask or a list of members; pass a bool mask "
+                                 f"of {n} (True: the member steps) or the indices of the members that step") from None
+        t = t.cpu().reshape(-1) if t.dim() <= 1 else t
+        if t.dim() != 1:
+            raise OptimizerError(f"{owner}.step(active=...): shape {tuple(t.shape)}; pass a bool mask of {n} or a 1-d "
+                                 f"list of member indices")
+        if t.dtype == torch.bool:
+            if t.numel() != n:
+                raise OptimizerError(f"{owner}.step(active=...): a bool mask of {t.numel()} for {n} members; pass one "
+                                     f"value per member (True: the member steps)")
+            mask = t
+        elif t.numel() == 0 or not (t.dtype.is_floating_point or t.dtype.is_complex):
+            idx = t.long()
+            if t.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+                raise OptimizerError(f"{owner}.step(active={idx.tolist()}): no member {int(idx.min()) if int(idx.min()) < 0 else int(idx.max())}; "
+                                     f"member indices are 0..{n - 1} (or pass a bool mask of {n})")
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[idx] = True
+        else:
+            raise OptimizerError(f"{owner}.step(active=...): {t.dtype} values; pass a bool mask of {n} (True: the "
+                                 f"member steps) or integer member indices")
+        out = (~mask).nonzero().flatten()
+        return out if out.numel() else None
+
+    def _keep_members(self, left_out: torch.Tensor) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]]:
+        """The rows `left_out` of every parameter this step updates (those with a grad) and of its [N, ...] state
+        tensors by key, to put back after the step (_put_back_members)."""
+        kept = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue  # not stepped: nothing of it changes
+                idx = left_out.to(p.device)
+                state = {key: value.index_select(0, idx) for key, value in self.state.get(p, {}).items()
+                         if self._member_rows(value)}
+                kept.append((p, state, p.index_select(0, idx)))
+        return kept
+
+    def _member_rows(self, value: Any) -> bool:
+        """Whether a state value holds one row per member ([N, ...]: moments, buffers, Adam's step, momentum_members)."""
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == self.n_members
+
+    def _put_back_members(self, left_out: torch.Tensor, kept: list) -> None:
+        """Undo the step for the members left out: their rows of the parameters and of each state entry as they were,
+        written into the tensor the entry holds now (the step may replace one: SGD's momentum_members); the rows of an
+        entry the step created (a first step: Adam's moments and count, SGD's momentum buffer) as a fresh torch
+        optimizer's, zero (momentum_members False: no buffer yet, its first step with momentum starts buf = grad)."""
+        for p, state, rows in kept:
+            idx = left_out.to(p.device)
+            p.index_copy_(0, idx, rows)
+            for key, value in self.state.get(p, {}).items():
+                if not self._member_rows(value):
+                    continue
+                if key in state:
+                    value.index_copy_(0, idx.to(value.device), state[key])
+                else:
+                    value.index_fill_(0, idx.to(value.device), 0)
+
+    def _watch_left_out(self) -> None:
+        """Warn once (MemberLeftOutWarning) at a step where some members' gradient is exactly zero in every parameter
+        while others' is not: what a member left out of the loss looks like (`per_member_loss[active].sum().backward()`),
+        which N torch optimizers would leave alone (grad None) and this step moves as a zero gradient.
+
+        Cheap, and no device read per step (the step's own rule, see "Members alike"): the smallest gradient is looked
+        at first (a member whose whole gradient is zero has a zero row there too), every gradient only where some
+        member's row of it is zero. On CPU the rows are read as host memory (numpy: no aten op, nothing to wait for);
+        on CUDA the [N] flags are computed on the device and copied to pinned memory without waiting, and looked at
+        from a later step once the copy is done (the whole check then one step later). Gradients on several devices,
+        or in a dtype numpy cannot read, are not checked."""
+        if self.__dict__.get("_left_out_warned") or self.n_members < 2:
+            return
+        grads = [p.grad for group in self.param_groups for p in group["params"]
+                 if p.grad is not None and not p.grad.is_sparse and p.grad.numel() > 0]
+        if not grads or any(g.device != grads[0].device for g in grads):
+            return
+        n = self.n_members
+        probe = min(grads, key=torch.Tensor.numel)
+        if grads[0].is_cuda:
+            pending = self.__dict__.get("_left_out_pending")
+            if pending is not None:
+                host, done, whole = pending
+                if not done.query():
+                    return  # the copy of an earlier step's flags is still on its way
+                self.__dict__["_left_out_pending"] = None
+                has = host.tolist()
+                if whole:
+                    self._judge_left_out(has)
+                    return
+                if all(has):
+                    return
+                self.__dict__["_left_out_pending"] = _flags_on_host(grads, n) + (True,)  # suspicious: all of them
+                return
+            self.__dict__["_left_out_pending"] = _flags_on_host([probe], n) + (False,)
+            return
+        if grads[0].device.type != "cpu":
+            return
+        has = _host_members_with_gradient([probe], n)
+        if has is None or all(has):
+            return
+        has = _host_members_with_gradient(grads, n)
+        if has is not None:
+            self._judge_left_out(has)
+
+    def _judge_left_out(self, has: list[bool]) -> None:
+        """Warn where `has` (member i has a non-zero gradient element somewhere) is False for some, True for others."""
+        if all(has) or not any(has):
+            return
+        self.__dict__["_left_out_warned"] = True
+        out = [i for i, h in enumerate(has) if not h]
+        warnings.warn(left_out_warning(type(self).__name__, out, self.n_members), MemberLeftOutWarning,
+                      stacklevel=_callers_level())
 
     def _buckets(self, group: dict):
         """(params, grads) lists of the params with a grad, one pair per (device, dtype)."""
@@ -391,6 +545,53 @@ class _StackedOptimizer(torch.optim.Optimizer):
 
 
 _UNREAD = object()  # _counted: a step count not seen since it last changed
+
+
+class MemberLeftOutWarning(UserWarning):
+    """A stacked optimizer stepped members whose whole gradient is exactly zero while others' is not: members left out of
+    the loss, which N torch optimizers would not move (their grads None) and this step does; see step(active=...)."""
+
+
+def _flags_on_host(grads: Sequence[torch.Tensor], n: int) -> tuple[torch.Tensor, Any]:
+    """CUDA grads: whether member i has a non-zero (or nan) gradient element in some of `grads`, as an [N] bool tensor in
+    pinned host memory the device fills without the host waiting, and the event after which it is filled."""
+    host = torch.empty(n, dtype=torch.bool, pin_memory=True)
+    host.copy_(torch.stack([g.reshape(n, -1).ne(0).any(1) for g in grads]).any(0), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _host_members_with_gradient(grads: Sequence[torch.Tensor], n: int) -> list[bool] | None:
+    """CPU grads: whether member i has a non-zero (or nan) gradient element in some of `grads`, read as host memory
+    through numpy (no aten op: the step's op count and its no-read rule hold); None where numpy cannot read one."""
+    import numpy as np
+
+    has = np.zeros(n, dtype=bool)
+    for g in grads:
+        g = g.detach() if g.requires_grad else g
+        try:
+            if g.dtype == torch.bfloat16:  # no numpy dtype: its bits, without the sign (-0.0 is zero)
+                rows = (g.view(torch.int16).numpy().reshape(n, -1) & 0x7FFF) != 0
+            else:
+                rows = g.numpy().reshape(n, -1) != 0
+        except (TypeError, RuntimeError, ValueError):  # a float8 grad, a conjugate view: not checked
+            return None
+        has |= rows.any(1)
+    return has.tolist()
+
+
+def left_out_warning(owner: str, members: list[int], n: int) -> str:
+    """The warning for members `members` of `n` whose whole gradient is exactly zero at a step of optimizer `owner`."""
+    return (
+        f"{owner}.step(): member(s) {members} of {n} have a gradient of exactly zero in every parameter while the others' "
+        "are not: what members left out of the loss look like (per_member_loss[active].sum().backward(): PBT, bootstrap, "
+        "a finished RL episode). N torch optimizers after zero_grad() would see their grads None and leave them alone; "
+        "this step moves them as torch steps a zero gradient (momentum, weight decay, Adam's step count and bias "
+        "correction). Fix: opt.step(active=mask), a bool mask of N (or the indices of the members that step): the others "
+        "are left exactly as they are (parameters, state, step count). If a zero gradient is what you mean (a member whose "
+        "loss is 0 still decaying), silence this with warnings.filterwarnings('ignore', "
+        "category=stagewise.executor.MemberLeftOutWarning). Warned once per optimizer")
 
 
 class _TensorCache(dict):

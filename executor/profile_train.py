@@ -12,9 +12,11 @@ the same run for:
 
 The loss is a surrogate that every model has: the mean square of each floating-point output
 leaf, summed over leaves (over members for the batched ways). Before timing, each way's per-member
-gradients of one step are compared with the loop's (normwise, worst member): that checks forward
-and backward; the optimizers themselves are checked in tests/test_optim.py. A model with dropout
-is compared in eval() mode (masks differ between ways) and timed in train() mode.
+gradients of one step are compared with the loop's (normwise, worst member), the plan's at
+verify(grads=True)'s tolerance for its precision and the members' (stage_grads.grads_tolerance: 1e-4
+in float32, 0.25 for a bfloat16 / float16 plan or members), torch.func's at the members' own
+(members_grads_rtol), as each stage's: that checks forward and backward; the optimizers themselves
+are checked in tests/test_optim.py. A model with dropout is compared in eval() mode (masks differ between ways) and timed in train() mode.
 
 Per stage, forward + backward through the stage alone: its runner on its real inputs (the outputs
 of the stages before it, float ones made leaves that require grad, a per_member Python number never:
@@ -47,7 +49,8 @@ from stagewise.executor.candidates import (SavedTensors, advance, loop_reference
 from stagewise.executor.optim import StackedAdam, StackedSGD
 from stagewise.executor.profile import Ticks, device_name, number_loop_note, stage_flops, write_chrome_trace
 from stagewise.executor.report import ProfileReport, StageProfile, StrategyResult
-from stagewise.executor.stage_grads import GRAD_RTOL, float_leaves, fwd_bwd, grads_check, per_member_numbers
+from stagewise.executor.stage_grads import (GRADS_RTOL, float_leaves, fwd_bwd, grads_check, grads_tolerance,
+                                            members_grads_rtol, per_member_numbers)
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram
 from stagewise.executor.verify import member_inputs
 
@@ -198,7 +201,8 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     with state_kept(members[:1]):  # a torch.export trace may run forward
         flops = {k: 3 * v for k, v in stage_flops(plan, members[0], example).items()}  # backward ~ 2x the forward
     start = SavedTensors(module.stacked_state.values())  # every check starts from the state the loop starts from
-    stages = _profile_stages(module, inputs, dev, repeats, warmup, ticks, flops, candidates, start)
+    rtol = grads_tolerance(plan, members)  # verify(grads=True)'s, at the plan's and the members' own precision
+    stages = _profile_stages(module, inputs, dev, repeats, warmup, ticks, flops, candidates, start, rtol=rtol)
     start.restore()  # the stages' runs moved it: the training step end to end is checked from the start
     del start
     fresh = FreshInputs(inputs, bool(module.__dict__.get("_written_inputs")))  # forward() writes them: copies
@@ -253,7 +257,9 @@ def _profile_steps(plan, module, members, fresh: FreshInputs, dev, repeats, warm
                 return lambda: g
 
             check = None if name == "loop" else (lambda g: max_rel_error(_concat(g, ref), _concat(ref, ref)))
-            res, call, out = try_strategy(name, "whole", make, check, dev, rtol=GRAD_RTOL)
+            # the plan at verify(grads=True)'s tolerance; torch.func runs the members as they are: their precision's
+            rtol = grads_tolerance(plan, members) if name == "stagewise" else members_grads_rtol(members)
+            res, call, out = try_strategy(name, "whole", make, check, dev, rtol=rtol)
             if name == "loop" and res.ok:
                 ref.update(out)
                 res.max_rel_err = 0.0
@@ -278,24 +284,28 @@ def _concat(grads: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> to
 # --- per stage ---------------------------------------------------------------------------------------
 
 def _profile_stages(module: BatchedModule, inputs: tuple, dev, repeats, warmup, ticks, flops: dict,
-                    candidates: dict, start: Optional[SavedTensors] = None) -> list[StageProfile]:
+                    candidates: dict, start: Optional[SavedTensors] = None, rtol: float = GRADS_RTOL) -> list[StageProfile]:
+    """Every stage's forward + backward (_profile_stage); `rtol`: the gradients' tolerance (grads_tolerance)."""
     env = module.bind_inputs(inputs)
     loops = module.number_loops  # after bind_inputs: a container input's numbers are known there
     numbers = per_member_numbers(module, env)  # no gradient leaves: the loop hands each member a Python number
     out = []
     for program, runner in zip(module.programs, module.runners):
         out.append(_profile_stage(program, runner, env, dev, repeats, warmup, ticks, flops.get(program.stage.id, 0),
-                                  candidates.get(program.stage.id, []), start, loops.get(program.stage.id, ()), numbers))
+                                  candidates.get(program.stage.id, []), start, loops.get(program.stage.id, ()), numbers,
+                                  rtol=rtol))
     return out
 
 
 def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeats, warmup, ticks, flops: int,
                    candidates: list[StrategyResult], start: Optional[SavedTensors] = None,
-                   number_loop: tuple[str, ...] = (), numbers: Optional[dict[str, frozenset]] = None) -> StageProfile:
+                   number_loop: tuple[str, ...] = (), numbers: Optional[dict[str, frozenset]] = None,
+                   rtol: float = GRADS_RTOL) -> StageProfile:
     """One stage's forward + backward: the plan's strategy and the member loop; puts its forward outputs into `env`.
     `start`: the module's state before any run; the stage's part of it is put back before each checked run.
     `number_loop`: as for profile._profile_stage (the stage runs as the member loop: profiled as such).
-    `numbers`: the per_member numbers among the boundary values (stage_grads.per_member_numbers), never grad leaves."""
+    `numbers`: the per_member numbers among the boundary values (stage_grads.per_member_numbers), never grad leaves.
+    `rtol`: the tolerance of the plan's gradients against the loop's (stage_grads.grads_tolerance)."""
     stage, n = program.stage, runner.n_members
     strategy = Strategy.LOOP if number_loop else stage.options.strategy
     label = strategy_label(strategy, stage.options.chunk_size)
@@ -309,7 +319,7 @@ def _profile_stage(program: StageProgram, runner: Runner, env: dict, dev, repeat
     ref_grads = loop_call()
     check = grads_check(ref_grads, n)
     res, call, _ = try_strategy(label, stage.id, lambda: (reset(), fresh.prepared(fwd_bwd(program, runner, fresh.current, n, numbers)))[1], check, dev,
-                                rtol=GRAD_RTOL)
+                                rtol=rtol)
     res.chunk_size = stage.options.chunk_size if strategy is Strategy.VMAP else None
     cands = {label: (res, call)} if call is not None else {}
     if label == "loop":
