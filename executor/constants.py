@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.executor.modes import around_first_difference
+from stagewise.executor.subgraphs import region_calls
 from stagewise.executor.values import leaf_paths
 from stagewise.planner.errors import MemberError
 from stagewise.planner.graph import (PLAIN_TYPES, ModelGraph, hook_configs, hooks_refusal,
@@ -257,10 +258,11 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
                     f"keys or container types made from a per-member attribute; differing attribute(s): {named}): the "
                     "batched module would give every member member 0's structure. Make the structure the same for "
                     "every member (the same keys), or plan members that differ here separately")
-    for i, g in others.items():
-        _refuse_nested_differences(graph.gm, g.gm, i, attr_diffs)
+    nested = _region_differences(graph.gm, {i: g.gm for i, g in others.items()}, n, attr_diffs)
     for diff in _differences(graph, others, n):
         _lift(graph, diff, attr_diffs, lifted)
+    for call, name, sub, diff in nested:
+        _lift_into_region(graph.gm, call, name, sub, diff, attr_diffs, lifted)
     lifted.update(_baked_differences(graph, others, baked, n))
     if graph.gm.meta.get(MEMBER_NUMBERS):  # a size per member: where the members' shapes differ, build refuses by name
         graph.gm.meta[MEMBER_SHAPES] = member_shapes(graph, others, n, example_inputs)
@@ -279,24 +281,91 @@ def _code_difference(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str:
     return "the same code, other parameter shapes or module types"
 
 
-def _refuse_nested_differences(gm: torch.fx.GraphModule, other: torch.fx.GraphModule, i: int, attr_diffs: dict) -> None:
-    """MemberError where member `i`'s trace differs from member 0's inside the graph of a higher-order op (a
-    torch.no_grad() region or torch.cond branch torch.export keeps as a graph of its own): a number there is not
-    lifted per member, so every member would run member 0's."""
+def _region_differences(gm: torch.fx.GraphModule, others: dict[int, torch.fx.GraphModule], n: int,
+                        attr_diffs: dict, nested: bool = False) -> list[tuple[torch.fx.Node, str, torch.fx.GraphModule, _Difference]]:
+    """(the region call in `gm`, its sub-graph's attribute name, the sub-graph, a constant some member's sub-graph holds
+    otherwise) for each number that differs inside a higher-order op's graph (a `with torch.no_grad():` block torch.export keeps as a graph of
+    its own, a DINO teacher's temperature): _lift_into_region hands it to the sub-graph as a per-member operand.
+    MemberError where a member's sub-graph is another program (not only other numbers), or where the region is nested
+    in another one or takes its operands as one tuple (torch.cond), which stagewise does not thread a value into."""
+    out = []
     for node in gm.graph.nodes:
-        inner = _attr(gm, str(node.target)) if node.op == "get_attr" else None
-        if not isinstance(inner, torch.fx.GraphModule):
-            continue
-        theirs = _attr(other, str(node.target))
-        if isinstance(theirs, torch.fx.GraphModule) and theirs.code == inner.code:
-            _refuse_nested_differences(inner, theirs, i, attr_diffs)
-            continue
-        named = ", ".join(sorted(attr_diffs)[:4]) or "?"
-        raise MemberError(
-            f"member {i} differs from member 0 inside {node.target} (a torch.no_grad() region or torch.cond branch "
-            f"torch.export keeps as a graph of its own; differing attribute(s): {named}), where a number cannot be given "
-            "per member: every member would run member 0's. Compute what depends on the differing value outside that "
-            "region, or plan members that differ here separately")
+        for name, sub, _ in region_calls(gm, node):
+            theirs = {i: _attr(o, name) for i, o in others.items()}
+            for i, t in theirs.items():
+                if not isinstance(t, torch.fx.GraphModule) or _shape_of(t) != _shape_of(sub):
+                    raise _region_refusal(name, i, attr_diffs, "its block is another program (other ops, not only "
+                                          "other numbers)", "give every member the same code there")
+            for sub_node in sub.graph.nodes:
+                found: dict[int, dict[int, Any]] = {}
+                base = _leaves(sub_node)
+                for i, t in theirs.items():
+                    for pos, (a, b) in enumerate(zip(base, _leaves(_node_named(t, sub_node.name)))):
+                        if not _same(a, b):
+                            found.setdefault(pos, {})[i] = b
+                for pos, by_member in found.items():
+                    values = [by_member.get(i, base[pos]) for i in range(n)]
+                    diff = _Difference(sub_node.name, pos, values)
+                    if nested or isinstance(node.args[-1], (tuple, list)):
+                        raise _region_refusal(name, next(iter(by_member)), attr_diffs, f"its number at {sub_node.name!r} "
+                                              f"({_shown(values)}) sits in a region nested in another or one taking its "
+                                              "operands as a tuple (torch.cond)", _REGION_FIX)
+                    out.append((node, name, sub, diff))
+            _region_differences(sub, theirs, n, attr_diffs, nested=True)  # a block in the block: refused where it differs
+    return out
+
+
+_REGION_FIX = ("compute what depends on the differing value outside the block (before `with torch.no_grad():`, or "
+               "hold it as a tensor buffer of the module, which is per-member state), or plan members that differ "
+               "here separately")
+
+
+def _shape_of(gm: torch.fx.GraphModule) -> list[tuple]:
+    """A graph's nodes without their constants: (name, op, target, which arguments are graph values)."""
+    return [(n.name, n.op, str(n.target), tuple(x.name if isinstance(x, torch.fx.Node) else type(x).__name__
+                                              for x in _leaves(n))) for n in gm.graph.nodes]
+
+
+def _node_named(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def _shown(values: list) -> str:
+    return ", ".join(f"member {i}: {v!r}" for i, v in enumerate(values) if i == 0 or not _same(v, values[0]))
+
+
+def _region_refusal(name: str, i: int, attr_diffs: dict, what: str, fix: str) -> MemberError:
+    named = ", ".join(sorted(attr_diffs)[:4]) or "?"
+    return MemberError(
+        f"member {i} differs from member 0 inside {name}, a `with torch.no_grad():` (or autocast) block or torch.cond "
+        f"branch torch.export keeps as a graph of its own (differing attribute(s): {named}): {what}, which cannot be "
+        f"given per member there, so every member would run member 0's; {fix}")
+
+
+def _lift_into_region(gm: torch.fx.GraphModule, call: torch.fx.Node, name: str, sub: torch.fx.GraphModule,
+                      diff: _Difference, attr_diffs: dict, lifted: dict[str, torch.Tensor]) -> None:
+    """Give a region's sub-graph its per-member number as one more operand: the [N] buffer read by a get_attr in `gm`
+    before the call, handed to the call last and taken by a new last placeholder of `sub`, where the op reads it as
+    a tensor (as _lift rewrites a top-level op). MemberError where the op needs a Python number there."""
+    node = _node_named(sub, diff.node)
+    if _dropout_off(node):  # a rate with training off: no effect, as at the top level
+        return
+    calls = [n for n in gm.graph.nodes if any(s is sub for _, s, _ in region_calls(gm, n))]
+    if len(calls) > 1 or not _numbers(diff.values) or not _liftable(node, diff.where):
+        why = ("the block's graph is run by more than one call" if len(calls) > 1 else _kind_of(diff.values)
+               if not _numbers(diff.values) else
+               f"{_op_name(node)} takes a plain Python value there (a size, a dim, a flag, a setting)")
+        raise _region_refusal(name, next(i for i, v in enumerate(diff.values) if not _same(v, diff.values[0])), attr_diffs,
+                              f"its number at {diff.node!r} ({_shown(diff.values)}): {why}", _REGION_FIX)
+    outer = _constant_node(gm, call, _Difference(f"{call.name}_{diff.node}", diff.where, diff.values), lifted)
+    call.args = (*call.args, outer)
+    places = [p for p in sub.graph.nodes if p.op == "placeholder"]
+    with sub.graph.inserting_after(places[-1]) if places else sub.graph.inserting_before(node):
+        value = sub.graph.placeholder(str(outer.target))
+    _set_leaf(node, diff.where, value)
+    _retarget(node, diff, value)
+    sub.graph.lint()
+    sub.recompile()
 
 
 def _check_training(members: Sequence[nn.Module], suspects: list[int]) -> None:
@@ -430,6 +499,11 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
                       "setting such as alpha= or beta=), which cannot be given per member.")
     value = _constant_node(gm, node, diff, lifted)
     _set_leaf(node, diff.where, value)
+    _retarget(node, diff, value)
+
+
+def _retarget(node: torch.fx.Node, diff: _Difference, value: torch.fx.Node) -> None:
+    """The op of `node`, whose number at diff.where is now the tensor `value`, as the overload taking a tensor there."""
     if node.target in _LEAKY:
         x = node.args[0]
         node.target, node.args, node.kwargs = leaky_relu_per_member, (x, value), {}

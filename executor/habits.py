@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from stagewise.executor.subgraphs import region_calls, root_outside, walk
 from stagewise.planner.errors import ExecutionError
 
 __all__ = ["JointNormWarning", "update_bn", "watch"]
@@ -168,15 +169,19 @@ def _batched_norms(module: nn.Module) -> list[tuple[Any, float | None, torch.Ten
                           tree_tensor(module.stacked, keys[0]), tree_tensor(module.stacked, keys[1]),
                           tree_tensor(module.stacked, keys[2]) if keys[2] in module._stacked else None))
     ops: dict[str, int] = {}
-    for stage in module.stage_modules:  # batch norm as an op (torch.export's aten.batch_norm, F.batch_norm under fx)
-        for node in stage.graph.nodes:
+    for stage in module.stage_modules:  # batch norm as an op (torch.export's aten.batch_norm, F.batch_norm under fx),
+        for scope, node in walk(stage):  # inside a `with torch.no_grad():` block's sub-graph too (executor.subgraphs)
             if node.op != "call_function" or node.target not in _BATCH_NORM_OPS:
                 continue
             try:
-                args = node.normalized_arguments(stage, normalize_to_only_use_kwargs=True).kwargs
+                args = node.normalized_arguments(scope.gm, normalize_to_only_use_kwargs=True).kwargs
             except Exception:
                 args = None
             mean, var = (args or {}).get("running_mean"), (args or {}).get("running_var")
+            if isinstance(mean, torch.fx.Node) and isinstance(var, torch.fx.Node) and scope.parent is not None:
+                # a sub-graph's placeholders: the stage's values its call passes (one the block computes stays as it
+                # is, no get_attr, and is refused below)
+                mean, var = (root_outside(scope, v, lambda n: n)[1] for v in (mean, var))
             if not (isinstance(mean, torch.fx.Node) and isinstance(var, torch.fx.Node) and mean.op == var.op == "get_attr"):
                 if mean is None and var is None and args is not None:
                     continue  # no running statistics (track_running_stats=False)
@@ -207,7 +212,32 @@ def _batched_norms(module: nn.Module) -> list[tuple[Any, float | None, torch.Ten
                           if f"{name}.num_batches_tracked" in module._stacked else None))
     for name in ops:
         seen.add(name)
+    _refuse_unattributed(module, seen)
     return found
+
+
+def _refuse_unattributed(module: nn.Module, attributed: set[str]) -> None:
+    """ExecutionError where running statistics the batched module holds may be updated by forward() where no batch
+    norm found above does it: written by another op (`self.bn.running_mean.mul_(...)`), or inside a region op whose
+    graph cannot be looked into. Returning would leave them as they were, where torch's update_bn resets and averages
+    them per layer."""
+    from stagewise.executor.members import written_state
+
+    stats = {k.rpartition(".")[0] for k in module._stacked if k.endswith((".running_mean", ".running_var"))}
+    loose = sorted(stats - attributed)
+    if not loose:
+        return
+    for stage in module.stage_modules:
+        written = {k.rpartition(".")[0] for k in written_state(stage)[0]}
+        closed = [n.name for scope, n in walk(stage) if isinstance(n.target, torch._ops.HigherOrderOperator)
+                  and not region_calls(scope.gm, n)]
+        hit = [name for name in loose if name in written]
+        if hit or closed:
+            how = (f"forward() writes {hit[0]!r}'s running statistics with an op other than a batch norm" if hit else
+                   f"the stage runs {closed[0]!r}, a region op whose graph stagewise cannot look into, and may update "
+                   f"{loose[0]!r}'s running statistics there")
+            raise ExecutionError(f"update_bn: {how}, so the batched update_bn cannot reset and average them as torch's "
+                                 f"does per BatchNorm layer; {_EACH_MEMBER}")
 
 
 def _in_batch_norm_layer(node: torch.fx.Node) -> bool:

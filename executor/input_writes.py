@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.executor.members import state_device
+from stagewise.executor.subgraphs import root_outside, walk
 from stagewise.executor.timing import Prepared
 from stagewise.executor.values import span
 from stagewise.planner.capability import alias_chain, is_inplace
@@ -26,28 +27,21 @@ def _shared_write_refusal(where: str, name: str) -> InputError:
         f"({name} = {name}.clone()) or give it per_member (planner.propose(..., input_mode='per_member'))")
 
 
-def _graph_writes(gm: torch.fx.GraphModule, depth: int = 0) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+def _graph_writes(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """(node, the value of `gm` it writes in place) for each write the graph shows: `x.add_()`, `x += 1` as export
     records it, F.relu(x, inplace=True), nn.ReLU(inplace=True)(x), and a write inside a region op's subgraph
     (torch.export's `with torch.no_grad(): x.clamp_(0, 1)` is `wrap_with_set_grad_enabled(False, submod, x)`), said as
-    a write by the region op into the operand its subgraph's placeholder stands for."""
+    a write by the region op into the operand its subgraph's placeholder stands for (executor.subgraphs)."""
     out = []
-    for node in gm.graph.nodes:
-        if is_inplace(node):
-            out.append((node, node.args[0]))
-        if not isinstance(node.target, torch._ops.HigherOrderOperator) or depth > 4:
+    for scope, node in walk(gm):
+        if not is_inplace(node):
             continue
-        for k, a in enumerate(node.args):  # the subgraph, then its operands (wrap_with_set_grad_enabled, autocast)
-            sub = getattr(gm, str(a.target), None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
-            if not isinstance(sub, torch.fx.GraphModule):
-                continue
-            operands = node.args[k + 1:]
-            places = [p for p in sub.graph.nodes if p.op == "placeholder"]
-            for _, inner in _graph_writes(sub, depth + 1):
-                root = alias_chain(inner)[-1]
-                at = places.index(root) if root in places else -1
-                if 0 <= at < len(operands) and isinstance(operands[at], torch.fx.Node):
-                    out.append((node, operands[at]))
+        if scope.parent is None:
+            out.append((node, node.args[0]))
+            continue
+        where, root = root_outside(scope, node.args[0], lambda v: alias_chain(v)[-1])
+        if where.parent is None:  # a value of `gm` (not one the block computes itself)
+            out.append((scope.entry, root))
     return out
 
 

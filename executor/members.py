@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from stagewise.executor.constants import _attr
+from stagewise.executor.subgraphs import root_outside, walk
 from stagewise.planner.errors import MemberError
 from stagewise.planner.snapshot import deepcopy_module, state_refusal
 
@@ -431,23 +432,24 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], dict[str, str]]:
     """(state and constants forward() writes in place in any mode: what an in-place node's value may share storage
-    with, a get_attr, and the running statistics F.batch_norm is handed with training=True; {buffer: the leaf module
-    holding it} for the buffers of leaf modules the graph calls, which may update them in training mode: BatchNorm's
-    running statistics)."""
+    with, a get_attr, and the running statistics F.batch_norm is handed with training=True, inside torch.export's
+    `with torch.no_grad():` blocks too (a sub-graph's placeholder followed to the operand its call passes:
+    executor.subgraphs); {buffer: the leaf module holding it} for the buffers of leaf modules the graph calls, which
+    may update them in training mode: BatchNorm's running statistics)."""
     from stagewise.planner.capability import is_inplace, norm_stats_updated  # (capability's table of norm ops)
     from stagewise.planner.trace_watch import storage_root
 
+    def root(value: torch.fx.Node) -> torch.fx.Node:
+        return storage_root(value, every_module=False)
+
     always, training = set(), {}
-    for node in gm.graph.nodes:
-        if is_inplace(node):
-            root = storage_root(node.args[0], every_module=False)
-            if root.op == "get_attr":
-                always.add(str(root.target))
-        for stat in norm_stats_updated(node):  # a batch / instance norm's running statistics, where it updates them
-            root = storage_root(stat, every_module=False)
-            if root.op == "get_attr":
-                always.add(str(root.target))
-        if node.op == "call_module":
+    for scope, node in walk(gm):
+        written = ([node.args[0]] if is_inplace(node) else []) + norm_stats_updated(node)  # norms: where they update
+        for value in written:
+            where, base = root_outside(scope, value, root)
+            if where.parent is None and base.op == "get_attr":
+                always.add(str(base.target))
+        if node.op == "call_module" and scope.parent is None:
             training.update({f"{node.target}.{k}": str(node.target) for k, _ in gm.get_submodule(str(node.target)).named_buffers()})
     return always, training
 
@@ -533,8 +535,8 @@ class Aliasing:
 
 def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Aliasing:
     state = {k for k, _ in members[0].named_parameters(remove_duplicate=False)} | {k for k, _ in members[0].named_buffers(remove_duplicate=False)}
-    reads_constants = any(n.op == "get_attr" and str(n.target) not in state and isinstance(_attr(gm, str(n.target)), torch.Tensor)
-                          for n in gm.graph.nodes)
+    reads_constants = any(n.op == "get_attr" and str(n.target) not in state and isinstance(_attr(scope.gm, str(n.target)), torch.Tensor)
+                          for scope, n in walk(gm))
     within: list[tuple[str, str, str, str]] = []
     for member in members:
         named = _tensors_of(member, reads_constants)

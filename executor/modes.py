@@ -1,7 +1,8 @@
 """executor.modes: whether forward() depends on the training flag, and the modes a batched module refuses.
 
 reads_training is a static scan of the code a trace may run for a `training` read; mode_bound traces a copy
-of member 0 again in the other mode and names the first difference from the traced graph.
+of member 0 again in each mode its own train() gives it other layer flags in, and names the first difference from the
+traced graph (inside torch.export's no_grad blocks too: executor.subgraphs).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from stagewise.executor.subgraphs import subgraph_codes
 from stagewise.planner.errors import StagewiseError
 from stagewise.planner.graph import ModelGraph, retrace
 from stagewise.planner.module_refusals import closure_values
@@ -150,7 +152,18 @@ def _without_dropout_flags(graph: torch.fx.Graph) -> torch.fx.Graph:
 
 def _mode_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[str], dict[str, Any]]:
     """What decides a trace's behaviour beyond member state: its code, line by line (dropouts of probability 0 without
-    their training flag), and the constants it reads."""
+    their training flag), and the constants it reads; then the same of each sub-graph its region ops run (torch.export's
+    `with torch.no_grad():` block, whose Dropout or BatchNorm the trace fixes to a mode too), under a line naming it."""
+    lines, consts = _graph_text(gm, state_names)
+    for path, sub in subgraph_codes(gm):
+        inner, inner_consts = _graph_text(sub, set())  # (state reaches a sub-graph as operands, not get_attr)
+        lines += [f"# {path}:", *inner]
+        consts.update({f"{path}.{k}": v for k, v in inner_consts.items()})
+    return lines, consts
+
+
+def _graph_text(gm: torch.fx.GraphModule, state_names: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """One graph's code lines and the constants (not `state_names`, not modules) its get_attr nodes read."""
     code = gm.code
     if any(_is_dropout_of_zero(n) or _is_attention_without_dropout(n) for n in gm.graph.nodes):
         code = _without_dropout_flags(gm.graph).python_code(root_module="self").src
@@ -202,9 +215,17 @@ _MODE_NAME = {True: "training", False: "eval"}
 
 def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple | None) -> dict[bool, str]:
     """The modes (True = training) in which `private` (a copy of member 0, traced as `graph`) traces to another
-    program than `graph`, each with the first difference (or why it cannot be traced in that mode)."""
-    modes = [m.training for m in private.modules()]
-    wanted = [mode for mode in (True, False) if any(t != mode for t in modes)]  # all modules in `mode` already: graph itself
+    program than `graph`, each with the first difference (or why it cannot be traced in that mode).
+
+    A mode is what `train(mode)` makes of the model, its class's own train() included (mmcv's `norm_eval`, a
+    `freeze_bn` keeping BatchNorm in eval while the rest trains): members built fresh are all in training mode, and
+    the training loop's `.train()` then puts their BatchNorm in eval, another graph under torch.export. A mode whose
+    layer flags are those traced is the traced graph itself."""
+    now = [m.training for m in private.modules()]
+    own = any(type(m).train is not nn.Module.train for m in private.modules())
+    copies = {mode: train_on_copy(private, mode) for mode in (True, False)} if own else {}
+    flags = {mode: [m.training for m in copies[mode].modules()] if own else [mode] * len(now) for mode in (True, False)}
+    wanted = [mode for mode in (True, False) if flags[mode] != now]  # the layers as traced already: graph itself
     if not wanted or not reads_training(private, plan.tracer, plan.opened_modules):
         return {}
     state = {k for k, _ in private.named_parameters(remove_duplicate=False)} | {k for k, _ in private.named_buffers(remove_duplicate=False)}
@@ -212,18 +233,25 @@ def mode_bound(private: nn.Module, graph: ModelGraph, plan: Plan, example: tuple
     names = [i.name for i in plan.inputs]
     bound = {}
     for mode in wanted:
-        # the other mode's trace may run Python that changes attributes: on a copy, sharing the parameters and buffers
-        # (a trace does not write them: fx holds proxies, export fakes)
-        other = deepcopy_module(private, {id(t): t for t in [*private.parameters(), *private.buffers()]})
-        other.train(mode)
+        if own:
+            other = copies[mode]
+            kept = sorted(name or type(private).__name__ for name, m in other.named_modules() if m.training != mode)
+            how = (f"after its own train({mode}) (the model's class overrides train(), leaving {', '.join(kept[:3])}"
+                   f"{' ...' if len(kept) > 3 else ''} in {_MODE_NAME[not mode]} mode)" if kept else f"in {_MODE_NAME[mode]} mode")
+        else:
+            # the other mode's trace may run Python that changes attributes: on a copy, sharing the parameters and
+            # buffers (a trace does not write them: fx holds proxies, export fakes)
+            other = deepcopy_module(private, {id(t): t for t in [*private.parameters(), *private.buffers()]})
+            other.train(mode)
+            how = f"in {_MODE_NAME[mode]} mode"
         try:
             g = retrace(other, plan.tracer, example, names, plan.opened_modules)
         except StagewiseError as e:  # e.g. a random draw only the training branch makes
-            bound[mode] = f"in {_MODE_NAME[mode]} mode it cannot be traced ({str(e).splitlines()[0][:300]})"
+            bound[mode] = f"{how} it cannot be traced ({str(e).splitlines()[0][:300]})"
             continue
         difference = _mode_difference(traced, _mode_text(g.gm, state))
         if difference is not None:
-            bound[mode] = f"in {_MODE_NAME[mode]} mode it traces to another graph ({difference})"
+            bound[mode] = f"{how} it traces to another graph ({difference})"
     return bound
 
 

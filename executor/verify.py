@@ -506,6 +506,24 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
+def _copies_together(members: Sequence[nn.Module]) -> list[nn.Module]:
+    """Copies of `members` to build from and run as the loop, made with one deepcopy memo: a tensor several members
+    hold as one object (a buffer shared by the population) is one object in the copies too, so the reference loop
+    updates it member after member as the caller's loop would (copies made apart would each hold their own, and a
+    batched module giving each member its own copy would look right). MemberError for a member torch cannot copy."""
+    from stagewise.executor.members import copy_member, member_list
+    from stagewise.planner.snapshot import deepcopy_module
+
+    memo: dict = {}
+    out = []
+    for i, m in enumerate(member_list(members, "executor.verify")):
+        try:
+            out.append(deepcopy_module(m, memo))
+        except Exception:  # noqa: BLE001 - copied again alone, for copy_member's MemberError naming the member and the fix
+            out.append(copy_member(m, i, "verify runs private copies so that it never changes your members"))
+    return out
+
+
 def verify(*args, **kwargs) -> "VerifyReport":
     # the calls' grad mode (_CALLS_WITH_GRAD) is this verify's alone
     token = _CALLS_WITH_GRAD.set(False)
@@ -556,8 +574,6 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     Side effects: none on `members`: the loop and the traces run private copies of them, where they
     are (one copy of their state for the call), so buffers and attributes forward() updates stay as they were.
     """
-    from stagewise.executor.candidates import private_members  # candidates imports this module
-
     if not isinstance(plan, Plan) or isinstance(members, nn.Module):
         got = type(plan).__name__ if not isinstance(plan, Plan) else type(members).__name__
         raise TypeError(f"verify(plan, members, inputs) takes the plan and the N member modules (a list), got a {got} "
@@ -567,7 +583,7 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     if not isinstance(calls, int) or calls < 1:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}")
     rtol = default_rtol(plan, members) if rtol is None else rtol
-    members = private_members(list(members), None, "verify")  # the caller's modules are never run
+    members = _copies_together(members)  # the caller's modules are never run
     inputs = per_member_numbers(plan, tuple(inputs))
     if more_inputs is None:
         other = resized_inputs(plan, inputs)
