@@ -197,11 +197,11 @@ class OpeningTracer(ContainerTracer):
         # their values into Python (`int(self.act_id)`), which no graph value can give, beside a buffer sliced by a
         # traced size (`self.pe[:, :x.size(1)]`), which no real tensor can take (buffers_read_in_python)
         if self.real_buffers and isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
-            for name, b in self.root.named_buffers():
-                if b is attr_val:
-                    if name in self.real_buffers:
-                        return attr_val
-                    break
+            names = self.__dict__.get("_buffer_names")
+            if names is None:  # once per trace (a scan per attribute read cost 128 layers seconds)
+                names = self.__dict__["_buffer_names"] = {id(b): name for name, b in self.root.named_buffers()}
+            if names.get(id(attr_val)) in self.real_buffers:
+                return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
 
@@ -264,7 +264,9 @@ class _ReadRecordingTracer(OpeningTracer):
 
     def _ancestry(self, node: torch.fx.Node) -> tuple[set[str], bool]:
         """(the buffers `node`'s value derives from, not through shape reads; whether it derives from state alone)"""
-        buffers = {name for name, _ in self.root.named_buffers()}
+        buffers = self.__dict__.get("_buffer_set")
+        if buffers is None:
+            buffers = self.__dict__["_buffer_set"] = {name for name, _ in self.root.named_buffers()}
         found, alone = set(), True
         seen, todo = set(), [node]
         while todo:
