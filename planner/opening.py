@@ -268,33 +268,18 @@ class _ReadRecordingTracer(OpeningTracer):
         if buffers is None:
             buffers = self.__dict__["_buffer_set"] = {name for name, _ in self.root.named_buffers()}
         found, alone = set(), True
-        seen, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            if n in seen:
+        seen, todo = set(), [(node, False)]
+        while todo:  # (node, reached through a shape read: its buffers' values are not read)
+            n, shaped = todo.pop()
+            if (n, shaped) in seen:
                 continue
-            seen.add(n)
+            seen.add((n, shaped))
             if n.op in ("placeholder", "call_module"):
                 alone = False
-            if n.op == "get_attr" and str(n.target) in buffers:
+            if n.op == "get_attr" and str(n.target) in buffers and not shaped:
                 found.add(str(n.target))
-            if not _shape_read(n):
-                todo.extend(n.all_input_nodes)
-            else:
-                alone = alone and all(self._state_alone(m) for m in n.all_input_nodes)
+            todo.extend((m, shaped or _shape_read(n)) for m in n.all_input_nodes)
         return found, alone
-
-    def _state_alone(self, node: torch.fx.Node) -> bool:
-        todo, seen = [node], set()
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n.op in ("placeholder", "call_module"):
-                return False
-            todo.extend(n.all_input_nodes)
-        return True
 
     def value_of(self, node: torch.fx.Node, what: str) -> Any:
         found, alone = self._ancestry(node)
