@@ -849,9 +849,11 @@ class BatchedModule(nn.Module):
             return ExecutionError(f"{how} is refused: {state}; evaluation (.eval()) is unaffected")
         wanted = _MODE_NAME[mode]
         to = ("to train, call .train() on the model before planner.trace and on every member before executor.build, and keep "
-              "this module for evaluation" if mode else
+              "this module for evaluation; each module holds its own copy of the weights: load the trained ones into "
+              "the other before using it (other.load_state_dict(this_module.state_dict()))" if mode else
               "to evaluate, build a separate module from members in eval mode (.eval() before planner.trace and executor.build), "
-              "and keep this module for training")
+              "and keep this module for training; that module holds its own copy of the weights: load this one's into it "
+              "before evaluating (ens_eval.load_state_dict(ens_train.state_dict()))")
         export = (" (torch.export, which traced this plan, fixes the mode of Dropout and BatchNorm layers too)"
                   if self.plan.tracer == "export" else "")
         return ExecutionError(

@@ -498,9 +498,11 @@ class Aliasing:
     makes through one name (forward() in place, an optimizer step, BatchNorm's running statistics) would not reach
     the others."""
 
-    def __init__(self, within: list[tuple[str, str, str, str]], across: dict[str, list[int]]):
+    def __init__(self, within: list[tuple[str, str, str, str]], across: dict[str, list[int]],
+                 member: nn.Module | None = None):
         self.within = within  # (name, its kind, other name, its kind) in member 0 (or the first member with any)
         self.across = across  # buffer name -> the members holding it as one memory
+        self.member = member  # member 0: what its own train() does to the layers (_train_override_fix)
 
     _FIX = ("give each name its own tensor (a copy), or read one name in forward() (register the Parameter itself under "
             "both names to tie them)")
@@ -511,9 +513,32 @@ class Aliasing:
 
     def training_mode_refusal(self, in_training: set[str]) -> str:
         """Why the batched module cannot run in training mode: a layer updates such a buffer there (BatchNorm)."""
-        return self._refusal(in_training, "a layer updates it in training mode (BatchNorm's running statistics)")
+        return self._refusal(in_training, "a layer updates it in training mode (BatchNorm's running statistics)",
+                             training=True)
 
-    def _refusal(self, written: set[str], how: str) -> str:
+    def _train_override_fix(self, name: str) -> str:
+        """For a buffer several members share that a layer updates in training mode now: the fix where the members'
+        own train() would put that layer in eval (mmcv's norm_eval: a frozen shared backbone's BatchNorm). A module is
+        built in training mode, and its train() override runs only once .train() is called, so fresh members hold the
+        shared layer in training mode; after member.train() it is in eval, and they build (the loop runs them so)."""
+        member = self.member
+        if member is None or all(type(m).train is nn.Module.train for m in member.modules()):
+            return ""
+        from stagewise.executor.modes import train_on_copy  # modes imports more of the executor; kept local
+        owner = name.rpartition(".")[0]
+        try:
+            if train_on_copy(member, True).get_submodule(owner).training:
+                return ""
+        except Exception:  # noqa: BLE001 - a train() that fails on a copy: no fix to name
+            return ""
+        cls = next((type(m).__name__ for path, m in sorted(member.named_modules(), key=lambda pm: -len(pm[0]))
+                    if (not path or owner == path or owner.startswith(path + ".")) and type(m).train is not nn.Module.train),
+                   type(member).__name__)
+        return (f"; or, since {cls}.train() keeps that layer in eval (a frozen shared backbone), call .train() on "
+                "each member before build (`for m in members: m.train()`): a module starts in training mode, its "
+                "train() override not yet run, so the shared layer is in training mode now")
+
+    def _refusal(self, written: set[str], how: str, training: bool = False) -> str:
         for a, ka, b, kb in self.within:
             if a in written or b in written:
                 return (f"member 0's {ka} `{a}` and {kb} `{b}` are two tensors on one memory, and {how}: the batched "
@@ -523,7 +548,8 @@ class Aliasing:
             if name in written:
                 return (f"members {owners} hold one tensor as buffer `{name}`, and {how}: the member loop updates that "
                         "one tensor member after member, the batched module would update a copy per member; give each "
-                        "member its own (copy.deepcopy the module for each member)")
+                        "member its own (copy.deepcopy the module for each member)"
+                        + (self._train_override_fix(name) if training else ""))
         return ""
 
     def parameters(self) -> list[tuple[str, str]]:
@@ -554,4 +580,4 @@ def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Alias
         owners = sorted({i for pair in _overlapping(held, one_object_too=True) for i in pair})
         if owners:
             across[name] = owners
-    return Aliasing(within, across)
+    return Aliasing(within, across, members[0])

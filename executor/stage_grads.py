@@ -23,25 +23,9 @@ from stagewise.executor.candidates import max_rel_error
 from stagewise.executor.own_storage import own_storage
 from stagewise.executor.stages import LoopRunner, Runner, StageProgram
 from stagewise.executor.values import Batched, PerMember, Shared, leaf_paths, n_first
-from stagewise.executor.verify import (DEFAULT_RTOL, GRADS_RTOL, LOW_PRECISION_GRADS_RTOL, default_rtol, grads_rtol,
-                                      members_rtol)
-
-
-def grads_tolerance(plan: Any, members: Any) -> float:
-    """The tolerance a candidate's gradients are judged at against the member loop's: verify(grads=True)'s for the
-    plan (grads_rtol of default_rtol: 1e-4 for float32, 5e-3 for tf32, LOW_PRECISION_GRADS_RTOL for a bfloat16 or
-    float16 plan), and LOW_PRECISION_GRADS_RTOL where the members themselves are float16 / bfloat16 (members_rtol):
-    their loop computes the gradients in that precision, as the outputs it is judged by there. A fixed float32 1e-4
-    rejected every batched candidate of a bfloat16 CNN (vmap 5.5e-3, wide 1.4e-3 off the loop) that verify(grads=True)
-    passes, and autotune(train=True) chose the loop."""
-    rtol = grads_rtol(plan, default_rtol(plan, members))
-    return max(rtol, members_grads_rtol(members))
-
-
-def members_grads_rtol(members: Any) -> float:
-    """The gradient tolerance of the members' own precision (a baseline that runs them as they are, torch.func):
-    LOW_PRECISION_GRADS_RTOL for float16 / bfloat16 members (members_rtol), else float32's summation-order 1e-4."""
-    return LOW_PRECISION_GRADS_RTOL if members_rtol(members) > DEFAULT_RTOL else GRADS_RTOL
+# the gradients' tolerance is verify(grads=True)'s own, defined there (a candidate autotune keeps passes verify);
+# here for profile_train and autotune_train, which judge stages by it
+from stagewise.executor.verify import GRADS_RTOL, grads_tolerance, members_grads_rtol  # noqa: F401
 
 
 def float_leaves(tree: Any) -> list[torch.Tensor]:

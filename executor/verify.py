@@ -419,8 +419,25 @@ def _compare_outputs(report: VerifyReport, got: Any, want: list[Any], suffix: st
                                            f"{str(column[0].dtype).replace('torch.', '')}", float("inf"), float("inf"), False))
             continue
         ref = _loop_reference(column, g)
-        report.outputs.extend(compare((f"out[{k}]" if len(got_leaves) > 1 else "out") + suffix, g, ref, report.rtol,
-                                      n_members=len(want)))
+        label = f"out[{k}]" if len(got_leaves) > 1 else "out"
+        report.outputs.extend(compare(label + suffix, g, ref, report.rtol, n_members=len(want)))
+        _note_nothing_finite(report, label, column)
+
+
+def _note_nothing_finite(report: VerifyReport, label: str, column: list) -> None:
+    """A note when a member's loop output `label` holds no finite value (all NaN / inf): its row says 0 error because
+    the batched NaN and inf sit where the loop's do (compare counts NaN against NaN, and the same infinity, as agreement,
+    and one anywhere else as a mismatch), but no number was compared, so a MATCH there says nothing of the weights (an
+    all-NaN input, a diverged member). Once per output, at the first call or input set that shows it."""
+    empty = [i for i, c in enumerate(column) if isinstance(c, torch.Tensor) and (c.is_floating_point() or c.is_complex())
+             and c.numel() and not bool(torch.isfinite(c.detach()).any())]
+    if not empty or any(note.startswith(f"{label}: ") for note in report.notes):
+        return
+    who = "every member's" if len(empty) == len(column) else \
+        f"member{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))}'s"
+    report.notes.append(f"{label}: {who} loop output is all NaN / inf, so no finite value of it was compared (only that "
+                        "the batched module has NaN and inf at the same positions); find where the NaN comes from (the "
+                        "inputs, a diverged member) and verify on inputs that give finite outputs")
 
 
 def dtype_clash(got: torch.dtype, want: torch.dtype) -> bool:
@@ -558,7 +575,8 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
             gradient of one random projection of the outputs against each member's own backward (normwise per
             member, over the member's whole gradient where a parameter's own is near zero: a difference within
             GRAD_NOISE of the member's whole gradient norm is float32 rounding noise, so a gradient that is zero in
-            exact arithmetic (a conv bias before BatchNorm) matches; rtol at least GRADS_RTOL). Off by default: an
+            exact arithmetic (a conv bias before BatchNorm) matches; rtol at least GRADS_RTOL, and
+            LOW_PRECISION_GRADS_RTOL for a bfloat16 / float16 plan or members: grads_tolerance). Off by default: an
             inference plan need not train (sparse embeddings, shared parameters).
     The inputs as given first pass the batched module's own check (an InputError where the module refuses them: a
     shared input on the memory of a per_member input forward() writes in place, overlapping per_member rows it
@@ -654,7 +672,8 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
         _compare_outputs(report, got, want, f" (call {call})")
     _compare_state(report, module, members, state_before, rtol, saved)
     if grads:
-        _verify_grads(report, plan, module, members, inputs, on_device, grads_rtol(plan, rtol), seed=calls + 1)
+        _verify_grads(report, plan, module, members, inputs, on_device, grads_tolerance(plan, members, rtol),
+                      seed=calls + 1)
     for k, other in enumerate(more_inputs):
         _verify_more(report, plan, module, members, per_member_numbers(plan, tuple(other)), device, seed=100 * (k + 1))
     _restore_buffers(members, saved)
@@ -684,6 +703,24 @@ def grads_rtol(plan: Plan, rtol: float) -> float:
     if plan.dtype in ("bfloat16", "float16"):
         return max(rtol, LOW_PRECISION_GRADS_RTOL)
     return max(rtol, GRADS_RTOL)
+
+
+def members_grads_rtol(members: Sequence[nn.Module]) -> float:
+    """The gradient tolerance of the members' own precision (a baseline that runs them as they are, torch.func):
+    LOW_PRECISION_GRADS_RTOL for float16 / bfloat16 members (members_rtol), else float32's summation-order 1e-4."""
+    return LOW_PRECISION_GRADS_RTOL if members_rtol(members) > DEFAULT_RTOL else GRADS_RTOL
+
+
+def grads_tolerance(plan: Plan, members: Sequence[nn.Module], rtol: float | None = None) -> float:
+    """The tolerance gradients are judged at against the member loop's, by verify(grads=True), autotune(train=True)
+    and profile_train alike: grads_rtol of the outputs' `rtol` (None = default_rtol: 1e-4 for float32, 5e-3 for tf32,
+    LOW_PRECISION_GRADS_RTOL for a bfloat16 or float16 plan), and LOW_PRECISION_GRADS_RTOL where the members
+    themselves are float16 / bfloat16 (members_grads_rtol): their loop computes the gradients in that precision, a
+    ReLU at the rounding boundary switching there as in a bfloat16 plan. Judged by the plan's dtype alone, a float32
+    plan of bfloat16 members failed verify at 7e-2 where the batched gradient was the one closer to a float64 run
+    (8e-3 off it, the loop's 0.4), and autotune(train=True) rejected every batched candidate of a bfloat16 CNN."""
+    rtol = default_rtol(plan, members) if rtol is None else rtol
+    return max(grads_rtol(plan, rtol), members_grads_rtol(members))
 
 
 def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: Sequence[nn.Module],

@@ -45,8 +45,8 @@ from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _autograd_hooks_refused, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     _tensor_values_read,
     storage_root, storage_sharers)
-from stagewise.planner.tracers import (_defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes, out_as_copies,
-                                      views_as_reshapes)
+from stagewise.planner.tracers import (LIFTED_CONSTANT, _defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes,
+                                      data_assignment, data_assignment_refusal, out_as_copies, views_as_reshapes)
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
 
@@ -163,6 +163,9 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
                 f"{type(model).__name__}.forward() returns a {returned.group(1).rpartition('.')[2]} (a torch.distributions "
                 "object), which neither tracer can carry out of a graph; return its parameters (logits, or loc and scale) "
                 "and make the distribution from the batched outputs, outside the model") from None
+        where = data_assignment(model, example_inputs) if LIFTED_CONSTANT in str(e) else None
+        if where:  # `p.data = ...` (MoCo's momentum update): export's own text blames an op it cannot trace
+            raise TraceError(data_assignment_refusal(model, where)) from None
         if _packs_sequences(model, example_inputs):
             raise TraceError(
                 f"{type(model).__name__}.forward() packs sequences (pack_padded_sequence / pack_sequence): a "

@@ -481,3 +481,58 @@ def _drop_guard_nodes(gm: torch.fx.GraphModule) -> None:
     # it may write state in place (a VQ-VAE's EMA codebook update), which fx's default would count as pure
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or isinstance(n.target, torch._ops.HigherOrderOperator))
     gm.recompile()
+
+
+# torch.export's error for a tensor it met outside the graph and kept as a constant (`lifted_tensor_0`): what a
+# `p.data = ...` assignment in forward() leaves (the swapped-in tensor is no graph value)
+LIFTED_CONSTANT = "fake tensor in the exported program constant"
+
+
+class _DataAssignmentSeen(torch.overrides.TorchFunctionMode):
+    """Records where forward() first assigns a tensor's `.data` (`Tensor.data.__set__` reaches a torch function
+    mode as the descriptor's __set__): the source line, as `code` (file:line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.where is None and getattr(func, "__name__", "") == "__set__" \
+                and getattr(func, "__self__", None) is torch._C.TensorBase.data:
+            frame = sys._getframe(1)
+            torch_dir = torch.__file__.rpartition("/")[0]
+            while frame is not None and (frame.f_code.co_filename.startswith(torch_dir) or frame.f_code.co_filename == __file__):
+                frame = frame.f_back
+            if frame is not None:
+                import linecache
+                code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+                self.where = f"`{code}` ({frame.f_code.co_filename.rpartition('/')[2]}:{frame.f_lineno})"
+            else:
+                self.where = "a `.data =` assignment"
+        return func(*args, **(kwargs or {}))
+
+
+def data_assignment(model: nn.Module, example_inputs: tuple) -> str | None:
+    """Where forward() on the example inputs assigns a tensor's `.data` (`pk.data = pk.data * m + pq.data * (1 - m)`,
+    the momentum update of MoCo's reference code), or None: why torch.export failed with its lifted-constant error
+    (LIFTED_CONSTANT), whose text points at `lifted_tensor_0` and not at the line. The model's state and the random
+    streams are as they were afterwards; a forward() that fails says nothing either way (None)."""
+    from stagewise.planner.snapshot import StateSnapshot  # planner.snapshot imports nothing from here; kept local
+    watch, before = _DataAssignmentSeen(), StateSnapshot.take(model)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), watch:
+            model(*example_inputs)
+    except Exception:  # noqa: BLE001 - only a diagnosis
+        pass
+    finally:
+        before.restore_if_changed(model)
+    return watch.where
+
+
+def data_assignment_refusal(model: nn.Module, where: str) -> str:
+    """The TraceError text for forward() assigning `.data` (found by data_assignment at `where`), with the fix."""
+    return (f"{type(model).__name__}.forward() assigns a tensor's .data, at {where}: torch.export cannot trace that "
+            "(the tensor swapped in is no graph value; export keeps it as a constant, lifted_tensor_0, and fails). "
+            "Update the tensor in place instead, under torch.no_grad(): for a momentum (EMA) update "
+            "`pk.mul_(m).add_(pq.detach(), alpha=1 - m)`, or `pk.copy_(new_value)`; stagewise batches in-place "
+            "updates of member state")
