@@ -135,7 +135,8 @@ _MIXED_DTYPES = re.compile(r"dtype mismatch|same dtype|Expected: Float, Got|mixe
 _VMAP_REFUSED = re.compile(r"vmap: We do not support batching operators that can output dynamic shape|"
                            r"vmap: It looks like you're calling \.item\(\)|vmap: It looks like you're attempting to use a "
                            r"Tensor in some data-dependent control flow")
-_INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index", re.I)
+_INPUT_TROUBLE = re.compile(r"shape|size|dimension|dtype|Expected|expected|must match|mat1|mat2|out of range|index|"
+                            r"should be the same", re.I)
 
 
 # a non-tensor input's InputSpec.dtype for a Python value torch.export takes as a constant of the graph
@@ -1504,6 +1505,8 @@ class BatchedModule(nn.Module):
                 "The planner excludes such ops from batched stages; a plan edited by hand may have put one there "
                 f"(planner.validate(plan, planner.trace(model, example_inputs)) names it): run it as a loop, "
                 f"planner.exclude(plan, graph, {program.stage.id!r}), or re-plan")
+        if "Check the inputs' dtype" in str(e):  # stages.Runner named the input's dtype and the stage's: not a shape
+            return InputError(f"{e}. The stage reads model input(s) {read}")
         return InputError(f"{e}. The stage reads model input(s) {read}; check they are shaped like example_inputs() "
                           "(per_member ones with a leading [N] axis)")
 

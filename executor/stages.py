@@ -30,7 +30,7 @@ from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op,
 from stagewise.planner.opening import ContainerTracer, no_mha_fastpath
 from stagewise.planner.trace_watch import storage_root
 from stagewise.planner.graph import renormalised_weight
-from stagewise.planner.errors import ExecutionError
+from stagewise.planner.errors import ExecutionError, InputError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value,
@@ -45,6 +45,13 @@ class StageRetracer(ContainerTracer):
     OrderedDict or ModelOutput a stage builds stays one (ContainerTracer)."""
 
     proxy_buffer_attributes = True
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # the guards from_graph puts into a stage's graph (refuse_sparse_grad, no_grad_at_padding,
+        # check_member_indices) stay calls of the graph traced again: run on a Proxy, each handed it on and dropped out
+        kwargs["autowrap_functions"] = (*kwargs.get("autowrap_functions", ()), refuse_sparse_grad, no_grad_at_padding,
+                                        check_member_indices)
+        super().__init__(*args, **kwargs)
 
 
 def _region_writes(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -140,6 +147,7 @@ class StageProgram:
         shown = ", ".join(stage.nodes[:4]) + (", ..." if len(stage.nodes) > 4 else "")
         guard_sparse_embeddings(gm, g, f"{stage.id} ({shown})")
         guard_padding_rows(gm, g)
+        guard_member_indices(gm, g, f"{stage.id} ({shown})")
         module = torch.fx.GraphModule(gm, g, class_name=f"Stage_{stage.id}")
         module._tracer_cls = StageRetracer  # how torch.load makes the module again from its code
         # what the stage's in-place nodes may write (through views, `.float()` of a float, Dropout in eval, ...):
@@ -291,6 +299,107 @@ def guard_padding_rows(gm: torch.nn.Module, g: torch.fx.Graph) -> None:
         node.replace_all_uses_with(guard, delete_user_cb=lambda user: user is not guard)
 
 
+_ONE_HOT = (torch.nn.functional.one_hot, torch.ops.aten.one_hot.default)
+_EMBEDDING_ATEN = (torch.ops.aten.embedding.default, torch.embedding)
+
+
+def _index_bound_of(gm: torch.nn.Module, node: torch.fx.Node) -> tuple[Any, Any, str] | None:
+    """(indices, their bound, what) of a lookup whose member-batched indices vmap would read out of another member's
+    rows, else None. The bound is an int (nn.Embedding's num_embeddings, one_hot's num_classes) or the weight node
+    (F.embedding / aten.embedding: its row count, read per call). one_hot with num_classes=-1 (the largest index + 1)
+    has no bound to check."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        idx = node.args[0] if node.args else node.kwargs.get("input")
+        # a subclass's own forward may map its input before the lookup (`super().forward(x % V)`): not checked
+        ok = isinstance(mod, torch.nn.Embedding) and type(mod).forward is torch.nn.Embedding.forward \
+            and isinstance(idx, torch.fx.Node)
+        return (idx, mod.num_embeddings, f"embedding {node.target}") if ok else None
+    if node.op != "call_function":
+        return None
+    if node.target is torch.nn.functional.embedding:
+        idx = node.kwargs.get("input", node.args[0] if node.args else None)
+        weight = node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
+        found = (idx, weight, f"embedding {node.name}")
+    elif node.target in _EMBEDDING_ATEN:
+        weight = node.kwargs.get("weight", node.args[0] if node.args else None)
+        idx = node.kwargs.get("indices", node.args[1] if len(node.args) > 1 else None)
+        found = (idx, weight, f"embedding {node.name}")
+    elif node.target in _ONE_HOT:
+        idx = node.kwargs.get("input", node.kwargs.get("self", node.args[0] if node.args else None))
+        classes = node.kwargs.get("num_classes", node.args[1] if len(node.args) > 1 else -1)
+        found = (idx, classes, f"F.one_hot {node.name}") if type(classes) is int and classes >= 0 else None
+    else:
+        return None
+    if found is None or not isinstance(found[0], torch.fx.Node):
+        return None
+    bound = found[1]
+    if isinstance(bound, torch.Tensor):
+        bound = bound.shape[0]
+    return (found[0], bound, found[2]) if isinstance(bound, (int, torch.fx.Node)) else None
+
+
+def check_index_rows(ids: torch.Tensor, dim: int, bound: int, what: str, where: str) -> None:
+    """InputError naming the first member (position along `dim`, the member axis of `ids`) whose indices leave
+    [0, bound), as the member loop's IndexError / one_hot's RuntimeError would: one min/max reduction and a read of
+    its two numbers. On CUDA torch._assert_async instead, which does not wait for the device (no host sync per call):
+    a failure is a device-side assert, as the member loop's own lookup kernel raises there, without the member named."""
+    if ids.is_cuda:  # (the message overload has a CPU kernel only; CUDA's assert prints its own)
+        if ids.numel():
+            torch._assert_async(((ids >= 0) & (ids < bound)).all())
+        return
+    if ids.is_meta or not ids.numel():
+        return
+    lo, hi = torch.aminmax(ids)
+    if lo.item() >= 0 and hi.item() < bound:
+        return
+    rows = ids.movedim(dim, 0).reshape(ids.shape[dim], -1)
+    bad = (rows < 0) | (rows >= bound)
+    member = int(bad.any(1).nonzero()[0, 0])
+    value = int(rows[member][bad[member]][0])
+    one_hot = what.startswith("F.one_hot")
+    size = "num_classes" if one_hot else "num_embeddings"
+    loop = ("RuntimeError: Class values must be " + ("non-negative" if value < 0 else "smaller than num_classes")
+            if one_hot else "IndexError: index out of range in self")
+    raise InputError(
+        f"stage {where}: member {member}'s indices into {what} hold {value}, outside [0, {bound}) ({size}={bound}); "
+        f"the member loop raises {loop} there. Batched, the members' tables are one [N*{bound}] table (torch.func's "
+        f"rule), so such an index would read another member's row (and train it) instead: pass indices in "
+        f"0..{bound - 1} (below {size}; a padding id equal to the vocabulary size is a common cause), or make {size} "
+        "larger")
+
+
+def check_member_indices(ids: Any, bound: Any, what: str, where: str) -> Any:
+    """`ids` itself, after check_index_rows on them with the member axis where they carry one (vmap's batched
+    tensor, unwrapped: one reduction over every member's indices). Indices without a member axis (shared ones, the
+    member loop's, a nested vmap of the caller's) are left to the op, which checks them against its own table.
+    Under torch.compile nothing is checked here: CompileRunner checks the indices its compiled call hands back."""
+    if torch.compiler.is_compiling() or not isinstance(ids, torch.Tensor) or not _functorch.is_batchedtensor(ids):
+        return ids
+    inner = _functorch.get_unwrapped(ids)
+    if _functorch.is_batchedtensor(inner):
+        return ids
+    check_index_rows(inner, _functorch.maybe_get_bdim(ids), bound if type(bound) is int else bound.shape[0], what, where)
+    return ids
+
+
+def guard_member_indices(gm: torch.nn.Module, g: torch.fx.Graph, describe: str) -> None:
+    """Before each embedding / one_hot in `g`, a check_member_indices node on its indices (the op reads that node).
+
+    torch.func's embedding rule flattens the stacked [N, V, d] table into [N*V, d] and shifts member m's indices by
+    m*V: an index of V..N*V-1 (or a negative one) that the member loop refuses with IndexError read, and trained,
+    another member's row. one_hot's vmap decomposition has no class check and gave a zero row. With the check the
+    batched module refuses what the loop refuses, naming the member and the index."""
+    for node in list(g.nodes):
+        found = _index_bound_of(gm, node)
+        if found is None:
+            continue
+        idx, bound, what = found
+        with g.inserting_before(node):
+            checked = g.call_function(check_member_indices, (idx, bound, what, describe))
+        node.replace_input_with(idx, checked)
+
+
 def _state_of(gm: torch.fx.GraphModule, node: torch.fx.Node, state_keys: set[str]) -> list[str]:
     if node.op == "call_module":
         prefix = f"{node.target}."
@@ -393,6 +502,25 @@ class Runner:
             "backward fails there. Write a detached value (`.detach()`), or call the module under torch.no_grad(). "
             "The state is as it was before this call") from error
 
+    def _dtype_advice(self, args: list, error: Exception) -> str:
+        """For torch's dtype mismatch (`expected scalar type Float but found Double`, `Input type (double) and bias type
+        (float)`): the advice naming a floating input's dtype and the one the stage's weights hold (what the plan was
+        traced and the members built in), else "". The member loop fails alike, so excluding the stage is no fix."""
+        if not _DTYPE_MISMATCH.search(str(error)):
+            return ""
+        want = next((t.dtype for t in self.stacked.values() if t.is_floating_point()), None)
+        leaves = [x for a in args for x in tree_flatten(a.tree if type(a) is Batched else a.values if type(a) is PerMember
+                                                        else getattr(a, "value", a))[0]]
+        got = next((x.dtype for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != want),
+                   None)
+        if want is None or got is None:
+            return ""
+        name = lambda dt: str(dt).replace("torch.", "")  # noqa: E731
+        return (f"Check the inputs' dtype: one is {name(got)} where the stage computes in {name(want)} (its weights' "
+                f"dtype, as the members and the plan were built): pass it as {name(want)} (`x.to({want})`), or build "
+                f"the members and the plan in {name(got)}. The member loop fails alike (excluding the stage would not "
+                "help)")
+
     def __call__(self, args: list) -> list:
         token = set_stage_device(self.device_for(args))  # numbers made into tensors anywhere in the run land here
         numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
@@ -402,6 +530,10 @@ class Runner:
             if kept:
                 self._refuse_graph_into_state(kept, None)
             return out
+        except InputError as e:  # the stage refused its inputs by name (check_member_indices)
+            if kept:
+                self._refuse_graph_into_state(kept, e)
+            raise
         except ExecutionError as e:
             if kept:
                 self._refuse_graph_into_state(kept, e)
@@ -420,16 +552,20 @@ class Runner:
                         "with members in .train() (planner.trace and executor.build), or exclude this stage"
                         if self.program.module.training and strategy in ("vmap", "compile")
                         and _NOT_BATCHABLE.search(str(e)) else "")
+            advice = self._dtype_advice(args, e) or f"Check the input shapes, or exclude the stage to run it as a loop.{training}"
             raise ExecutionError(
                 f"stage {self.program.describe} failed ({strategy}): "
                 f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
-                f"stage inputs were {shapes}. Check the input shapes, or exclude the stage to run it as a loop.{training}"
+                f"stage inputs were {shapes}. {advice}"
             ) from e
         finally:
             reset_number_context(numbers)
             reset_stage_device(token)
 
 
+# torch's words for operands of two floating dtypes (CPU and CUDA kernels, matmul, convolution, norms)
+_DTYPE_MISMATCH = re.compile(r"expected scalar type \w+ but found|same dtype|Input type \(\w+\) and \w+ type|"
+                             r"expected m1 and m2|dtype mismatch|to have the same type", re.I)
 # vmap's own refusals (an op with no batching rule, .item()), as opposed to a shape or dtype error of the inputs
 _NOT_BATCHABLE = re.compile(r"vmap|[Bb]atching rule")
 

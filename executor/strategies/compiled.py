@@ -14,6 +14,7 @@ of hiding it in a median. Input/output format as VmapRunner (N-first).
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 import time
@@ -29,7 +30,7 @@ from stagewise.planner.capability import _AUTOCAST_TARGETS
 from stagewise.planner.edits import USER_EXCLUDED
 from stagewise.planner.errors import ExecutionError, PlanFileError
 from stagewise.planner.plan import Stage, StageMode, StageOptions
-from stagewise.executor.stages import VmapRunner
+from stagewise.executor.stages import VmapRunner, check_index_rows, check_member_indices
 from stagewise.executor.values import signature
 
 BACKEND = "inductor"  # torch.compile backend; tests switch to "aot_eager" to check the plumbing quickly
@@ -135,16 +136,41 @@ def excluded_compile_refusal(stage: Stage) -> str:
             "try 'wide', which executor.verify and autotune check against the loop")
 
 
+def with_checked_indices(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple]]:
+    """(`module`, or a twin of it that also returns what its check_member_indices nodes check, and those checks'
+    (bound, what, where)). The check cannot run inside torch.compile (it reads the member axis off vmap's batched
+    tensor, which dynamo cannot trace): the twin hands each one's indices (and the weight whose row count bounds them
+    where that is not a number) out of the compiled vmap, N-first, after the stage's own outputs, for CompileRunner
+    to check after the call."""
+    checks = [n for n in module.graph.nodes if n.op == "call_function" and n.target is check_member_indices]
+    if not checks:
+        return module, []
+    graph = copy.deepcopy(module.graph)
+    named = {n.name: n for n in graph.nodes}
+    output = next(n for n in graph.nodes if n.op == "output")
+    extra = []
+    with graph.inserting_before(output):
+        for check in checks:
+            ids, bound = named[check.name].args[:2]
+            extra.append(ids)
+            if isinstance(bound, torch.fx.Node):
+                extra.append(graph.call_method("detach", (bound,)))
+    output.args = ((output.args[0], tuple(extra)),)
+    twin = torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
+    return twin, [(c.args[1], c.args[2], c.args[3]) for c in checks]
+
+
 class CompileRunner(VmapRunner):
     """torch.compile(vmap(stage)) over stacked state; compile time in `compile_seconds`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         module = self.program.module
+        checked, self._index_checks = with_checked_indices(module)
 
         def tensors_only(state, inputs):
             # dynamo-friendly twin of VmapRunner's one_member: no side effects, tensors out
-            out = functional_call(module, state, tuple(inputs), tie_weights=False)
+            out = functional_call(checked, state, tuple(inputs), tie_weights=False)
             return tuple(x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
 
         self._tensors_only = tensors_only
@@ -207,7 +233,17 @@ class CompileRunner(VmapRunner):
             self._compiled[key] = (fn, meta)
         else:
             fn, meta = entry
-            tensors = self._call_compiled(fn, inputs, new_step)
+            try:
+                tensors = self._call_compiled(fn, inputs, new_step)
+            except (IndexError, RuntimeError):
+                if not self._index_checks:
+                    raise
+                # an index the compiled lookup refused itself (beyond all members' rows): the eager stage names the
+                # member and the index (check_member_indices); it writes nothing (such stages run eager here)
+                super().run(args)
+                raise
+        if self._index_checks:
+            tensors = self._check_indices(tensors)
         if self.mode == "reduce-overhead":  # the graph's memory: the next replay overwrites it
             tensors = tuple(t.clone() for t in tensors)
         if torch.is_grad_enabled():
@@ -215,6 +251,17 @@ class CompileRunner(VmapRunner):
                 if t.requires_grad:
                     t.register_hook(self._refuse_double_backward)
         return self._rebuild(tensors, meta)
+
+    def _check_indices(self, tensors: tuple) -> tuple:
+        """The stage's own outputs of a compiled call, after check_index_rows on the indices it handed back after them
+        (with_checked_indices): an index that the member loop refuses raises InputError here, as the eager stage's
+        check node does (which does nothing under torch.compile)."""
+        k = sum(1 + (type(bound) is not int) for bound, _, _ in self._index_checks)
+        extra = iter(tensors[len(tensors) - k:])
+        for bound, what, where in self._index_checks:
+            ids = next(extra)
+            check_index_rows(ids, 0, bound if type(bound) is int else next(extra).shape[1], what, where)
+        return tensors[:len(tensors) - k]
 
     def _in_training(self) -> bool:
         """Whether the stage or any module in it is in training mode now: a BatchNorm put back in training inside an
