@@ -12,25 +12,12 @@ from torch import nn
 from stagewise import executor, planner
 from stagewise.planner.errors import MemberError, TraceError
 
+from test_train_tuning_tolerance import CNN as _CNN  # noqa: E402
+
 torch.set_num_threads(1)
 
 
 # --- 1. verify(grads=True) on bfloat16 members as given (float32 plan) ---------------------------------------------
-
-class _CNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn = nn.BatchNorm2d(8)
-        self.c2 = nn.Conv2d(8, 8, 3, stride=2)
-        self.gn = nn.GroupNorm(2, 8)
-        self.fc = nn.Linear(8, 5)
-
-    def forward(self, x):
-        h = F.relu(self.bn(self.c1(x)))
-        h = F.relu(self.gn(self.c2(h)))
-        return self.fc(h.mean((2, 3)))
-
 
 def test_verify_grads_of_bfloat16_members_at_their_precision():
     """The members compute in bfloat16 (the plan is float32): the loop's own gradients are a bfloat16 rounding away
