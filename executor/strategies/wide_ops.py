@@ -112,8 +112,82 @@ def _align(args: Any, n: int) -> Any:
 
 
 def elementwise(fn: Callable, args: tuple, kwargs: dict, n: int) -> NFirst:
+    dtypes = _member_dtypes(fn, args, kwargs)
+    if dtypes is not None:
+        args, kwargs = _as_member_promotes((args, kwargs), dtypes[0])
     a, kw = _align((args, kwargs), n)
-    return NFirst(fn(*a, **kw))
+    out = fn(*a, **kw)
+    return NFirst(out if dtypes is None or out.dtype == dtypes[1] else out.to(dtypes[1]))
+
+
+def _member_dtypes(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[torch.dtype, torch.dtype]]:
+    """(the dtype one member's `fn(*args, **kwargs)` computes in, the dtype it returns), where the wide call could
+    promote differently; else None.
+
+    A per-member scalar (a per_member number, a 0-dim buffer or parameter, a lifted sweep attribute) is 0-dim in each
+    member's op, and torch's type promotion lets a 0-dim tensor of the same category not promote a dimensioned one
+    (float32 activations / a float64 temperature stay float32; bfloat16 ones / a float32 number stay bfloat16).
+    Stacked it is [N] (aligned [N, 1, ...]), dimensioned, and would promote the whole activation: a float64 output
+    where the loop's is float32, or the next Linear refusing the mixed dtypes. Only operands of more than one dtype
+    beside a per-member scalar can differ; then one member's call is run on meta tensors (no data) to get the dtype.
+    A comparison returns bool either way but compares in the promoted dtype (x > t with a float64 t = 0.1 and a
+    float32 x = 0.1 is False per member, True in float64): for two operands, torch.result_type of one member's."""
+    if not any(is_nf(x) and x.rank == 0 for x in (*args, *kwargs.values())):
+        return None  # the common case, checked first and cheaply (an elementwise op's operands are its arguments)
+    leaves = tree_flatten((args, kwargs), is_leaf=is_nf)[0]
+    if len({(x.t if is_nf(x) else x).dtype for x in leaves if is_nf(x) or isinstance(x, torch.Tensor)}) < 2:
+        return None
+    try:  # what promotion sees: dtypes, which operands are 0-dim per member, the Python numbers' types
+        key = (fn, tuple(kwargs), tuple((x.t.dtype, x.rank == 0) if is_nf(x) else (x.dtype, x.dim() == 0)
+                                        if isinstance(x, torch.Tensor) else type(x) if isinstance(x, (bool, int, float,
+                                        complex)) else x for x in leaves))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _MEMBER_DTYPES:
+        return _MEMBER_DTYPES[key]
+    found = _member_dtypes_on_meta(fn, args, kwargs)
+    if key is not None:
+        if len(_MEMBER_DTYPES) > 4096:
+            _MEMBER_DTYPES.clear()
+        _MEMBER_DTYPES[key] = found
+    return found
+
+
+# _member_dtypes' answers (a meta call costs some 100s of microseconds; a forward makes the same calls every time)
+_MEMBER_DTYPES: dict[tuple, Optional[tuple[torch.dtype, torch.dtype]]] = {}
+
+
+def _member_dtypes_on_meta(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[torch.dtype, torch.dtype]]:
+    """_member_dtypes from one member's call on meta tensors of its shapes and dtypes."""
+    def member(x):
+        if is_nf(x):
+            return torch.empty(x.t.shape[1:], dtype=x.t.dtype, device="meta")
+        return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+    try:
+        margs, mkwargs = tree_map(member, args, is_leaf=is_nf), tree_map(member, kwargs, is_leaf=is_nf)
+        out = fn(*margs, **mkwargs)
+        if not isinstance(out, torch.Tensor):
+            return None
+        if out.dtype is torch.bool and len(margs) == 2 and not mkwargs:
+            return torch.result_type(*margs), out.dtype
+    except Exception:  # noqa: BLE001 - no meta kernel (or a call one member refuses too): the wide call decides as before
+        return None
+    return out.dtype, out.dtype
+
+
+def _as_member_promotes(tree: Any, dtype: torch.dtype) -> Any:
+    """`tree` with its per-member scalars cast to `dtype`, the dtype one member's op computes and returns in (its
+    0-dim operand is converted to it there too), so the stacked [N] scalar promotes nothing. Bool ones (a mask, a
+    `where` condition) are left as they are, and all of them where the op computes in bool."""
+    if dtype is torch.bool:
+        return tree
+
+    def cast(x):
+        return NFirst(x.t.to(dtype)) if x.rank == 0 and x.t.dtype not in (dtype, torch.bool) else x
+
+    return tree_map(lambda x: cast(x) if is_nf(x) else x, tree, is_leaf=is_nf)
 
 
 def with_dims(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
