@@ -206,11 +206,10 @@ class OpeningTracer(ContainerTracer):
 
 
 class _ReadFailure(TypeError):
-    """A traced value forward() turns into Python that no state alone makes: the buffers it derives from."""
+    """A traced value forward() turns into Python that no state alone makes (an input's, a module call's)."""
 
-    def __init__(self, what: str, buffers: set[str]):
+    def __init__(self, what: str):
         super().__init__(f"{what}() of a traced value")
-        self.buffers = buffers
 
 
 class _ReadProxy(torch.fx.Proxy):
@@ -252,10 +251,10 @@ class _ReadRecordingTracer(OpeningTracer):
     turns into Python (a number, bool, index, length or iterator of a value derived from them, not through a shape
     read). A value made of the model's state alone is worked out on the real state (copies: nothing is written) and
     given to forward(), so one trace finds every such read; one that derives from an input, or through a module call,
-    fails as any proxy does (a _ReadFailure naming its buffers)."""
+    fails as any proxy does (a _ReadFailure)."""
 
-    def __init__(self, opened: Iterable[str], real_buffers: Iterable[str]):
-        super().__init__(opened, True, real_buffers)
+    def __init__(self, opened: Iterable[str]):
+        super().__init__(opened, True)
         self.read: set[str] = set()
         self._values: dict[torch.fx.Node, Any] = {}
 
@@ -284,11 +283,11 @@ class _ReadRecordingTracer(OpeningTracer):
     def value_of(self, node: torch.fx.Node, what: str) -> Any:
         found, alone = self._ancestry(node)
         if not alone:  # (not recorded: torch's argument parsing tries __index__ and goes on where it fails)
-            raise _ReadFailure(what, found)
+            raise _ReadFailure(what)
         try:
             value = self._evaluate(node)
         except Exception as e:  # noqa: BLE001 - named as the read it is
-            raise _ReadFailure(what, found) from e
+            raise _ReadFailure(what) from e
         self.read |= found
         return value
 
@@ -309,7 +308,7 @@ class _ReadRecordingTracer(OpeningTracer):
         elif node.op == "call_method":
             value = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
-            raise _ReadFailure("evaluate", set())
+            raise _ReadFailure("evaluate")
         self._values[node] = value
         return value
 
@@ -351,7 +350,7 @@ def buffers_read_in_python(model: nn.Module, opened: Iterable[str], concrete_arg
     plain trace takes: one buffer sliced by a traced size (the tutorial PositionalEncoding's `self.pe[:, :x.size(1)]`,
     a causal mask's `self.bias[:, :, :T, :T]`), which only a graph value can take, beside a buffer read into Python,
     which only a real tensor can give (planner.graph._fx_trace)."""
-    tracer = _ReadRecordingTracer(opened, ())
+    tracer = _ReadRecordingTracer(opened)
     try:
         _traced(model, tracer, concrete_args)
     except Exception:  # noqa: BLE001 - whatever stops fx stops the reads' search too
