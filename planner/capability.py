@@ -269,13 +269,19 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
         leaves = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
         return tuple(leaves) if leaves else torch.zeros(())
 
+    # the probe's stacked copies keep a tensor's layout (a channels_last activation stacks to channels_last strides
+    # per member), which the batched module's inputs need not have (a loop stage's rows stacked anew are contiguous,
+    # and .to(memory_format=torch.channels_last) under vmap fails on those): such an op is probed both ways
+    laid_out = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in tree_flatten((args, kwargs))[0])
+    tries = [batched, tree_map(lambda v: v.contiguous() if isinstance(v, torch.Tensor) else v, batched)] if laid_out else [batched]
     with warnings.catch_warnings(record=True) as caught, _vmap_fallback_off():
         warnings.simplefilter("always")
-        try:
-            with torch.no_grad():
-                vmap(probe, in_dims=(0, in_dims), randomness="error")(state, batched)
-        except Exception as e:  # vmap and the ops raise many types; the message is the verdict
-            return classify_vmap_error(node, e)
+        for inputs in tries:
+            try:
+                with torch.no_grad():
+                    vmap(probe, in_dims=(0, in_dims), randomness="error")(state, inputs)
+            except Exception as e:  # vmap and the ops raise many types; the message is the verdict
+                return classify_vmap_error(node, e)
     for w in caught:
         text = str(w.message)
         if "performance drop" in text or "batching rule" in text:

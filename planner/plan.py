@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from stagewise.planner.errors import MemberError, PlanFileError, PlanMismatchError
+from stagewise.planner.errors import EditError, MemberError, PlanFileError, PlanMismatchError
 from stagewise.planner.files import write_atomic
 
 SCHEMA_VERSION = 1
@@ -102,6 +102,19 @@ class StageOptions:
     # (include merges it back into what is left of that stage alone, with those options); () otherwise
     carved_from: tuple[str, ...] = ()
     carved_options: "StageOptions | None" = None
+
+    def __post_init__(self):
+        # StageOptions(strategy="wide") as users write it: the enum, or a clear error (not a later AttributeError)
+        if not isinstance(self.strategy, Strategy):
+            try:
+                object.__setattr__(self, "strategy", Strategy(self.strategy))
+            except ValueError:
+                known = ", ".join(s.value for s in Strategy)
+                raise EditError(f"unknown strategy {self.strategy!r}; use one of {known} "
+                                f"(a string or planner.Strategy)") from None
+        chunk = self.chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise EditError(f"chunk_size must be a positive integer or None, got {chunk!r}")
 
     def to_json(self) -> dict:
         out = {"strategy": self.strategy.value, "chunk_size": self.chunk_size, "note": self.note}

@@ -445,6 +445,20 @@ def layer_norm(args: tuple, kwargs: dict) -> Any:
     return NFirst(affine(y, bound.get("weight"), bound.get("bias"), len(shape)))
 
 
+# memory format -> the rank of one member's tensor it applies to, and the permutation of those dims to contiguous order
+_MEMBER_LAYOUTS = {torch.channels_last: (4, (0, 2, 3, 1)), torch.channels_last_3d: (5, (0, 2, 3, 4, 1))}
+
+
+def _member_layout(x: NFirst, fmt: torch.memory_format) -> NFirst:
+    """`x` with each member's slice in memory format `fmt` (the values unchanged): a member's [B, C, H, W] in
+    channels_last is [B, H, W, C] in memory, so the stacked tensor is [N, B, H, W, C] in memory."""
+    t, order = x.t, _MEMBER_LAYOUTS[fmt][1]
+    back = [0] * t.dim()
+    for i, d in enumerate((0, *(o + 1 for o in order))):
+        back[d] = i
+    return NFirst(t.permute(0, *(o + 1 for o in order)).contiguous().permute(*back))
+
+
 def call_function(fn: Callable, name: str, args: tuple, kwargs: dict, n: int) -> Any:
     """The wide result of `fn(*args, **kwargs)` (a function or method node named `name`) with
     batched operands, or None when there is no rule (the caller falls back to vmap)."""
@@ -454,6 +468,15 @@ def call_function(fn: Callable, name: str, args: tuple, kwargs: dict, n: int) ->
     if name == "getitem":
         return getitem(args)
     if name in ELEMENTWISE:
+        fmt = kwargs.get("memory_format")
+        if fmt in _MEMBER_LAYOUTS and args and is_nf(args[0]):
+            # a per-member layout (x.contiguous(memory_format=torch.channels_last) on one member's [B, C, H, W]): the
+            # op asks it of the [N, B, C, H, W] tensor, a rank it refuses; run it without and lay each member out so
+            # (another rank falls back to vmap, which refuses it as the member's op does)
+            if args[0].rank != _MEMBER_LAYOUTS[fmt][0]:
+                return None
+            out = call_function(fn, name, args, {k: v for k, v in kwargs.items() if k != "memory_format"}, n)
+            return _member_layout(out, fmt) if is_nf(out) else out
         if name in ("to", "_to_copy", "type_as"):
             if has_nf(args[1:]) or has_nf(kwargs):
                 return None
