@@ -1531,7 +1531,11 @@ class StackedLRScheduler:
             # the initial step (construction, SequentialLR's _initial_step): torch's keep the lr the group holds (a
             # loaded one, or initial_lr that SequentialLR has just reset it to, the member lrs with it)
             return
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        groups = self.optimizer.param_groups
+        # a group added after this scheduler was built (opt.add_param_group: progressive unfreezing) has no base lr,
+        # as torch's base_lrs have none for it; torch's recursion schedules it from the lr it has all the same
+        self.base_lrs.extend([None] * (len(groups) - len(self.base_lrs)))
+        for group, base in zip(groups, self.base_lrs):
             group["member_lr"].copy_(self._next_member_lr(group, base, self.last_epoch))
 
     def _initial_step(self) -> None:
@@ -1549,12 +1553,24 @@ class StackedLRScheduler:
             self.step()
             return
         cuts = self._refuse_plateau_cuts()
+        self._refuse_added_groups("restart it at a milestone of SequentialLR (its closed form)")
         self.last_epoch = int(epoch)
         for g, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
             group.__dict__.pop("outright_by", None)  # (a warmup LambdaLR before the milestone: its lr is dropped here)
             group["lr"] = float(group.get("initial_lr", group["lr"]))
             lr = self._member_lr(base, self.last_epoch, float(group["lr"]))
             group["member_lr"].copy_(lr * cuts[g] if cuts is not None else lr)
+
+    def _refuse_added_groups(self, what: str) -> None:
+        """OptimizerError where a param group was added after this scheduler was built and `what` needs its base lr:
+        torch's own scheduler has none for it either and raises there (a strict zip of its base_lrs and the groups)."""
+        added = len(self.optimizer.param_groups) - sum(b is not None for b in self.base_lrs)
+        if added > 0:
+            raise OptimizerError(
+                f"{type(self).__name__}: {added} param group(s) were added to the optimizer after this scheduler was "
+                f"built (opt.add_param_group), which have no base lr to {what}; torch's scheduler has none for them "
+                "either and raises there. Build the scheduler after adding the groups (a new scheduler over the "
+                "optimizer as it stands goes on from the lrs the groups have)")
 
     def _check_place_in_sequence(self) -> None:
         """OptimizerError where a torch SequentialLR (the caller of _initial_step / _update_lr) has a torch scheduler
@@ -1653,8 +1669,12 @@ class StackedCosineLR(StackedLRScheduler):
         where scheduling began (group["initial_lr"] x its member lr at construction), as torch's base_lrs."""
         scale, member = float(group["lr"]), group["member_lr"].to(self.eta_min.dtype)
         lr, eta, t_max = scale * member, self.eta_min, self.T_max
-        start = float(group.get("initial_lr", scale)) * base
         turn = torch.remainder(epoch - 1 - t_max, 2 * t_max) == 0
+        if base is None:  # a group added after this scheduler: its recursion needs no base but at a turn
+            if bool(turn.any()):
+                self._refuse_added_groups("rise from after T_max")
+            base = torch.zeros_like(member)
+        start = float(group.get("initial_lr", scale)) * base
         ratio = (1 + torch.cos(math.pi * epoch / t_max)) / (1 + torch.cos(math.pi * (epoch - 1) / t_max))
         rise = lr + (start - eta) * (1 - torch.cos(math.pi / t_max)) / 2
         new = torch.where(turn, rise, ratio * (lr - eta) + eta)
@@ -1676,8 +1696,8 @@ def _plateau_cuts(optimizer) -> list[torch.Tensor] | None:
     if not plateaus:
         return None
     cuts = [torch.ones_like(g["member_lr"]) for g in optimizer.param_groups]
-    for p in plateaus:
-        cuts = [c * k.to(c) for c, k in zip(cuts, p.cuts)]
+    for p in plateaus:  # (a group added after that scheduler was built: it has made no cut there yet)
+        cuts = [c * k.to(c) for c, k in zip(cuts, p.cuts)] + cuts[len(p.cuts):]
     return cuts
 
 
@@ -1723,8 +1743,10 @@ class StackedReduceLROnPlateau:
                     "([[a] * N, [b] * N] for a per group), or a tensor of N values for one value per member in every "
                     "group")
             per_group = list(min_lr)
+            self._default_min_lr = None
         else:
             per_group = [min_lr] * groups
+            self._default_min_lr = vec("min_lr", min_lr, 0.0)  # also a group's added later, as torch's default_min_lr
         self.min_lrs = [vec("min_lr", v, 0.0) for v in per_group]
         self.cuts = [torch.ones(self.n_members, dtype=self.factor.dtype, device=device) for _ in range(groups)]
         optimizer.__dict__.setdefault("_stagewise_plateaus", weakref.WeakSet()).add(self)
@@ -1761,6 +1783,7 @@ class StackedReduceLROnPlateau:
         self.num_bad_epochs = torch.where(cooling, torch.zeros_like(self.num_bad_epochs), self.num_bad_epochs)
         reduce = self.num_bad_epochs > self.patience
         if bool(reduce.any()):
+            self._take_added_groups()
             for k, g in enumerate(self.optimizer.param_groups):
                 scale = float(g["lr"])
                 if scale <= 0:
@@ -1772,6 +1795,23 @@ class StackedReduceLROnPlateau:
                 self.cuts[k] = torch.where(cut, self.cuts[k] * new / old.clamp_min(torch.finfo(old.dtype).tiny), self.cuts[k])
             self.cooldown_counter = torch.where(reduce, self.cooldown, self.cooldown_counter)
             self.num_bad_epochs = torch.where(reduce, torch.zeros_like(self.num_bad_epochs), self.num_bad_epochs)
+
+    def _take_added_groups(self) -> None:
+        """Before a cut: a min_lr and no cut for each param group added after this scheduler was built
+        (opt.add_param_group), as torch's scheduler takes its default min_lr for every group then, or an
+        OptimizerError where min_lr was given per group (torch raises there too)."""
+        groups = self.optimizer.param_groups
+        added = len(groups) - len(self.min_lrs)
+        if added <= 0:
+            return
+        if self._default_min_lr is None:
+            raise OptimizerError(
+                f"{type(self).__name__}: {added} param group(s) were added to the optimizer after this scheduler was "
+                f"built (opt.add_param_group), and min_lr was given per group ({len(self.min_lrs)} of them): no min_lr "
+                "for the new ones, where torch's scheduler raises too. Extend `scheduler.min_lrs` with an [N] tensor "
+                "per new group, or give min_lr as one value (or N) for every group")
+        self.min_lrs += [self._default_min_lr.clone() for _ in range(added)]
+        self.cuts += [torch.ones_like(self.cuts[0]) for _ in range(added)]
 
     def get_last_lr(self) -> list[torch.Tensor]:
         """Effective per-member lr of each group, [N] each."""
