@@ -153,6 +153,7 @@ def inplace_buffer_check(graph, node: torch.fx.Node) -> Optional[str]:
     return None
 
 
+BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it bakes into a graph
 _SIZE_QUERIES = {"size", "dim", "numel", "shape", "ndim", "dtype", "device", "sym_size", "sym_numel", "sym_stride",
                  "stride", "nelement", "ndimension"}
 
@@ -171,7 +172,9 @@ def _carries_member_axis(graph) -> set[str]:
         if n.op == "placeholder":
             hit = True
         elif n.op == "get_attr":
-            hit = str(n.target) in state
+            # a tensor torch.fx baked from constants (`torch.arange(6.)`; a GraphModule holds it as a buffer) is one
+            # for every member, as a fresh `torch.zeros(n)` is: `torch.arange(6.).repeat(B, 1)` written per member
+            hit = str(n.target) in state and not str(n.target).startswith(BAKED_PREFIXES)
         elif n.op != "call_module" and (str(_op_name(n)).split(".")[0] in _SIZE_QUERIES or (
                 n.target is getattr and len(n.args) > 1 and n.args[1] in _SIZE_QUERIES)):
             hit = False

@@ -30,7 +30,8 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from stagewise.planner.capability import alias_chain, annotate_capability, is_inplace, norm_stats_updated
+from stagewise.planner.capability import (BAKED_PREFIXES, alias_chain, annotate_capability, base_name, is_inplace,
+                                          norm_stats_updated)
 from stagewise.planner.errors import TraceError
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.inputs import traced_specs
@@ -909,7 +910,14 @@ READ_BUFFERS = "stagewise_read_buffers"
 TRACE_WRITES_UNDONE = "stagewise_trace_writes_undone"
 # gm.meta key: the buffers a trace kept real tensors where every other was a graph value (opening.buffers_read_in_python)
 REAL_BUFFERS = "stagewise_real_buffers"
-BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it bakes into a graph
+
+
+def _foreach_writes(gm: torch.fx.GraphModule) -> list[str]:
+    """The in-place foreach ops of `gm` (`torch._foreach_lerp_(ks, qs, w)`, `aten._foreach_mul_.Scalar`), by name."""
+    # also inside the sub-graphs torch.export keeps (a `with torch.no_grad():` block is one)
+    names = {base_name(n) for g in gm.modules() if isinstance(g, torch.fx.GraphModule) for n in g.graph.nodes
+             if n.op in ("call_function", "call_method")}
+    return sorted(f"torch.{x}" for x in names if x.startswith("_foreach_") and x.endswith("_"))
 
 
 def baked_constants(gm: torch.fx.GraphModule) -> list[str]:
@@ -1178,6 +1186,14 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                 + (f" ({note})" if note else ""))
     if tracer == "export":
         check_small_sizes(model, gm, example_inputs)
+    foreach = _foreach_writes(gm)
+    if foreach:
+        raise TraceError(
+            f"forward() writes lists of tensors in place with {', '.join(foreach)} (an EMA of one encoder's weights "
+            "into another's, MoCo / BYOL style): the planner orders the reads of a tensor after the in-place op that "
+            "writes it, and a foreach op writes a whole list at once, which it cannot follow, so a stage could read the "
+            "weights before the update. Write each tensor with its own in-place op: "
+            "`for k, q in zip(self.key.parameters(), self.query.parameters()): k.lerp_(q, 0.01)`")
     leaves = _new_leaves_returned(model, example_inputs, before)
     if leaves:  # a warning, not a refusal: the outputs' values and the parameters' gradients are the loop's
         warnings.warn(
