@@ -687,8 +687,9 @@ class BatchedModule(nn.Module):
                 if stage_of.get(dep.name) != stage_of.get(node.name) or node.op == "output":
                     read_outside[dep.name] = True
         keys = set(stacked)
-        self.programs = _mark_views_written_later(
-            [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)], graph.gm, stage_of)
+        self.programs = _unchunk_views_written_later(_mark_views_written_later(
+            [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)], graph.gm, stage_of),
+            graph.gm, stage_of)
         # not submodules: the module's parameters and state_dict are the stacked member state alone.
         # _apply and train() reach them by hand (their constants follow .to(), their mode follows .train())
         self.__dict__["stage_modules"] = [p.module.to(device) for p in self.programs]
@@ -1919,6 +1920,35 @@ def _mark_views_written_later(programs: list[StageProgram], gm: torch.fx.GraphMo
 @dataclasses.dataclass(frozen=True)
 class _Writes:
     """How the inputs of a stage that writes in place are handed to it, so that every write lands where the member
+def _unchunk_views_written_later(programs: list[StageProgram], gm: torch.fx.GraphModule,
+                                 stage_of: dict[str, str]) -> list[StageProgram]:
+    """The programs with `chunk_size` off where the stage hands on a view (of state, an input or one of its own values:
+    `self.buf[0]`, `x[:, :4]`, `h.t()`) that an in-place op of another stage writes, with a warning. vmap with a
+    chunk_size concatenates the chunks' results, so such an output is a new tensor, not a view, and the write would
+    miss the stacked buffer, the caller's input or the stage's other outputs (1.13 off). chunk_size only bounds
+    memory: the stage runs as one vmap."""
+    if not any(p.stage.options.chunk_size for p in programs):
+        return programs
+    key = lambda n: ("attr", str(n.target)) if n.op == "get_attr" else n.name  # noqa: E731 - a buffer by its name
+    writes = [(stage_of.get(n.name), {key(a) for a in alias_chain(n.args[0])}) for n in gm.graph.nodes
+              if is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node)]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for p in programs:
+        if p.stage.options.chunk_size:
+            hit = next((name for name in p.output_names for chain in [alias_chain(nodes[name])] if len(chain) > 1
+                        and any(sid != p.stage.id and {key(c) for c in chain} & written for sid, written in writes)), None)
+            if hit is not None:
+                warnings.warn(f"stage {p.stage.id}: chunk_size={p.stage.options.chunk_size} is not applied: the stage hands "
+                              f"on {hit!r}, a view that another stage writes in place, and a chunked vmap hands on "
+                              "concatenated copies instead, which that write would miss; the stage runs as one vmap",
+                              stacklevel=3)
+                p = dataclasses.replace(p, stage=dataclasses.replace(
+                    p.stage, options=dataclasses.replace(p.stage.options, chunk_size=None)))
+        out.append(p)
+    return out
+
+
     loop's would: in the value itself, seen by every other value sharing its storage (a view taken before, its base)."""
 
     into_shared: frozenset[str]  # inputs that become [N, ...] copies when shared (a loop would write N times into one)

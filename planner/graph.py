@@ -862,8 +862,11 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
         # no node: the graph would record gradients the model never makes (torch.export records the region)
         raise TraceError("forward() turns gradients off (torch.no_grad() / set_grad_enabled(False) / torch.inference_mode()), "
                          "which torch.fx cannot record")
-    written = sorted({str(root.target) for n in gm.graph.nodes if is_inplace(n)
-                      for root in [alias_chain(n.args[0])[-1]] if root.op == "get_attr" and str(root.target).startswith(BAKED_PREFIXES)})
+    # written in place, or through `out=` (`torch.add(c, v, out=c)`: out_as_copies below makes that a copy_)
+    targets = [t for n in gm.graph.nodes for t in ([n.args[0]] if is_inplace(n) else [])
+               + [o for o in tree_flatten(n.kwargs.get("out"))[0] if isinstance(o, torch.fx.Node)]]
+    written = sorted({str(root.target) for t in targets for root in [alias_chain(t)[-1]]
+                      if root.op == "get_attr" and str(root.target).startswith(BAKED_PREFIXES)})
     if written:
         # `torch.zeros(3, d).index_add_(...)`: fx made the fresh tensor once, so every member and call would write into it
         raise TraceError(f"forward() writes in place into a tensor it makes with fixed sizes ({', '.join(written)}), which "
