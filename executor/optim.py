@@ -216,8 +216,12 @@ class _StackedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Add a group as torch does, then check its params' member axis and turn its hyper-parameters into [N] tensors."""
         super().add_param_group(param_group)
-        self.param_groups[-1] = self._watched(self.param_groups[-1])
-        self._normalise(self.param_groups[-1])
+        try:
+            self.param_groups[-1] = self._watched(self.param_groups[-1])
+            self._normalise(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()  # refused: the optimizer stays as it was (a left group broke every later step)
+            raise
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's state (defaults, state, param_groups) and n_members: a deepcopy or pickle steps like the original."""
@@ -295,6 +299,7 @@ class _StackedOptimizer(torch.optim.Optimizer):
         scheduler may own is kept; a zero scale is reset to 1.0).
         """
         groups = [self._group(name, group)] if group is not None else [self._group(name, i) for i in range(len(self.param_groups))]
+        trials = []
         for g in groups:
             trial = dict(g)
             if name == "lr":
@@ -305,7 +310,9 @@ class _StackedOptimizer(torch.optim.Optimizer):
                 trial["member_lr"] = lr / trial["lr"]
             else:
                 trial[name] = value
-            self._normalise(trial)  # validates everything before anything changes
+            self._normalise(trial)
+            trials.append(trial)
+        for g, trial in zip(groups, trials):  # every group validated before any changes
             g.update({k: v for k, v in trial.items() if k != "params"})
 
     def _group(self, name: str, group: int) -> dict:
@@ -325,6 +332,17 @@ class _StackedOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, then the groups re-validated; refused (an OptimizerError, a saved state of another n_members),
+        the optimizer is left as it was: torch installs the saved groups and state before the checks can run."""
+        before = (self.param_groups, self.state)  # torch's load installs new ones and leaves these as they are
+        try:
+            self._load_state_dict(state_dict)
+        except Exception:
+            self.param_groups, self.state = before
+            self._versioned.clear()
+            raise
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._versioned.clear()
         for g in self.param_groups:
@@ -398,7 +416,8 @@ class _StackedOptimizer(torch.optim.Optimizer):
         if t.dtype == torch.bool:
             if t.numel() != n:
                 raise OptimizerError(f"{owner}.step(active=...): a bool mask of {t.numel()} for {n} members; pass one "
-                                     f"value per member (True: the member steps)")
+                                     f"value per member (True: the member steps); on a sharded module (build_sharded), "
+                                     f"ens.local_active(mask_of_all_N or global indices) gives this rank's")
             mask = t
         elif t.numel() == 0 or not (t.dtype.is_floating_point or t.dtype.is_complex):
             idx = t.long()
@@ -677,11 +696,14 @@ _LRS = torch.optim.lr_scheduler
 _PROPORTIONAL = (_LRS.StepLR, _LRS.MultiStepLR, _LRS.ConstantLR, _LRS.LinearLR, _LRS.ExponentialLR, _LRS.PolynomialLR,
                  _LRS.LambdaLR, _LRS.MultiplicativeLR, _LRS.SequentialLR, _LRS.ChainedScheduler)
 _PROPORTIONAL_AT_ETA_MIN_0 = (_LRS.CosineAnnealingLR, _LRS.CosineAnnealingWarmRestarts)
+# the group keys torch's schedulers write (OneCycleLR writes initial_lr, max_lr and min_lr first, momentum when cycling)
+_SCHEDULED_KEYS = frozenset({"lr", "initial_lr", "max_lr", "min_lr", "momentum", "betas", "base_momentum",
+                             "max_momentum", "swa_lr"})
 
 
-def _writing_scheduler() -> Any:
+def _writing_scheduler(depth: int = 3) -> Any:
     """The torch lr scheduler whose code is writing a param group's "lr" right now, or None (our own code, the user)."""
-    frame = sys._getframe(3)  # past this function, _MemberGroup._check_lr and __setitem__
+    frame = sys._getframe(depth)  # past this function, _MemberGroup._check_lr and __setitem__
     for _ in range(4):
         if frame is None:
             return None
@@ -982,6 +1004,8 @@ class _MemberGroup(dict):
         return self[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
+        if "member_lr" in self and key in _SCHEDULED_KEYS:
+            self._refuse_absolute_scheduler()
         if key in self.ranges and "member_lr" in self:
             value = _hyper_vector(self.owner, key, value, self.n, self["member_lr"].device, self.ranges[key])
         elif key in _FLAGS and "member_lr" in self:
@@ -1006,6 +1030,31 @@ class _MemberGroup(dict):
         """`group |= {...}` (dict.__ior__ would skip the checks): each key goes through __setitem__."""
         self.update(other)
         return self
+
+    def _refuse_absolute_scheduler(self) -> None:
+        """OptimizerError, before it writes anything, where a torch scheduler that sets absolute lrs (OneCycleLR,
+        CyclicLR, SWALR, a cosine with eta_min > 0) writes a group of an optimizer whose members' lrs differ in some
+        group. Its lr write would be refused anyway, but its constructor writes initial_lr (and max_lr, momentum, the
+        groups before the refused one) first, which a LambdaLR built next, the fix the refusal gives, would scale."""
+        scheduler = _writing_scheduler(3)  # past this method and __setitem__ (setdefault's frame is walked past)
+        if scheduler is None or isinstance(scheduler, _LRS.ReduceLROnPlateau) or type(scheduler) in _PROPORTIONAL:
+            return
+        optimizer = getattr(scheduler, "optimizer", None)
+        frame = sys._getframe(2)
+        for _ in range(4):  # SWALR writes swa_lr before torch's __init__ sets .optimizer: its argument then
+            if optimizer is not None or frame is None:
+                break
+            held = frame.f_locals.get("optimizer")
+            optimizer = held if isinstance(held, _StackedOptimizer) else None
+            frame = frame.f_back
+        groups = getattr(optimizer, "param_groups", None) or [self]
+        lrs = next(((dict.get(g, "lr", 1.0) * g["member_lr"]).tolist() for g in groups
+                    if "member_lr" in g and bool((g["member_lr"] != 1).any())), None)
+        if lrs is None:
+            return
+        problem = _scheduler_problem(scheduler, self, 0.0, 0.0)
+        if problem is not None:
+            raise OptimizerError(f"{self.owner} with per-member lrs {lrs}: {problem} (refused before it wrote anything)")
 
     def _check_lr(self, value: Any, key: str = "lr") -> None:
         """Refuse an lr (or initial_lr, the base torch's schedulers and hand-written schedules scale) that is not one
@@ -1123,11 +1172,12 @@ class StackedSGD(_StackedOptimizer):
 
     def reset_member(self, i: int) -> None:
         """Restart member ``i``'s momentum as a fresh torch.optim.SGD would (needs dampening 0 for it)."""
-        for group in self.param_groups:
+        for group in self.param_groups:  # every group checked before any is reset
             if float(group["dampening"][i]) != 0 and float(group["momentum"][i]) != 0:
                 raise OptimizerError(f"StackedSGD.reset_member({i}): member {i} has dampening "
                                      f"{float(group['dampening'][i]):g}; a fresh SGD's first momentum step skips "
                                      f"dampening, which a zeroed buffer cannot reproduce; set its dampening to 0 first")
+        for group in self.param_groups:
             for p in group["params"]:
                 buf = self.state.get(p, {}).get("momentum_buffer")
                 if buf is not None:
