@@ -652,6 +652,23 @@ _MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_s
 _IMMUTABLE = ("_output_tree", "_out_spec", "_input_guard")  # shared by a deepcopy (pytree specs, export's guard function)
 
 
+def _refuse_unloadable_graphs(state: dict) -> None:
+    """OutputFileError where a stage graph of a torch.export plan would pickle but not unpickle: a GraphModule
+    unpickles by tracing its code again with torch.fx, which cannot pass a traced size inside a list argument of an
+    aten op (a GRU's h0 made as `aten.zeros([1, batch, h])`). torch.load would fail later, often in another process
+    with the module gone; this says so at the save, with the checkpoints that load anywhere."""
+    for k, gm in enumerate(state.get("stage_modules") or ()):
+        try:
+            pickle.loads(pickle.dumps(gm))
+        except Exception as e:  # fx's re-trace raises RuntimeError, TypeError, ...
+            stage = state["programs"][k].stage.id if len(state.get("programs") or ()) > k else str(k)
+            raise OutputFileError(
+                f"this batched module cannot be pickled whole (torch.save(ens) / pickle): the graph of stage {stage} "
+                f"(a torch.export trace) would not load again ({type(e).__name__}: {_first_line(e)[:160]}). Save its "
+                "state instead: torch.save(ens.state_dict(), path) and, to load, executor.build(plan, members) then "
+                "ens.load_state_dict(torch.load(path)); or executor.save_member_weights(ens, folder)") from None
+
+
 class BatchedModule(nn.Module):
     """N members run as one module, stage by stage. forward(*inputs) -> N-first outputs."""
 
@@ -1638,6 +1655,8 @@ class BatchedModule(nn.Module):
         __setstate__ makes them again, as a deepcopy does. torch.export's guard function does not pickle: a loaded
         module checks its inputs against the plan's traced shapes (check_call_inputs) without it."""
         state = {k: v for k, v in self.__dict__.items() if k not in _MADE_FROM_STATE}
+        if self.plan.tracer == "export":
+            _refuse_unloadable_graphs(state)
         if state.get("_input_guard") is not None:
             try:
                 pickle.dumps(state["_input_guard"])
@@ -1917,9 +1936,6 @@ def _mark_views_written_later(programs: list[StageProgram], gm: torch.fx.GraphMo
     return marked
 
 
-@dataclasses.dataclass(frozen=True)
-class _Writes:
-    """How the inputs of a stage that writes in place are handed to it, so that every write lands where the member
 def _unchunk_views_written_later(programs: list[StageProgram], gm: torch.fx.GraphModule,
                                  stage_of: dict[str, str]) -> list[StageProgram]:
     """The programs with `chunk_size` off where the stage hands on a view (of state, an input or one of its own values:
@@ -1949,6 +1965,9 @@ def _unchunk_views_written_later(programs: list[StageProgram], gm: torch.fx.Grap
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Writes:
+    """How the inputs of a stage that writes in place are handed to it, so that every write lands where the member
     loop's would: in the value itself, seen by every other value sharing its storage (a view taken before, its base)."""
 
     into_shared: frozenset[str]  # inputs that become [N, ...] copies when shared (a loop would write N times into one)
@@ -2124,22 +2143,28 @@ def _data_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+def check_member_folder(folder: Path, n_members: int) -> None:
+    """OutputFileError where `folder` cannot take the files of `n_members` members: it is a file, or it holds member
+    files of a larger set, which a later load of the folder would mix with these."""
+    if folder.exists() and not folder.is_dir():
+        raise OutputFileError(f"cannot save member weights into {folder}: it is a file, not a folder; pass a folder path")
+    extra = sorted(p.name for p in folder.glob("member_*.safetensors")
+                   if p.stem[len("member_"):].isdigit() and int(p.stem[len("member_"):]) >= n_members) \
+        if folder.is_dir() else []
+    if extra:
+        # a set of more members saved here before: loading the folder would mix the two sets
+        raise OutputFileError(f"{folder} holds member files of a larger set ({', '.join(extra[:3])}"
+                              f"{', ...' if len(extra) > 3 else ''}) beside the {n_members} this would write; "
+                              "pass an empty folder, or move those files away first")
+
+
 def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]:
     """Write each member's state as `folder/member_000.safetensors`, ... (one ordinary state dict per
     member, loadable with `planner.load_source(model, weights=paths)` or load_state_dict). Returns the paths."""
     from safetensors.torch import save_file  # a required dependency (pyproject); imported where used
 
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise OutputFileError(f"cannot save member weights into {folder}: it is a file, not a folder; pass a folder path")
-    extra = sorted(p.name for p in folder.glob("member_*.safetensors")
-                   if p.stem[len("member_"):].isdigit() and int(p.stem[len("member_"):]) >= module.n_members) \
-        if folder.is_dir() else []
-    if extra:
-        # a set of more members saved here before: loading the folder would mix the two sets
-        raise OutputFileError(f"{folder} holds member files of a larger set ({', '.join(extra[:3])}"
-                              f"{', ...' if len(extra) > 3 else ''}) beside the {module.n_members} this would write; "
-                              "pass an empty folder, or move those files away first")
+    check_member_folder(folder, module.n_members)
     if module._state_replaced[0]:
         module._follow_replaced_state()
     keys = set(module._member_keys)

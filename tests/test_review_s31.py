@@ -15,6 +15,9 @@
   `c` as one constant, which the write then kept from call to call (0.77, 0.96, 1.16 off on calls 1-3) and every member
   shared (a Gram matrix `torch.matmul(h.t(), h, out=c)`: members read the last member's, 0.85 off). Such a write is
   now seen as one into a baked constant, as `c.add_(v)` always was: torch.export traces it.
+- `torch.save(ens)` of a torch.export plan whose graph passes a traced size in a list (a GRU's h0, `aten.zeros([1, B,
+  h])`) wrote a file `torch.load` could not read (fx's re-trace of the graph code raised a raw RuntimeError, often in
+  another process). Refused at the save, naming the state-dict route, which loads; deepcopy is unaffected.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -198,3 +202,37 @@ def test_an_out_write_into_a_fresh_fixed_size_tensor_runs_as_the_loop(gram):
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]), rtol=1e-5, atol=1e-5)
+
+
+class CountedGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.register_buffer("cnt", torch.zeros(()))
+
+    def forward(self, x):
+        self.cnt.add_(1)  # a buffer forward() writes: traced with torch.export
+        h, _ = self.gru(x)
+        return h * self.cnt
+
+
+def test_a_batched_module_that_would_not_load_again_is_refused_at_the_save():
+    from stagewise.planner.errors import OutputFileError  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    members = [CountedGRU() for _ in range(N)]
+    x = torch.randn(N, 2, 5, 8)
+    plan = planner.propose(planner.trace(members[0], (x[0],)), n_members=N, input_mode="per_member")
+    assert plan.tracer == "export"
+    ens = executor.build(plan, [copy.deepcopy(m) for m in members])
+    with pytest.raises(OutputFileError, match=r"cannot be pickled whole.*torch.save\(ens.state_dict\(\), path\)"):
+        torch.save(ens, io.BytesIO())
+    ens(x)
+    twin = copy.deepcopy(ens)  # EMA / SWA copies: no pickling
+    torch.testing.assert_close(twin(x), ens(x))
+    buffer = io.BytesIO()
+    torch.save(ens.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = executor.build(plan, [copy.deepcopy(m) for m in members])
+    loaded.load_state_dict(torch.load(buffer))
+    torch.testing.assert_close(loaded(x), ens(x))
