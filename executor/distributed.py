@@ -36,7 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from stagewise.planner.errors import InputError, MemberError, ModelLoadError, StagewiseError
 from stagewise.planner.files import temp_beside
 from stagewise.planner.plan import InputMode, Plan
-from stagewise.executor.build import BatchedModule, build
+from stagewise.executor.build import BatchedModule, build, check_member_folder
+from stagewise.executor.members import slice_of
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("STAGEWISE_DIST_TIMEOUT_S", "300"))  # a collective waits this long for a slow or dead rank
 _RANK_MIX = 0x9E3779B97F4A7C15  # spreads ranks over the seed space (forward's per-rank random stream)
@@ -200,8 +201,10 @@ def _value_print(x: Any) -> tuple:
 
 def _checksum(x: torch.Tensor) -> torch.Tensor:
     """Two int64 numbers that equal tensors (equal values, any memory layout, any thread count) share: the tensor's
-    bits as integers summed per row, wrapping (exact, in any order), and those row sums weighted by the row's place
-    (another order of the rows differs)."""
+    bits as integers summed, wrapping (exact, in any order), and summed per row (dim 0) weighted by a pseudo-random
+    number per place in the row, the row sums by another per row (_place_weights), so another order of the same values
+    differs: a flipped image, a shuffled batch, a square matrix transposed (which weights by the places themselves,
+    (row + 1) * (column + 1), could not tell)."""
     t = x.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
@@ -213,12 +216,19 @@ def _checksum(x: torch.Tensor) -> torch.Tensor:
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
     words = t.view(bits) if t.dtype is not bits else t
     rows = words.reshape(words.shape[0] if words.dim() and words.numel() else 1, -1)
-    # each element weighted by its place in its row, each row by its place: another order (a flipped image, a shuffled
-    # batch) differs; integer sums wrap, exactly, in any order
-    within = torch.arange(1, rows.shape[1] + 1, device=rows.device, dtype=torch.int64)
-    per_row = (rows.to(torch.int64) * within).sum(1)
-    place = torch.arange(1, per_row.numel() + 1, device=per_row.device, dtype=torch.int64)
-    return torch.stack([rows.sum(dtype=torch.int64), (per_row * place).sum()])
+    # integer sums wrap, exactly, in any order
+    per_row = (rows.to(torch.int64) * _place_weights(rows.shape[1], rows.device, _IN_ROW)).sum(1)
+    return torch.stack([rows.sum(dtype=torch.int64), (per_row * _place_weights(per_row.numel(), rows.device, _ROW)).sum()])
+
+
+_IN_ROW, _ROW = 0x9E3779B97F4A7C15 - 2 ** 64, 0xC2B2AE3D27D4EB4F - 2 ** 64  # odd 64-bit multipliers, as int64
+
+
+def _place_weights(n: int, device: torch.device, multiplier: int) -> torch.Tensor:
+    """[n] int64: a pseudo-random number per place 1..n (a multiplicative hash, wrapping), the same on every rank and
+    device; two multipliers give two sequences that are not multiples of each other."""
+    w = torch.arange(1, n + 1, device=device, dtype=torch.int64) * multiplier
+    return w ^ (w >> 29)
 
 
 class ShardedModule(nn.Module):
@@ -253,6 +263,26 @@ class ShardedModule(nn.Module):
         if shape is not None and len(shape) >= 1 and shape[0] == self.n_members and hasattr(values, "__getitem__"):
             return values[self.member_indices.start:self.member_indices.stop]
         return values
+
+    def local_active(self, members: Any) -> torch.Tensor:
+        """A stacked optimizer's `step(active=...)` for this rank: the bool mask of its k members among `members`,
+        the global member indices that step (`[1]` is member 1 of all N, on whichever rank holds it) or a bool mask
+        of N. A global index list passed as it is would be read as local positions (0..k-1): other members' rows.
+        DistributedError for an index outside 0..N-1 or a mask of another length."""
+        n = self.n_members
+        given = torch.as_tensor(members.detach().cpu() if isinstance(members, torch.Tensor) else members)
+        if given.dtype is torch.bool:
+            if given.shape != (n,):
+                raise DistributedError(f"local_active: a bool mask of shape {list(given.shape)} for {n} members; pass "
+                                       f"one bool per member of all {n}, or the global indices of the members that step")
+            mask = given
+        else:
+            if given.numel() and (given.is_floating_point() or given.dim() > 1 or not bool(((given >= 0) & (given < n)).all())):
+                raise DistributedError(f"local_active({members!r}): pass the global indices (0..{n - 1}) of the members "
+                                       f"that step, or a bool mask of {n}")
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[given.long()] = True
+        return mask[self.member_indices.start:self.member_indices.stop].clone()
 
     def local_inputs(self, inputs: Sequence[Any]) -> tuple:
         """The inputs this rank runs, on its device: per_member ones' rows of its members, shared ones as given.
@@ -312,16 +342,31 @@ class ShardedModule(nn.Module):
             local = self.local_inputs(inputs)
             with self._own_random_stream():
                 out = self.module(*local)
+        self._write_back_inputs(inputs, local)
         return out
+
+    def _write_back_inputs(self, inputs: Sequence[Any], local: Sequence[Any]) -> None:
+        """The rows every other rank wrote into a per_member input forward() writes in place (`x.mul_(2)`) into the
+        caller's tensor, as the member loop writes all N rows (and this rank's, where its rows were a copy on another
+        device): each rank wrote only its rows, so the ranks' tensors would differ from the loop's and from each other's.
+        Written through `.data`, so no version counter moves: this rank's autograd graph saved only its own rows, which
+        keep their values. One all-gather per such input; nothing for a plan that writes no input. Collective."""
+        written = self.module.__dict__.get("_written_inputs") or ()
+        for spec, whole, mine in zip(self.plan.inputs, inputs, local):
+            if spec.mode is not InputMode.PER_MEMBER or spec.name not in written:
+                continue
+            for t, rows in zip(tree_flatten(whole)[0], tree_flatten(mine)[0]):
+                if isinstance(t, torch.Tensor) and isinstance(rows, torch.Tensor):
+                    t.data.copy_(self._gather_tensor(rows).to(t.device))
 
     check_inputs = True  # forward() compares the inputs' fingerprints across member ranks (one small collective a call)
 
     def _same_inputs_on_every_rank(self, inputs: Sequence[Any]) -> None:
         """DistributedError unless every member rank was given the same whole inputs: ranks holding other members of
         one ensemble must see one batch (a DistributedSampler's per-rank batches, an unseeded torch.randn per process,
-        would mix predictions on different data without a word). Compared by shape, dtype, sum and sum of squares of
-        each tensor (float64; NaN equal to NaN); the data-parallel replicas of a group may differ. Set
-        `check_inputs = False` on the module to skip it."""
+        would mix predictions on different data without a word). Compared by shape, dtype and two checksums of each
+        tensor's bits (_checksum: their sum, and their sum weighted by place; NaN equal to NaN), other values by value
+        or type; the data-parallel replicas of a group may differ. Set `check_inputs = False` on the module to skip it."""
         flat = tree_flatten(list(inputs))[0]
         leaves = [x for x in flat if isinstance(x, torch.Tensor)]
         with torch.no_grad():
@@ -346,7 +391,7 @@ class ShardedModule(nn.Module):
                     at = order[k]  # where in the flattened inputs
                     what = f"input {names[at]!r}" if len(flat) == len(names) else f"input value {at}"
                     shown = (f"{a[2]} vs {b[2]}" if a[0] == "value" else
-                             f"shape {list(a[0])} vs {list(b[0])}, checksum {a[2]} vs {b[2]}")
+                             f"shape {list(a[0])} vs {list(b[0])}, checksums {a[2]}/{a[3]} vs {b[2]}/{b[3]}")
                     raise DistributedError(
                         f"{what} differs between member rank {r} and this rank ({dist.get_rank(self._member_group)}) "
                         f"({shown}): the ranks hold different "
@@ -462,6 +507,9 @@ class ShardedModule(nn.Module):
 
         folder, paths = Path(folder), []
         writes = self._dp_group is None or dist.get_rank(self._dp_group) == 0
+        with agreed(f"checking the checkpoint folder {folder}", self._group):  # before any rank writes
+            if writes:  # refused as executor.save_member_weights refuses it (a file; member files of a larger set)
+                check_member_folder(folder, self.n_members)
         with agreed(f"saving the checkpoint to {folder}", self._group):
             if writes:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -541,6 +589,11 @@ def build_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory]
     dev = rank_device(group, device)
     module = None
     with agreed("building each rank's members", group):
-        local = local_members(members, indices, plan.n_members)
-        module = build(plan.with_n_members(len(indices)), local, device=dev, check_memory=check_memory)
+        everyone = None if callable(members) else list(members)  # all N given (once: an iterator too), or a factory
+        local = local_members(members if everyone is None else everyone, indices, plan.n_members)
+        # all N given: the state members share is checked over all of them (a BatchNorm, a trainable backbone held by
+        # members on two ranks is one tensor in the loop), so every rank refuses what one process refuses, as it does.
+        # A factory's members are this rank's alone: what they would share with another rank's cannot be seen
+        with slice_of(everyone, indices) if everyone is not None else contextlib.nullcontext():
+            module = build(plan.with_n_members(len(indices)), local, device=dev, check_memory=check_memory)
     return ShardedModule(plan, module, indices, group, dev)

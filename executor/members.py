@@ -7,11 +7,13 @@ torch's utilities that would reparametrize a stacked tensor as one tensor of all
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import os
 import sys
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -221,15 +223,43 @@ def gradient_hooks(members: Sequence[nn.Module]) -> list[str]:
     return out
 
 
+# all N members while one rank's slice of them is built alone (executor.distributed.build_sharded)
+_WHOLE_SET: contextvars.ContextVar[tuple[list[nn.Module], range] | None] = contextvars.ContextVar("stagewise_whole_set",
+                                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def slice_of(everyone: Sequence[nn.Module], indices: range) -> Iterator[None]:
+    """Inside: the checks for state members share (shared_across_members, aliasing_of's buffers), given the members
+    `indices` of `everyone`, look over all of them and name them by their place there, as for one process holding all:
+    a rank builds its slice alone, and a tensor its members share with another rank's is one tensor in the member loop."""
+    token = _WHOLE_SET.set((list(everyone), indices))
+    try:
+        yield
+    finally:
+        _WHOLE_SET.reset(token)
+
+
+def _whole_set(members: Sequence[nn.Module]) -> Sequence[nn.Module]:
+    """All the members `members` is the slice of (inside slice_of, for exactly those modules), else `members`."""
+    whole = _WHOLE_SET.get()
+    if whole is None:
+        return members
+    everyone, indices = whole
+    if len(members) == len(indices) and indices.stop <= len(everyone) and all(m is everyone[i] for m, i in zip(members, indices)):
+        return everyone
+    return members
+
+
 def shared_across_members(members: Sequence[nn.Module]) -> dict[str, bool]:
     """Names of parameters that two members hold as one tensor, or as tensors on one memory (members made with
     `load_state_dict(..., assign=True)` from one state dict) -> whether a member holding it trains it now. Stacked,
     each member gets its own copy: forward is the same, but training would update the copies apart where the loop
     updates one memory. Frozen ones are kept too: the batched module refuses training once one is made trainable on
     it (gradual unfreezing of a shared backbone, `ens.stacked.backbone.requires_grad_(True)`), as it refuses a shared
-    parameter trainable at build; frozen, the copies stay alike."""
+    parameter trainable at build; frozen, the copies stay alike. A rank's slice (slice_of): over all the members."""
     by_name: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for i, m in enumerate(members):
+    for i, m in enumerate(_whole_set(members)):
         for name, p in m.named_parameters():
             by_name.setdefault(name, []).append((i, p))
     return {name: any(p.requires_grad for _, p in held) for name, held in by_name.items()
@@ -570,9 +600,10 @@ def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Alias
         if within:
             break  # one member's names are enough to say it
     across: dict[str, list[int]] = {}
+    everyone = _whole_set(members)  # a rank's slice: a buffer its members share with another rank's is one tensor too
     for name, _ in members[0].named_buffers(remove_duplicate=False):
         held = []
-        for i, m in enumerate(members):
+        for i, m in enumerate(everyone):
             try:
                 held.append((i, m.get_buffer(name)))
             except AttributeError:
