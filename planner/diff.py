@@ -4,7 +4,9 @@
 belong to one group (a connected component of "shares a node"); a group is
 
 - same:      one stage in each, the same nodes and options (its id may differ: ids are renumbered);
-- changed:   one stage in each, the same nodes, but mode, strategy or chunk size differ;
+- changed:   one stage in each, the same nodes, but what runs differs: mode, strategy, chunk size, the wide
+             conv form or the torch.compile mode (tags in the note), or the reason of an excluded stage run
+             wide / compile (both read it);
 - merged:    several stages of `a` became one stage of `b`;
 - split:     one stage of `a` became several stages of `b`;
 - regrouped: several stages on both sides (nodes moved between stages);
@@ -15,12 +17,13 @@ Plain data only (no graph needed): the CLI, the app and tests read `rows()`, `no
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from stagewise.planner.errors import PlanMismatchError
 from stagewise.planner.measured import measured_stage_times, result_ms
-from stagewise.planner.plan import Plan, Stage, StageMode
+from stagewise.planner.plan import InputSpec, Plan, Stage, StageMode, StageOptions, Strategy
 from stagewise.planner.table import plural
 
 
@@ -28,7 +31,7 @@ class ChangeKind(str, enum.Enum):
     """What happened to one group of stages between the two plans."""
 
     SAME = "same"
-    CHANGED = "changed"  # same nodes, other mode / strategy / chunk size
+    CHANGED = "changed"  # same nodes, other mode / strategy / chunk size / conv form / compile mode / read reason
     MERGED = "merged"
     SPLIT = "split"
     REGROUPED = "regrouped"
@@ -40,15 +43,19 @@ class ChangeKind(str, enum.Enum):
 class FieldChange:
     """One setting that differs: `field` went from `old` to `new` (plain JSON values)."""
 
-    field: str  # "mode", "strategy", "chunk_size"; plan level: "n_members", "dtype", "tracer", "capture", "input x"
+    # stage: "mode", "strategy", "chunk_size", "conv_form", "compile_mode", "reason"; plan level: "n_members", "dtype",
+    # "tracer", "capture", "opened_modules", "input x" (its mode), "input x shape" / "dtype" / "dynamic dims" / "value"
+    field: str
     old: Any
     new: Any
 
     def text(self) -> str:
-        return f"{_FIELD_WORDS.get(self.field, self.field)} {_show(self.old)} → {_show(self.new)}"
+        old, new = _show(self.field, self.old), _show(self.field, self.new)
+        return f"{_FIELD_WORDS.get(self.field, self.field)} {old} → {new}"
 
 
-_FIELD_WORDS = {"n_members": "N", "chunk_size": "chunk size"}
+_FIELD_WORDS = {"n_members": "N", "chunk_size": "chunk size", "conv_form": "conv form", "compile_mode": "compile mode",
+                "opened_modules": "opened modules"}
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class PlanDiff:
 
     fingerprint: str
     n_members: int  # plan b's
-    plan_changes: tuple[FieldChange, ...]  # n_members, dtype, tracer, input modes
+    plan_changes: tuple[FieldChange, ...]  # n_members, dtype, tracer, capture, opened modules, input specs
     stages: tuple[StageChange, ...]  # one per group, in a's stage order (added groups last)
     nodes: Mapping[str, NodeChange]  # node name -> where it sits in each plan
     measured: bool  # either plan carries a profile
@@ -217,10 +224,49 @@ def _classify(before: list[Stage], after: list[Stage], times_a: Mapping[str, flo
 
 
 def _stage_fields(old: Stage, new: Stage) -> list[FieldChange]:
-    pairs = (("mode", old.mode.value, new.mode.value),
+    """What differs in how the stage runs: its settings, the kernel choices its note records, the reason its
+    strategy reads."""
+    pairs = [("mode", old.mode.value, new.mode.value),
              ("strategy", old.options.strategy.value, new.options.strategy.value),
-             ("chunk_size", old.options.chunk_size, new.options.chunk_size))
+             ("chunk_size", old.options.chunk_size, new.options.chunk_size)]
+    # a kernel choice counts where a strategy reads it; a stage starting or ending to run with the default one shows
+    # only as the strategy change
+    pairs += [(name, x, y) for name, x, y in (("conv_form", _conv_form(old.options), _conv_form(new.options)),
+                                              ("compile_mode", _compile_mode(old.options), _compile_mode(new.options)))
+              if {x, y} - {None, _DEFAULT}]
+    # its reason's parts, in any order (merges join them with "; "), are what those strategies judge it by
+    if old.mode is new.mode is StageMode.EXCLUDED and _READS_REASON & {old.options.strategy, new.options.strategy} \
+            and set(old.reason.split("; ")) != set(new.reason.split("; ")):
+        pairs.append(("reason", old.reason, new.reason))
     return [FieldChange(name, x, y) for name, x, y in pairs if x != y]
+
+
+# The kernel choices a plan records as tags in a stage's options.note, matched as their readers match them
+# (executor.strategies.wide.conv_form_of, executor.strategies.compiled.compile_mode_of: the planner does not import
+# the executor). The note's other words (measured times) are not compared.
+_CONV_FORM_TAG = re.compile(r"\[wide: conv=([a-z0-9_]+)\]")
+_COMPILE_MODE_TAG = re.compile(r"\[compile: mode=([a-z-]+)\]")
+_DEFAULT = "default"  # the tag's absence: the device's default conv form, torch.compile's default mode
+# an excluded stage's strategies that read its reason (executor.strategies.wide._vmap_unsafe,
+# executor.strategies.compiled.excluded_compile_refusal)
+_READS_REASON = frozenset({Strategy.WIDE, Strategy.COMPILE})
+
+
+def _conv_form(options: StageOptions) -> Optional[str]:
+    """The wide conv form the stage's options record ("default" without one); None when the strategy is not wide."""
+    if options.strategy is not Strategy.WIDE:
+        return None
+    variant = getattr(options, "variant", "") or ""  # a future StageOptions field conv_form_of reads first
+    found = re.fullmatch(r"conv=([a-z0-9_]+)", variant) or _CONV_FORM_TAG.search(options.note)
+    return found.group(1) if found else _DEFAULT
+
+
+def _compile_mode(options: StageOptions) -> Optional[str]:
+    """The torch.compile mode the stage's options record ("default" without one); None when the strategy is not compile."""
+    if options.strategy is not Strategy.COMPILE:
+        return None
+    found = _COMPILE_MODE_TAG.search(options.note)
+    return found.group(1) if found else _DEFAULT
 
 
 def _group_ms(stages: Sequence[Stage], times: Mapping[str, float]) -> Optional[float]:
@@ -231,14 +277,31 @@ def _group_ms(stages: Sequence[Stage], times: Mapping[str, float]) -> Optional[f
 
 
 def _plan_changes(a: Plan, b: Plan) -> list[FieldChange]:
+    """The plan-level settings that differ, then each input's: its mode, and for an input both plans hold, what the
+    trace recorded of it (which calls are accepted, what build retraces with)."""
     out = [FieldChange(name, getattr(a, name), getattr(b, name)) for name in ("n_members", "dtype", "tracer", "capture")
            if getattr(a, name) != getattr(b, name)]
-    modes_a = {i.name: i.mode.value for i in a.inputs}
-    modes_b = {i.name: i.mode.value for i in b.inputs}
-    for name in dict.fromkeys([*modes_a, *modes_b]):
-        if modes_a.get(name) != modes_b.get(name):
-            out.append(FieldChange(f"input {name}", modes_a.get(name), modes_b.get(name)))
+    if a.opened_modules != b.opened_modules:
+        out.append(FieldChange("opened_modules", list(a.opened_modules), list(b.opened_modules)))
+    specs_a = {i.name: i for i in a.inputs}
+    specs_b = {i.name: i for i in b.inputs}
+    for name in dict.fromkeys([*specs_a, *specs_b]):
+        sa, sb = specs_a.get(name), specs_b.get(name)
+        if (sa and sa.mode.value) != (sb and sb.mode.value):
+            out.append(FieldChange(f"input {name}", sa and sa.mode.value, sb and sb.mode.value))
+        if sa is not None and sb is not None:
+            out += [FieldChange(f"input {name} {key}", x, y) for key, x, y in _spec_fields(sa, sb) if x != y]
     return out
+
+
+def _spec_fields(a: InputSpec, b: InputSpec) -> list[tuple[str, Any, Any]]:
+    """(key, old, new) for what the trace recorded of one input, as plain JSON."""
+    def shape(s: InputSpec) -> Optional[list[int]]:
+        return list(s.shape) if s.shape is not None else None
+
+    return [("shape", shape(a), shape(b)), ("dtype", a.dtype, b.dtype),
+            ("dynamic dims", [d.to_json() for d in a.dynamic_dims], [d.to_json() for d in b.dynamic_dims]),
+            ("value", a.value, b.value)]
 
 
 def _node_changes(a: Plan, b: Plan, changes: Sequence[StageChange]) -> dict[str, NodeChange]:
@@ -260,8 +323,22 @@ def _end_to_end(plan: Plan) -> Optional[float]:
 # -- words ------------------------------------------------------------------------------------------
 
 
-def _show(value: Any) -> str:
-    return "none" if value is None else str(value)
+def _show(field: str, value: Any) -> str:
+    """One side of a FieldChange in words."""
+    if value is None:
+        return "none"
+    if field == "reason":
+        return f'"{value}"'
+    if field == "opened_modules" or field.endswith(" dynamic dims"):
+        return ", ".join(_dim_words(v) if isinstance(v, Mapping) else str(v) for v in value) or "none"
+    return str(value)
+
+
+def _dim_words(d: Mapping[str, Any]) -> str:
+    """A dynamic dim's JSON in words: "0", "2 (min 2, max 64, symbol d0)"."""
+    extra = [f"{key.replace('_', ' ')} {', '.join(v) if isinstance(v, list) else v}"
+             for key, v in d.items() if key != "dim"]
+    return f"{d['dim']}" + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _ms(ms: Optional[float]) -> str:
