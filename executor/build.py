@@ -37,7 +37,7 @@ from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFF
                                       retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
-from stagewise.planner.validate import stage_graph, validate
+from stagewise.planner.validate import stage_graph, validate, with_fresh_verdicts
 from stagewise.planner.snapshot import held_values
 from stagewise.planner.source import MEMBER_SEED_BASE
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
@@ -1769,6 +1769,9 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # the member traced again below (its modes, the members' numbers, the plan's dtype) in the mode the plan was
     with torch.set_grad_enabled(traced_with_grad):
         validate(plan, graph)
+        # judged by these members' graph, not by the verdicts the plan recorded (constants and modes are not in the
+        # fingerprint; a file's reasons may be edited): compile and wide read the excluded stages' reasons from here
+        plan = with_fresh_verdicts(plan, graph, example)
         first_code = None
         if graph.gm.meta.get(BUFFER_VALUE_READS):  # before the graph is edited below
             first_code = _members_trace_alike(members, private, plan, example, graph)

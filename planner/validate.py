@@ -5,13 +5,19 @@ the helpers here are also what edits use to explain a refusal (the offending pat
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import copy
+import types
+from dataclasses import replace
+from typing import Any, Iterable, Optional
 
 import networkx as nx
+import torch
 
-from stagewise.planner.errors import PlanMismatchError
-from stagewise.planner.graph import ModelGraph
-from stagewise.planner.plan import Plan, Stage, StageMode
+from stagewise.planner.capability import (DEFAULT_CHECK, autocast_region_check, chain, inplace_buffer_check,
+                                          norm_stats_view_check, stateful_module_check, unowned_write_check)
+from stagewise.planner.errors import PlanMismatchError, TraceError
+from stagewise.planner.graph import ModelGraph, _cuda_devices, _run_and_record
+from stagewise.planner.plan import Plan, Stage, StageMode, Strategy
 
 
 def convexity_violation(graph: ModelGraph, nodes: Iterable[str]) -> Optional[list[str]]:
@@ -130,3 +136,91 @@ def validate(plan: Plan, graph: ModelGraph) -> Plan:
         raise PlanMismatchError(f"stage graph has a cycle {' -> '.join(u for u, _ in cycle)} -> {cycle[0][0]}; "
                                 "merge the stages on the cycle, or re-plan")
     return plan
+
+
+# the capability checks that read the graph alone (no example values, no vmap run): cheap enough for every build
+STRUCTURAL_CHECK = chain(autocast_region_check, stateful_module_check, inplace_buffer_check, norm_stats_view_check,
+                         unowned_write_check)
+# parts of a reason where vmap still runs the node as each member does: its slow per-member fallback, a write into
+# whole stacked buffers (BatchNorm's own in training too), random draws (each member its own). What a batched stage
+# may hold at build (and what compile takes on an excluded stage, with an exclusion by hand)
+VMAP_RUNS_RIGHT = ("slow per-member loop", "in-place update of buffer", "randomness in")
+_READS_REASON = (Strategy.COMPILE, Strategy.WIDE)  # strategies that judge an excluded stage by its reason
+_COMPUTES = ("call_module", "call_function", "call_method")
+
+
+def _fresh_values(graph: ModelGraph, example: tuple | None) -> tuple[Any, dict] | None:
+    """(a copy of graph.gm, each node's value on `example`) for the value-dependent checks, or None where the graph
+    cannot be run here (no example inputs, or it fails on the plan's zero inputs): the structural checks then judge
+    alone. A copy: the vmap probe runs the graph's modules, which build's stage modules are made from."""
+    if example is None:
+        return None
+    gm = copy.deepcopy(graph.gm)
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(gm)):  # (dropout in training draws: the caller's state stays)
+            values, _ = _run_and_record(gm, tuple(example))
+    except TraceError:  # zero inputs it cannot run on (the plan keeps shapes, not values): judged by structure alone
+        return None
+    return gm, values
+
+
+def with_fresh_verdicts(plan: Plan, graph: ModelGraph, example: tuple | None = None) -> Plan:
+    """`plan` judged by the capability verdicts of `graph`, a fresh trace of the members it is built for (build's
+    retrace, which holds no verdicts of its own), instead of the verdicts its file recorded when it was planned.
+
+    The same fingerprint does not mean the same verdicts: constants are not part of it (`F.batch_norm(...,
+    training=self.training)` of members planned in eval and built in training updates statistics the plan says it
+    does not), and a plan file's `reason` may be edited by hand. So:
+      - an excluded stage whose strategy reads its reason (compile, wide) gets as reason its stored one joined
+        ("; ") with every reason the fresh graph gives its nodes (structure, and the vmap probe where the graph runs
+        on the plan's example inputs): a stored reason counts only where the fresh graph agrees, and a stage
+        excluded by hand whose nodes the fresh graph finds unsafe is judged unsafe;
+      - a batched stage (any strategy but the loop) holding a node the fresh graph's structure says vmap cannot run
+        as each member does (not VMAP_RUNS_RIGHT) is refused.
+    Args:
+        plan: a plan `validate(plan, graph)` accepted.
+        graph: the fresh trace (its gm not yet edited by build).
+        example: one member's example inputs (the plan's traced shapes), or None.
+    Returns:
+        `plan`, or a copy whose excluded stages' reasons hold the fresh verdicts.
+    Raises:
+        PlanMismatchError naming the batched stage, the node, the fresh reason and the fix.
+    """
+    judged = [s for s in plan.stages if s.options.strategy is not Strategy.LOOP
+              and (s.mode is StageMode.BATCHED or s.options.strategy in _READS_REASON)]
+    if not judged:
+        return plan
+    by_value = any(s.mode is StageMode.EXCLUDED for s in judged)
+    fresh = _fresh_values(graph, example) if by_value else None
+    gm, values = fresh if fresh is not None else (graph.gm, {})
+    view = types.SimpleNamespace(gm=gm, example_values=values)  # the checks' caches land here, not on the graph
+    shaped = gm.meta.pop("stagewise_value_shaped", None)  # (value_shape_check caches on the gm itself)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stages = list(plan.stages)
+    try:
+        for i, s in enumerate(stages):
+            if s not in judged:
+                continue
+            full = s.mode is StageMode.EXCLUDED and fresh is not None
+            check = DEFAULT_CHECK if full else STRUCTURAL_CHECK
+            reasons = {n: check(view, nodes[n]) for n in s.nodes if nodes[n].op in _COMPUTES}
+            reasons = {n: r for n, r in reasons.items() if r}
+            if s.mode is StageMode.BATCHED:
+                bad = [n for n, r in reasons.items() if not any(ok in r for ok in VMAP_RUNS_RIGHT)]
+                if bad:
+                    raise PlanMismatchError(
+                        f"batched stage {s.id} holds {bad[0]!r}, which these members' graph says vmap cannot run as each "
+                        f"member does: {reasons[bad[0]]}. The plan was made from members that traced otherwise (another "
+                        "training mode, another constant in forward(): the fingerprint does not hold those); re-plan "
+                        f"from these members (planner.trace, planner.propose), or exclude({bad[0]!r})")
+                continue
+            reason = s.reason
+            for r in dict.fromkeys(reasons.values()):  # (a reason may hold "; " itself: appended whole, once)
+                reason = f"{reason}; {r}" if reason and r not in reason else reason or r
+            if reason != s.reason:
+                stages[i] = replace(s, reason=reason)
+    finally:
+        gm.meta.pop("stagewise_value_shaped", None)
+        if shaped is not None:
+            gm.meta["stagewise_value_shaped"] = shaped
+    return plan if stages == list(plan.stages) else replace(plan, stages=tuple(stages))

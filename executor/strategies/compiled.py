@@ -30,6 +30,7 @@ from stagewise.planner.capability import _AUTOCAST_TARGETS
 from stagewise.planner.edits import USER_EXCLUDED
 from stagewise.planner.errors import ExecutionError, PlanFileError
 from stagewise.planner.plan import Stage, StageMode, StageOptions
+from stagewise.planner.validate import VMAP_RUNS_RIGHT
 from stagewise.executor.stages import VmapRunner, check_index_rows, check_member_indices
 from stagewise.executor.values import signature
 
@@ -113,7 +114,7 @@ def compile_fresh(fn: Callable, name: str, mode: str = "") -> Callable:
 # BatchNorm in training mode among them, runs as plain vmap, which writes each member's rows); random draws (in
 # training plain vmap, each member drawing its own numbers, in another order than the loop: executor.verify names
 # that); an exclusion by hand of nodes the planner found vmap runs
-_COMPILE_SAFE_REASONS = ("slow per-member loop", "in-place update of buffer", "randomness in", USER_EXCLUDED)
+_COMPILE_SAFE_REASONS = VMAP_RUNS_RIGHT + (USER_EXCLUDED,)
 # the second halves of planner reasons that hold "; " themselves (merged stages join their reasons with "; " too)
 _REASON_TAILS = ("members' state would be shared", "call .eval() or exclude")
 
@@ -123,7 +124,8 @@ def excluded_compile_refusal(stage: Stage) -> str:
     the planner found fails there or computes otherwise than each member (no batching rule and no fallback, a
     data-dependent value or shape, an in-place write vmap cannot batch). Any reason not known to be safe
     (_COMPILE_SAFE_REASONS) is refused: a plan set by hand is refused at build rather than failing, or answering
-    wrong, at its first call."""
+    wrong, at its first call. At build `stage.reason` holds the members' own graph's verdicts beside the plan file's
+    (planner.validate.with_fresh_verdicts): an exclusion by hand counts as safe only where that graph agrees."""
     if stage.mode is not StageMode.EXCLUDED:
         return ""
     parts = [p for p in stage.reason.split("; ") if p and p not in _REASON_TAILS]

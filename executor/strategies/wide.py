@@ -78,7 +78,8 @@ _VMAP_SAFE_REASONS = ("no batching rule for", "in-place update of buffer", "make
 def _vmap_unsafe(reason: str) -> bool:
     """Whether an excluded stage's reason (parts joined by "; " where stages merged) holds one where vmap would not
     run the node as each member does (or not at all): anything but the reasons in _VMAP_SAFE_REASONS, an exclusion
-    by the user included (its reason is unknown)."""
+    by the user included (its reason is unknown). At build the reason holds the members' own graph's verdicts beside
+    the plan file's (planner.validate.with_fresh_verdicts), so a stale or edited reason does not hide an unsafe node."""
     return any(not any(safe in part for safe in _VMAP_SAFE_REASONS) for part in reason.split("; ") if part) or not reason
 
 
