@@ -28,6 +28,7 @@ from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatte
 
 from stagewise.planner import budget
 from stagewise.planner.capability import alias_chain, is_inplace
+from stagewise.planner.tracers import region_written_operands
 from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
@@ -1922,6 +1923,8 @@ def _mark_views_written_later(programs: list[StageProgram], gm: torch.fx.GraphMo
     by member (see _Writes), so the view is of the member's own tensor and the write reaches what else reads it."""
     chains = [(n, set(alias_chain(n.args[0]))) for n in gm.graph.nodes if is_inplace(n) and n.args
               and isinstance(n.args[0], torch.fx.Node)]
+    # and the operands a torch.export region writes (`with torch.no_grad(): v.clamp_(0, 1)` on a view handed in)
+    chains += [(n, set(alias_chain(w))) for n in gm.graph.nodes for w in region_written_operands(gm, n)]
     if not chains:
         return programs
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -1951,6 +1954,8 @@ def _unchunk_views_written_later(programs: list[StageProgram], gm: torch.fx.Grap
     key = lambda n: ("attr", str(n.target)) if n.op == "get_attr" else n.name  # noqa: E731 - a buffer by its name
     writes = [(stage_of.get(n.name), {key(a) for a in alias_chain(n.args[0])}) for n in gm.graph.nodes
               if is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node)]
+    writes += [(stage_of.get(n.name), {key(a) for a in alias_chain(w)}) for n in gm.graph.nodes
+               for w in region_written_operands(gm, n)]
     nodes = {n.name: n for n in gm.graph.nodes}
     out = []
     for p in programs:

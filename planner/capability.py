@@ -192,7 +192,7 @@ def _carries_member_axis(graph) -> set[str]:
 
 def _written_unowned(graph) -> set[str]:
     """Tensors made from sizes alone (`torch.zeros(n, d)`) that forward() then writes per-member values into, in place
-    or through a view (`out[t] = h`, `.index_add_`). Computed once per graph."""
+    or through a view (`out[t] = h`, `.index_add_`), also inside a torch.export region. Computed once per graph."""
     cached = getattr(graph, "_written_unowned_cache", None)
     if cached is not None:
         return cached
@@ -205,6 +205,13 @@ def _written_unowned(graph) -> set[str]:
         if root.name not in carries and root.op != "get_attr" and any(
                 a.name in carries for a in n.all_input_nodes if a is not n.args[0]):
             roots.add(root.name)
+    from stagewise.planner.tracers import region_written_operands  # noqa: PLC0415 - tracers imports this module
+    for n in graph.gm.graph.nodes:  # written inside a torch.export region (`with torch.no_grad(): c.add_(h.mean(0))`)
+        for w in region_written_operands(graph.gm, n):
+            root = alias_chain(w)[-1]
+            if root.name not in carries and root.op != "get_attr" and any(
+                    a.name in carries for a in n.all_input_nodes if a is not w):
+                roots.add(root.name)
     graph._written_unowned_cache = roots
     return roots
 

@@ -47,7 +47,8 @@ from stagewise.planner.trace_watch import (  # noqa: F401
     _tensor_values_read,
     storage_root, storage_sharers)
 from stagewise.planner.tracers import (LIFTED_CONSTANT, _defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes,
-                                      data_assignment, data_assignment_refusal, out_as_copies, views_as_reshapes)
+                                      data_assignment, data_assignment_refusal, out_as_copies, region_written_operands,
+                                      views_as_reshapes)
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
 
@@ -1447,18 +1448,23 @@ def inplace_order_edges(gm: torch.fx.GraphModule) -> list[tuple[str, str]]:
     every earlier and to every later reader of the value it writes: every value that
     may share its storage (views of its storage root, forward and back, through
     movedim, chunk, .data, ...; for module state, every get_attr of the same target).
+    A region op whose sub-graph writes (a view of) an operand in place counts as a write of
+    that operand (region_written_operands).
     Edges follow graph order, so the DAG stays acyclic and node order stays topological.
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     edges = []
-    for node in nodes:
-        if not is_inplace(node):
-            continue
-        roots = {alias_chain(node.args[0])[-1], storage_root(node.args[0], every_module=False)}
+    # a region op (torch.export's `with torch.no_grad():` block) writes what its sub-graph writes in place of the
+    # operands it is handed, through views too (`self.m[:2].lerp_(...)` hands nothing back: later reads of m read the
+    # get_attr, with no data edge from the region)
+    writes = [(node, node.args[0]) for node in nodes if is_inplace(node)]
+    writes += [(node, value) for node in nodes for value in region_written_operands(gm, node)]
+    for node, value in writes:
+        roots = {alias_chain(value)[-1], storage_root(value, every_module=False)}
         for root in [r for r in roots if r.op == "get_attr"]:
             roots |= {n for n in nodes if n.op == "get_attr" and n.target == root.target}
-        aliases = set(alias_chain(node.args[0])) | {a for r in roots for a in storage_sharers(r, every_module=False)}
+        aliases = set(alias_chain(value)) | {a for r in roots for a in storage_sharers(r, every_module=False)}
         touched = aliases | {u for a in aliases for u in a.users}
         for other in sorted(touched - {node}, key=pos.__getitem__):
             edges.append((other.name, node.name) if pos[other] < pos[node] else (node.name, other.name))

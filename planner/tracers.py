@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import TraceError
 from stagewise.planner.opening import cumulative_batchnorm
-from stagewise.planner.trace_watch import _autograd_functions_seen, _bound_state_reads_refused, _inference_mode_as_no_grad
+from stagewise.planner.trace_watch import _autograd_functions_seen, _bound_state_reads_refused, _inference_mode_as_no_grad, storage_root
 
 
 def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
@@ -312,6 +312,56 @@ def _region_operand(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.N
     return operand if isinstance(operand, torch.fx.Node) else None
 
 
+def _region_subgraphs(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[list[torch.fx.GraphModule], tuple]:
+    """The sub-graphs a higher-order op node of `gm` runs and the operands their placeholders take, in order: the
+    call's arguments after its last sub-graph (`wrap_with_set_grad_enabled(False, sub, *operands)`,
+    `wrap_with_autocast(..., sub, *operands)`), or the one tuple there (`cond(pred, true_gm, false_gm, (operands,))`);
+    ([], ()) for any other node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return [], ()
+    at, subs = -1, []
+    for k, a in enumerate(node.args):
+        obj: Any = gm if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
+        for part in str(a.target).split(".") if obj is not None else ():
+            obj = getattr(obj, part, None)
+        if isinstance(obj, torch.fx.GraphModule):
+            at, subs = k, [*subs, obj]
+    operands = tuple(node.args[at + 1:]) if subs else ()
+    if len(operands) == 1 and isinstance(operands[0], (tuple, list)):
+        operands = tuple(operands[0])
+    return subs, operands
+
+
+def region_written_operands(gm: torch.fx.GraphModule, node: torch.fx.Node, _depth: int = 0) -> list[torch.fx.Node]:
+    """The operands (values of `gm`) a higher-order op node's sub-graphs write in place: torch.export keeps
+    `with torch.no_grad(): self.m[:2].lerp_(v, .5)` as `wrap_with_set_grad_enabled(False, sub, m, x)` whose sub-graph
+    writes a view of its placeholder for `m`, and hands nothing back, so the parent graph shows no write of `m`.
+    Each in-place op of a sub-graph (and of regions nested in it) is followed back through views and in-place ops
+    (alias_chain, storage_root) to a placeholder, said as the operand the call passes it; a write whose placeholder has
+    no operand (a region called otherwise than the forms above) counts as a write of every operand. A value the
+    region makes itself is no write outside it. [] for any other node."""
+    subs, operands = _region_subgraphs(gm, node)
+    if not subs or _depth > 8:
+        return []
+    every = [a for a in operands if isinstance(a, torch.fx.Node)]
+    out: list[torch.fx.Node] = []
+    for sub in subs:
+        places = [p for p in sub.graph.nodes if p.op == "placeholder"]
+        written = [n.args[0] for n in sub.graph.nodes if is_inplace(n)]
+        # and through `out=` (`torch.add(c, v, out=c)` is `aten.add.out(c, v, out=c)` in an export sub-graph)
+        written += [o for n in sub.graph.nodes for o in tree_flatten(n.kwargs.get("out"))[0] if isinstance(o, torch.fx.Node)]
+        for inner in sub.graph.nodes:  # a region nested in this one: what it writes of this sub-graph's values
+            written += region_written_operands(sub, inner, _depth + 1)
+        for value in written:
+            for root in {alias_chain(value)[-1], storage_root(value, every_module=False)}:
+                if root.op != "placeholder":
+                    continue
+                at = places.index(root) if root in places else -1
+                hit = operands[at] if 0 <= at < len(operands) and isinstance(operands[at], torch.fx.Node) else None
+                out += [hit] if hit is not None else every
+    return list(dict.fromkeys(out))
+
+
 def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> None:
     """Which sizes below 2 each dynamic dim of an export trace holds for, into gm.meta["stagewise_small_ok"]
     ({symbol: smallest size}); planner.inputs makes that the dim's minimum.
@@ -414,6 +464,8 @@ def views_as_reshapes(gm: torch.fx.GraphModule) -> None:
             continue
         nodes = list(module.graph.nodes)
         written = {alias_chain(n.args[0])[-1] for n in nodes if is_inplace(n)}
+        # and what a region's sub-graph writes through the operands it is handed (a view of x clamped in no_grad)
+        written |= {alias_chain(w)[-1] for n in nodes for w in region_written_operands(module, n)}
         changed = False
         for node in nodes:
             if (node.op == "call_function" and node.target is torch.ops.aten.view.default

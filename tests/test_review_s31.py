@@ -18,6 +18,14 @@
 - `torch.save(ens)` of a torch.export plan whose graph passes a traced size in a list (a GRU's h0, `aten.zeros([1, B,
   h])`) wrote a file `torch.load` could not read (fx's re-trace of the graph code raised a raw RuntimeError, often in
   another process). Refused at the save, naming the state-dict route, which loads; deepcopy is unaffected.
+- `wide` set by hand on a stage excluded for a shape that depends on the values (a top-1 MoE dispatch, `x[idx == e]`):
+  every call failed with an InputError telling the user to check the inputs; it now names the shape per member and
+  the loop strategy.
+- A fresh tensor written per member inside a `with torch.no_grad():` block of a torch.export plan
+  (`c = torch.zeros(6)` then `torch.add(c, h.mean(0), out=c)`, `c.add_(...)`, `c[:3] = ...` in the block): `zeros`
+  was made once in a vmap stage and every member's loop write landed in it (0.21 / 0.55 / 0.42 off, or a failing
+  call). Now made once per member, as outside a block; a chunked stage handing on a view such a block writes runs
+  unchunked, as for a write outside one.
 """
 from __future__ import annotations
 
@@ -236,3 +244,107 @@ def test_a_batched_module_that_would_not_load_again_is_refused_at_the_save():
     loaded = executor.build(plan, [copy.deepcopy(m) for m in members])
     loaded.load_state_dict(torch.load(buffer))
     torch.testing.assert_close(loaded(x), ens(x))
+
+
+class TopOneMoE(nn.Module):
+    def __init__(self, experts=3):
+        super().__init__()
+        self.gate = nn.Linear(8, experts)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(experts))
+
+    def forward(self, x):
+        top, idx = self.gate(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            m = idx == e
+            out[m] = expert(x[m]) * top[m].unsqueeze(-1)
+        return out
+
+
+def test_wide_on_a_value_shaped_stage_names_the_shapes_and_the_loop():
+    from stagewise.planner.errors import ExecutionError  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    members = [TopOneMoE().eval() for _ in range(N)]
+    x = torch.randn(5, 8)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, N, "shared")
+    with torch.no_grad():
+        torch.testing.assert_close(executor.build(plan, members)(x), torch.stack([m(x) for m in members]))
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    with torch.no_grad(), pytest.raises(ExecutionError, match=r"each member a tensor of its own shape.*strategy 'loop'"):
+        executor.build(plan, members)(x)
+
+
+def _fill_out(h, c):
+    torch.add(c, h.mean(0), out=c)
+
+
+def _fill_add(h, c):
+    c.add_(h.mean(0))
+
+
+def _fill_set(h, c):
+    c[:3] = h.mean(0)[:3]
+
+
+class FilledInBlock(nn.Module):
+    def __init__(self, fill):
+        super().__init__()
+        self.lin, self.fill = nn.Linear(6, 6), fill
+
+    def forward(self, x):
+        h = self.lin(x)
+        c = torch.zeros(6)
+        with torch.no_grad():
+            self.fill(h, c)
+        return h + c
+
+
+@pytest.mark.parametrize("fill", [_fill_out, _fill_add, _fill_set], ids=["out", "add_", "setitem"])
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_a_fresh_tensor_written_in_a_no_grad_block_is_made_per_member(fill, mode):
+    torch.manual_seed(0)
+    members = [FilledInBlock(fill).eval() for _ in range(N)]
+    x = torch.randn(4, 6) if mode == "shared" else torch.randn(N, 4, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x if mode == "shared" else x[0],)), N, mode)
+    assert plan.tracer == "export"
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        for _ in range(2):
+            want = torch.stack([m(x if mode == "shared" else x[i]) for i, m in enumerate(members)])
+            torch.testing.assert_close(ens(x), want, rtol=1e-5, atol=1e-6)
+
+
+class SliceUpdatedInBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("m", torch.zeros(4))
+
+    def forward(self, x):
+        v = self.m[:2]
+        with torch.no_grad():
+            v.lerp_(x.mean(0)[:2], 0.5)
+        return self.lin(x - self.m)
+
+
+def test_a_chunked_stage_handing_on_a_view_a_block_writes_runs_as_the_loop():
+    torch.manual_seed(0)
+    members = [SliceUpdatedInBlock() for _ in range(N)]
+    x = torch.randn(N, 5, 4)
+    graph = planner.trace(copy.deepcopy(members[0]), (x[0],))
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    for s in plan.stages:
+        if s.mode.value == "batched":
+            plan = planner.set_options(plan, graph, s.id, chunk_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ens = executor.build(plan, [copy.deepcopy(m) for m in members])
+    ref = [copy.deepcopy(m) for m in members]
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(ref)]), rtol=1e-5, atol=1e-6)
+    for i, m in enumerate(ref):
+        torch.testing.assert_close(ens.member_state_dicts()[i]["m"], m.m)

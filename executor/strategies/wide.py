@@ -530,6 +530,13 @@ def _member_loop(mod: Any, state: dict, args: tuple, kwargs: dict, n: int, state
             raise ExecutionError(f"{what} returns a Python value (.item(), .tolist()) that differs "
                                  f"between members ({', '.join(repr(c[j]) for c in columns[:3])}); the wide strategy "
                                  "holds one value for all members: run this stage with strategy 'loop'")
+        if isinstance(leaf, torch.Tensor) and any(c[j].shape != leaf.shape for c in columns[1:]):
+            # a shape that depends on the values (x[idx == e], nonzero): no stacked tensor holds the members' results
+            what = type(mod).__name__ if isinstance(mod, torch.nn.Module) else "a call"
+            raise ExecutionError(f"{what} gives each member a tensor of its own shape "
+                                 f"({', '.join(str(list(c[j].shape)) for c in columns[:3])}{', ...' if n > 3 else ''}): "
+                                 "a shape that depends on the values, which the wide strategy cannot stack; run this "
+                                 "stage with strategy 'loop', its default")
     return spec.unflatten([NFirst(torch.stack([c[j] for c in columns])) if isinstance(leaf, torch.Tensor) else leaf
                            for j, leaf in enumerate(first)])
 
