@@ -5,7 +5,9 @@ the N members (`member_slice`: N=7 over 3 ranks -> 3, 2, 2) on its own device
 (cpu under gloo, cuda:LOCAL_RANK under nccl) and runs it; only results cross
 ranks (`gather`, `mean`), and with a DeviceMesh `"dp"` dimension gradients are
 averaged over `"dp"` by an explicit `sync_gradients()` call before `opt.step()`
-(no hook: the caller decides when, e.g. once after several accumulation steps).
+(no hook: the caller decides when, e.g. once after several accumulation steps), which
+also copies dp rank 0's buffers to the other replicas, as DDP's broadcast_buffers does
+(build_sharded starts every replica from dp rank 0's members, as DDP's construction does).
 There is no gradient traffic between member shards: members are independent.
 
 Layout: `forward` takes the whole model's inputs (shared as one member takes them,
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, Union
@@ -34,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from stagewise.planner.errors import InputError, MemberError, ModelLoadError, StagewiseError
-from stagewise.planner.files import temp_beside
+from stagewise.planner.files import fsync_folder, mode_for
 from stagewise.planner.plan import InputMode, Plan
 from stagewise.executor.build import BatchedModule, build, check_member_folder
 from stagewise.executor.members import slice_of
@@ -287,22 +290,33 @@ class ShardedModule(nn.Module):
     def local_inputs(self, inputs: Sequence[Any]) -> tuple:
         """The inputs this rank runs, on its device: per_member ones' rows of its members, shared ones as given.
 
-        Raises InputError for a per_member input without exactly N rows on dim 0: a slice of k rows
-        would run on this rank's k members (each rank the same rows) and one row would be refused by
-        some ranks only, so only the whole [N, ...] input is taken (the refusal BatchedModule makes)."""
-        out = []
-        for spec, x in zip(self.plan.inputs, inputs):
-            if spec.mode is InputMode.PER_MEMBER:
-                if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != self.n_members:
-                    got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise InputError(
-                        f"input {spec.name!r} is per_member, so it needs a leading member axis of size {self.n_members}; "
-                        f"got {got}. Stack one input per member (all {self.n_members}: each rank takes its rows), or plan "
-                        "it as 'shared'; for rows already sliced to this rank's members, call `.module`")
-                x = x[self.member_indices.start:self.member_indices.stop]
-            out.append(x)
+        A per_member input is taken as one process takes it, whole: a tensor of N rows on dim 0, a dict, list or tuple
+        whose every tensor has N rows (each sliced; its other values as they are), or, for one traced as a Python
+        number, a list of N numbers. Raises InputError otherwise: a slice of k rows would run on this rank's k members
+        (each rank the same rows) and one row would be refused by some ranks only (the refusal BatchedModule makes)."""
+        out = [self._member_rows(spec, x) if spec.mode is InputMode.PER_MEMBER else x
+               for spec, x in zip(self.plan.inputs, inputs)]
         out += list(inputs[len(out):])  # too many inputs: the module's own InputError says so
         return tuple(tree_map(lambda t: t.to(self.device) if isinstance(t, torch.Tensor) else t, out))
+
+    def _member_rows(self, spec, x: Any) -> Any:
+        """This rank's rows of the per_member input `x` (see local_inputs); InputError unless it holds all N."""
+        n, start, stop = self.n_members, self.member_indices.start, self.member_indices.stop
+        if spec.shape is None and spec.dtype in ("bool", "int", "float") and isinstance(x, (list, tuple)) \
+                and len(x) == n and all(isinstance(v, (bool, int, float)) for v in x):
+            return type(x)(x[start:stop])  # one Python number per member
+        container = spec.shape is None and isinstance(x, (dict, list, tuple))  # (one traced as a tensor takes a tensor)
+        leaves = [x] if isinstance(x, torch.Tensor) else \
+            [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)] if container else []
+        if not leaves or any(t.dim() == 0 or t.shape[0] != n for t in leaves):
+            got = (list(x.shape) if isinstance(x, torch.Tensor) else
+                   f"a {type(x).__name__} whose tensors are shaped {[list(t.shape) for t in leaves][:4]}" if leaves
+                   else type(x).__name__)
+            raise InputError(
+                f"input {spec.name!r} is per_member, so it needs a leading member axis of size {n}; got {got}. Stack "
+                f"one input per member (each tensor of a dict or tuple input; all {n}: each rank takes its rows), or plan "
+                "it as 'shared'; for rows already sliced to this rank's members, call `.module`")
+        return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, x)
 
     def __deepcopy__(self, memo: dict) -> "ShardedModule":
         """A copy of this rank's members and collectives that shares the process group (an EMA or SWA copy,
@@ -481,20 +495,33 @@ class ShardedModule(nn.Module):
         return tree_unflatten(result, spec)
 
     def sync_gradients(self) -> None:
-        """Average gradients over the mesh's "dp" dimension (replicas of the same members on other data). Call
-        it after backward and before opt.step(); without "dp" it does nothing (member shards never exchange gradients).
-        A backward that may fail on one rank goes inside `with agreed("backward", group):`, so the others do not wait here."""
+        """Average gradients over the mesh's "dp" dimension (replicas of the same members on other data), then make
+        every replica's buffers dp rank 0's (`sync_buffers`). Call it after backward and before opt.step(); without
+        "dp" it does nothing (member shards never exchange gradients). A backward that may fail on one rank goes
+        inside `with agreed("backward", group):`, so the others do not wait here."""
         if self._dp_group is None:
             return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)  # one all-reduce for all of them
+            with collective_guard("averaging gradients over dp"):
+                dist.all_reduce(flat, group=self._dp_group)
+            flat /= dist.get_world_size(self._dp_group)
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        self.sync_buffers()
+
+    def sync_buffers(self) -> None:
+        """Copy dp rank 0's buffers (BatchNorm running statistics, num_batches_tracked, ...) to the other replicas
+        along "dp", as DDP's broadcast_buffers does: each replica's training forward updates them from its own
+        data, so without it replicas of the same members would drift apart and evaluate differently. Collective
+        over "dp" (one broadcast of all their bytes); sync_gradients calls it. Call it yourself after buffers change
+        without a step (swa_utils.update_bn, a forward in training for statistics only). Nothing without "dp"."""
+        if self._dp_group is None:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)  # one all-reduce for all of them
-        with collective_guard("averaging gradients over dp"):
-            dist.all_reduce(flat, group=self._dp_group)
-        flat /= dist.get_world_size(self._dp_group)
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        state = self.module.stacked_state
+        _broadcast_from_first([t for t in state.values() if not isinstance(t, nn.Parameter)], self._dp_group,
+                              "copying dp rank 0's buffers to the other dp ranks")
 
     def member_state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """This rank's members as ordinary state dicts, in member_indices order."""
@@ -502,7 +529,12 @@ class ShardedModule(nn.Module):
 
     def save_checkpoint(self, folder: str | Path) -> list[Path]:
         """Each rank writes its members as `folder/member_{global index:03d}.safetensors` (dp replicas: dp rank 0 only).
-        Collective; returns the paths this rank wrote. The folder loads with any number of ranks (load_checkpoint)."""
+        Collective; returns the paths this rank wrote. The folder loads with any number of ranks (load_checkpoint).
+
+        All or nothing over the ranks: each rank first writes its files under temporary names beside them; only when
+        every rank wrote all of its own does any rank move them over the old files (keeping those aside until every
+        rank moved its own). A rank that fails to write (a full disk) or to move raises DistributedError on every rank
+        and the folder keeps the files it had (an earlier checkpoint stays whole), with no temporary file left."""
         from safetensors.torch import save_file
 
         folder, paths = Path(folder), []
@@ -510,14 +542,41 @@ class ShardedModule(nn.Module):
         with agreed(f"checking the checkpoint folder {folder}", self._group):  # before any rank writes
             if writes:  # refused as executor.save_member_weights refuses it (a file; member files of a larger set)
                 check_member_folder(folder, self.n_members)
-        with agreed(f"saving the checkpoint to {folder}", self._group):
-            if writes:
-                folder.mkdir(parents=True, exist_ok=True)
-                for g, state in zip(self.member_indices, self.member_state_dicts()):
-                    path = folder / f"member_{g:03d}.safetensors"
-                    with temp_beside(path) as tmp:  # written whole or not at all
-                        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-                    paths.append(path)
+        written: list[tuple[Path, Path]] = []  # (temporary file, its member file)
+        moved: list[tuple[Path, Path | None]] = []  # (member file now replaced, the old file kept aside or None)
+        try:
+            with agreed(f"saving the checkpoint to {folder}", self._group):
+                if writes:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    for g, state in zip(self.member_indices, self.member_state_dicts()):
+                        path = folder / f"member_{g:03d}.safetensors"
+                        target = Path(os.path.realpath(path)) if path.is_symlink() else path  # a link stays a link
+                        written.append((_temp_beside(target), target))
+                        save_file({k: v.contiguous() for k, v in state.items()}, str(written[-1][0]))
+                        paths.append(path)
+            with agreed(f"replacing the checkpoint files in {folder}", self._group):  # every rank wrote all of its own
+                for tmp, path in written:
+                    old = _temp_beside(path) if path.exists() else None
+                    if old is not None:
+                        os.replace(path, old)
+                    moved.append((path, old))
+                    os.replace(tmp, path)
+        except BaseException:  # this rank or another failed: put back what this rank moved, drop what it wrote
+            for path, old in reversed(moved):
+                with contextlib.suppress(OSError):
+                    if old is not None:
+                        os.replace(old, path)
+                    elif path.exists():
+                        path.unlink()
+            for tmp, _ in written:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+            raise
+        for _, old in moved:  # every rank replaced its files: the old ones go
+            if old is not None:
+                old.unlink(missing_ok=True)
+        if written:
+            fsync_folder(folder)
         return paths
 
     def load_checkpoint(self, folder: str | Path) -> None:
@@ -567,6 +626,36 @@ def _check_member_file(path: Path, state: dict[str, torch.Tensor], want: dict[st
                                  "a plan of that dtype (planner.set_dtype), or convert the file")
 
 
+def _temp_beside(path: Path) -> Path:
+    """A fresh empty file beside `path` (`.member_000.safetensors.XXXX.tmp`: no member file name, so no load counts
+    it), with the mode `path` has or a new file would get."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    os.chmod(name, mode_for(path))  # mkstemp makes 0600
+    return Path(name)
+
+
+def _broadcast_from_first(tensors: list[torch.Tensor], group, what: str) -> None:
+    """Overwrite `tensors` on every rank of `group` with those of its rank 0: their bytes in one broadcast per device."""
+    src = dist.get_global_rank(group, 0)
+    on: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            on.setdefault(t.device, []).append(t)
+    with torch.no_grad():
+        for same in on.values():
+            flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in same])  # any dtypes at once
+            with collective_guard(what):
+                dist.broadcast(flat, src=src, group=group)
+            if dist.get_rank() == src:
+                continue
+            at = 0
+            for t in same:
+                size = t.numel() * t.element_size()
+                t.copy_(flat[at:at + size].view(t.dtype).view(t.shape))
+                at += size
+
+
 def build_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory], group=None,
                   device: str | torch.device | None = None, *, check_memory: bool = True) -> ShardedModule:
     """Build this rank's slice of `plan`'s N members. Collective: every rank of `group` calls it.
@@ -596,4 +685,8 @@ def build_sharded(plan: Plan, members: Union[Sequence[nn.Module], MemberFactory]
         # A factory's members are this rank's alone: what they would share with another rank's cannot be seen
         with slice_of(everyone, indices) if everyone is not None else contextlib.nullcontext():
             module = build(plan.with_n_members(len(indices)), local, device=dev, check_memory=check_memory)
-    return ShardedModule(plan, module, indices, group, dev)
+    sharded = ShardedModule(plan, module, indices, group, dev)
+    if sharded._dp_group is not None:  # replicas along "dp" start from dp rank 0's members, as DDP's construction does
+        _broadcast_from_first(list(module.stacked_state.values()), sharded._dp_group,
+                              "copying dp rank 0's members to the other dp ranks")
+    return sharded

@@ -55,12 +55,12 @@ def temp_beside(path: str | os.PathLike, *, must_fill: bool = True) -> Iterator[
         yield tmp
         if must_fill and (not tmp.is_file() or tmp.stat().st_size == 0):
             raise FileNotFoundError(f"nothing was written to {path}")
-        os.chmod(tmp, _mode_for(path))  # mkstemp makes 0600; give the file the mode a plain open() would
+        os.chmod(tmp, mode_for(path))  # mkstemp makes 0600; give the file the mode a plain open() would
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
 
 
 def writable_problem(path: str | os.PathLike) -> str | None:
@@ -86,7 +86,7 @@ def writable_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def _mode_for(path: Path) -> int:
+def mode_for(path: Path) -> int:
     """The destination's current mode, or what a new file gets under the process umask."""
     try:
         return path.stat().st_mode & 0o7777
@@ -105,7 +105,7 @@ def _umask() -> int:
     return 0o022
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     """Make the rename itself durable; best effort, since some systems cannot open a folder."""
     if not hasattr(os, "O_DIRECTORY"):
         return
