@@ -1271,6 +1271,8 @@ class BatchedModule(nn.Module):
                 floats = any(isinstance(v, float) for v in x)
                 out[k] = x = torch.tensor(x, dtype=number_dtype(self._stacked) if floats else None)
             if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] == n:
+                if x.is_floating_point() and x.dtype != (want := number_dtype(self._stacked)):
+                    out[k] = x.to(want)  # a float64 tensor of numbers: at the precision a list of them takes
                 continue
             spec = self.plan.inputs[k]
             got = (f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else

@@ -73,8 +73,10 @@ def max_rel_error(got: Any, want: Any) -> float:
             inf = w64.isinf()
             if not (torch.equal(g64.isnan(), w64.isnan()) and torch.equal(g64.isinf(), inf) and torch.equal(g64[inf], w64[inf])):
                 return math.inf
-        diff = (g64 - w64).abs().nan_to_num(0.0).amax(dim=1)
-        scale = w64.abs().nan_to_num(0.0).amax(dim=1)
+        # NaN and inf sit alike (checked above): measured on the finite values (nan_to_num(0.0) alone would make an
+        # inf 1.8e308, so a member's scale was inf-sized and its error divided to nothing)
+        diff = (g64 - w64).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).amax(dim=1)
+        scale = w64.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).amax(dim=1)
         rel = torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff)
         worst = max(worst, float(rel.max()))
     return worst

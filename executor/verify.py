@@ -225,17 +225,18 @@ def _is_number(x: Any) -> bool:
 
 
 def per_member_numbers(plan: Plan, inputs: Sequence[Any]) -> tuple:
-    """`inputs` with each per_member Python number input as the [N] tensor the batched module takes: one number (what
-    a member's example inputs hold) given to every member, a list or tuple of N numbers one per member. float32 for
-    floats, int64 for ints, as `batched_inputs` makes them (a float64 tensor would compute a float32 model in
-    float64 where the member's Python number does not)."""
+    """`inputs` with each per_member Python number input as one [N] tensor: one number (what a member's example inputs
+    hold) given to every member, a list or tuple of N numbers one per member. float64 for floats, int64 for ints:
+    float64 holds each Python float exactly, so the reference loop (member_inputs: `x[i].item()`) runs on the numbers
+    as given (a sweep of gammas 0.999, 0.9999, 0.99999 in `1 - gamma` loses digits in float32), while the batched
+    module takes them at its own precision (BatchedModule._numbers_per_member casts them as it casts a list)."""
     out = []
     for spec, x in zip(plan.inputs, inputs):
         if spec.mode is InputMode.PER_MEMBER and spec.dtype in ("int", "float"):
             number = x.item() if isinstance(x, torch.Tensor) and x.dim() == 0 else x  # torch.tensor(0.7): one number
             values = [number] * plan.n_members if _is_number(number) else x
             if isinstance(values, (list, tuple)) and len(values) == plan.n_members and all(map(_is_number, values)):
-                x = torch.tensor(values, dtype=torch.float32 if spec.dtype == "float" else torch.int64)
+                x = torch.tensor(values, dtype=torch.float64 if spec.dtype == "float" else torch.int64)
         out.append(x)
     return tuple(out) + tuple(inputs[len(out):])
 
@@ -393,7 +394,9 @@ def _loop_reference(column: list, got: Any) -> Any:
     if isinstance(column[0], torch.Tensor):
         return torch.stack(column)
     if isinstance(got, torch.Tensor):
-        return torch.tensor(column)  # per-member Python numbers come back as an [N] tensor
+        # per-member Python numbers come back as an [N] tensor; floats compared as the doubles they are (float32
+        # would round the reference too: a number past float32's range was inf on both sides, a MATCH)
+        return torch.tensor(column, dtype=torch.float64 if any(isinstance(c, float) for c in column) else None)
     return column[0] if all(c == column[0] for c in column) else column  # equal ones stay one plain value
 
 

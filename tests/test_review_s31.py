@@ -26,6 +26,14 @@
   was made once in a vmap stage and every member's loop write landed in it (0.21 / 0.55 / 0.42 off, or a failing
   call). Now made once per member, as outside a block; a chunked stage handing on a view such a block writes runs
   unchunked, as for a write outside one.
+- verify's reference loop ran a per_member Python-number input on its float32-rounded values (`x[i].item()` of the
+  [N] tensor it made): a discount sweep `fc(x) / (1 - gamma)` with gammas 0.999 .. 0.99999 is 1.4e-3 off the loop on
+  the numbers given (the batched module holds them at its float precision), and verify said MATCH. The loop now
+  runs on the numbers as given, so verify says MISMATCH.
+- Profile and autotune judged a member whose loop output holds an inf (masked -inf logits) against a scale of
+  1.8e308 (nan_to_num), so any error of it passed: measured on the finite values now, as verify measures.
+- verify compared a Python-number output (`s * 1e40` of an `.item()`) with a float32 reference, so a value past
+  float32's range was inf on both sides: MATCH where the batched module answers inf and the loop a finite number.
 """
 from __future__ import annotations
 
@@ -348,3 +356,55 @@ def test_a_chunked_stage_handing_on_a_view_a_block_writes_runs_as_the_loop():
             torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(ref)]), rtol=1e-5, atol=1e-6)
     for i, m in enumerate(ref):
         torch.testing.assert_close(ens.member_state_dicts()[i]["m"], m.m)
+
+
+class DiscountedCritic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 1)
+
+    def forward(self, x, gamma: float):
+        return self.fc(x) / (1 - gamma)
+
+
+def test_verify_runs_the_loop_on_the_per_member_numbers_as_given():
+    torch.manual_seed(0)
+    members = [DiscountedCritic().eval() for _ in range(N)]
+    x = torch.randn(N, 8, 6)
+    plan = planner.propose(planner.trace(members[0], (x[0], 0.99)), n_members=N, input_mode="per_member")
+    gammas = [0.999, 0.9999, 0.99999]
+    assert not executor.verify(plan, members, (x, gammas)).ok  # float32 numbers lose 1.4e-3 in 1 - gamma
+    easy = [0.5, 0.25, 0.125]  # exact in float32: the batched module matches
+    assert executor.verify(plan, members, (x, easy)).ok
+    ens = executor.build(plan, members)
+    with torch.no_grad():  # a float64 tensor of numbers is taken at the module's precision, as the list is
+        torch.testing.assert_close(ens(x, torch.tensor(gammas, dtype=torch.float64)), ens(x, gammas), rtol=0, atol=0)
+
+
+def test_a_member_with_an_inf_in_its_loop_output_is_measured_on_its_finite_values():
+    from stagewise.executor.candidates import max_rel_error  # noqa: PLC0415
+
+    want = torch.tensor([[1.0, float("-inf"), 2.0], [1.0, 1.0, 1.0]])
+    got = torch.tensor([[1.0, float("-inf"), 3.0], [1.0, 1.0, 1.0]])
+    assert max_rel_error(got, want) == pytest.approx(0.5)
+    assert max_rel_error(want.clone(), want) == 0.0
+
+
+class ScaledItem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out = self.fc(x)
+        s = out.abs().max().item()
+        return out, s * 1e40
+
+
+def test_verify_compares_python_number_outputs_as_doubles():
+    torch.manual_seed(0)
+    members = [ScaledItem().eval() for _ in range(N)]
+    x = torch.randn(N, 4, 6)
+    plan = planner.propose(planner.trace(members[0], (x[0],)), n_members=N, input_mode="per_member")
+    report = executor.verify(plan, members, (x,))
+    assert not report.ok, report.to_text()  # the batched module's float32 number is inf, the loop's 1e40-sized
