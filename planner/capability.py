@@ -242,23 +242,35 @@ def _op_name(node: torch.fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
+class _PerMemberNumber:
+    """A probe argument: a Python number read from tensors, which the batched module hands a stage per member."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
 def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     """Run the node under vmap on stacked copies of its example inputs and parameters."""
     if node.op not in ("call_module", "call_function", "call_method"):
         return None
-    values = graph.example_values
+    values, data = graph.example_values, _data_numbers(graph)
 
     def value(a):  # a slice's bounds are nodes too (h[:T - 1]); the pytree does not enter slices
         if isinstance(a, slice):
             return slice(value(a.start), value(a.stop), value(a.step))
+        if isinstance(a, torch.fx.Node) and a.name in data:  # read from tensors: arrives per member ([N]) at run time
+            return _PerMemberNumber(values[a.name])
         return values[a.name] if isinstance(a, torch.fx.Node) else a
 
     args, kwargs = tree_map(value, node.args), tree_map(value, node.kwargs)
     # detached: a recorded view whose base a later op wrote in place (an Embedding(max_norm)'s weight read before the
     # lookup that renormalises it) is refused by autograd, and the probe only asks whether the op batches
-    stack = lambda v: torch.stack([v.detach()] * PROBE_MEMBERS) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    stack = lambda v: (torch.stack([v.detach()] * PROBE_MEMBERS) if isinstance(v, torch.Tensor)  # noqa: E731
+                       else torch.tensor([v.value] * PROBE_MEMBERS) if isinstance(v, _PerMemberNumber) else v)
     batched = tree_map(stack, (args, kwargs))
-    in_dims = tree_map(lambda v: 0 if isinstance(v, torch.Tensor) else None, (args, kwargs))
+    in_dims = tree_map(lambda v: 0 if isinstance(v, (torch.Tensor, _PerMemberNumber)) else None, (args, kwargs))
     if node.op != "call_module" and not any(d == 0 for d in tree_flatten(in_dims)[0]):
         if _draws_random(node):  # torch.randn(x.shape): no tensor input, yet the loop draws anew for each member
             return f"randomness in {_op_name(node)} (each member would need its own random stream)"
@@ -575,6 +587,31 @@ def norm_stats_view_check(graph, node: torch.fx.Node) -> Optional[str]:
             return (f"{_op_name(node)} updates running statistics held as a view of buffer '{root.target}' "
                     "(vmap drops the update of a view of a stacked buffer)")
     return None
+
+
+_TO_NUMBER = {"item", "tolist", "_local_scalar_dense"}  # a tensor's value read into Python
+
+
+def _data_numbers(graph) -> set[str]:
+    """Names of the nodes whose value is a Python number read from a tensor's values (`h.mean().item()`, `float(t)`)
+    or computed from one (`m2 - m * m`): each member's differs, so a later stage gets them per member, as an [N]
+    tensor (vmap_probe_check probes them so). Sizes (`x.shape[0] * 2`) are the same for every member and are not
+    among them. Computed once per graph."""
+    cached = getattr(graph, "_data_numbers_cache", None)
+    if cached is not None:
+        return cached
+    values = getattr(graph, "example_values", None) or {}
+    out: set[str] = set()
+    for n in graph.gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or type(values.get(n.name)) not in (bool, int, float):
+            continue
+        first = n.args[0] if n.args else None
+        read = base_name(n) in _TO_NUMBER or (n.target in (float, int, bool) and isinstance(first, torch.fx.Node)
+                                            and isinstance(values.get(first.name), torch.Tensor))
+        if read or any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    graph._data_numbers_cache = out
+    return out
 
 
 DEFAULT_CHECK = chain(autocast_region_check, value_shape_check, stateful_module_check, inplace_buffer_check,

@@ -34,6 +34,11 @@
   1.8e308 (nan_to_num), so any error of it passed: measured on the finite values now, as verify measures.
 - verify compared a Python-number output (`s * 1e40` of an `.item()`) with a float32 reference, so a value past
   float32's range was inf on both sides: MATCH where the batched module answers inf and the loop a finite number.
+- Numbers read from each member's tensors (`.item()`) handed to an op that takes a Python number (`math.exp(s)`,
+  `torch.full_like(h, s)`): the proposal batched the op (its probe took the number as a constant) and every call
+  failed. The probe now hands such a number per member, as the batched module does: those ops run
+  as the member loop. Python arithmetic on them in a batched stage stays at the plan's float precision (a variance
+  from two moments 1.2e-3 off), which verify reports as a MISMATCH.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from torch import nn
 
 import copy
 import io
+import math
 import warnings
 
 import pytest
@@ -408,3 +414,41 @@ def test_verify_compares_python_number_outputs_as_doubles():
     plan = planner.propose(planner.trace(members[0], (x[0],)), n_members=N, input_mode="per_member")
     report = executor.verify(plan, members, (x,))
     assert not report.ok, report.to_text()  # the batched module's float32 number is inf, the loop's 1e40-sized
+
+
+class Moments(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.how = nn.Linear(6, 3), how
+        with torch.no_grad():
+            self.fc.bias.add_(100.0)
+
+    def forward(self, x):
+        h = self.fc(x)
+        m, m2 = h.mean().item(), (h * h).mean().item()
+        if self.how == "variance":
+            return h - m, m2 - m * m
+        s = h.abs().max().item() / 100.0
+        if self.how == "exp":
+            return h * math.exp(s)
+        if self.how == "full_like":
+            return h + torch.full_like(h, s)
+        return h * round(s, 1)
+
+
+@pytest.mark.parametrize("how", ["exp", "full_like"])
+def test_numbers_read_from_tensors_reach_python_number_ops_per_member(how):
+    torch.manual_seed(0)
+    members = [Moments(how).eval() for _ in range(N)]
+    x = torch.randn(N, 4, 6)
+    plan = planner.propose(planner.trace(members[0], (x[0],)), n_members=N, input_mode="per_member")
+    report = executor.verify(plan, members, (x,), rtol=1e-6)
+    assert report.ok, report.to_text()
+
+
+def test_python_arithmetic_on_numbers_read_from_tensors_is_reported_by_verify():
+    torch.manual_seed(0)
+    members = [Moments("variance").eval() for _ in range(N)]
+    x = torch.randn(N, 4, 6)
+    plan = planner.propose(planner.trace(members[0], (x[0],)), n_members=N, input_mode="per_member")
+    assert not executor.verify(plan, members, (x,)).ok  # float32 m2 - m * m near 1e4: 1.2e-3 off, named
