@@ -294,8 +294,9 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     # the probe's stacked copies keep a tensor's layout (a channels_last activation stacks to channels_last strides
     # per member), which the batched module's inputs need not have (a loop stage's rows stacked anew are contiguous,
     # and .to(memory_format=torch.channels_last) under vmap fails on those): such an op is probed both ways
-    laid_out = any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in tree_flatten((args, kwargs))[0])
-    tries = [batched, tree_map(lambda v: v.contiguous() if isinstance(v, torch.Tensor) else v, batched)] if laid_out else [batched]
+    strided = lambda v: isinstance(v, torch.Tensor) and v.layout is torch.strided  # noqa: E731 - (a sparse one has no layout to vary)
+    laid_out = any(strided(v) and not v.is_contiguous() for v in tree_flatten((args, kwargs))[0])
+    tries = [batched, tree_map(lambda v: v.contiguous() if strided(v) else v, batched)] if laid_out else [batched]
     with warnings.catch_warnings(record=True) as caught, _vmap_fallback_off():
         warnings.simplefilter("always")
         for inputs in tries:
