@@ -62,8 +62,10 @@ def test_memory_format_runs_as_the_loop(cls, shape, forced):
     if forced is not None:
         plan = plan.with_stages([replace(s, options=StageOptions(strategy=forced)) for s in plan.stages])
     ens = executor.build(plan, members)
-    for _ in range(2):
-        torch.testing.assert_close(ens(x), _loop(members, x), rtol=1e-5, atol=1e-6)
+    for batch in (x, x[:, :1], torch.randn(N, 5, *shape[1:])):  # calls at more than one batch size
+        torch.testing.assert_close(ens(batch), _loop(members, batch), rtol=1e-5, atol=1e-6)
+    report = executor.verify(plan, members, (x,))  # two calls, and a second batch size of its own
+    assert report.ok, report.to_text()
 
 
 def test_wide_lays_each_member_out_channels_last():
