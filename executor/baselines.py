@@ -27,7 +27,7 @@ from stagewise.executor.verify import member_inputs
 def stack_outputs(outputs: list) -> Any:
     """N per-member output trees in the layout the batched module returns (values.n_first):
     N-first tensors, per-member Python numbers as an [N] tensor, equal non-tensors kept."""
-    return n_first(PerMember(list(outputs)), len(outputs))
+    return n_first(PerMember(list(outputs)), len(outputs), float_dtype=torch.float64)  # Python floats: doubles
 
 
 def loop(plan: Plan, members: Sequence[nn.Module], inputs: tuple) -> Callable[[], Any]:

@@ -41,6 +41,7 @@ from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
 from stagewise.planner.validate import stage_graph, validate, with_fresh_verdicts
 from stagewise.planner.snapshot import held_values
 from stagewise.planner.source import MEMBER_SEED_BASE
+from stagewise.executor.exact_numbers import read_numbers
 from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import (_LEAKY, LIFTED_PREFIX, MEMBER_NUMBERS, MEMBER_SHAPES, _liftable, config_signature,
                                           lift_member_constants)
@@ -57,7 +58,7 @@ from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, se
 from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
 from stagewise.executor.stages import _region_writes, LoopRunner, Runner, StageProgram, put_back, runner_for
-from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, leaf_paths, n_first, number_dtype,
+from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, leaf_paths, n_first,
                                        reset_call_number_context, span,
                                        set_call_number_context)
 
@@ -705,8 +706,11 @@ class BatchedModule(nn.Module):
                 if stage_of.get(dep.name) != stage_of.get(node.name) or node.op == "output":
                     read_outside[dep.name] = True
         keys = set(stacked)
+        # Python numbers read from tensors, and per_member number inputs: their arithmetic runs in double
+        numbers = read_numbers(graph.gm, [n for n in graph.input_names if n in self._traced_numbers])
         self.programs = _unchunk_views_written_later(_mark_views_written_later(
-            [StageProgram.from_graph(graph.gm, s, read_outside, keys) for s in run_order(plan, graph)], graph.gm, stage_of),
+            [StageProgram.from_graph(graph.gm, s, read_outside, keys, numbers) for s in run_order(plan, graph)], graph.gm,
+            stage_of),
             graph.gm, stage_of)
         # not submodules: the module's parameters and state_dict are the stacked member state alone.
         # _apply and train() reach them by hand (their constants follow .to(), their mode follows .train())
@@ -900,6 +904,7 @@ class BatchedModule(nn.Module):
         self.__dict__["_captured"] = CapturedPlan(self, backend=backend) if backend is not None else None
 
     def _build_runners(self) -> None:
+        self.__dict__["_written_ptrs"] = None  # the state's storage may be new: the written buffers' looked up anew
         # per-member views for loop stages, made once: made under no_grad (a build or .to() inside torch.no_grad())
         # they would carry no gradient back to the stacked tensors, so they are made with grad on; see _views_stale
         with torch.enable_grad():
@@ -979,6 +984,7 @@ class BatchedModule(nn.Module):
         """Read the tensors of the state tree anew after one was replaced (see members.StateNode): the runners and the
         whole-plan capture were built on the old ones."""
         self._state_replaced[0] = False
+        self.__dict__["_written_ptrs"] = None  # (the written buffers' storage, looked up anew)
         self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
         self._check_layout()
         self._build_runners()
@@ -1231,8 +1237,8 @@ class BatchedModule(nn.Module):
                         f"input {name!r} is per_member, so it needs a leading member axis of size {self.n_members}; got {got}. "
                         "Stack one input per member (each tensor of a dict or tuple input), or plan it as 'shared'"
                     )
-                if name in self.__dict__.get("_written_inputs", ()) and rows_overlap(x):
-                    raise overlapping_rows_refusal(name)
+                if name in self.__dict__.get("_written_inputs", ()) and any(rows_overlap(t) for t in leaves):
+                    raise overlapping_rows_refusal(name)  # (each tensor of a dict or tuple input)
                 if name in self.__dict__.get("_container_loops", ()):
                     self._follow_container_numbers(name, x)
                 env[name] = Batched(x)
@@ -1249,6 +1255,8 @@ class BatchedModule(nn.Module):
                 env[name] = Shared(x)
         if self.__dict__.get("_written_inputs"):
             self._check_shared_apart(inputs)
+        if self.__dict__.get("_written_keys"):
+            self._check_apart_from_written_state(inputs)
         if self._checks_traced:
             self._check_traced_shapes(inputs)
         dtype = self.__dict__.get("_input_dtype") or LOW_PRECISION.get(self.plan.dtype)
@@ -1257,10 +1265,32 @@ class BatchedModule(nn.Module):
                    for k, v in env.items()}
         return env
 
+    def _check_apart_from_written_state(self, inputs: tuple) -> None:
+        """InputError for an input on the memory of member state forward() writes in place on this call (a buffer
+        forward() returned and the caller feeds back, `out, state = ens(x, state)`): in the member loop the input is
+        that buffer, so a read of it after forward()'s write sees the write, where the batched module may read it as
+        it came in (a stage before the write). Looked up by storage: one dict lookup per input tensor."""
+        keys = self._written_keys if self.training else self.__dict__["_written_always"]
+        if not keys:
+            return
+        ptrs = self.__dict__.get("_written_ptrs")
+        if ptrs is None or ptrs[0] is not keys:
+            ptrs = (keys, {self._stacked[k].untyped_storage().data_ptr(): k for k in keys if k in self._stacked})
+            self.__dict__["_written_ptrs"] = ptrs
+        for name, x in zip(self._input_names, inputs):
+            for t in (x,) if isinstance(x, torch.Tensor) else _tensor_leaves(x):
+                key = ptrs[1].get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+                if key is not None and _elements_shared(t, self._stacked[key]):
+                    raise InputError(
+                        f"input {name!r} shares memory with the stacked buffer {key!r}, which forward() writes in place "
+                        f"on this call (a value the module returned, fed back: `out, h = ens(x, h)`): in the member loop "
+                        f"the input is that buffer, and a read of it after forward()'s write sees the write, where the "
+                        f"batched module may read it before; pass a copy ({name}.clone())")
+
     def _numbers_per_member(self, inputs: tuple) -> tuple:
         """`inputs` with each per_member Python number input (traced as a Python bool, int or float) as one [N] tensor:
-        given as one (the members' numbers, torch.tensor(values)), or as a list or tuple of N Python numbers (floats in
-        the precision the loop computes in beside the stacked state, values.number_dtype). InputError for anything
+        given as one (the members' numbers, torch.tensor(values)), or as a list or tuple of N Python numbers (floats as
+        float64, the loop's doubles; exact_numbers rounds them where an op takes them). InputError for anything
         else (one number, a tensor of another shape), naming what to pass."""
         out = list(inputs)
         for k, name in enumerate(self._input_names):
@@ -1269,10 +1299,13 @@ class BatchedModule(nn.Module):
             x, n = inputs[k], self.n_members
             if isinstance(x, (list, tuple)) and len(x) == n and all(isinstance(v, (bool, int, float)) for v in x):
                 floats = any(isinstance(v, float) for v in x)
-                out[k] = x = torch.tensor(x, dtype=number_dtype(self._stacked) if floats else None)
+                out[k] = x = torch.tensor(x, dtype=torch.float64 if floats else None)
             if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] == n:
-                if x.is_floating_point() and x.dtype != (want := number_dtype(self._stacked)):
-                    out[k] = x.to(want)  # a float64 tensor of numbers: at the precision a list of them takes
+                if x.is_floating_point() and x.dtype != torch.float64:
+                    # the loop's Python floats are doubles: `1 - gamma` runs on them in double (exact_numbers), and an
+                    # op taking one rounds it as it rounds a Python float; a float32 tensor's numbers as the caller
+                    # wrote them (torch.tensor([0.01]) holds 0.009999999776: 0.01)
+                    out[k] = torch.tensor([_as_given(v) for v in x], dtype=torch.float64, device=x.device)
                 continue
             spec = self.plan.inputs[k]
             got = (f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else
@@ -1284,18 +1317,22 @@ class BatchedModule(nn.Module):
         return tuple(out)
 
     def _check_shared_apart(self, inputs: tuple) -> None:
-        """InputError for a shared input on memory a per_member input forward() writes in place also holds (`ens(y[0], y)`):
-        the member loop's write into its row reaches the shared value that later members and later ops read; the
-        batched module reads the shared value as it came in (a copy per stage, or read before the rows are written)."""
+        """InputError for an input on memory a per_member input forward() writes in place also holds (`ens(y[0], y)`,
+        `ens(y, y)`): the member loop's write into its row reaches the other value that later members and later ops
+        read; the batched module reads it as it came in (a copy per stage, or read before the rows are written)."""
         written = [(name, t) for name, per_member, x in zip(self._input_names, self._per_member_at, inputs)
                    if per_member and name in self._written_inputs for t in _tensor_leaves(x)]
         if not written:
             return
         for name, per_member, x in zip(self._input_names, self._per_member_at, inputs):
-            if per_member:
-                continue
             for t in _tensor_leaves(x):
-                other = next((w for w, rows in written if _elements_shared(t, rows)), None)
+                other = next((w for w, rows in written if w != name and _elements_shared(t, rows)), None)
+                if other is not None and per_member:
+                    raise InputError(
+                        f"the per_member inputs {name!r} and {other!r} share memory (`ens(y, y)`, overlapping slices of "
+                        f"one tensor), and forward() writes {other!r} in place: in the member loop that write reaches "
+                        f"{name!r} before later ops read it, where the batched module may read {name!r} as it came in; "
+                        f"pass a copy ({name}.clone())")
                 if other is not None:
                     raise InputError(
                         f"the shared input {name!r} shares memory with the per_member input {other!r}, which forward() "
@@ -1485,7 +1522,11 @@ class BatchedModule(nn.Module):
     def _outputs(self, env: dict[str, Any]) -> Any:
         """The model's outputs, N-first, from the boundary values in `env`."""
         n = self.n_members
-        leaves = [_own_rows(n_first(env[name], n), n) if name is not None else x for name, x in self._output_leaves]
+        # a Python float forward() returns per member comes back float64: the loop's are doubles (a float32 [N] tensor
+        # would drop digits, and turn a value past float32's range into inf); numbers a batched stage computed are
+        # float64 already (exact_numbers)
+        leaves = [_own_rows(n_first(env[name], n, float_dtype=torch.float64), n) if name is not None else x
+                  for name, x in self._output_leaves]
         result = leaves[0] if self._output_is_leaf else tree_unflatten(leaves, self._output_tree)
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)
@@ -1878,6 +1919,11 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
+    # member state forward() writes in place on a call (always, and in training the norms' statistics): an input on
+    # its memory is refused (BatchedModule._check_apart_from_written_state)
+    written_always = tuple(sorted({*always, *(k for p in module.programs for k in p.written_state)}))
+    module.__dict__["_written_always"] = written_always
+    module.__dict__["_written_keys"] = tuple(sorted({*written_always, *in_training}))
     if first_code is not None:
         module.__dict__["_value_reads"] = _ValueReadWatch(private, plan, module._stacked, always, in_training,
                                                           graph.gm.meta[BUFFER_VALUE_READS], first_code,

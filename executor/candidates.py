@@ -32,7 +32,7 @@ from stagewise.executor.stages import RUNNERS, LoopRunner, Runner, StageProgram
 from stagewise.executor.strategies.compiled import with_compile_mode
 from stagewise.executor.strategies.wide import with_conv_form
 from stagewise.executor.timing import Prepared, describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
-from stagewise.executor.values import Batched, as_batched, leaf_paths, n_first
+from stagewise.executor.values import Batched, PerMember, as_batched, leaf_paths, n_first
 from stagewise.executor.verify import DEFAULT_RTOL, dtype_clash, same_draws, same_number
 
 Progress = Optional[Callable[[int, int, str], None]]
@@ -52,7 +52,10 @@ def max_rel_error(got: Any, want: Any) -> float:
             if isinstance(w, float) and isinstance(g, (int, float)) and not isinstance(g, bool):
                 # a Python number: its relative error, judged against the plan's tolerance like a tensor's
                 same = g == w or (math.isnan(g) and math.isnan(w))
-                worst = max(worst, 0.0 if same else abs(g - w) / max(abs(w), 1e-30))
+                rel = 0.0 if same else abs(g - w) / max(abs(w), 1e-30)
+                if math.isnan(rel):  # NaN on one side alone (max() would drop it) or inf apart: wrong
+                    return math.inf
+                worst = max(worst, rel)
             elif not same_number(g, w, 0.0):
                 return math.inf
             continue
@@ -83,7 +86,19 @@ def max_rel_error(got: Any, want: Any) -> float:
 
 
 def _nfirst_all(values: list, n: int) -> list:
-    return [n_first(v, n) for v in values]
+    return [_comparable(v, n) for v in values]
+
+
+def _comparable(v: Any, n: int) -> Any:
+    """A stage boundary value as max_rel_error compares it: N-first (values.n_first), or, where the members' values
+    cannot be stacked (loop stages handing on a value whose shape depends on the values, `h[h[:, 0] > 0]`, or whose
+    structure differs per member), a list of the members' own trees, each tensor with a member axis of one."""
+    if isinstance(v, PerMember):
+        layouts = [[(tuple(x.shape) if isinstance(x, torch.Tensor) else None) for x in tree_flatten(m)[0]]
+                   + [leaf_paths(m)] for m in v.values]
+        if any(layout != layouts[0] for layout in layouts[1:]):
+            return [tree_map(lambda x: x.unsqueeze(0) if isinstance(x, torch.Tensor) else x, m) for m in v.values]
+    return n_first(v, n)
 
 
 # --- running one strategy ------------------------------------------------------------------

@@ -33,6 +33,7 @@ from stagewise.planner.graph import renormalised_weight
 from stagewise.planner.errors import ExecutionError, InputError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
+from stagewise.executor.exact_numbers import OP_NAMES, number_op, number_operand
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value,
                                        reset_number_context, reset_stage_device, set_number_context,
                                        set_stage_device)
@@ -50,7 +51,7 @@ class StageRetracer(ContainerTracer):
         # the guards from_graph puts into a stage's graph (refuse_sparse_grad, no_grad_at_padding,
         # check_member_indices) stay calls of the graph traced again: run on a Proxy, each handed it on and dropped out
         kwargs["autowrap_functions"] = (*kwargs.get("autowrap_functions", ()), refuse_sparse_grad, no_grad_at_padding,
-                                        check_member_indices)
+                                        check_member_indices, number_op, number_operand)
         super().__init__(*args, **kwargs)
 
 
@@ -111,10 +112,16 @@ class StageProgram:
     views_written_later: bool = False
     # member state (full dotted names) a node writes in place (`self.h.copy_(h)`, `self.ema.mul_(0.9)`)
     written_state: tuple[str, ...] = ()
+    # positions of the inputs that are Python numbers read from tensors (exact_numbers.read_numbers): a batched stage
+    # hands them on as an [N] tensor, of which the member loop gives each member a Python number, as the loop has
+    number_inputs: tuple[int, ...] = ()
 
     @staticmethod
-    def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str]) -> "StageProgram":
-        """Cut `stage` out of `gm`. `users_outside[n]` says whether node n is read outside its stage."""
+    def from_graph(gm: torch.fx.GraphModule, stage: Stage, users_outside: dict[str, bool], state_keys: set[str],
+                   numbers: frozenset[str] = frozenset()) -> "StageProgram":
+        """Cut `stage` out of `gm`. `users_outside[n]` says whether node n is read outside its stage; `numbers` names
+        the nodes whose value is a Python number read from tensors or computed from such (exact_numbers.read_numbers),
+        whose arithmetic runs in double as the loop's does (exact_numbers)."""
         nodes = {n.name: n for n in gm.graph.nodes}
         order = {name: i for i, name in enumerate(nodes)}
         listed = sorted(stage.nodes, key=lambda name: order.get(name, len(order)))  # a plan file may list them otherwise
@@ -144,6 +151,7 @@ class StageProgram:
             state += _state_of(gm, node, state_keys)
         outputs = [n for n in listed if users_outside.get(n)]
         g.output(tuple(env[n] for n in outputs))
+        exact_number_arithmetic(g, {env[n] for n in env if n in numbers})
         shown = ", ".join(stage.nodes[:4]) + (", ..." if len(stage.nodes) > 4 else "")
         guard_sparse_embeddings(gm, g, f"{stage.id} ({shown})")
         guard_padding_rows(gm, g)
@@ -174,12 +182,34 @@ class StageProgram:
                             written_inputs=written, writes_by_name=by_name,
                             outputs_view_written=any(storage_root(env[n], every_module=False) in may_write for n in outputs),
                             writes_untracked=any(_through_data(n.args[0]) for n in writers),
+                            number_inputs=tuple(k for k, name in enumerate(inputs) if name in numbers),
                             written_state=tuple(dict.fromkeys(
                                 [str(r.target) for r in roots if r is not None and r.op == "get_attr"]
                                 # state handed in by another stage and written here (torch.export's
                                 # `ema.mul_(0.9)` reads the buffer in one stage, writes it in the next)
                                 + [str(r.target) for r in (storage_root(nodes[name], every_module=False) for name in written)
                                    if r.op == "get_attr" and str(r.target) in state_keys])))
+
+
+def exact_number_arithmetic(g: torch.fx.Graph, numbers: set[torch.fx.Node]) -> None:
+    """Rewrite in `g` Python arithmetic and comparisons among `numbers` (the stage's values and inputs that are numbers
+    read from tensors, see exact_numbers) to run in double as the member loop's Python numbers do (number_op), and
+    cast such a number back where an op takes it beside tensors (number_operand). The stage's outputs stay double: a
+    later stage's arithmetic goes on in double, a later op rounds them as it takes them, and a number forward() returns
+    comes back as the loop's Python floats are, doubles."""
+    for node in list(g.nodes):
+        if node in numbers and node.op == "call_function" and node.target in OP_NAMES and not node.kwargs:
+            node.args = (OP_NAMES[node.target], *node.args)
+            node.target = number_op
+    for node in [n for n in g.nodes if n in numbers]:
+        for user in list(node.users):
+            if user.target is number_op or user.op == "output":
+                continue  # more arithmetic, or handed on
+            # the op's other operands: the number is rounded to their precision, as torch rounds a Python float
+            beside = tuple(dict.fromkeys(a for a in user.all_input_nodes if a not in numbers))
+            with g.inserting_before(user):
+                cast = g.call_function(number_operand, (node, *beside))
+            user.replace_input_with(node, cast)
 
 
 # functional norms that update running statistics in place: target -> (running mean, running var, update flag) positions
@@ -810,11 +840,25 @@ class VmapRunner(Runner):
         return self._rebuild(self._vmapped_for(dims, training)(*self._state_args(), *inputs))
 
 
+def python_numbers(args: list, positions: tuple[int, ...]) -> list:
+    """`args` with each value at `positions` (a number forward() read from a tensor, handed on by a batched stage as an
+    [N] tensor) as one Python number per member, as the member loop has them: `round(s, 1)`, `range(n)` and ops that
+    take a Python number refuse a 0-d tensor. float64 and int64 rows give the numbers exactly (exact_numbers)."""
+    out = list(args)
+    for k in positions:
+        v = out[k]
+        if type(v) is Batched and isinstance(v.tree, torch.Tensor) and v.tree.dim() == 1:
+            out[k] = PerMember(v.tree.tolist())
+    return out
+
+
 class LoopRunner(Runner):
     """The member loop: the stage once per member with that member's own state."""
 
     def run(self, args: list) -> list:
         module = self.program.module
+        if self.program.number_inputs:
+            args = python_numbers(args, self.program.number_inputs)
         results = []
         for i in range(self.n_members):
             member_args = tuple(member_value(a, i) for a in args)

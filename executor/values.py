@@ -92,6 +92,18 @@ def _float_dtype() -> torch.dtype:
     return torch.get_default_dtype()
 
 
+def model_float_dtype() -> torch.dtype:
+    """The precision a Python float operand takes in the running stage, judged by the state alone (the stage's own,
+    else the forward call's state and inputs): float64 in a float64 model, else torch's default dtype. Unlike
+    _float_dtype, the stage's boundary values do not count: an [N] float64 tensor of exact numbers is among them."""
+    stage, call = _number_context.get(), _call_number_context.get()
+    for context in ((stage[0],) if stage else None, call):
+        dtype = _floating_dtype(context) if context is not None else None
+        if dtype is not None:
+            return dtype
+    return torch.get_default_dtype()
+
+
 @dataclass(frozen=True)
 class Shared:
     value: Any
@@ -304,14 +316,14 @@ def span(x: torch.Tensor) -> int:
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
 
 
-def n_first(v, n: int, device: torch.device | None = None) -> Any:
+def n_first(v, n: int, device: torch.device | None = None, float_dtype: torch.dtype | None = None) -> Any:
     """A boundary value as the module's output: tensors N-first, a pytree of them for containers
-    (per-member numbers as a [N] tensor on `device`, see stack_member_values)."""
+    (per-member numbers as a [N] tensor on `device`, floats as `float_dtype`, see stack_member_values)."""
     if isinstance(v, Batched):
         return v.tree
     if isinstance(v, Shared):
         return as_batched(v, n).tree
-    tree, _ = stack_member_values(v.values, device)  # per-member numbers come back as a [N] tensor, equal ones stay plain
+    tree, _ = stack_member_values(v.values, device, float_dtype)  # per-member numbers come back as a [N] tensor, equal ones stay plain
     return tree
 
 

@@ -25,6 +25,7 @@ from stagewise.planner.errors import InputError, StagewiseError
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.executor.build import build, resolve_device
 from stagewise.executor.values import leaf_paths, member_value
+from stagewise.executor.members import gradient_hooks
 
 DEFAULT_RTOL = 1e-4  # float32: vmap and the loop may sum in different orders
 # Normwise relative tolerance per plan dtype, against the float32 loop (README "Precision"). Chosen from the
@@ -341,7 +342,10 @@ def compare(name: str, got: Any, want: Any, rtol: float, n_members: int | None =
     for k, (g, w) in enumerate(zip(g_leaves, w_leaves)):
         label = name if len(g_leaves) == 1 else f"{name}[{k}]"
         if isinstance(w, torch.Tensor) or isinstance(g, torch.Tensor):
-            g_t, w_t = torch.as_tensor(g).detach().cpu(), torch.as_tensor(w).detach().cpu()
+            # a Python float (a number one side hands on per member) as the double it is: as float32 a value past
+            # float32's range would be inf, and agree with a batched inf
+            g_t, w_t = (torch.as_tensor(v, dtype=torch.float64 if isinstance(v, float) else None).detach().cpu()
+                        for v in (g, w))
             if g_t.shape != w_t.shape:
                 rows.append(ErrorRow(f"{label} shape {list(g_t.shape)} vs {list(w_t.shape)}", float("inf"), float("inf"), False))
                 continue
@@ -604,6 +608,8 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
     if not isinstance(calls, int) or calls < 1:
         raise ValueError(f"calls must be an int >= 1, got {calls!r}")
     rtol = default_rtol(plan, members) if rtol is None else rtol
+    # gradient hooks on the caller's parameters: deep copies carry none, so both sides below would run without them
+    hooked = gradient_hooks(members) if grads else []
     members = _copies_together(members)  # the caller's modules are never run
     inputs = per_member_numbers(plan, tuple(inputs))
     if more_inputs is None:
@@ -674,7 +680,14 @@ def _verify(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[Any], *, 
             want = loop_outputs(plan, members, fresh(inputs))
         _compare_outputs(report, got, want, f" (call {call})")
     _compare_state(report, module, members, state_before, rtol, saved)
-    if grads:
+    if hooked:
+        # the batched module refuses to train such members (the stacked parameters carry no hooks), and the loop's
+        # gradients are the hooks' own: no row of gradients compared on copies without them would mean anything
+        report.gradients.append(ErrorRow(
+            f"gradient hooks on the members' {', '.join(hooked[:3])}{', ...' if len(hooked) > 3 else ''} "
+            "(register_hook): the batched module trains stacked copies without them (its training call refuses); "
+            "put them on ens.named_stacked_parameters()", math.inf, math.inf, False))
+    elif grads:
         _verify_grads(report, plan, module, members, inputs, on_device, grads_tolerance(plan, members, rtol),
                       seed=calls + 1)
     for k, other in enumerate(more_inputs):
@@ -806,7 +819,8 @@ def _verify_grads(report: VerifyReport, plan: Plan, module: nn.Module, members: 
             g = _real64(got_grads[k][i].detach()).cpu() if got_grads[k] is not None else \
                 _real64(torch.zeros(p.shape[1:], dtype=p.dtype))
             w = _real64(grads[k].detach()).cpu() if grads[k] is not None else torch.zeros_like(g)
-            diff = float((g - w).norm())
+            g, w, apart = _finite_pair(g, w)
+            diff = math.inf if apart else float((g - w).norm())
             rel = diff / max(float(w.norm()), floor * scales[i], 1e-30)
             if rel > rtol and diff <= rtol * max(float(w.norm()), noise * scales[i]):  # the grey zone: noise or not?
                 if i not in exact:
@@ -899,7 +913,8 @@ def _compare_input_grads(report: VerifyReport, plan: Plan, graded: Sequence[Grad
         scale = max(float(w.norm()) for _, w in pairs)
         worst_abs = worst_rel = 0.0
         for g, w in pairs:
-            diff = float((g - w).norm()) if g.shape == w.shape else float("inf")
+            g, w, apart = _finite_pair(g, w) if g.shape == w.shape else (g, w, True)
+            diff = math.inf if apart else float((g - w).norm())
             worst_abs = max(worst_abs, diff)
             worst_rel = max(worst_rel, diff / max(float(w.norm()), floor * scale, 1e-30))
         report.gradients.append(ErrorRow(label, worst_abs, worst_rel, worst_rel <= rtol))
@@ -934,6 +949,18 @@ def _grads64(plan: Plan, member: nn.Module, inputs: tuple, weights: list, names:
         if float(torch.as_tensor(a - b).norm()) > 1e-4 * max(scale, 1e-30):
             return None
     return grads
+
+
+def _finite_pair(g: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(g, w, apart) for a gradient `g` against the loop's `w`: NaN and inf must sit where the loop has them (as for
+    outputs); `apart` where they do not (a NaN gradient where the loop's is finite: its norm is NaN, which no `>`
+    comparison and no max() would ever count), else both with those elements zeroed, measured on the finite rest."""
+    if bool(torch.isfinite(g).all()) and bool(torch.isfinite(w).all()):
+        return g, w, False
+    inf = w.isinf()
+    if not (torch.equal(g.isnan(), w.isnan()) and torch.equal(g.isinf(), inf) and torch.equal(g[inf], w[inf])):
+        return g, w, True
+    return (g.nan_to_num(0.0, posinf=0.0, neginf=0.0), w.nan_to_num(0.0, posinf=0.0, neginf=0.0), False)
 
 
 def _real64(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import operator
+import types
 import warnings
 from typing import Any, Callable, Optional
 
@@ -417,6 +418,22 @@ def autocast_region_check(graph, node: torch.fx.Node) -> Optional[str]:
     return None
 
 
+_COND = getattr(getattr(torch.ops, "higher_order", None), "cond", None)
+
+
+def cond_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """torch.cond on a predicate computed from the values (`torch.cond(h.min() > 0, f, g, (h,))`): torch.func.vmap runs
+    both branches for every member and keeps each member's with torch.where, so the branch a member did not take
+    enters its backward (0 * NaN where that branch is NaN there: a sqrt of negatives made every gradient of such a
+    member NaN while the loop's were finite). Each member runs it, its own branch alone."""
+    if node.op == "call_function" and _COND is not None and node.target is _COND and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        return ("torch.cond on a predicate computed from the values: vmap runs both branches for every member and "
+                "selects, so the branch a member did not take enters its gradients (NaN from a branch NaN there); each "
+                "member runs its own branch")
+    return None
+
+
 _VALUE_SHAPED_NAMES = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "_unique2",
                                   "unique_dim", "bincount", "nonzero_static"})
 
@@ -431,6 +448,16 @@ _SIZED_DATA_FIRST = frozenset({"narrow", "topk", "split", "tensor_split", "split
                                "chunk", "view_as", "broadcast_to", "pad", "constant_pad_nd", "interpolate",
                                "upsample", "unfold", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
                                "adaptive_max_pool1d", "adaptive_max_pool2d"})
+# ops that take a number as an operand of elementwise arithmetic, a comparison or a fill value: it sets no shape
+_NUMBER_OPERAND_OPS = frozenset({
+    "add", "sub", "mul", "div", "true_divide", "floor_divide", "truediv", "floordiv", "remainder", "fmod", "mod", "pow",
+    "rsub", "neg", "eq", "ne", "lt", "le", "gt", "ge", "where", "clamp", "clip", "clamp_min", "clamp_max", "lerp",
+    "masked_fill", "fill", "fill_", "full_like", "maximum", "minimum", "fmax", "fmin", "addcmul", "addcdiv",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "and_", "or_", "xor", "lshift", "rshift", "atan2", "copysign",
+    "hypot", "xlogy", "scalar_tensor", "tensor", "as_tensor", "_assert_scalar", "sym_constrain_range_for_size",
+    "__add__", "__sub__", "__mul__", "__truediv__", "__floordiv__", "__mod__", "__pow__", "__radd__", "__rsub__",
+    "__rmul__", "__rtruediv__", "__rpow__", "add_", "sub_", "mul_", "div_", "pow_", "clamp_", "masked_fill_",
+})
 _NUMBER_OF_VALUES = frozenset({"item", "tolist", "_local_scalar_dense", "int", "__int__", "__index__", "long"})
 
 
@@ -457,7 +484,13 @@ def _size_from_values(node: torch.fx.Node, name: str, values: dict, numbers: set
     elif name in _SIZED_DATA_FIRST:
         sizes = list(node.args[1:]) + list(node.kwargs.values())
     else:
-        return False
+        # any other op given a whole number read from the values, outside arithmetic (F.one_hot(idx, k + 1), a
+        # diagonal's offset, a pool's kernel size, flatten's start_dim): such a number may set the output's shape,
+        # which then differs per member (a per-member number an op only computes with keeps its shape)
+        if name in _NUMBER_OPERAND_OPS or not isinstance(values.get(node.name), torch.Tensor):
+            return False
+        return any(isinstance(a, torch.fx.Node) and a.name in numbers and type(values.get(a.name)) is int
+                   for a in tree_flatten((node.args, node.kwargs))[0])
     flat = []
     for a in sizes:
         flat.extend(a if isinstance(a, (tuple, list)) else [a])
@@ -608,14 +641,18 @@ def _data_numbers(graph) -> set[str]:
             continue
         first = n.args[0] if n.args else None
         read = base_name(n) in _TO_NUMBER or (n.target in (float, int, bool) and isinstance(first, torch.fx.Node)
-                                            and isinstance(values.get(first.name), torch.Tensor))
+                                            and isinstance(values.get(first.name), torch.Tensor)) or (
+            # a function of the model's own (torch.fx.wrap) that turns tensors into a number (`scale_of(h)` returning
+            # h.abs().mean().item()): each member's differs too
+            isinstance(n.target, types.FunctionType) and not (n.target.__module__ or "").startswith("torch")
+            and any(isinstance(values.get(a.name), torch.Tensor) for a in n.all_input_nodes))
         if read or any(a.name in out for a in n.all_input_nodes):
             out.add(n.name)
     graph._data_numbers_cache = out
     return out
 
 
-DEFAULT_CHECK = chain(autocast_region_check, value_shape_check, stateful_module_check, inplace_buffer_check,
+DEFAULT_CHECK = chain(autocast_region_check, cond_check, value_shape_check, stateful_module_check, inplace_buffer_check,
                       norm_stats_view_check, unowned_write_check, vmap_probe_check)
 
 

@@ -578,14 +578,52 @@ def _attributes_stored(model: nn.Module, example_inputs: tuple, snapshot: StateS
             call()
             again = held()
             stored = [key for key in replaced if renewed(again.get(key, ()), first[key])]
+            carried = _reads_its_own(model, stored, example_inputs, snapshot) if stored else []
         except Exception:  # noqa: BLE001 - the trace reports what forward() does on its inputs
             return {}
         finally:
             restore_all(snapshot, model)
+    if carried:
+        names = ", ".join(f"model.{paths.get(m_id) + '.' if paths.get(m_id) else ''}{k}" for m_id, k in carried[:3])
+        raise TraceError(
+            f"forward() replaces the plain attribute {names} with a tensor computed from its own previous value on "
+            "every call (a call counter `self.calls = self.calls + 1`, a temperature annealed in forward()): state "
+            "carried from call to call, which the traced graph reads as the value it had at trace time, so from the "
+            "second call on every member would compute with that old value. Register it as a buffer and update it in "
+            "place (self.register_buffer('calls', torch.zeros(())); self.calls.add_(1)), or pass it as an input")
     out: dict[str, list[str]] = {}
     for m_id, k in stored:
         path = paths.get(m_id, "")
         out.setdefault(f"{classes.get(m_id, '?')}.{k}", []).append(f"{path}.{k}" if path else k)
+    return out
+
+
+def _reads_its_own(model: nn.Module, stored: list[tuple[int, str]], example_inputs: tuple,
+                   snapshot: StateSnapshot) -> list[tuple[int, str]]:
+    """Which of the attributes `stored` (forward() replaces them with a tensor on every call) forward() computes from
+    their own previous value: from the model as `snapshot` holds it, one call gives each attribute a value; from the
+    same model, with the attributes alone set to those values, on the same inputs and random draws, a call that gives
+    another value read them (`self.calls + 1`). A value computed from the inputs (a VAE's `self.kl`) comes out the same."""
+    modules = {id(m): m for m in model.modules()}
+    state = torch.random.get_rng_state()
+
+    def run() -> dict[tuple[int, str], Any]:
+        torch.random.set_rng_state(state)
+        model(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+        return {key: modules[key[0]].__dict__.get(key[1], _NOT_HELD) for key in stored}
+
+    restore_all(snapshot, model)
+    once = run()
+    restore_all(snapshot, model)
+    for (m_id, k), v in once.items():
+        if v is not _NOT_HELD:
+            modules[m_id].__dict__[k] = v
+    twice = run()
+    out = []
+    for key in stored:
+        a, b = _tensors_held(once[key]), _tensors_held(twice[key])
+        if len(a) != len(b) or any(x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, b)):
+            out.append(key)
     return out
 
 

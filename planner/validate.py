@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 import networkx as nx
 import torch
 
-from stagewise.planner.capability import (DEFAULT_CHECK, autocast_region_check, chain, inplace_buffer_check,
+from stagewise.planner.capability import (DEFAULT_CHECK, autocast_region_check, chain, cond_check, inplace_buffer_check,
                                           norm_stats_view_check, stateful_module_check, unowned_write_check)
 from stagewise.planner.errors import PlanMismatchError, TraceError
 from stagewise.planner.graph import ModelGraph, _cuda_devices, _run_and_record
@@ -139,7 +139,7 @@ def validate(plan: Plan, graph: ModelGraph) -> Plan:
 
 
 # the capability checks that read the graph alone (no example values, no vmap run): cheap enough for every build
-STRUCTURAL_CHECK = chain(autocast_region_check, stateful_module_check, inplace_buffer_check, norm_stats_view_check,
+STRUCTURAL_CHECK = chain(autocast_region_check, cond_check, stateful_module_check, inplace_buffer_check, norm_stats_view_check,
                          unowned_write_check)
 # parts of a reason where vmap still runs the node as each member does: its slow per-member fallback, a write into
 # whole stacked buffers (BatchNorm's own in training too), random draws (each member its own). What a batched stage

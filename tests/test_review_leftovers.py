@@ -96,7 +96,8 @@ class ItemOutputs(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_item_float_outputs_and_a_stage_fed_floats_alone_keep_the_models_precision(dtype):
     """Was wrong (float64): both came back a float32 [N] tensor, ~1e-8 off the loop's doubles (no stage's
-    tensors told their precision). A float32 model's stay float32, as before."""
+    tensors told their precision). A float32 model's are doubles too now: the loop's Python floats are
+    (exact_numbers; the division of a number runs in double, as Python's)."""
     x = torch.randn(5, 8, dtype=dtype)
     members, ref, plan = _members(ItemOutputs, dtype, x)
     fed_alone = [s for s in plan.stages if s.nodes == ("truediv",)]
@@ -108,12 +109,13 @@ def test_item_float_outputs_and_a_stage_fed_floats_alone_keep_the_models_precisi
         got_captured = [captured(x) for _ in range(2)][-1]  # the floats enter the replayed run as a tensor
         assert {"graph", "eager"} <= {e["mode"] for e in captured.layout()}
         want = [m(x) for m in ref]
-    assert env["truediv"].tree.dtype == dtype  # the stage's own result, before it becomes an output
+    assert env["truediv"].tree.dtype == torch.float64  # the stage's own result, before it becomes an output
     for k, g in enumerate([*got, *got_captured]):
         k %= 2
-        assert g.dtype == dtype and g.shape == (N,)
+        assert g.dtype == torch.float64 and g.shape == (N,)
         w = torch.tensor([o[k] for o in want], dtype=torch.float64)  # the loop's Python floats
-        tol = dict(rtol=1e-14, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)  # a few ulps
+        # (a float32 model's sums are float32's, batched in another order: a few ulps)
+        tol = dict(rtol=1e-14, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(g.double(), w, **tol)
     assert stack_member_values([1.5, 2.5])[0].dtype == torch.get_default_dtype()  # after the call: as before
 

@@ -1,0 +1,220 @@
+"""Python arithmetic on numbers forward() reads from its tensors (`.item()`), against the plain member loop.
+
+In the loop such numbers are Python floats, so `m2 - m * m` of two moments runs in double. A batched stage gets them
+as one [N] tensor per number at the plan's float precision, where the variance of values near 100 came out 1.2e-3
+off in float32, and a number forward() returned past float32's range came back inf. Build now runs that arithmetic
+on float64 operands (executor.exact_numbers), rounds a number where an op takes it beside tensors (as torch rounds a
+Python float operand), and returns Python-float outputs as float64.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from stagewise import executor, planner
+from stagewise.executor.exact_numbers import number_op, number_operand, read_numbers
+
+N = 3
+
+
+class Moments(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        with torch.no_grad():
+            self.fc.bias.add_(100.0)
+
+    def forward(self, x):
+        h = self.fc(x)
+        m, m2 = h.mean().item(), (h * h).mean().item()
+        var = m2 - m * m
+        # a 0-d tensor beside the number: the loop's result is float32 (a Python float takes the tensor's dtype)
+        return (h - m) / (var + 1e-3), var, h.sum() * var, torch.where(h > m, h, h * (var > 1.0))
+
+
+class Counts(nn.Module):
+    """Whole numbers stay whole: `n // 2` of a count is int64 as Python's int, `n / 4` a double."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        n = (h > 0).sum().item()
+        return h * (n // 2), n // 2, n / 4 - 0.1
+
+
+def _members(cls, dtype=torch.float32):
+    torch.manual_seed(0)
+    return [cls().to(dtype).eval() for _ in range(N)]
+
+
+def _loop(members, x):
+    return [m(x[i]) for i, m in enumerate(members)]
+
+
+def _plan(members, x):
+    return planner.propose(planner.trace(members[0], (x[0],)), n_members=N, input_mode="per_member")
+
+
+def _check(out, ref, k, *, ulps=0):
+    """Output k of the batched module equals each member's in the loop's dtype: bit for bit, or within `ulps` units
+    in the last place of the output's scale (a batched matmul may round the activations by one)."""
+    for i in range(N):
+        want = ref[i][k]
+        got = out[k][i]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype, (k, got.dtype, want.dtype)
+            bound = ulps * torch.finfo(want.dtype).eps * want.abs().max()
+            assert (got - want).abs().max() <= bound, (k, i, (got - want).abs().max())
+        else:
+            assert got.item() == want, (k, i, got.item(), want)
+            assert got.dtype == (torch.float64 if isinstance(want, float) else torch.int64)
+
+
+def test_variance_of_two_moments_matches_the_loop_bit_for_bit():
+    members = _members(Moments)
+    x = torch.randn(N, 4, 6)
+    plan = _plan(members, x)
+    ens = executor.build(plan, members)
+    out, ref = ens(x), _loop(members, x)
+    for k in range(4):
+        _check(out, ref, k)
+    report = executor.verify(plan, members, (x,), rtol=1e-12)
+    assert report.ok, report.to_text()
+
+
+def test_whole_numbers_stay_int64_and_true_division_is_a_double():
+    members = _members(Counts)
+    x = torch.randn(N, 5, 6)
+    ens = executor.build(_plan(members, x), members)
+    out, ref = ens(x), _loop(members, x)
+    for k in range(3):
+        _check(out, ref, k)
+
+
+def test_a_float64_model_keeps_doubles_throughout():
+    members = _members(Moments, torch.float64)
+    x = torch.randn(N, 4, 6, dtype=torch.float64)
+    ens = executor.build(_plan(members, x), members)
+    out, ref = ens(x), _loop(members, x)
+    for k in range(4):
+        _check(out, ref, k)
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+def test_every_strategy_of_the_arithmetic_stages_matches(strategy):
+    members = _members(Moments)
+    x = torch.randn(N, 4, 6)
+    graph = planner.trace(members[0], (x[0],))
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    options = {"strategy": strategy} if strategy == "loop" else {"strategy": strategy, "chunk_size": 2}
+    for s in plan.stages[1:]:
+        if s.mode is planner.StageMode.BATCHED:
+            plan = planner.set_options(plan, graph, s.id, **options)
+    ens = executor.build(plan, members)
+    out, ref = ens(x), _loop(members, x)
+    for k in range(4):
+        _check(out, ref, k)
+
+
+def test_a_saved_module_keeps_the_double_arithmetic():
+    members = _members(Moments)
+    x = torch.randn(N, 4, 6)
+    ens = executor.build(_plan(members, x), members)
+    buf = io.BytesIO()
+    torch.save(ens, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    out, ref = loaded(x), _loop(members, x)
+    _check(out, ref, 1)
+    _check(out, ref, 2)
+
+
+def test_read_numbers_follows_arithmetic_on_numbers_alone():
+    members = _members(Moments)
+    x = torch.randn(N, 4, 6)
+    gm = planner.trace(members[0], (x[0],)).gm
+    names = read_numbers(gm)
+    ops = {n.name: n for n in gm.graph.nodes}
+    assert {"item", "item_1"} <= names
+    # `m2 - m * m` and `var > 1.0` are numbers; `h - m` and `h * ...` read a tensor, so are not
+    assert any(ops[n].target.__name__ == "sub" for n in names if ops[n].op == "call_function" and n not in ("item", "item_1"))
+    assert all(not isinstance(planner.trace(members[0], (x[0],)).example_values.get(n), torch.Tensor) for n in names)
+
+
+def test_the_helpers_compute_as_python_does():
+    a, b = torch.tensor([100.123456], dtype=torch.float32), torch.tensor([10024.7], dtype=torch.float32)
+    got = number_op("sub", b, number_op("mul", a, a))
+    assert got.dtype == torch.float64
+    assert got.item() == b.item() - a.item() * a.item()
+    assert number_op("floordiv", torch.tensor([7]), 2).dtype == torch.int64
+    assert number_op("truediv", torch.tensor([7]), 2).dtype == torch.float64
+    assert number_op("add", 1.5, 2) == 3.5  # Python numbers: plain arithmetic
+    assert number_operand(got).dtype == torch.float32
+    assert number_operand(2.5) == 2.5
+
+
+@torch.fx.wrap
+def _rounded(s):
+    return round(s, 3)  # a Python float's method: a 0-d tensor has no __round__
+
+
+@torch.fx.wrap
+def _steps(s):
+    return sum(range(int(s * 1000) % 5))
+
+
+class Rounded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        s = h.abs().max().item() / 100.0  # computed in a batched stage, read by loop stages
+        return h * _rounded(s), h + _steps(s)
+
+
+def test_a_loop_stage_gets_python_numbers_from_a_batched_one():
+    members = _members(Rounded)
+    x = torch.randn(N, 4, 6)
+    plan = _plan(members, x)
+    assert any(s.options.strategy is planner.Strategy.LOOP and "_rounded" in s.nodes for s in plan.stages)
+    ens = executor.build(plan, members)  # every call failed: round() of a 0-d tensor
+    out, ref = ens(x), _loop(members, x)
+    _check(out, ref, 0)
+    _check(out, ref, 1)
+
+
+class Doubles(nn.Module):
+    """A number beside a float64 tensor stays double (a Python float does not round there); a number divided by a size
+    (`h.sum().item() / h.numel()`) is still a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x) + 100.0
+        m = h.sum().item() / h.numel()
+        m2 = (h * h).sum().item() / x.shape[0] / 8
+        d = h.double() + 1e4
+        md = d.mean().item()
+        return h * (m2 - m * m), (d - md).float(), torch.where(d > md, d, d * 2)
+
+
+def test_a_number_takes_the_precision_of_the_tensor_beside_it():
+    members = _members(Doubles)
+    x = torch.randn(N, 6, 8)
+    ens = executor.build(_plan(members, x), members)
+    out, ref = ens(x), _loop(members, x)
+    _check(out, ref, 0, ulps=2)  # was 4.5e-3 relative: the size division dropped to float32
+    # the number beside float64 was rounded to float32: 2.6e-4 off; now the activations' own rounding (h ~ 100, one
+    # float32 ulp 7.6e-6) is all that is left
+    assert max((out[1][i] - ref[i][1]).abs().max() for i in range(N)) <= 2e-5
+    assert max((out[2][i] - ref[i][2]).abs().max() for i in range(N)) <= 4e-5  # d ~ 1e4 from those activations

@@ -1,0 +1,337 @@
+"""Models and tool runs from the s32 reviews, each against the plain member loop.
+
+- Loop stages handing on a value whose shape depends on the values (`h[h[:, 0] > 0]`, K_i rows per member): build and
+  verify ran the proposed plan, but profile and autotune raised "members produced tensors of different shapes" (their
+  stage check stacked the loop reference N-first). Such values are now compared member by member.
+- torch.cond on a per-member predicate (the planner's own advice for a data-dependent branch) was batched: vmap runs
+  both branches for every member and selects, so a member's untaken branch (a sqrt of negatives) made all its
+  gradients NaN where the loop's were finite. Each member runs its own branch now.
+- verify(grads=True) said MATCH for NaN gradients where the loop's were finite: a NaN norm fails no `>` test and
+  max() drops it. NaN and inf must now sit where the loop has them, as for outputs; so for a Python-number output
+  in profile's and autotune's check.
+- Two per_member inputs on one memory (`ens(y, y)`), forward() writing one in place: the loop's other input saw the
+  write, the batched module read it before (1.2 off), and verify, which copies each input apart, said MATCH. Refused
+  now, as a shared input on such memory was.
+- A per_member dict input whose tensor forward() writes in place (`batch["x"].mul_(2)`): every call raised a raw
+  AttributeError (the overlapping-rows check took the dict for a tensor). Each tensor of it is checked now.
+- verify(grads=True) on members with a gradient hook (`p.register_hook(lambda g: g * 0)`) said MATCH: it compares
+  deep copies, which carry no hooks, while the batched module's training call refuses such members. A failing row
+  names the hooks now.
+- A plain tensor attribute forward() replaces from its own previous value (`self.calls = self.calls + 1`, a
+  temperature annealed per call): the graph read the value it had at trace time, so from the second call on every
+  member computed with it (1.79, then 3.57 off), with only a warning about stored attributes. Refused at trace now;
+  an attribute computed from the inputs alone (a VAE's `self.kl`) is still only warned about.
+- A buffer forward() updates in place and returns, fed back by the caller as the next call's input
+  (`out, prev = ens(x, prev)`): in the loop the input is the buffer and a read after the update sees it; the batched
+  module read it before (0.61 off from call 2). Refused now, naming the buffer and the copy to pass.
+- A number computed from the values given to an op that sets a shape with it and is not among the known sized ops
+  (`F.one_hot(idx, idx.max().item() + 1)`, `torch.diagonal(h, offset=k - 4)`): its readers were proposed batched, and
+  a call where the members' shapes differed failed. Any op given such a whole number outside arithmetic now counts as
+  giving a shape that depends on the values.
+- A number returned by a function of the model's own (`torch.fx.wrap`'d `scale_of(h)`) handed to an op that takes a
+  Python number (hardtanh's bounds, a slice bound, full_like's value) was proposed batched: every call failed. Such a
+  number is a per-member number now, as one read with `.item()` in forward() is.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from stagewise import executor, planner
+from stagewise.planner.errors import InputError, TraceError
+from stagewise.executor.candidates import _comparable, max_rel_error
+from stagewise.executor.values import PerMember
+from stagewise.executor.verify import _finite_pair
+
+N = 3
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        sel = h[h[:, 0] > 0]  # rows picked by value: [K_i, 6], K_i per member
+        return self.fc2(sel.sum(0, keepdim=True))
+
+
+def test_profile_and_autotune_run_a_plan_whose_loop_stages_hand_on_ragged_values():
+    torch.manual_seed(0)
+    members = [Masked() for _ in range(N)]
+    x = torch.randn(8, 6)
+    plan = planner.propose(planner.trace(members[0], (x,)), n_members=N, input_mode="shared")
+    assert executor.verify(plan, members, (x,)).ok
+    profiled = executor.profile(plan, members, (x,), repeats=2, warmup=1)  # raised before
+    assert profiled.stages
+    tuned = executor.autotune(plan, members, (x,), budget="quick")
+    got, want = executor.build(tuned, members)(x), torch.stack([m(x) for m in members])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ragged_values_are_compared_member_by_member():
+    rows = [torch.randn(k, 6) for k in (2, 3, 1)]
+    want = _comparable(PerMember(rows), N)
+    same = _comparable(PerMember([r.clone() for r in rows]), N)
+    assert max_rel_error(same, want) == 0.0
+    off = [r.clone() for r in rows]
+    off[2] = off[2] * 1.01  # the last member alone is 1% off
+    assert 0.009 < max_rel_error(_comparable(PerMember(off), N), want) < 0.011
+    short = [r.clone() for r in rows]
+    short[1] = short[1][:2]  # another shape for one member
+    assert max_rel_error(_comparable(PerMember(short), N), want) == math.inf
+
+
+class CondBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        h = self.a(x) + self.c
+        return torch.cond(h.min() > 0, lambda h: torch.sqrt(h), lambda h: h * 2, (h,))
+
+
+def test_a_per_member_torch_cond_runs_each_members_own_branch():
+    torch.manual_seed(0)
+    members = [CondBranch() for _ in range(N)]
+    for i, m in enumerate(members):
+        m.c.data.fill_((i - 1) * 10.0)  # member 2 takes the sqrt, members 0 and 1 the other branch
+    x = torch.randn(6, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), N)
+    cond = [s for s in plan.stages if any("cond" in n for n in s.nodes)]
+    assert cond and cond[0].mode is planner.StageMode.EXCLUDED and "both branches" in cond[0].reason
+    ens = executor.build(plan, members)
+    ens(x).sum().backward()
+    for m in members:
+        m(x).sum().backward()
+    for name in ("a.weight", "a.bias", "c"):
+        got = dict(ens.named_parameters())["stacked." + name].grad
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in members])
+        assert torch.isfinite(got).all()  # members 0 and 1 were all NaN
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for m in members:
+        m.zero_grad()
+    report = executor.verify(plan, members, (x,), grads=True)
+    assert report.ok, report.to_text()
+
+
+def test_nan_gradients_where_the_loop_has_none_are_a_mismatch():
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    assert _finite_pair(w.clone(), w)[2] is False
+    assert _finite_pair(torch.tensor([float("nan"), 2.0, 3.0], dtype=torch.float64), w)[2] is True
+    both = torch.tensor([float("nan"), 2.0, float("inf")], dtype=torch.float64)
+    g, ref, apart = _finite_pair(both.clone(), both)
+    assert not apart and torch.equal(g, ref) and bool(torch.isfinite(g).all())  # alike: measured on the rest
+    assert max_rel_error(float("nan"), 1.0) == math.inf  # a Python number NaN on one side alone
+    assert max_rel_error(float("nan"), float("nan")) == 0.0
+
+
+class NormalisesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, skip):
+        h = self.fc1(x)
+        x.div_(h.norm().item())  # normalises the input in place
+        return self.fc2(skip) + h
+
+
+def test_two_per_member_inputs_on_one_memory_written_in_place_are_refused():
+    torch.manual_seed(0)
+    members = [NormalisesItsInput().eval() for _ in range(N)]
+    plan = planner.propose(planner.trace(members[0], (torch.randn(4, 8), torch.randn(4, 8))), N, "per_member")
+    ens = executor.build(plan, copy.deepcopy(members))
+    y = torch.randn(N, 4, 8)
+    with pytest.raises(InputError, match=r"share memory.*skip.clone\(\)"):
+        ens(y, y)
+    with pytest.raises(InputError, match="share memory"):
+        ens(y[:, :, :], y[:, :, :])  # views of one tensor
+    with pytest.raises(InputError, match="share memory"):
+        executor.verify(plan, copy.deepcopy(members), (y, y))  # was MATCH, on copies made apart
+    z = y.clone()
+    with torch.no_grad():
+        got = ens(y.clone(), z)  # apart: runs as the loop does
+        want = torch.stack([m(y[i].clone(), z[i]) for i, m in enumerate(members)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class WritesItsBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, batch):
+        h = self.fc(batch["x"]) * batch["m"]
+        batch["x"].mul_(2)
+        return h + batch["x"]
+
+
+def test_a_per_member_dict_input_written_in_place_runs_as_the_loop():
+    torch.manual_seed(0)
+    members = [WritesItsBatch().eval() for _ in range(N)]
+    x, m = torch.randn(N, 4, 8), torch.rand(N, 4, 8)
+    with torch.no_grad():
+        want = torch.stack([mm({"x": x[i].clone(), "m": m[i]}) for i, mm in enumerate(members)])
+    plan = planner.propose(planner.trace(members[0], ({"x": x[0].clone(), "m": m[0]},)), N, "per_member")
+    ens = executor.build(plan, copy.deepcopy(members))
+    given = x.clone()
+    with torch.no_grad():
+        got = ens({"x": given, "m": m})  # raised AttributeError: 'dict' object has no attribute 'dim'
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(given, x * 2)  # the caller's tensor written, as the loop writes each member's row
+    with pytest.raises(InputError, match="share memory"):
+        ens({"x": x[:1].expand(N, 4, 8), "m": m})  # rows on one memory: refused, as for a tensor input
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc1(x)))
+
+
+def test_verify_with_gradients_names_the_members_gradient_hooks():
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    members = [TwoLayers() for _ in range(N)]
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N, "shared")
+    assert executor.verify(plan, members, (x,), grads=True).ok
+    members[1].fc1.weight.register_hook(lambda g: g * 0)  # member 1's fc1.weight frozen by a hook
+    report = executor.verify(plan, members, (x,), grads=True)
+    assert not report.ok  # was MATCH: the loop's gradient is zero, the batched module's is not (2.34 off)
+    assert any("gradient hooks" in row.name and "fc1.weight" in row.name for row in report.gradients)
+    assert executor.verify(plan, members, (x,)).ok  # inference is unaffected
+
+
+class CountsCalls(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc, self.how = nn.Linear(4, 4), how
+        self.calls = torch.zeros(())
+        self.scale = torch.ones(())
+
+    def forward(self, x):
+        if self.how == "counter":
+            self.calls = self.calls + 1
+            return self.fc(x) * self.calls
+        if self.how == "annealed":
+            self.scale = self.scale * 0.5
+            return self.fc(x) * self.scale
+        self.kl = self.fc(x).pow(2).mean()  # from the inputs alone: only stored
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("how", ["counter", "annealed"])
+def test_an_attribute_replaced_from_its_own_value_is_refused(how):
+    model = CountsCalls(how)
+    with pytest.raises(TraceError, match="its own previous value"):
+        planner.trace(model, (torch.randn(3, 4),))
+    assert float(model.calls) == 0.0 and float(model.scale) == 1.0  # the model is left as it was
+
+
+def test_an_attribute_computed_from_the_inputs_is_only_warned_about():
+    with pytest.warns(UserWarning, match="plain attribute CountsCalls.kl"):
+        graph = planner.trace(CountsCalls("stored"), (torch.randn(3, 4),))
+    assert graph.gm is not None
+
+
+class RunningStat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("m", torch.zeros(8))
+
+    def forward(self, x, prev):
+        h = self.a(x)
+        self.m.mul_(0.5).add_(h.mean(0))
+        return h - prev, self.m
+
+
+def test_an_input_on_a_buffer_forward_writes_is_refused():
+    torch.manual_seed(0)
+    members = [RunningStat().eval() for _ in range(N)]
+    graph = planner.trace(copy.deepcopy(members[0]), (torch.randn(4, 8), torch.zeros(8)))
+    plan = planner.propose(graph, N, {"x": "shared", "prev": "per_member"})
+    ens = executor.build(plan, copy.deepcopy(members))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        _, prev = ens(x, torch.zeros(N, 8))
+        with pytest.raises(InputError, match=r"stacked buffer 'm'.*prev.clone\(\)"):
+            ens(x, prev)  # was 0.61 off the loop, where prev is the member's own buffer
+        with pytest.raises(InputError, match="stacked buffer 'm'"):
+            ens(x, prev[:, :])  # a view of it too
+        got, _ = ens(x, prev.clone())  # a copy runs, as the loop given a copy does
+        ref = [copy.deepcopy(m) for m in members]
+        for m in ref:
+            m(x, torch.zeros(8))
+        want = torch.stack([m(x, m.m.clone())[0] for m in ref])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class SizedByValues(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(8, 8), nn.Linear(8, 8), how
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "one_hot":
+            idx = h.argmax(-1)
+            return self.b(h) + F.one_hot(idx, idx.max().item() + 1).float().sum()
+        k = (h[0] > 0).sum().clamp(1, 7).item()
+        return self.b(h) + torch.diagonal(h, offset=k - 4).sum()
+
+
+@torch.fx.wrap
+def _scale_of(h):
+    return h.abs().mean().item()
+
+
+@torch.fx.wrap
+def _count_of(h):
+    return int((h[0] > 0).sum())
+
+
+class WrappedNumbers(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(8, 8), nn.Linear(8, 8), how
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "hardtanh":
+            t = _scale_of(h)
+            return self.b(F.hardtanh(h, -t, t))
+        if self.how == "full_like":
+            return self.b(h * torch.full_like(h, _scale_of(h)))
+        k = _count_of(h)
+        return self.b(F.pad(h[:, :k], (0, 8 - k)))
+
+
+@pytest.mark.parametrize("model", [SizedByValues("one_hot"), SizedByValues("diagonal"), WrappedNumbers("hardtanh"),
+                                   WrappedNumbers("full_like"), WrappedNumbers("slice")],
+                         ids=["one_hot", "diagonal", "wrapped-hardtanh", "wrapped-full_like", "wrapped-slice"])
+def test_numbers_read_from_the_values_reach_their_ops_per_member(model):
+    torch.manual_seed(0)
+    members = [copy.deepcopy(model) for _ in range(N)]
+    for m in members:
+        for p in m.parameters():
+            p.data.normal_()
+    x1, x2 = torch.randn(6, 8), -torch.randn(6, 8) * 3
+    plan = planner.propose(planner.trace(members[0], (x1,)), N)
+    ens = executor.build(plan, members)
+    for x in (x1, x2):  # calls where the members' shapes agree and where they differ
+        with torch.no_grad():
+            want = torch.stack([m(x) for m in members])
+            torch.testing.assert_close(ens(x), want, rtol=1e-4, atol=1e-4)
