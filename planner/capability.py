@@ -63,10 +63,17 @@ _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrued
 def _is_inplace_target(node: torch.fx.Node) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
+    if node.op == "call_function" and node.target in _OPERATOR_NOT_INPLACE:
+        return False  # `a & b`, `a | b`: operator.and_ / or_ make a new value (their name ends in "_")
     name = base_name(node)
     if node.op == "call_method" and name in _INPLACE_DUNDERS:
         return True
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+# Python's operators named with a trailing underscore, which is no in-place mark (operator.iand / ior are the writes)
+_OPERATOR_NOT_INPLACE = frozenset({operator.and_, operator.or_, operator.not_, operator.is_, operator.is_not,
+                                   operator.contains})
 
 
 _VIEW_ATTRIBUTES = ("data", "T", "mT", "H", "mH", "real", "imag")  # `h.data` is h's storage: a write into it writes h
@@ -300,18 +307,36 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     tries = [batched, tree_map(lambda v: v.contiguous() if strided(v) else v, batched)] if laid_out else [batched]
     with warnings.catch_warnings(record=True) as caught, _vmap_fallback_off():
         warnings.simplefilter("always")
+        outs = []
         for inputs in tries:
             try:
                 with torch.no_grad():
-                    vmap(probe, in_dims=(0, in_dims), randomness="error")(state, inputs)
+                    outs.append(vmap(probe, in_dims=(0, in_dims), randomness="error")(state, inputs))
             except Exception as e:  # vmap and the ops raise many types; the message is the verdict
                 return classify_vmap_error(node, e)
+    promoted = _dtype_apart(outs[0], values.get(node.name))
+    if promoted:
+        return (f"vmap computes {_op_name(node)} in {promoted[0]} where each member computes it in {promoted[1]} (a 0-d "
+                "tensor of another dtype beside its values, a buffer or a per-member number, takes part in type "
+                "promotion under vmap as a tensor with a dim): each member runs it")
     for w in caught:
         text = str(w.message)
         if "performance drop" in text or "batching rule" in text:
             return f"no batching rule for {_op_name(node)} (vmap would fall back to a slow per-member loop)"
     if node.op == "call_function" and getattr(node.target, "__qualname__", "") == "apply_autograd_function":
         return _function_backward_check(node, probe, in_dims, state, batched)
+    return None
+
+
+def _dtype_apart(got: Any, value: Any) -> tuple[str, str] | None:
+    """(the probe's dtype, the member's) of the first tensor output whose dtype vmap changed, else None."""
+    want = [v.dtype for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    have = [v.dtype for v in tree_flatten(got)[0] if isinstance(v, torch.Tensor)]
+    if len(want) != len(have):
+        return None  # (the probe's output is its own tuple of leaves; a count apart says nothing of dtypes)
+    for g, w in zip(have, want):
+        if g != w:
+            return str(g).removeprefix("torch."), str(w).removeprefix("torch.")
     return None
 
 

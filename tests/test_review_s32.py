@@ -31,6 +31,12 @@
 - A number returned by a function of the model's own (`torch.fx.wrap`'d `scale_of(h)`) handed to an op that takes a
   Python number (hardtanh's bounds, a slice bound, full_like's value) was proposed batched: every call failed. Such a
   number is a per-member number now, as one read with `.item()` in forward() is.
+- `a & b`, `a | b` (operator.and_ / or_, named with a trailing underscore) were taken for in-place writes of `a`: the
+  wide strategy handed on `a` itself (a padding mask `keep & pad` ignored: 1.31 off after autotune chose wide), and a
+  shared input combined so was refused as written.
+- A 0-d buffer of another dtype beside the values (a float64 clamp bound in a float32 model, an int64 bound of uint8
+  ids): vmap promotes with it as with a dimensioned tensor, so the proposed plan returned float64 / int64 where the
+  loop's were float32 / uint8 (uint8 wrap-around lost: 256 off). The probe now compares dtypes: such ops run per member.
 """
 from __future__ import annotations
 
@@ -335,3 +341,59 @@ def test_numbers_read_from_the_values_reach_their_ops_per_member(model):
         with torch.no_grad():
             want = torch.stack([m(x) for m in members])
             torch.testing.assert_close(ens(x), want, rtol=1e-4, atol=1e-4)
+
+
+class Masks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(6, 6)
+
+    def forward(self, x, ids):
+        h = self.l(x)
+        keep = (h > 0) & (h < 0.5)
+        outside = (h > 1) | (h < -1)
+        return h.masked_fill(~keep, 0.0), outside, ids & 6
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "wide", "loop"])
+def test_and_or_of_masks_make_new_values_in_every_strategy(strategy):
+    torch.manual_seed(0)
+    members = [Masks().eval() for _ in range(N)]
+    x, ids = torch.randn(4, 6), torch.arange(5)
+    graph = planner.trace(copy.deepcopy(members[0]), (x, ids))
+    plan = planner.propose(graph, N)  # a shared ids combined with `&`: was refused as written in place
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, strategy=strategy)
+    with torch.no_grad():
+        got = executor.build(plan, copy.deepcopy(members))(x, ids)
+        want = [torch.stack(r) for r in zip(*[m(x, ids) for m in members])]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ids, torch.arange(5))
+
+
+class ZeroDimBounds(nn.Module):
+    def __init__(self, j):
+        super().__init__()
+        self.p = nn.Linear(4, 4)
+        self.register_buffer("lo", torch.tensor(0.1 * j, dtype=torch.float64))
+        self.register_buffer("k", torch.tensor(3 + j))  # int64
+
+    def forward(self, x, ids):
+        h = self.p(x)
+        u = ids.to(torch.uint8)
+        return (torch.clamp(h, min=self.lo) + 1e5) - 1e5, u.clamp(max=self.k) - 5, torch.where(u > 2, u, self.k) * 100
+
+
+def test_a_zero_dim_buffer_of_another_dtype_does_not_promote_the_result():
+    members = [ZeroDimBounds(j).eval() for j in range(N)]
+    torch.manual_seed(0)
+    x, ids = torch.randn(5, 4), torch.randint(0, 8, (4, 5))
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x, ids)), N)
+    assert any("type promotion under vmap" in s.reason for s in plan.stages)
+    with torch.no_grad():
+        got = executor.build(plan, copy.deepcopy(members))(x, ids)
+        want = [torch.stack(r) for r in zip(*[m(x, ids) for m in members])]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype  # float64 / int64 before
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
