@@ -85,8 +85,10 @@ def number_op(name: str, *args: Any) -> Any:
     op = _OPS[name]
     if not any(isinstance(a, torch.Tensor) for a in args):
         return op(*args)
-    floats = name == "truediv" or any(isinstance(a, float) or (isinstance(a, torch.Tensor) and a.is_floating_point())
-                                      for a in args)
+    # (a whole-number power of a per-member exponent: Python's `2 ** -3` is 0.125, an int64 power 0, and one batched
+    # result cannot be an int for some members and a float for others: a double, exact for every whole result)
+    floats = name == "truediv" or (name == "pow" and (isinstance(args[1], torch.Tensor) or args[1] < 0)) or any(
+        isinstance(a, float) or (isinstance(a, torch.Tensor) and a.is_floating_point()) for a in args)
     if not floats:
         return op(*args)
     return op(*(a.double() if isinstance(a, torch.Tensor) and a.dtype is not torch.float64 and not a.is_complex()

@@ -305,7 +305,7 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     strided = lambda v: isinstance(v, torch.Tensor) and v.layout is torch.strided  # noqa: E731 - (a sparse one has no layout to vary)
     laid_out = any(strided(v) and not v.is_contiguous() for v in tree_flatten((args, kwargs))[0])
     tries = [batched, tree_map(lambda v: v.contiguous() if strided(v) else v, batched)] if laid_out else [batched]
-    with warnings.catch_warnings(record=True) as caught, _vmap_fallback_off():
+    with warnings.catch_warnings(record=True) as caught, _vmap_fallback_off(), _cond_calls() as conds:
         warnings.simplefilter("always")
         outs = []
         for inputs in tries:
@@ -314,6 +314,8 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
                     outs.append(vmap(probe, in_dims=(0, in_dims), randomness="error")(state, inputs))
             except Exception as e:  # vmap and the ops raise many types; the message is the verdict
                 return classify_vmap_error(node, e)
+    if any(isinstance(pred, torch.Tensor) for pred in conds):  # a torch.cond inside a function of the model's
+        return cond_check(graph, node, inside=True)
     promoted = _dtype_apart(outs[0], values.get(node.name))
     if promoted:
         return (f"vmap computes {_op_name(node)} in {promoted[0]} where each member computes it in {promoted[1]} (a 0-d "
@@ -326,6 +328,24 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     if node.op == "call_function" and getattr(node.target, "__qualname__", "") == "apply_autograd_function":
         return _function_backward_check(node, probe, in_dims, state, batched)
     return None
+
+
+@contextlib.contextmanager
+def _cond_calls():
+    """Inside: torch.cond records the predicates it is called with (the list yielded): a function of the model's that
+    calls it under the vmap probe hands it a per-member tensor there."""
+    seen: list = []
+    original = torch.cond
+
+    def watched(pred, *args, **kwargs):
+        seen.append(pred)
+        return original(pred, *args, **kwargs)
+
+    torch.cond = watched
+    try:
+        yield seen
+    finally:
+        torch.cond = original
 
 
 def _dtype_apart(got: Any, value: Any) -> tuple[str, str] | None:
@@ -446,13 +466,14 @@ def autocast_region_check(graph, node: torch.fx.Node) -> Optional[str]:
 _COND = getattr(getattr(torch.ops, "higher_order", None), "cond", None)
 
 
-def cond_check(graph, node: torch.fx.Node) -> Optional[str]:
+def cond_check(graph, node: torch.fx.Node, inside: bool = False) -> Optional[str]:
     """torch.cond on a predicate computed from the values (`torch.cond(h.min() > 0, f, g, (h,))`): torch.func.vmap runs
     both branches for every member and keeps each member's with torch.where, so the branch a member did not take
     enters its backward (0 * NaN where that branch is NaN there: a sqrt of negatives made every gradient of such a
-    member NaN while the loop's were finite). Each member runs it, its own branch alone."""
-    if node.op == "call_function" and _COND is not None and node.target is _COND and node.args \
-            and isinstance(node.args[0], torch.fx.Node):
+    member NaN while the loop's were finite). Each member runs it, its own branch alone. `inside`: the vmap probe saw
+    such a call inside the node (a torch.fx.wrap'd function, a leaf module)."""
+    if inside or (node.op == "call_function" and _COND is not None and node.target is _COND and node.args
+                  and isinstance(node.args[0], torch.fx.Node)):
         return ("torch.cond on a predicate computed from the values: vmap runs both branches for every member and "
                 "selects, so the branch a member did not take enters its gradients (NaN from a branch NaN there); each "
                 "member runs its own branch")

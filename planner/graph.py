@@ -1599,10 +1599,17 @@ class _Recorder(torch.fx.Interpreter):
             if opaque:  # a user's function or a leaf module: what it writes and hands back, the graph cannot show
                 before = [(a, self.values.get(a.name)) for a in n.all_input_nodes]
                 versions = [(a, v._version) for a, v in before if isinstance(v, torch.Tensor) and not v.is_inference()]
-            counter = _flop_counter()
-            with counter:
+            if isinstance(n.target, torch._ops.HigherOrderOperator) or (opaque and n.op == "call_function"):
+                # not counted: torch's FlopCounterMode cannot run torch.while_loop, and a torch.cond run under it
+                # (in the graph, or inside a torch.fx.wrap'd function) breaks every later eager torch.cond of the
+                # process, the user's own members' too ("torch.* op returned non-Tensor")
                 out = super().run_node(n)
-            self.flops[n.name] = counter.get_total_flops()
+                self.flops[n.name] = 0
+            else:
+                counter = _flop_counter()
+                with counter:
+                    out = super().run_node(n)
+                self.flops[n.name] = counter.get_total_flops()
             if opaque:
                 self.written += [(n, a) for a, version in versions if self.values[a.name]._version != version]
                 outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

@@ -218,3 +218,23 @@ def test_a_number_takes_the_precision_of_the_tensor_beside_it():
     # float32 ulp 7.6e-6) is all that is left
     assert max((out[1][i] - ref[i][1]).abs().max() for i in range(N)) <= 2e-5
     assert max((out[2][i] - ref[i][2]).abs().max() for i in range(N)) <= 4e-5  # d ~ 1e4 from those activations
+
+
+class Powers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        n = (h[0] > 0).sum().item() + 1  # a whole number per member
+        return h * (2 ** -n), h * (n ** -1), h * (n ** 2)
+
+
+def test_a_power_of_a_whole_number_is_pythons():
+    members = _members(Powers)
+    x = torch.randn(N, 4, 6)
+    ens = executor.build(_plan(members, x), members)
+    out, ref = ens(x), _loop(members, x)  # 2 ** -n was an int64 power: 0
+    for k in range(3):
+        _check(out, ref, k, ulps=2)

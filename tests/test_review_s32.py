@@ -37,6 +37,10 @@
 - A 0-d buffer of another dtype beside the values (a float64 clamp bound in a float32 model, an int64 bound of uint8
   ids): vmap promotes with it as with a dimensioned tensor, so the proposed plan returned float64 / int64 where the
   loop's were float32 / uint8 (uint8 wrap-around lost: 256 off). The probe now compares dtypes: such ops run per member.
+- planner.trace of a model whose torch.fx.wrap'd function calls torch.cond broke every later eager torch.cond of the
+  process, the user's own members too (torch's FlopCounterMode, which counted the node's FLOPs); torch.while_loop
+  failed the trace with a message blaming the example inputs. Neither runs under the counter now, and a torch.cond
+  inside such a function, seen by the vmap probe, runs per member as a top-level one does.
 """
 from __future__ import annotations
 
@@ -397,3 +401,67 @@ def test_a_zero_dim_buffer_of_another_dtype_does_not_promote_the_result():
     for g, w in zip(got, want):
         assert g.dtype == w.dtype  # float64 / int64 before
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@torch.fx.wrap
+def _guarded_sqrt(h):
+    return torch.cond(h.min() > 0, lambda h: torch.sqrt(h), lambda h: h * 2, (h,))
+
+
+class WrappedCond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return _guarded_sqrt(self.a(x) + self.c)
+
+
+def test_a_wrapped_torch_cond_leaves_the_process_working_and_runs_per_member():
+    torch.manual_seed(0)
+    members = [WrappedCond() for _ in range(N)]
+    for i, m in enumerate(members):
+        m.c.data.fill_((i - 1) * 10.0)  # member 2 takes the sqrt
+    x = torch.randn(6, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), N)
+    with torch.no_grad():
+        want = torch.stack([m(x) for m in members])  # raised "torch.* op returned non-Tensor" after the trace
+    cond = [s for s in plan.stages if "_guarded_sqrt" in s.nodes]
+    assert cond and cond[0].mode is planner.StageMode.EXCLUDED and "both branches" in cond[0].reason
+    ens = executor.build(plan, members)
+    torch.testing.assert_close(ens(x).detach(), want, rtol=1e-5, atol=1e-6)
+    ens(x).sum().backward()
+    assert torch.isfinite(ens.stacked_state["a.weight"].grad).all()
+
+
+class WhileLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+
+        def cond_fn(i, h):
+            return (h.abs().sum() < 200.0) & (i < 10)
+
+        def body_fn(i, h):
+            return i + 1, h * 1.5 + 0.1
+
+        i, h = torch.while_loop(cond_fn, body_fn, (torch.zeros((), dtype=torch.int64), h))
+        return self.b(h), i
+
+
+def test_a_torch_while_loop_traces_and_runs_each_members_own_count():
+    torch.manual_seed(0)
+    members = [WhileLoop().eval() for _ in range(N)]
+    for i, m in enumerate(members):
+        m.a.weight.data *= i + 1  # members stop after other counts
+    x = torch.randn(6, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), N)  # failed: "check that example_inputs() matches"
+    with torch.no_grad():
+        got = executor.build(plan, members)(x)
+        want = [m(x) for m in members]
+    assert len({int(w[1]) for w in want}) > 1
+    assert got[1].tolist() == [int(w[1]) for w in want]
+    torch.testing.assert_close(got[0], torch.stack([w[0] for w in want]), rtol=1e-5, atol=1e-5)
