@@ -1918,6 +1918,13 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.runners = module.runners  # re-make the steps and the gradient checks with it
     module.training = members[0].training  # the flag alone: each stage module keeps the mode it was traced in
     if plan.dtype in LOW_PRECISION:
+        complex_state = [k for k, t in module._stacked.items() if t.is_complex()]
+        if complex_state:  # Module.to(bfloat16) keeps the real part alone (float16), or makes what no op takes
+            raise PlanMismatchError(
+                f"the plan computes in {plan.dtype} (planner.set_dtype), and the members hold complex state "
+                f"({', '.join(complex_state[:3])}), which {plan.dtype} cannot hold: casting it would drop the imaginary "
+                "part. Keep the plan in float32 (planner.set_dtype(plan, 'float32')), or hold the complex values as "
+                "two real tensors")
         module.to(LOW_PRECISION[plan.dtype])  # once: stacked state and stage constants (see LOW_PRECISION)
     # member state forward() writes in place on a call (always, and in training the norms' statistics): an input on
     # its memory is refused (BatchedModule._check_apart_from_written_state)

@@ -41,6 +41,8 @@
   process, the user's own members too (torch's FlopCounterMode, which counted the node's FLOPs); torch.while_loop
   failed the trace with a message blaming the example inputs. Neither runs under the counter now, and a torch.cond
   inside such a function, seen by the vmap probe, runs per member as a top-level one does.
+- A bfloat16 / float16 plan of members holding complex state: the cast kept the real part alone (float16: the whole
+  output 1.47 off, as zeros) or failed every call blaming the inputs (bfloat16). Refused at build, naming the state.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from stagewise import executor, planner
-from stagewise.planner.errors import InputError, TraceError
+from stagewise.planner.errors import InputError, PlanMismatchError, TraceError
 from stagewise.executor.candidates import _comparable, max_rel_error
 from stagewise.executor.values import PerMember
 from stagewise.executor.verify import _finite_pair
@@ -465,3 +467,23 @@ def test_a_torch_while_loop_traces_and_runs_each_members_own_count():
     assert len({int(w[1]) for w in want}) > 1
     assert got[1].tolist() == [int(w[1]) for w in want]
     torch.testing.assert_close(got[0], torch.stack([w[0] for w in want]), rtol=1e-5, atol=1e-5)
+
+
+class ComplexWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return (torch.complex(self.l(x), torch.zeros_like(x)) * self.w).imag
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_low_precision_plan_of_complex_state_is_refused(dtype):
+    members = [ComplexWeight().eval() for _ in range(N)]
+    x = torch.randn(4, 8)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.set_dtype(planner.propose(graph, N), dtype)
+    with pytest.raises(PlanMismatchError, match=r"complex state \(w\)"):
+        executor.build(plan, members)
+    assert executor.verify(planner.propose(graph, N), members, (x,)).ok  # float32 runs
