@@ -758,6 +758,11 @@ class VmapRunner(Runner):
             return tuple(leaves[i] for i in tensor_at)
 
         self._one_member = one_member
+        # chunked with gradients recorded, a stage writing in place fails its backward (the chunks are views of one
+        # tensor with one version counter: a later chunk's write moves what an earlier one saved): such calls run
+        # unchunked (chunk_size only bounds memory)
+        self._unchunk_with_grad = bool(self.program.stage.options.chunk_size) and any(
+            is_inplace(n) for n in self.program.module.graph.nodes)
         self._call = call
         self._vmapped: dict[Any, Callable] = {}
         self._grad_kernels = grad_safe_kernels(self.program.module)
@@ -791,11 +796,13 @@ class VmapRunner(Runner):
     def _vmapped_for(self, dims: Any, training: bool) -> Callable:
         """The vmapped stage for arguments with these in_dims (made on first use, then kept); call it
         with the state tensors (in `_state_keys` order), then the inputs, all positional."""
-        key = (tuple(dims) if all(d is None or type(d) is int for d in dims) else repr(dims), training)
+        whole = self._unchunk_with_grad and torch.is_grad_enabled()
+        key = (tuple(dims) if all(d is None or type(d) is int for d in dims) else repr(dims), training) + \
+            (("unchunked",) if whole else ())
         fn = self._vmapped.get(key)
         if fn is None:
             in_dims = (0,) * len(self._state_keys) + tuple(dims)
-            chunk_size = self.program.stage.options.chunk_size
+            chunk_size = None if whole else self.program.stage.options.chunk_size
             if chunk_size is None and all(d is None or d == 0 for d in dims):
                 fn = flat_vmap(self._one_member, in_dims, self.n_members, randomness(self.program.module))
             else:
@@ -823,7 +830,8 @@ class VmapRunner(Runner):
     def _run(self, args: list) -> list:
         training = self.program.module.training
         dims, inputs = _simple_args(args)
-        if dims is not None and not training and (self._state_keys or 0 in dims):
+        if dims is not None and not training and (self._state_keys or 0 in dims) and not (
+                self._unchunk_with_grad and torch.is_grad_enabled()):
             # the per-call fast path: shared values and batched tensors into a vmap made before
             fn = self._vmapped.get((dims, False))
             if fn is None:

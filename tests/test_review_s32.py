@@ -43,6 +43,8 @@
   inside such a function, seen by the vmap probe, runs per member as a top-level one does.
 - A bfloat16 / float16 plan of members holding complex state: the cast kept the real part alone (float16: the whole
   output 1.47 off, as zeros) or failed every call blaming the inputs (bfloat16). Refused at build, naming the state.
+- `chunk_size` on a stage writing in place: backward failed with autograd's raw "modified by an inplace operation"
+  (the chunks are views of one tensor). Calls recording gradients run such a stage unchunked.
 """
 from __future__ import annotations
 
@@ -487,3 +489,33 @@ def test_a_low_precision_plan_of_complex_state_is_refused(dtype):
     with pytest.raises(PlanMismatchError, match=r"complex state \(w\)"):
         executor.build(plan, members)
     assert executor.verify(planner.propose(graph, N), members, (x,)).ok  # float32 runs
+
+
+class WritesItsCopy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x * 1
+        x[:, 0] = 0
+        x.mul_(2)
+        return self.a(x).relu_() * x
+
+
+def test_a_chunked_stage_writing_in_place_trains():
+    torch.manual_seed(0)
+    members = [WritesItsCopy() for _ in range(N)]
+    x = torch.randn(N, 4, 8)
+    graph = planner.trace(members[0], (x[0],))
+    plan = planner.propose(graph, N, "per_member")
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, chunk_size=1)
+    ens = executor.build(plan, copy.deepcopy(members))
+    ens(x).sum().backward()  # raised: modified by an inplace operation
+    sum(m(x[i]).sum() for i, m in enumerate(members)).backward()
+    for name, p in ens.named_stacked_parameters():
+        want = torch.stack([dict(m.named_parameters())[name].grad for m in members])
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]), rtol=1e-5, atol=1e-6)
