@@ -7,6 +7,7 @@ tensor of the model's output gets a leading [N] axis (pytrees keep their shape).
 from __future__ import annotations
 
 
+import builtins
 import contextlib
 import copy
 import difflib
@@ -1625,6 +1626,12 @@ class BatchedModule(nn.Module):
         """Positional inputs and keyword ones as the plan's positional inputs; InputError for a name the plan does not
         take, one given twice, or an input left out (forward()'s defaults beyond the plan's inputs are traced in)."""
         names = list(self._input_names)
+        # fx names a placeholder shadowing a Python builtin `input_1` (`forward(self, input, target)`): forward()'s own
+        # name is taken for it too, as the members take it
+        aliases = {m.group(1): n for n in names if (m := re.fullmatch(r"(.+)_\d+", n)) and m.group(1) not in names
+                   and hasattr(builtins, m.group(1))}
+        if aliases and any(k in aliases for k in named):
+            named = {aliases.get(k, k): v for k, v in named.items()}
         unknown = sorted(k for k in named if k not in names)
         twice = sorted(k for k in named if k in names[:len(inputs)])
         missing = [k for k in names[len(inputs):] if k not in named]

@@ -13,6 +13,7 @@ import inspect
 import io
 import logging
 import operator
+import re
 import sys
 import threading
 import warnings
@@ -41,7 +42,11 @@ def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[st
             return {}  # forward(x, *rest, ...): extra positionals go to *rest, nothing to fix
         names = {p.name for p in named[:given]}
     else:
-        names = set(given)
+        known = {p.name for p in named}
+        # fx names a placeholder shadowing a Python builtin `type_1` (`forward(self, x, type=1.0)`): a plan's input
+        # named so is forward()'s `type`
+        names = set(given) | {m.group(1) for n in given if n not in known and (m := re.fullmatch(r"(.+)_\d+", n))
+                              and m.group(1) in known}
     return {p.name: p.default for p in named if p.name not in names and p.default is not p.empty}
 
 

@@ -45,6 +45,8 @@
   output 1.47 off, as zeros) or failed every call blaming the inputs (bfloat16). Refused at build, naming the state.
 - `chunk_size` on a stage writing in place: backward failed with autograd's raw "modified by an inplace operation"
   (the chunks are views of one tensor). Calls recording gradients run such a stage unchunked.
+- A forward() parameter named like a Python builtin (`type`, `input`), which fx names `type_1` / `input_1`: build of
+  the plan just proposed failed (a fingerprint mismatch re-planning could not fix), and `ens(input=x)` was refused.
 """
 from __future__ import annotations
 
@@ -519,3 +521,23 @@ def test_a_chunked_stage_writing_in_place_trains():
         torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x[i]) for i, m in enumerate(members)]), rtol=1e-5, atol=1e-6)
+
+
+class BuiltinNames(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, input, target, type=1.0):
+        return self.fc(input) * type - target
+
+
+def test_inputs_named_like_python_builtins_build_and_are_taken_by_name():
+    members = [BuiltinNames().eval() for _ in range(N)]
+    x, t = torch.randn(4, 8), torch.randn(4, 8)
+    plan = planner.propose(planner.trace(members[0], (x, t, 2.0)), N, "shared")
+    ens = executor.build(plan, members)  # raised PlanMismatchError
+    with torch.no_grad():
+        want = torch.stack([m(x, t, 2.0) for m in members])
+        torch.testing.assert_close(ens(x, t, 2.0), want)
+        torch.testing.assert_close(ens(input=x, target=t, type=2.0), want)  # refused: "pass ens(input_1, ...)"
