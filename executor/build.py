@@ -631,6 +631,15 @@ def _state_itself(node: torch.fx.Node, keys: set[str]) -> str | None:
     return str(node.target) if str(node.target) in keys else None
 
 
+def _numbers_n_first(value: Any, n: int) -> Any:
+    """A number forward() returns per member (one read from tensors) as an [N] tensor, also where every member's is
+    the same: bools as bool, whole numbers as int64, floats as float64 (the loop's doubles)."""
+    if isinstance(value, PerMember) and value.values and all(isinstance(v, (bool, int, float)) for v in value.values):
+        floats = any(isinstance(v, float) for v in value.values)
+        return torch.tensor(value.values, dtype=torch.float64 if floats else None)  # (where n_first puts numbers)
+    return n_first(value, n, float_dtype=torch.float64)
+
+
 def _own_rows(value: Any, n: int) -> Any:
     """An output with one row of memory per member: a value no member changes (a constant made in forward(), a
     function of shared inputs alone) comes out of vmap expanded over the member axis (stride 0), and an in-place
@@ -709,6 +718,9 @@ class BatchedModule(nn.Module):
         keys = set(stacked)
         # Python numbers read from tensors, and per_member number inputs: their arithmetic runs in double
         numbers = read_numbers(graph.gm, [n for n in graph.input_names if n in self._traced_numbers])
+        # returned numbers read from tensors: an [N] tensor always, also where every member's happens to be equal (a
+        # count, a flag: a plain Python value on some calls and a tensor on others before)
+        self.__dict__["_number_outputs"] = frozenset(name for name, _ in self._output_leaves if name in numbers)
         self.programs = _unchunk_views_written_later(_mark_views_written_later(
             [StageProgram.from_graph(graph.gm, s, read_outside, keys, numbers) for s in run_order(plan, graph)], graph.gm,
             stage_of),
@@ -1526,8 +1538,9 @@ class BatchedModule(nn.Module):
         # a Python float forward() returns per member comes back float64: the loop's are doubles (a float32 [N] tensor
         # would drop digits, and turn a value past float32's range into inf); numbers a batched stage computed are
         # float64 already (exact_numbers)
-        leaves = [_own_rows(n_first(env[name], n, float_dtype=torch.float64), n) if name is not None else x
-                  for name, x in self._output_leaves]
+        numbers = self.__dict__.get("_number_outputs") or ()
+        leaves = [x if name is None else _numbers_n_first(env[name], n) if name in numbers else
+                  _own_rows(n_first(env[name], n, float_dtype=torch.float64), n) for name, x in self._output_leaves]
         result = leaves[0] if self._output_is_leaf else tree_unflatten(leaves, self._output_tree)
         if self._out_spec is not None:
             result = tree_unflatten(list(result), self._out_spec)

@@ -47,6 +47,8 @@
   (the chunks are views of one tensor). Calls recording gradients run such a stage unchunked.
 - A forward() parameter named like a Python builtin (`type`, `input`), which fx names `type_1` / `input_1`: build of
   the plan just proposed failed (a fingerprint mismatch re-planning could not fix), and `ens(input=x)` was refused.
+- A bool or int forward() returns from `.item()` came back a plain Python value where every member's was equal and
+  an [N] tensor where they differed: always an [N] tensor now.
 """
 from __future__ import annotations
 
@@ -541,3 +543,32 @@ def test_inputs_named_like_python_builtins_build_and_are_taken_by_name():
         want = torch.stack([m(x, t, 2.0) for m in members])
         torch.testing.assert_close(ens(x, t, 2.0), want)
         torch.testing.assert_close(ens(input=x, target=t, type=2.0), want)  # refused: "pass ens(input_1, ...)"
+
+
+class Flags(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, (h.abs().sum() > 10.0).item(), h.argmax().item() // 1000
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop"])
+def test_numbers_returned_are_always_n_first(strategy):
+    torch.manual_seed(0)
+    members = [Flags().eval() for _ in range(N)]
+    x = torch.randn(4, 8)
+    graph = planner.trace(members[0], (x,))
+    plan = planner.propose(graph, N, "shared")
+    if strategy == "loop":
+        for s in plan.stages:
+            plan = planner.set_options(plan, graph, s.id, strategy="loop")
+    ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        for given in (x * 0.01, x * 100):  # members agree on both numbers on the second call
+            got = ens(given)
+            loop = [m(given) for m in members]
+            assert got[1].dtype == torch.bool and got[1].tolist() == [o[1] for o in loop]
+            assert got[2].dtype == torch.int64 and got[2].tolist() == [o[2] for o in loop]
