@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import operator
 import re
 import sys
 import types
@@ -962,6 +963,38 @@ def _foreach_writes(gm: torch.fx.GraphModule) -> list[str]:
     return sorted(f"torch.{x}" for x in names if x.startswith("_foreach_") and x.endswith("_"))
 
 
+_CONTAINER_WRITES = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault",
+                               "popitem", "__setitem__", "__delitem__", "__iadd__", "sort", "reverse"})
+
+
+def _containers_changed(gm: torch.fx.GraphModule, example_inputs: tuple) -> list[str]:
+    """Calls of `gm` that change a list or dict input in place (`xs.append(h)`, `batch.pop("x")`, `batch["y"] = h`), as
+    `name.method`: what the input holds there (the example inputs', followed through constant keys) is a list or a
+    dict, not a tensor (a tensor written in place is ordered like any other write)."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reached: dict[torch.fx.Node, tuple[str, Any]] = {n: (n.name, v) for n, v in zip(places, example_inputs)}
+    out = []
+    for node in gm.graph.nodes:
+        first = node.args[0] if node.args else None
+        if not isinstance(first, torch.fx.Node) or first not in reached:
+            continue
+        label, value = reached[first]
+        if node.op == "call_function" and node.target is operator.getitem:
+            key = node.args[1]
+            try:
+                reached[node] = (f"{label}[{key!r}]", value[key] if isinstance(value, (list, tuple, dict)) else None)
+            except (KeyError, IndexError, TypeError):
+                pass
+            continue
+        if not isinstance(value, (list, dict)):
+            continue
+        if node.op == "call_method" and node.target in _CONTAINER_WRITES:
+            out.append(f"{label}.{node.target}(...)")
+        elif node.op == "call_function" and node.target in (operator.setitem, operator.delitem):
+            out.append(f"{label}[{node.args[1]!r}] = ..." if node.target is operator.setitem else f"del {label}[{node.args[1]!r}]")
+    return out
+
+
 def baked_constants(gm: torch.fx.GraphModule) -> list[str]:
     """The get_attr targets of `gm` that torch.fx made for tensors computed at trace time (not model state)."""
     return [str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(BAKED_PREFIXES)]
@@ -1236,6 +1269,13 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             "writes it, and a foreach op writes a whole list at once, which it cannot follow, so a stage could read the "
             "weights before the update. Write each tensor with its own in-place op: "
             "`for k, q in zip(self.key.parameters(), self.query.parameters()): k.lerp_(q, 0.01)`")
+    changed = _containers_changed(gm, tuple(example_inputs))
+    if changed:
+        raise TraceError(
+            f"forward() changes a container it is given in place ({changed[0]}): the batched module runs forward() "
+            "once for all members, so the caller's list or dict would get one batched value (a tensor that cannot be "
+            "used outside the call), or nothing, where the member loop adds each member's. Return the values from "
+            "forward() instead, and add them to the container outside the model")
     leaves = _new_leaves_returned(model, example_inputs, before)
     if leaves:  # a warning, not a refusal: the outputs' values and the parameters' gradients are the loop's
         warnings.warn(

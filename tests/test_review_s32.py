@@ -49,6 +49,8 @@
   the plan just proposed failed (a fingerprint mismatch re-planning could not fix), and `ens(input=x)` was refused.
 - A bool or int forward() returns from `.item()` came back a plain Python value where every member's was equal and
   an [N] tensor where they differed: always an [N] tensor now.
+- forward() appending to a list input (`xs.append(h)`) or changing a dict input (`batch.pop("x")`, `batch["y"] = h`):
+  a vmap-internal tensor escaped into the caller's list (any use of it raised), or nothing was added. Refused at trace.
 """
 from __future__ import annotations
 
@@ -572,3 +574,37 @@ def test_numbers_returned_are_always_n_first(strategy):
             loop = [m(given) for m in members]
             assert got[1].dtype == torch.bool and got[1].tolist() == [o[1] for o in loop]
             assert got[2].dtype == torch.int64 and got[2].tolist() == [o[2] for o in loop]
+
+
+class AppendsToItsList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, xs):
+        h = self.fc(xs[0])
+        xs.append(h)
+        return h
+
+
+class PopsFromItsDict(AppendsToItsList):
+    def forward(self, batch):
+        h = self.fc(batch["x"])
+        batch.pop("x")
+        return h
+
+
+class SetsInItsDict(AppendsToItsList):
+    def forward(self, batch):
+        h = self.fc(batch["x"])
+        batch["y"] = h
+        return h
+
+
+@pytest.mark.parametrize("model, given, said", [
+    (AppendsToItsList(), [torch.randn(4, 8)], "changes a container it is given in place"),
+    (PopsFromItsDict(), {"x": torch.randn(4, 8)}, "changes a container it is given in place"),
+    (SetsInItsDict(), {"x": torch.randn(4, 8)}, "takes a dict as input")], ids=["append", "pop", "setitem"])
+def test_a_container_input_changed_in_place_is_refused(model, given, said):
+    with pytest.raises(TraceError, match=said):  # (fx cannot trace a key set on a dict input: torch.export refuses it)
+        planner.trace(model, (given,))
