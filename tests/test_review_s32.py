@@ -51,6 +51,8 @@
   an [N] tensor where they differed: always an [N] tensor now.
 - forward() appending to a list input (`xs.append(h)`) or changing a dict input (`batch.pop("x")`, `batch["y"] = h`):
   a vmap-internal tensor escaped into the caller's list (any use of it raised), or nothing was added. Refused at trace.
+- The wide strategy on `h.var(False)`, `h.var(None)`, `torch.mean(h, None, True)` (another overload's arguments where
+  a dim goes) failed every call with a message blaming the inputs: such calls run under vmap's rules.
 """
 from __future__ import annotations
 
@@ -608,3 +610,28 @@ class SetsInItsDict(AppendsToItsList):
 def test_a_container_input_changed_in_place_is_refused(model, given, said):
     with pytest.raises(TraceError, match=said):  # (fx cannot trace a key set on a dict input: torch.export refuses it)
         planner.trace(model, (given,))
+
+
+class Moments2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.l(x)
+        return h.var(False), h.var(None), torch.std(h, None, keepdim=True), torch.mean(h, None, True)
+
+
+def test_wide_reductions_given_another_overloads_arguments():
+    torch.manual_seed(0)
+    members = [Moments2().eval() for _ in range(N)]
+    x = torch.randn(4, 6)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, N)
+    for s in plan.stages:
+        plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    with torch.no_grad():
+        got = executor.build(plan, copy.deepcopy(members))(x)
+        want = [torch.stack(r) for r in zip(*[m(x) for m in members])]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -204,7 +204,11 @@ def with_dims(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         return _wrap_out(fn(*args, **kwargs))
     given = False
     for pos, key, default in DIM_ARGS[name]:
-        if pos < len(args) and not isinstance(args[pos], bool):
+        if pos < len(args) and (args[pos] is None or isinstance(args[pos], bool)):
+            # `h.var(False)` (unbiased), `torch.mean(h, None, True)`: another overload's arguments at the dim's place,
+            # which a dim added by name would not fit: vmap's rules
+            return None
+        if pos < len(args):
             args[pos] = _shift(args[pos]) if args[pos] is not None else None
             given = given or args[pos] is not None
         elif key in kwargs:
