@@ -321,6 +321,12 @@ def _first_difference(plan: Plan, graph: ModelGraph, member: nn.Module | None = 
                  f"first model node the plan lacks: {extra[0]!r}")
         return f"{first}, in graph order: {after}{what}{_mode_difference(plan, member, example)}"
     why = _mode_difference(plan, member, example)
+    default = torch.get_default_dtype()
+    if default is not torch.float32 and not why:
+        # tensors forward() makes (`torch.arange(8) / 7.0`) take the default dtype, which the fingerprint holds
+        why = (f"; the default dtype is {str(default).removeprefix('torch.')} now (torch.set_default_dtype): "
+               "tensors forward() makes take it, so a plan traced under float32 differs there: build under the "
+               "default dtype the plan was traced with")
     return ("same node names in the same order: parameter shapes, dtypes or module types differ, or a node's op or "
             "target (a layer's width, bias=False, nn.GELU for nn.ReLU); the plan records a hash of these, not which, so "
             "compare with the model the plan was made from" + why)

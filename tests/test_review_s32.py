@@ -53,6 +53,8 @@
   a vmap-internal tensor escaped into the caller's list (any use of it raised), or nothing was added. Refused at trace.
 - The wide strategy on `h.var(False)`, `h.var(None)`, `torch.mean(h, None, True)` (another overload's arguments where
   a dim goes) failed every call with a message blaming the inputs: such calls run under vmap's rules.
+- A plan traced under the default float32 and built under torch.set_default_dtype(torch.float64) was refused as "made
+  for another model": the message names the default dtype now.
 """
 from __future__ import annotations
 
@@ -635,3 +637,24 @@ def test_wide_reductions_given_another_overloads_arguments():
         want = [torch.stack(r) for r in zip(*[m(x) for m in members])]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+class MakesAFloatTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) + torch.arange(8) / 7.0
+
+
+def test_a_build_under_another_default_dtype_names_it():
+    members = [MakesAFloatTensor().eval() for _ in range(N)]
+    plan = planner.propose(planner.trace(MakesAFloatTensor().eval(), (torch.randn(4, 8),)), N)
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(PlanMismatchError, match=r"the default dtype is float64 now"):
+            executor.build(plan, members)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert executor.build(plan, members) is not None
