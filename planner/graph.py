@@ -1269,6 +1269,14 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             "writes it, and a foreach op writes a whole list at once, which it cannot follow, so a stage could read the "
             "weights before the update. Write each tensor with its own in-place op: "
             "`for k, q in zip(self.key.parameters(), self.query.parameters()): k.lerp_(q, 0.01)`")
+    if any(n.op == "call_function" and getattr(n.target, "__name__", "") == "_enter_autocast" for n in gm.graph.nodes):
+        # torch.export keeps a `with torch.autocast(...)` block as one region op, except around a torch.cond: then as
+        # bare enter / exit calls, which no value connects to the ops between them, so stages would run those ops
+        # outside the block (in float32 where each member computes in the autocast dtype, or a dtype mismatch)
+        raise TraceError(
+            "forward() runs a torch.cond inside a `with torch.autocast(...)` block, which torch.export keeps as bare "
+            "enter / exit calls the planner cannot keep the block's ops between: move the torch.cond out of the "
+            "autocast block, or the autocast block into each branch")
     changed = _containers_changed(gm, tuple(example_inputs))
     if changed:
         raise TraceError(

@@ -55,6 +55,8 @@
   a dim goes) failed every call with a message blaming the inputs: such calls run under vmap's rules.
 - A plan traced under the default float32 and built under torch.set_default_dtype(torch.float64) was refused as "made
   for another model": the message names the default dtype now.
+- A torch.cond inside a `with torch.autocast(...)` block: torch.export keeps the block as bare enter / exit calls, and
+  the stages ran the cond outside it (2.0 off, or a dtype mismatch every call). Refused at trace, naming the fix.
 """
 from __future__ import annotations
 
@@ -658,3 +660,20 @@ def test_a_build_under_another_default_dtype_names_it():
     finally:
         torch.set_default_dtype(torch.float32)
     assert executor.build(plan, members) is not None
+
+
+class CondUnderAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.cond(h.min() > 0, lambda h: torch.sqrt(h) @ h, lambda h: h @ h, (h,))
+        return out.float()
+
+
+def test_a_torch_cond_inside_an_autocast_block_is_refused():
+    with pytest.raises(TraceError, match="inside a `with torch.autocast"):
+        planner.trace(CondUnderAutocast().eval(), (torch.randn(8, 8),))
