@@ -1284,6 +1284,17 @@ class BatchedModule(nn.Module):
                    for k, v in env.items()}
         return env
 
+    def _read_before_written(self, name: str, other: str) -> bool:
+        """Whether a stage reading input `name` runs before a later stage writing input `other` in place (the member
+        loop's reads of `name` after forward()'s write of `other` see it; such a stage's do not). Within one stage the
+        graph keeps forward()'s order, member rows apart."""
+        order = [(set(p.input_names), set(p.written_inputs)) for p in self.programs]
+        reads = [k for k, (ins, _) in enumerate(order) if name in ins]
+        writes = [k for k, (_, out) in enumerate(order) if other in out]
+        if not writes:
+            return True  # written through a view a stage is handed (`v = x[:, :2]` before, `v.mul_(2)` here): unknown
+        return bool(reads) and min(reads) < max(writes)
+
     def _check_apart_from_written_state(self, inputs: tuple) -> None:
         """InputError for an input on the memory of member state forward() writes in place on this call (a buffer
         forward() returned and the caller feeds back, `out, state = ens(x, state)`): in the member loop the input is
@@ -1346,6 +1357,8 @@ class BatchedModule(nn.Module):
         for name, per_member, x in zip(self._input_names, self._per_member_at, inputs):
             for t in _tensor_leaves(x):
                 other = next((w for w, rows in written if w != name and _elements_shared(t, rows)), None)
+                if other is not None and per_member and not self._read_before_written(name, other):
+                    continue  # every read of `name` runs with or after the last write of `other`: as the loop reads it
                 if other is not None and per_member:
                     raise InputError(
                         f"the per_member inputs {name!r} and {other!r} share memory (`ens(y, y)`, overlapping slices of "
