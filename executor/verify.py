@@ -447,14 +447,19 @@ def _note_nothing_finite(report: VerifyReport, label: str, column: list) -> None
                         "inputs, a diverged member) and verify on inputs that give finite outputs")
 
 
+# whether the check running now is of a low-precision plan (verify sets it; profile and autotune leave the default)
+_OUTPUTS_CAST: contextvars.ContextVar[bool] = contextvars.ContextVar("stagewise_outputs_cast", default=True)
+
+
 def dtype_clash(got: torch.dtype, want: torch.dtype) -> bool:
     """Whether a batched output's dtype differs from the loop's beyond the plan's documented cast: a low-precision
-    plan hands floating outputs back in the caller's dtype, so float32, bfloat16 and float16 stand for each other;
-    float64 (precision lost or invented), and integer, bool or complex against anything else, do not."""
+    plan hands floating outputs back in the caller's dtype, so float32, bfloat16 and float16 stand for each other
+    there; float64 (precision lost or invented), and integer, bool or complex against anything else, do not. A
+    float32 plan (verify) casts nothing: a float32 output where bfloat16 members' loop returns bfloat16 is a clash."""
     if got == want:
         return False
     low = (torch.float32, torch.bfloat16, torch.float16)
-    return not (got in low and want in low)
+    return not (got in low and want in low and _OUTPUTS_CAST.get())
 
 
 def _structure(tree: Any) -> str:
@@ -549,11 +554,15 @@ def _copies_together(members: Sequence[nn.Module]) -> list[nn.Module]:
 
 
 def verify(*args, **kwargs) -> "VerifyReport":
-    # the calls' grad mode (_CALLS_WITH_GRAD) is this verify's alone
+    # the calls' grad mode (_CALLS_WITH_GRAD) is this verify's alone; so is whether its outputs may come back in
+    # another floating dtype (a low-precision plan's, see dtype_clash)
     token = _CALLS_WITH_GRAD.set(False)
+    plan = args[0] if args else kwargs.get("plan")
+    cast = _OUTPUTS_CAST.set(getattr(plan, "dtype", None) in LOW_PRECISION_DTYPES)
     try:
         return _verify(*args, **kwargs)
     finally:
+        _OUTPUTS_CAST.reset(cast)
         _CALLS_WITH_GRAD.reset(token)
 
 

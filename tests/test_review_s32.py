@@ -57,6 +57,9 @@
   for another model": the message names the default dtype now.
 - A torch.cond inside a `with torch.autocast(...)` block: torch.export keeps the block as bare enter / exit calls, and
   the stages ran the cond outside it (2.0 off, or a dtype mismatch every call). Refused at trace, naming the fix.
+- verify let a float32 output stand for the loop's bfloat16 in a float32 plan of bfloat16 members (a sweep's clamp
+  bound held per member: the batched module's float32 output was 1.0 off at |h| ~ 300, MATCH): only a low-precision
+  plan hands outputs back in another floating dtype, so only there may they differ.
 """
 from __future__ import annotations
 
@@ -678,3 +681,23 @@ class CondUnderAutocast(nn.Module):
 def test_a_torch_cond_inside_an_autocast_block_is_refused():
     with pytest.raises(TraceError, match="inside a `with torch.autocast"):
         planner.trace(CondUnderAutocast().eval(), (torch.randn(8, 8),))
+
+
+class ClampsAtItsOwn(nn.Module):
+    def __init__(self, lo):
+        super().__init__()
+        self.a, self.lo = nn.Linear(6, 6), lo
+
+    def forward(self, x):
+        return torch.clamp(self.a(x) * 100, min=self.lo)
+
+
+def test_verify_of_a_float32_plan_holds_the_loops_output_dtype():
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(ClampsAtItsOwn(0.1 + 0.1234567 * i).to(torch.bfloat16).eval())
+    x = torch.randn(4, 6).bfloat16()
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    report = executor.verify(plan, copy.deepcopy(members), (x,))
+    assert not report.ok and any("dtype float32, the loop's bfloat16" in r.name for r in report.outputs)
