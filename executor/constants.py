@@ -19,6 +19,7 @@ Members whose module attributes all equal member 0's are not traced again.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -121,8 +122,23 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
         return isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.name == b.name
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _equal_tensors(a, b)
+    if type(a) is float and type(b) is float:  # -0.0 is not 0.0 (copysign, atan2, 1 / x tell them apart); NaN is NaN
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b) or (a != a and b != b)
     return type(a) is type(b) and a == b
+
+
+def _equal_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype, layout and values (torch.equal, which has no kernel for sparse tensors: a sparse COO
+    tensor by its coalesced indices and values, the compressed layouts by their dense values)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
+        return False
+    if a.layout == torch.sparse_coo:
+        a, b = a.detach().coalesce(), b.detach().coalesce()
+        return _equal_tensors(a.indices(), b.indices()) and _equal_tensors(a.values(), b.values())
+    if a.layout != torch.strided:
+        return _equal_tensors(a.detach().to_dense(), b.detach().to_dense())
+    return bool(torch.equal(a, b)) if a.device == b.device else bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
 
 
 MODULES_KEY = "<submodules>"  # a leaf's config entry naming its submodules' classes
@@ -386,11 +402,18 @@ def _tensor_constants(graph: ModelGraph, members: Sequence[nn.Module], state_key
         values = [_attr(m, str(node.target)) for m in members]
         if not all(isinstance(v, torch.Tensor) for v in values):
             continue  # a constant the tracer made (not a member attribute): same for every member by construction
-        if any(v.shape != values[0].shape or v.dtype != values[0].dtype for v in values):
-            raise MemberError(f"tensor attribute {node.target!r} has different shapes or dtypes across members; "
+        if any(v.shape != values[0].shape or v.dtype != values[0].dtype or v.layout != values[0].layout for v in values):
+            raise MemberError(f"tensor attribute {node.target!r} has different shapes, dtypes or layouts across members; "
                               "all members must share one architecture")
-        if all(torch.equal(v, values[0]) for v in values[1:]):
+        if all(_equal_tensors(v, values[0]) for v in values[1:]):
             continue
+        if values[0].layout != torch.strided:
+            raise MemberError(
+                f"members hold different {values[0].layout} tensors as the plain attribute {node.target!r} (not a "
+                "parameter or buffer), which the traced graph reads as one constant: every member would run with member "
+                "0's, and stagewise lifts only dense plain tensors per member: register it as a buffer "
+                "(self.register_buffer(name, t): buffers are per-member state, sparse ones too), hold it as a dense "
+                "tensor (.to_dense()), or plan members that differ here separately")
         with torch.no_grad():
             out[str(node.target)] = torch.stack([v.detach() for v in values])
     return out
@@ -416,8 +439,13 @@ def _baked_differences(graph: ModelGraph, others: dict[int, ModelGraph], baked: 
             raise MemberError(f"forward() computes a tensor from what the modules hold outside their parameters and buffers "
                               f"(the traced graph keeps it as the constant {target!r}), and members compute it with different "
                               "shapes or dtypes; all members must share one architecture (register such tensors as buffers)")
-        if all(torch.equal(v, first) for v in values[1:]):
+        if all(_equal_tensors(v, first) for v in values[1:]):
             continue
+        if first.layout != torch.strided:
+            raise MemberError(f"forward() computes a {first.layout} tensor from what the modules hold outside their "
+                              f"parameters and buffers (the traced graph keeps it as the constant {target!r}), and members "
+                              "compute different ones; stagewise stacks per-member dense tensors only: hold what it is "
+                              "computed from as a dense tensor buffer, or plan members that differ here separately")
         with torch.no_grad():
             out[target] = torch.stack([v.detach() for v in values])
     return out

@@ -605,9 +605,11 @@ def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Alias
         held = []
         for i, m in enumerate(everyone):
             try:
-                held.append((i, m.get_buffer(name)))
+                buffer = m.get_buffer(name)
             except AttributeError:
                 continue
+            if isinstance(buffer, torch.Tensor):  # (a buffer registered as None in some members: the state check refuses)
+                held.append((i, buffer))
         owners = sorted({i for pair in _overlapping(held, one_object_too=True) for i in pair})
         if owners:
             across[name] = owners

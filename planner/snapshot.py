@@ -7,10 +7,14 @@ and undo what forward() changed while it was traced.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import enum
+import functools
 import hashlib
 import itertools
+import numbers
+import re
 import types
 import weakref
 from functools import partial as functools_partial
@@ -68,30 +72,73 @@ def _collect_plain(key: str, v: Any, out: dict[str, Any], depth: int, seen: set[
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}  # torch's own fields of every module (hooks, ...)
 _HELD_DEPTH, _HELD_LEAVES = 8, 20_000
+# past _HELD_LEAVES leaves the rest is folded into one hash (still compared, without a leaf each); past this many more
+# the walk stops, and the digest holds a value equal to no other's: such members are always traced again
+_HELD_HASHED = 500_000
+_TABLE_ITEMS = 64  # a list, tuple or dict of more plain scalars (or tuples of them) is digested at once (a tokenizer table)
+_SCALARS = frozenset({bool, int, float, str, type(None)})
+_VALUES = (bool, int, float, complex, str, bytes, type(None), enum.Enum, torch.dtype, torch.device, torch.layout,
+           torch.memory_format)
+_LONG_TEXT = 256  # a longer str or bytes is digested by its hash
+
+
+class _Unequal:
+    """A digest equal to nothing but itself: what held_values holds where it could not walk to the end."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return other is self
+
+    def __ne__(self, other: object) -> bool:
+        return other is not self
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return "<too many values to compare>"
 
 
 def held_values(model: nn.Module) -> dict[str, Any]:
     """Everything the modules of `model` hold besides their parameters, buffers and submodules, as comparable
-    digests by path: attributes private or not, numbers of any kind (numpy, complex), dtypes, tensors and numpy
-    arrays (shape, dtype and a hash of the bytes), what lists, tuples, sets, dicts (any keys) and plain objects
-    (their __dict__ and __slots__) hold, functions (name, closure and defaults), bound methods (and their object),
-    and each module's class (by identity: classes a factory makes share a name), `_HELD_DEPTH` levels down.
+    digests by path: attributes private or not, numbers of any kind (numpy, complex, Decimal; -0.0 is not 0.0), dtypes,
+    tensors (dense or sparse) and numpy arrays (shape, dtype and a hash of the values), what lists, tuples, deques,
+    sets (item by item, in any order), dicts (any keys), ranges, slices and plain objects (their __dict__ and the
+    __slots__ of every class in their MRO) hold, other objects by what they pickle to (else their repr), functions
+    (name, code, closure and defaults), bound methods (their function and object), and each module's class (its
+    name, plain class attributes and, for a class a factory makes, its functions with their code and closures),
+    `_HELD_DEPTH` levels down.
 
     A trace bakes what forward() computes from any of these into the graph, so members whose `held_values`
     differ from member 0's are traced again and compared (executor.constants). Unequal digests cost a trace, never a
-    wrong answer; the walk keeps to `_HELD_LEAVES` leaves (a model holding more is compared on its first ones)."""
+    wrong answer: past `_HELD_LEAVES` leaves the rest is digested as one hash, and past `_HELD_HASHED` more the digest
+    holds a value equal to no other's (the members are then always traced again)."""
     out: dict[str, Any] = {}
     tree = {id(m) for m in model.modules()}
     state = {id(t): k for k, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
     seen: dict[int, str] = {}
+    alive: list = []
+    walked: set[int] = set()  # the classes whose functions are walked (class_functions)
+    more: list[tuple[str, Any]] = []  # the leaves past _HELD_LEAVES, hashed at the end
+    rest = [0, False]  # how many, and whether one was _Unequal
 
     def leaf(key: str, v: Any) -> None:
         if len(out) < _HELD_LEAVES:
             out[key] = v
+        else:
+            more.append((key, v))
+            rest[0] += 1
+            rest[1] = rest[1] or isinstance(v, _Unequal)
 
     def walk(key: str, v: Any, depth: int) -> None:
-        if isinstance(v, (bool, int, float, complex, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)):
-            leaf(key, ("v", type(v).__name__, repr(v)))
+        if rest[0] >= _HELD_HASHED:
+            return
+        if isinstance(v, _VALUES):
+            if isinstance(v, (str, bytes)) and len(v) > _LONG_TEXT:
+                leaf(key, ("v", type(v).__name__, len(v), _text_digest(v)))
+            else:  # (repr: -0.0 is not 0.0)
+                leaf(key, ("v", type(v).__name__, repr(v)))
             return
         if isinstance(v, torch.Tensor):
             # the module's own parameters and buffers held again (an RNN's _flat_weights) are state, batched anyway
@@ -103,8 +150,17 @@ def held_values(model: nn.Module) -> dict[str, Any]:
         if type(v).__module__ == "numpy":  # numpy scalars and arrays, without importing numpy here
             leaf(key, ("np", repr(getattr(v, "dtype", "")), repr(getattr(v, "shape", "")), _bytes_digest(v)))
             return
+        if isinstance(v, numbers.Number):  # Decimal, Fraction: their value (Decimal('1.0') is not Decimal('1.00'))
+            leaf(key, ("v", type(v).__qualname__, repr(v)))
+            return
         if isinstance(v, type):
             leaf(key, _class_digest(v))
+            class_functions(key, v, depth)
+            return
+        if isinstance(v, (range, slice)):  # `self.active = range(n)`, `h[:, self.keep]`
+            leaf(key, (type(v).__name__,))
+            for part in ("start", "stop", "step"):
+                walk(f"{key}.{part}", getattr(v, part), depth)
             return
         if isinstance(v, nn.Module) and id(v) in tree:
             return  # walked as a module of its own
@@ -112,24 +168,44 @@ def held_values(model: nn.Module) -> dict[str, Any]:
             leaf(key, ("same as", seen[id(v)]))
             return
         seen[id(v)] = key
-        if depth == 0 or len(out) >= _HELD_LEAVES:
+        alive.append(v)  # (a value made for the walk, `(f.__defaults__, ...)`, keeps its id while `seen` holds it)
+        if depth == 0:
             leaf(key, ("deep", type(v).__qualname__))
             return
-        if isinstance(v, (list, tuple)):
-            leaf(key, (type(v).__qualname__, len(v)))
+        if isinstance(v, (list, tuple, collections.deque)):
+            if len(v) > _TABLE_ITEMS and all(map(_plain_data, v)):
+                leaf(key, (type(v).__qualname__, len(v), _text_digest(repr(list(v)))))
+                return
+            leaf(key, (type(v).__qualname__, len(v), getattr(v, "maxlen", None)))
             for i, x in enumerate(v):
                 walk(f"{key}[{i}]", x, depth - 1)
-        elif isinstance(v, (set, frozenset)):
-            leaf(key, (type(v).__qualname__, sorted(repr(x) if isinstance(x, PLAIN_TYPES) else type(x).__qualname__ for x in v)))
+        elif isinstance(v, (set, frozenset)):  # item by item (a tuple's numbers too), in any order
+            if all(map(_plain_data, v)):
+                items = sorted(map(repr, v))
+            else:
+                digests = [item_digest(x, depth - 1) for x in v]
+                if any(d is _TOO_LARGE for d in digests):
+                    leaf(key, _Unequal())
+                    return
+                items = sorted(repr(d) for d in digests)
+            leaf(key, (type(v).__qualname__, len(v), _text_digest(repr(items))) if len(items) > _TABLE_ITEMS else
+                 (type(v).__qualname__, items))
         elif isinstance(v, dict):
+            if isinstance(v, collections.defaultdict):  # what a missing key reads
+                walk(f"{key}<default>", v.default_factory, depth - 1)
+            if len(v) > _TABLE_ITEMS and all(map(_plain_data, v)) and all(map(_plain_data, v.values())):
+                leaf(key, (type(v).__qualname__, len(v), _text_digest(repr(v))))
+                return
             leaf(key, (type(v).__qualname__, len(v)))
             for k, x in v.items():
                 walk(f"{key}[{k!r}]", x, depth - 1)
         elif isinstance(v, types.MethodType):
             leaf(key, ("method", getattr(v.__func__, "__qualname__", repr(v.__func__))))
+            walk(f"{key}.__func__", v.__func__, depth - 1)
             walk(f"{key}.__self__", v.__self__, depth - 1)
         elif isinstance(v, types.FunctionType):
-            leaf(key, ("function", v.__module__, v.__qualname__))
+            # its code too: every lambda is named `<lambda>`, and the functions a factory defines share a qualname
+            leaf(key, ("function", v.__module__, v.__qualname__, _code_digest(v.__code__)))
             for i, cell in enumerate(v.__closure__ or ()):
                 try:
                     walk(f"{key}<closure {i}>", cell.cell_contents, depth - 1)
@@ -137,32 +213,137 @@ def held_values(model: nn.Module) -> dict[str, Any]:
                     pass
             walk(f"{key}<defaults>", (v.__defaults__ or (), v.__kwdefaults__ or {}), depth - 1)
         elif callable(v) and not hasattr(v, "__dict__"):  # builtins (torch.relu); functools.partial is walked below
-            leaf(key, ("callable", type(v).__qualname__, getattr(v, "__module__", None), getattr(v, "__qualname__", None)))
+            qualname = getattr(v, "__qualname__", None)
+            leaf(key, ("callable", type(v).__qualname__, getattr(v, "__module__", None), qualname))
+            if qualname is None:  # a callable object held in C (operator.itemgetter(1)): what it pickles to
+                walk(f"{key}<value>", _reduced(v), depth - 1)
         else:  # digests hold no addresses: a leaf module's differ only where members do (see executor.constants)
             leaf(key, ("object", _class_digest(type(v))))
+            class_functions(key, type(v), depth)
             if isinstance(v, functools_partial):
                 walk(f"{key}<partial>", (v.func, v.args, v.keywords), depth - 1)
             fields = dict(vars(v)) if hasattr(v, "__dict__") else {}
-            for slot in getattr(type(v), "__slots__", ()) if isinstance(getattr(type(v), "__slots__", ()), (tuple, list)) else ():
-                if hasattr(v, slot):
-                    fields[slot] = getattr(v, slot)
+            for slot in _slot_names(type(v)):  # every class's in the MRO (a slots dataclass's base holds fields too)
+                if slot not in fields:
+                    try:
+                        fields[slot] = getattr(v, slot)
+                    except Exception:  # noqa: BLE001 - a slot not set
+                        pass
+            if not hasattr(v, "__dict__") and not _slot_names(type(v)):
+                # an object holding its value in C (an array.array, an extension type): what it pickles to, else its repr
+                walk(f"{key}<value>", _reduced(v), depth - 1)
             for k, x in fields.items():
                 walk(f"{key}.{k}", x, depth - 1)
 
+    def item_digest(x: Any, depth: int) -> Any:
+        """A set item's digest, walked apart from the rest (its leaves under keys of its own)."""
+        nonlocal out
+        saved, count = out, rest[0]
+        out = {}
+        try:
+            walk("", x, depth)
+            too_large = rest[0] != count or any(isinstance(d, _Unequal) for d in out.values())
+            return _TOO_LARGE if too_large else sorted(out.items(), key=str)
+        finally:
+            out = saved
+
+    def class_functions(key: str, cls: type, depth: int) -> None:
+        """The functions (with their code and what they close over) and class attributes of a class a factory makes
+        (and of such bases): `make_block(scale)`'s `class Block` has one name and one code in every member, and
+        forward() reads `scale`."""
+        for base in cls.__mro__:
+            if "<locals>" not in base.__qualname__ or depth <= 0 or id(base) in walked:
+                continue
+            walked.add(id(base))
+            for name, f in vars(base).items():
+                if name == "__init__":  # what it makes of its closure, the object holds (walked as its attributes)
+                    continue
+                if isinstance(f, (staticmethod, classmethod)):
+                    f = f.__func__
+                elif isinstance(f, property):
+                    f = tuple(g for g in (f.fget, f.fset, f.fdel) if g is not None)
+                if isinstance(f, types.FunctionType) or (isinstance(f, tuple) and f) or not name.startswith("__"):
+                    walk(f"{key}<{base.__qualname__}.{name}>", f, depth - 1)  # (and its other class attributes)
+
     for path, mod in model.named_modules():
         leaf(f"{path}<class>", _class_digest(type(mod)))
+        class_functions(f"{path}<class>", type(mod), _HELD_DEPTH)
         # the old weight_norm / spectral_norm recompute `weight` in a pre-hook on every call (their config is compared
         # by hook_configs): a tensor attribute derived from the member's state, not something it holds
         recomputed = {getattr(h, "name", None) for h in mod._forward_pre_hooks.values()}
         for k, v in vars(mod).items():
             if k not in _MODULE_INTERNALS and k not in recomputed:
                 walk(f"{path}.{k}" if path else k, v, _HELD_DEPTH)
+    if rest[0]:  # the rest, in one hash: still compared, without a leaf each
+        out["<the rest>"] = _Unequal() if rest[0] >= _HELD_HASHED or rest[1] else (rest[0], _text_digest(repr(more)))
     return out
+
+
+_TOO_LARGE = object()  # a set item with more leaves than _HELD_LEAVES
+
+
+def _plain_data(x: Any) -> bool:
+    """A plain scalar (not a subclass: an enum's repr is not its value's), or a tuple or list of them: what a table
+    holds, which its repr tells apart completely (1 from 1.0 from True, -0.0 from 0.0, a tuple from a list)."""
+    return type(x) in _SCALARS or (type(x) in (tuple, list) and all(type(y) in _SCALARS for y in x))
+
+
+def _text_digest(v: str | bytes) -> str:
+    return hashlib.sha1(v if isinstance(v, bytes) else v.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_digest(code: types.CodeType) -> str:
+    """A function's code by what it runs: bytecode, constants (nested code too), names; not its line numbers."""
+    def parts(c: types.CodeType) -> tuple:
+        consts = tuple(parts(x) if isinstance(x, types.CodeType) else (type(x).__name__, repr(x)) for x in c.co_consts)
+        return (c.co_name, c.co_code, consts, c.co_names, c.co_varnames, c.co_freevars, c.co_cellvars,
+                c.co_argcount, c.co_kwonlyargcount, c.co_flags)
+    return _text_digest(repr(parts(code)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The slots of `cls` and of every class in its MRO (`__slots__` one name or several), as attribute names
+    (a private `__x` as Python mangles it)."""
+    names: list[str] = []
+    for base in cls.__mro__:
+        slots = vars(base).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots if isinstance(slots, (tuple, list, dict)) else ():
+            if not isinstance(slot, str) or slot in ("__dict__", "__weakref__"):
+                continue
+            if slot.startswith("__") and not slot.endswith("__"):
+                slot = f"_{base.__name__.lstrip('_')}{slot}"
+            if slot not in names:
+                names.append(slot)
+    return tuple(names)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _reduced(v: Any) -> Any:
+    """An object that holds its value in C as what it pickles to (`operator.itemgetter(1)` -> (itemgetter, (1,))),
+    else its repr without memory addresses."""
+    try:
+        reduced = v.__reduce_ex__(4)
+    except Exception:  # noqa: BLE001 - it does not pickle (a lock, an extension type)
+        reduced = None
+    if isinstance(reduced, tuple) and reduced:
+        parts: list = [reduced[0], *reduced[1:3]]
+        for items in reduced[3:5]:  # list items and dict items, as iterators
+            parts.append(None if items is None else list(itertools.islice(items, _HELD_LEAVES)))
+        return ("reduced", *parts)
+    try:
+        return ("repr", _ADDRESS.sub("", repr(v)))
+    except Exception:  # noqa: BLE001
+        return ("repr", None)
 
 
 def _class_digest(cls: type) -> tuple:
     """A class by name and by the plain values it holds as class attributes: classes a factory makes share a name
-    and differ there (torch's parametrize makes a class per module, alike in all members)."""
+    and differ there (torch's parametrize makes a class per module, alike in all members); held_values walks such a
+    class's functions too."""
     plain = tuple(sorted((k, repr(v)) for k, v in vars(cls).items()
                          if not k.startswith("__") and isinstance(v, (bool, int, float, complex, str, type(None), enum.Enum))))
     return ("class", cls.__module__, cls.__qualname__, plain)
@@ -170,8 +351,14 @@ def _class_digest(cls: type) -> tuple:
 
 def _tensor_digest(t: torch.Tensor) -> tuple:
     t = t.detach()
-    if t.is_meta or t.layout != torch.strided:
+    if t.is_meta:
         return ("tensor", tuple(t.shape), str(t.dtype), str(t.layout))
+    if t.layout == torch.sparse_coo:  # (a graph's adjacency): its coalesced entries
+        t = t.coalesce()
+        return ("tensor", tuple(t.shape), str(t.dtype), str(t.layout), _tensor_digest(t.indices())[3],
+                _tensor_digest(t.values())[3])
+    if t.layout != torch.strided:  # CSR and the other compressed layouts: their values, dense
+        return ("tensor", tuple(t.shape), str(t.dtype), str(t.layout), _tensor_digest(t.to_dense())[3])
     raw = t.cpu().contiguous().flatten()
     raw = raw.view(torch.uint8) if raw.numel() else raw
     return ("tensor", tuple(t.shape), str(t.dtype), hashlib.sha1(raw.numpy().tobytes()).hexdigest())
