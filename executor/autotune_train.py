@@ -3,8 +3,8 @@
 Training runs every stage forward and backward, so the strategy that is fastest at
 inference is not necessarily the one to train with. Stages are tuned in order, on
 their real inputs (the outputs of the strategies already chosen upstream). Each
-candidate runs the stage forward, takes a surrogate loss (the sum of its float
-outputs) and computes the gradients of the stage's member state and of its
+candidate runs the stage forward, takes a surrogate loss (its float outputs weighted
+by fixed random numbers, the same for the loop and every candidate) and computes the gradients of the stage's member state and of its
 batched inputs; those gradients are checked against the member loop's (normwise,
 worst member) before anything is timed, at verify(grads=True)'s tolerance for the plan's
 and the members' precision (stage_grads.grads_tolerance: 1e-4 in float32, 0.25 for a

@@ -20,8 +20,8 @@ are checked in tests/test_optim.py. A model with dropout is compared in eval() m
 
 Per stage, forward + backward through the stage alone: its runner on its real inputs (the outputs
 of the stages before it, float ones made leaves that require grad, a per_member Python number never:
-stage_grads.per_member_numbers), surrogate loss = the sum of its
-float outputs, `torch.autograd.grad` for its parameters and those inputs; the plan's strategy and
+stage_grads.per_member_numbers), surrogate loss = its float outputs weighted by fixed random
+numbers (the same for both sides), `torch.autograd.grad` for its parameters and those inputs; the plan's strategy and
 the stage's member loop, their gradients compared. No optimizer step per stage. A stage that writes
 into its inputs in place has only its parameters differentiated.
 
@@ -215,7 +215,7 @@ def profile_training(plan: Plan, members: Sequence[nn.Module], inputs: Sequence[
     ticks.finish()
     notes += [f"training step: forward + backward + {'Adam' if optimizer == 'adam' else 'SGD (momentum 0.9)'} step, lr {lr:g}; "
               "loss = mean square of the outputs, summed over members",
-              "per stage: forward + backward through the stage alone (loss = sum of its outputs), no optimizer step; "
+              "per stage: forward + backward through the stage alone (loss = a fixed random weighting of its outputs), no optimizer step; "
               "FLOPs = 3x the forward's"]
     if dev.type == "cpu":
         notes.append("peak MB on CPU: peak live bytes of torch's CPU allocator during one call, above the level before it")

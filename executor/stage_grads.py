@@ -2,7 +2,7 @@
 
 Used by the training profile (executor.profile_train) and the training-mode autotune
 (executor.autotune_train). A stage's float inputs that come from earlier stages are made
-leaves that require grad, the surrogate loss is the sum of its float outputs, and
+leaves that require grad, the surrogate loss is a fixed random weighting of its float outputs, and
 `torch.autograd.grad` gives the gradients of its member state and of those inputs.
 A per_member Python number (an [N] tensor holding the members' numbers, see
 per_member_numbers) is no such input: the member loop hands each member a Python number,
@@ -107,20 +107,34 @@ def per_member_numbers(module: Any, env: dict) -> dict[str, frozenset]:
 
 def fwd_bwd(program: StageProgram, runner: Runner, fresh: Callable[[], list], n: int,
             numbers: dict[str, frozenset] | None = None) -> Callable[[], list]:
-    """A call running the stage forward and backward (surrogate loss = sum of its float outputs); returns the gradients.
+    """A call running the stage forward and backward (surrogate loss = its float outputs weighted by fixed random
+    numbers, the same for every runner); returns the gradients.
     `numbers`: per_member_numbers of the module, kept out of the gradient leaves."""
     params = [t for t in runner.stacked.values() if t.requires_grad]
     skip = [(numbers or {}).get(name, frozenset()) for name in program.input_names]
     fixed = None if program.writes_in_place else _with_grad_leaves(fresh(), skip)
 
     by_member = program.writes_in_place and isinstance(runner, LoopRunner)
+    weights: dict[tuple, torch.Tensor] = {}
+
+    def weighted(k: int, x: torch.Tensor) -> torch.Tensor:
+        # each output weighted by fixed random numbers in [0.5, 1.5), the same for the loop and every candidate (seeded
+        # by the leaf's place): a plain sum checks no gradient through an output whose sum is constant (a softmax, a
+        # normalisation), where every reference gradient upstream is 0. Made once per leaf shape, not per timed call
+        key = (k, tuple(x.shape), x.device)
+        w = weights.get(key)
+        if w is None:
+            w = torch.rand(x.shape, generator=torch.Generator().manual_seed(7919 + k)).add_(0.5).to(x.device)
+            weights[key] = w
+        return (x.float() * w).sum()
 
     def call() -> list:
         args, leaves = fixed if fixed is not None else (fresh(), [])
         if by_member:
             args = _own_rows(args, n)
         outs = runner(args)
-        loss = sum((x.float().sum() for v in outs for x in float_leaves(n_first(v, n))), torch.zeros((), device=_device(params, leaves)))
+        flat = [x for v in outs for x in float_leaves(n_first(v, n))]
+        loss = sum((weighted(k, x) for k, x in enumerate(flat)), torch.zeros((), device=_device(params, leaves)))
         targets = params + leaves
         if not targets or not loss.requires_grad:
             return []

@@ -60,6 +60,9 @@
 - verify let a float32 output stand for the loop's bfloat16 in a float32 plan of bfloat16 members (a sweep's clamp
   bound held per member: the batched module's float32 output was 1.0 off at |h| ~ 300, MATCH): only a low-precision
   plan hands outputs back in another floating dtype, so only there may they differ.
+- Training autotune / profile checked a stage's gradients through a plain-sum surrogate loss: through a stage ending
+  in a softmax (or any output whose sum is constant) every reference gradient was 0, so no candidate's gradient was
+  checked at all. The surrogate weights the outputs by fixed random numbers now, the same for every runner.
 """
 from __future__ import annotations
 
@@ -701,3 +704,32 @@ def test_verify_of_a_float32_plan_holds_the_loops_output_dtype():
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
     report = executor.verify(plan, copy.deepcopy(members), (x,))
     assert not report.ok and any("dtype float32, the loop's bfloat16" in r.name for r in report.outputs)
+
+
+class SoftmaxHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.softmax(self.a(x), -1)
+
+
+def test_the_stage_gradient_check_sees_through_a_softmax():
+    from stagewise.executor.stage_grads import fwd_bwd, grads_check  # noqa: PLC0415
+    from stagewise.executor.stages import LoopRunner, VmapRunner  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    members = [SoftmaxHead() for _ in range(N)]
+    x = torch.randn(4, 6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    program, base = ens.programs[0], ens.runners[0]
+    env = ens.bind_inputs((x,))
+    fresh = lambda: [env[name] for name in program.input_names]  # noqa: E731
+    loop = LoopRunner(program, N, base.stacked, base.member_states)
+    ref = fwd_bwd(program, loop, fresh, N)()
+    assert max(float(g.abs().max()) for g in ref) > 1e-3  # all 0 under a plain sum: nothing was checked
+    got = fwd_bwd(program, VmapRunner(program, N, base.stacked, base.member_states), fresh, N)()
+    check = grads_check(ref, N)
+    assert check(got) < 1e-5
+    assert check([g * 1.01 for g in got]) > 5e-3  # a candidate 1% off is seen
