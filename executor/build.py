@@ -11,10 +11,12 @@ import builtins
 import contextlib
 import copy
 import difflib
+import enum
 import operator
 import pickle
 import re
 import sys
+import types
 from pathlib import Path
 import dataclasses
 import warnings
@@ -635,6 +637,58 @@ def _state_itself(node: torch.fx.Node, keys: set[str]) -> str | None:
             return None
         node = node.args[0]
     return str(node.target) if str(node.target) in keys else None
+
+
+_MISSING_GLOBAL = object()
+_SETTING_ITEMS = 64  # a module-level container of more items is not watched (a vocabulary, not a setting)
+
+
+def _globals_read(model: nn.Module) -> tuple:
+    """(module name, global name, a copy of its value) for each module-level setting the forward() of one of the
+    model's own classes names (a number, bool, str, or a small dict / list / tuple of them: `CFG["temperature"]`),
+    as it is now. torch's own modules are not looked into. Only names forward() itself reads: a helper function's
+    globals are not followed."""
+    out, seen = [], set()
+    for cls in {type(m) for m in model.modules()}:
+        fn = getattr(cls.forward, "__func__", cls.forward)
+        code, where = getattr(fn, "__code__", None), getattr(fn, "__module__", None) or ""
+        if code is None or where.startswith(("torch", "stagewise")) or where not in sys.modules:
+            continue
+        names, todo = set(), [code]
+        while todo:  # forward() and the lambdas / inner functions it makes
+            c = todo.pop()
+            names |= set(c.co_names)
+            todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        space = vars(sys.modules[where])
+        for name in sorted(names):
+            value = space.get(name, _MISSING_GLOBAL)
+            if (where, name) not in seen and _is_setting(value):
+                seen.add((where, name))
+                out.append((where, name, copy.deepcopy(value)))
+    return tuple(out)
+
+
+def _is_setting(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
+        return True
+    if isinstance(value, dict) and len(value) <= _SETTING_ITEMS:
+        return all(isinstance(k, (str, int)) and isinstance(v, (bool, int, float, str)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and len(value) <= _SETTING_ITEMS:
+        return all(isinstance(v, (bool, int, float, str)) for v in value)
+    return False
+
+
+def _same_setting(now: Any, was: Any) -> bool:
+    if type(now) is not type(was):
+        return False
+    if isinstance(was, float):
+        return now == was or (now != now and was != was)
+    return now == was
+
+
+def _short(value: Any) -> str:
+    text = "missing" if value is _MISSING_GLOBAL else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _numbers_n_first(value: Any, n: int) -> Any:
@@ -1284,6 +1338,18 @@ class BatchedModule(nn.Module):
                    for k, v in env.items()}
         return env
 
+    def _check_globals(self) -> None:
+        """ExecutionError where a module-level setting forward() reads (`CFG["temperature"]`, `TEMPERATURE`) is not what
+        it was at build: the traced graph holds the value it had then, the member loop reads the new one."""
+        for where, name, value in self._globals_read:
+            now = getattr(sys.modules.get(where), name, _MISSING_GLOBAL)
+            if not _same_setting(now, value):
+                raise ExecutionError(
+                    f"forward() reads the module-level {name!r} of {where} (now {_short(now)}), which was {_short(value)} "
+                    "when the batched module was built: the traced graph holds the value it had then, where the member "
+                    "loop reads the new one. Build the batched module again after changing it (executor.build), or pass "
+                    "the setting to forward() as an input (or hold it as a buffer) so that it can change between calls")
+
     def _read_before_written(self, name: str, other: str) -> bool:
         """Whether a stage reading input `name` runs before a later stage writing input `other` in place (the member
         loop's reads of `name` after forward()'s write of `other` see it; such a stage's do not). Within one stage the
@@ -1702,6 +1768,8 @@ class BatchedModule(nn.Module):
             warnings.warn(AUTOCAST_WARNING, stacklevel=4)  # the caller, past nn.Module.__call__
         if self._state_replaced[0]:
             self._follow_replaced_state()
+        if self.__dict__.get("_globals_read"):  # module-level settings forward() reads, baked at build: changed?
+            self._check_globals()
         if self.__dict__.get("_value_reads") is not None:  # forward() reads buffer values: changed since build?
             self.__dict__["_value_reads"].check(self._stacked)
             self.__dict__["_value_reads"].refuse_trained_reads(self)  # (a layer in training: by .train() or by hand)
@@ -1949,6 +2017,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_frozen_apart_flags"] = frozen_apart_flags(members)  # ... while the stacked flag stays member 0's
     module.__dict__["_ties_apart"] = apart
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
+    module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place
     module.__dict__["_precision_refused"] = precision_refused  # why the export graph kept its float32 dtypes

@@ -63,6 +63,8 @@
 - Training autotune / profile checked a stage's gradients through a plain-sum surrogate loss: through a stage ending
   in a softmax (or any output whose sum is constant) every reference gradient was 0, so no candidate's gradient was
   checked at all. The surrogate weights the outputs by fixed random numbers now, the same for every runner.
+- A module-level setting forward() reads (`CFG["temperature"]`, annealed by the training script): the graph held the
+  value it had at build (0.57, 0.78 off on the next calls, no word). A call after it changed is refused, naming it.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from stagewise import executor, planner
-from stagewise.planner.errors import InputError, PlanMismatchError, TraceError
+from stagewise.planner.errors import ExecutionError, InputError, PlanMismatchError, TraceError
 from stagewise.executor.candidates import _comparable, max_rel_error
 from stagewise.executor.values import PerMember
 from stagewise.executor.verify import _finite_pair
@@ -733,3 +735,37 @@ def test_the_stage_gradient_check_sees_through_a_softmax():
     check = grads_check(ref, N)
     assert check(got) < 1e-5
     assert check([g * 1.01 for g in got]) > 5e-3  # a candidate 1% off is seen
+
+
+SETTINGS = {"temperature": 1.0}
+SCALE = 2.0
+
+
+class ReadsGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x) / SETTINGS["temperature"], -1) * SCALE
+
+
+def test_a_module_level_setting_changed_after_build_is_refused():
+    global SCALE
+    torch.manual_seed(0)
+    members = [ReadsGlobals() for _ in range(N)]
+    x = torch.randn(6, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+        try:
+            SETTINGS["temperature"] = 0.25  # annealed in place
+            with pytest.raises(ExecutionError, match=r"module-level 'SETTINGS'.*was \{'temperature': 1.0\}"):
+                ens(x)
+            SETTINGS["temperature"] = 1.0
+            SCALE = 3.0  # rebound
+            with pytest.raises(ExecutionError, match="module-level 'SCALE'"):
+                ens(x)
+        finally:
+            SETTINGS["temperature"], SCALE = 1.0, 2.0
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))  # as built again: runs
