@@ -1397,11 +1397,7 @@ class BatchedModule(nn.Module):
                 floats = any(isinstance(v, float) for v in x)
                 out[k] = x = torch.tensor(x, dtype=torch.float64 if floats else None)
             if isinstance(x, torch.Tensor) and x.dim() == 1 and x.shape[0] == n:
-                if x.is_floating_point() and x.dtype != torch.float64:
-                    # the loop's Python floats are doubles: `1 - gamma` runs on them in double (exact_numbers), and an
-                    # op taking one rounds it as it rounds a Python float; a float32 tensor's numbers as the caller
-                    # wrote them (torch.tensor([0.01]) holds 0.009999999776: 0.01)
-                    out[k] = torch.tensor([_as_given(v) for v in x], dtype=torch.float64, device=x.device)
+                # a tensor of numbers is taken as it holds them (float32 ones too: number_op widens them exactly)
                 continue
             spec = self.plan.inputs[k]
             got = (f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else

@@ -66,6 +66,8 @@ def max_rel_error(got: Any, want: Any) -> float:
                 return math.inf
             continue
         g = torch.as_tensor(g)
+        if g.dim() == 1 and w.dim() == 1 and {g.dtype, w.dtype} == {torch.float32, torch.float64}:
+            g, w = g.double(), w.double()  # one number per member, in float32 on one side: compared as values
         if g.shape != w.shape or dtype_clash(g.dtype, w.dtype):
             return math.inf
         if w.numel() == 0:
@@ -104,7 +106,9 @@ def _comparable(v: Any, n: int) -> Any:
                    + [leaf_paths(m)] for m in v.values]
         if any(layout != layouts[0] for layout in layouts[1:]):
             return [tree_map(lambda x: x.unsqueeze(0) if isinstance(x, torch.Tensor) else x, m) for m in v.values]
-    return n_first(v, n)
+    # per-member Python floats as the doubles they are: a batched stage hands such numbers on in float64
+    # (exact_numbers), where float32 would clash in dtype with them
+    return n_first(v, n, float_dtype=torch.float64)
 
 
 # --- running one strategy ------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from stagewise.executor.values import model_float_dtype
+from stagewise.executor.values import Batched, PerMember
 
 # Python's arithmetic and comparisons, by name (a node's target must print as code: a name, not the function)
 _OPS = {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs, "add": operator.add, "sub": operator.sub,
@@ -27,7 +27,7 @@ OP_NAMES = {fn: name for name, fn in _OPS.items()}
 
 
 # how forward() reads a tensor's value into Python: `t.item()`, `t.tolist()`, torch.export's aten._local_scalar_dense
-_READS = frozenset({"item", "_local_scalar_dense"})
+_READS = frozenset({"item", "_local_scalar_dense", "tolist"})
 
 
 def read_numbers(gm: torch.fx.GraphModule, inputs: Iterable[str] = ()) -> frozenset[str]:
@@ -52,12 +52,30 @@ def read_numbers(gm: torch.fx.GraphModule, inputs: Iterable[str] = ()) -> frozen
                 isinstance(node.target, torch._ops.OpOverload)
                 and node.target._schema.name.split("::")[-1] in _READS):
             out.add(node.name)
+        elif node.op == "call_function" and node.target is operator.getitem and inputs and inputs[0].name in out:
+            out.add(node.name)  # `m, m2 = t.tolist()`: a number of the list read (or a list of them)
         elif node.op == "call_function" and node.target in (float, int, bool) and len(inputs) == 1 and not node.kwargs:
             out.add(node.name)  # float(t): a tensor's value, or a number already (float(n) of a size: plain arithmetic)
-        elif node.op == "call_function" and node.target in OP_NAMES and any(a.name in out for a in inputs) \
-                and all(a.name in out or a.name in sizes for a in inputs):
-            out.add(node.name)  # (`h.sum().item() / h.numel()`: a number and a size)
+        elif node.op == "call_function" and (node.target in OP_NAMES or node.target in _NUMBER_FUNCTIONS
+                                             or getattr(node.target, "__module__", None) == "math") \
+                and any(a.name in out for a in inputs) and all(a.name in out or a.name in sizes for a in inputs):
+            out.add(node.name)  # (`h.sum().item() / h.numel()`: a number and a size; `round(m, 2)`, `math.exp(s)`)
     return frozenset(out)
+
+
+_NUMBER_FUNCTIONS = (round, abs, min, max)  # Python's, on numbers: a number (run per member, as they need Python's)
+
+
+def stacked_numbers(args: list, positions: tuple[int, ...], device: torch.device | None) -> list:
+    """`args` with each value at `positions` (a number read from tensors, handed on by a loop stage as one Python
+    number per member) as one [N] tensor for a batched stage: floats as float64, the loop's doubles (stacked at the
+    plan's precision they would lose digits before the arithmetic that follows, exact_numbers' number_op)."""
+    out = list(args)
+    for k in positions:
+        v = out[k]
+        if type(v) is PerMember and v.values and all(type(x) is float for x in v.values):
+            out[k] = Batched(torch.tensor(v.values, dtype=torch.float64, device=device))
+    return out
 
 
 _SIZE_METHODS = frozenset({"size", "numel", "dim", "nelement", "ndimension"})
@@ -85,22 +103,27 @@ def number_op(name: str, *args: Any) -> Any:
     op = _OPS[name]
     if not any(isinstance(a, torch.Tensor) for a in args):
         return op(*args)
-    # (a whole-number power of a per-member exponent: Python's `2 ** -3` is 0.125, an int64 power 0, and one batched
-    # result cannot be an int for some members and a float for others: a double, exact for every whole result)
-    floats = name == "truediv" or (name == "pow" and (isinstance(args[1], torch.Tensor) or args[1] < 0)) or any(
+    # (a whole number to a negative whole power written in forward(), `n ** -1`, is a float in Python; one to a
+    # per-member exponent stays whole, as Python's is for a non-negative one: a negative one gives 0 there)
+    floats = name == "truediv" or (name == "pow" and not isinstance(args[1], torch.Tensor) and args[1] < 0) or any(
         isinstance(a, float) or (isinstance(a, torch.Tensor) and a.is_floating_point()) for a in args)
     if not floats:
+        if name in _BOOLS_AS_INTS:  # Python's True + True is 2; torch's bool + bool is `or`
+            args = tuple(a.long() if isinstance(a, torch.Tensor) and a.dtype is torch.bool else a for a in args)
         return op(*args)
     return op(*(a.double() if isinstance(a, torch.Tensor) and a.dtype is not torch.float64 and not a.is_complex()
                 else a for a in args))
+
+
+_BOOLS_AS_INTS = frozenset({"add", "sub", "mul", "floordiv", "mod", "pow", "neg", "pos", "abs"})
 
 
 def number_operand(x: Any, *beside: Any) -> Any:
     """A number number_op made, where an op takes it beside the tensors `beside` (the op's other operands): a float64
     tensor back at the precision a Python float operand has there, the floating dtype of those tensors (a Python
     float does not promote them: beside float32 it is rounded to float32, beside float64 it stays double), else
-    (none floating) the one per-member floats are stacked at (values.model_float_dtype: float64 in a float64 model,
-    else torch's default dtype); anything else as it is."""
+    (none floating: integer tensors, or none) torch's default dtype, as a Python float makes there; anything else
+    as it is."""
     if not (isinstance(x, torch.Tensor) and x.dtype is torch.float64):
         return x
     want = None
@@ -108,7 +131,8 @@ def number_operand(x: Any, *beside: Any) -> Any:
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
             want = t.dtype if want is None else torch.promote_types(want, t.dtype)
     if want is None:
-        want = model_float_dtype()
+        # beside integer tensors (or none), a Python float makes torch's default dtype, whatever the model's
+        want = torch.get_default_dtype()
     elif want.is_complex:
         want = torch.float64 if want is torch.complex128 else torch.float32
     return x if want is torch.float64 else x.to(want)

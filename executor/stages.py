@@ -33,7 +33,7 @@ from stagewise.planner.graph import renormalised_weight
 from stagewise.planner.errors import ExecutionError, InputError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
-from stagewise.executor.exact_numbers import OP_NAMES, number_op, number_operand
+from stagewise.executor.exact_numbers import OP_NAMES, number_op, number_operand, stacked_numbers
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value,
                                        reset_number_context, reset_stage_device, set_number_context,
                                        set_stage_device)
@@ -551,7 +551,11 @@ class Runner:
                 f"the members and the plan in {name(got)}. The member loop fails alike (excluding the stage would not "
                 "help)")
 
+    takes_python_numbers = False  # (the member loop: a number read from tensors reaches it as one per member)
+
     def __call__(self, args: list) -> list:
+        if self.program.number_inputs and not self.takes_python_numbers:
+            args = stacked_numbers(args, self.program.number_inputs, self.device_for(args))
         token = set_stage_device(self.device_for(args))  # numbers made into tensors anywhere in the run land here
         numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
         kept = self._state_before_writes(args)
@@ -862,6 +866,8 @@ def python_numbers(args: list, positions: tuple[int, ...]) -> list:
 
 class LoopRunner(Runner):
     """The member loop: the stage once per member with that member's own state."""
+
+    takes_python_numbers = True
 
     def run(self, args: list) -> list:
         module = self.program.module

@@ -533,10 +533,15 @@ def _size_from_values(node: torch.fx.Node, name: str, values: dict, numbers: set
         # any other op given a whole number read from the values, outside arithmetic (F.one_hot(idx, k + 1), a
         # diagonal's offset, a pool's kernel size, flatten's start_dim): such a number may set the output's shape,
         # which then differs per member (a per-member number an op only computes with keeps its shape)
-        if name in _NUMBER_OPERAND_OPS or not isinstance(values.get(node.name), torch.Tensor):
+        out = values.get(node.name)
+        if name in _NUMBER_OPERAND_OPS or not isinstance(out, torch.Tensor):
             return False
+        leaves = tree_flatten((node.args, node.kwargs))[0]
+        if any(isinstance(values.get(a.name), torch.Tensor) and values[a.name].shape == out.shape
+               for a in leaves if isinstance(a, torch.fx.Node)):
+            return False  # the shape of an input (roll, tril, nan_to_num, threshold): the number sets no shape
         return any(isinstance(a, torch.fx.Node) and a.name in numbers and type(values.get(a.name)) is int
-                   for a in tree_flatten((node.args, node.kwargs))[0])
+                   for a in leaves)
     flat = []
     for a in sizes:
         flat.extend(a if isinstance(a, (tuple, list)) else [a])

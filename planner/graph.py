@@ -989,6 +989,11 @@ def _containers_changed(gm: torch.fx.GraphModule, example_inputs: tuple) -> list
         if not isinstance(value, (list, dict)):
             continue
         if node.op == "call_method" and node.target in _CONTAINER_WRITES:
+            key = node.args[1] if len(node.args) > 1 else None
+            if isinstance(value, dict) and not isinstance(key, torch.fx.Node) and (
+                    (node.target == "setdefault" and key in value)
+                    or (node.target == "pop" and len(node.args) > 2 and key not in value)):
+                continue  # a key it holds, a default for one it lacks: the container stays as it was
             out.append(f"{label}.{node.target}(...)")
         elif node.op == "call_function" and node.target in (operator.setitem, operator.delitem):
             out.append(f"{label}[{node.args[1]!r}] = ..." if node.target is operator.setitem else f"del {label}[{node.args[1]!r}]")

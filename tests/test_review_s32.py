@@ -769,3 +769,43 @@ def test_a_module_level_setting_changed_after_build_is_refused():
         finally:
             SETTINGS["temperature"], SCALE = 1.0, 2.0
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))  # as built again: runs
+
+
+class Defaults(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, batch):
+        scale = batch.setdefault("scale", torch.ones(8))  # a key the dict holds: nothing changes
+        return self.fc(batch["x"]) * scale
+
+
+def test_a_setdefault_of_a_key_the_input_holds_is_no_change():
+    members = [Defaults().eval() for _ in range(N)]
+    batch = {"x": torch.randn(4, 8), "scale": torch.rand(8)}
+    plan = planner.propose(planner.trace(members[0], (batch,)), N)  # refused as a container change
+    with torch.no_grad():
+        torch.testing.assert_close(executor.build(plan, members)(batch), torch.stack([m(batch) for m in members]))
+
+
+class Rolls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        k = (h > 0).sum().item()
+        return self.b(torch.relu(self.b(torch.roll(h, k, 1))))
+
+
+def test_an_op_keeping_its_inputs_shape_leaves_its_readers_batched():
+    torch.manual_seed(0)
+    members = [Rolls().eval() for _ in range(N)]
+    x = torch.randn(4, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), N)
+    excluded = {n for s in plan.stages if s.mode is planner.StageMode.EXCLUDED for n in s.nodes}
+    assert "roll" in excluded and not excluded & {"b", "relu", "b_1"}  # the readers stay batched
+    with torch.no_grad():
+        torch.testing.assert_close(executor.build(plan, members)(x), torch.stack([m(x) for m in members]))
