@@ -78,6 +78,18 @@ def stacked_numbers(args: list, positions: tuple[int, ...], device: torch.device
     return out
 
 
+def python_numbers(args: list, positions: tuple[int, ...]) -> list:
+    """`args` with each value at `positions` (a number forward() read from a tensor, handed on by a batched stage as an
+    [N] tensor) as one Python number per member, as the member loop has them: `round(s, 1)`, `range(n)` and ops that
+    take a Python number refuse a 0-d tensor. float64 and int64 rows give the numbers exactly (number_op)."""
+    out = list(args)
+    for k in positions:
+        v = out[k]
+        if type(v) is Batched and isinstance(v.tree, torch.Tensor) and v.tree.dim() == 1:
+            out[k] = PerMember(v.tree.tolist())
+    return out
+
+
 _SIZE_METHODS = frozenset({"size", "numel", "dim", "nelement", "ndimension"})
 _SIZE_OPS = frozenset({"sym_size", "sym_numel", "sym_stride", "sym_storage_offset"})
 

@@ -33,7 +33,7 @@ from stagewise.planner.graph import renormalised_weight
 from stagewise.planner.errors import ExecutionError, InputError
 from stagewise.planner.plan import Stage, Strategy
 from stagewise.executor.constants import LIFTED_PREFIX
-from stagewise.executor.exact_numbers import OP_NAMES, number_op, number_operand, stacked_numbers
+from stagewise.executor.exact_numbers import OP_NAMES, number_op, number_operand, python_numbers, stacked_numbers
 from stagewise.executor.values import (Batched, PerMember, Shared, as_batched, batched_arg, device_of, member_value,
                                        reset_number_context, reset_stage_device, set_number_context,
                                        set_stage_device)
@@ -554,8 +554,9 @@ class Runner:
     takes_python_numbers = False  # (the member loop: a number read from tensors reaches it as one per member)
 
     def __call__(self, args: list) -> list:
-        if self.program.number_inputs and not self.takes_python_numbers:
-            args = stacked_numbers(args, self.program.number_inputs, self.device_for(args))
+        if self.program.number_inputs:  # numbers read from tensors: Python numbers per member, or one float64 [N] tensor
+            args = (python_numbers(args, self.program.number_inputs) if self.takes_python_numbers else
+                    stacked_numbers(args, self.program.number_inputs, self.device_for(args)))
         token = set_stage_device(self.device_for(args))  # numbers made into tensors anywhere in the run land here
         numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
         kept = self._state_before_writes(args)
@@ -852,18 +853,6 @@ class VmapRunner(Runner):
         return self._rebuild(self._vmapped_for(dims, training)(*self._state_args(), *inputs))
 
 
-def python_numbers(args: list, positions: tuple[int, ...]) -> list:
-    """`args` with each value at `positions` (a number forward() read from a tensor, handed on by a batched stage as an
-    [N] tensor) as one Python number per member, as the member loop has them: `round(s, 1)`, `range(n)` and ops that
-    take a Python number refuse a 0-d tensor. float64 and int64 rows give the numbers exactly (exact_numbers)."""
-    out = list(args)
-    for k in positions:
-        v = out[k]
-        if type(v) is Batched and isinstance(v.tree, torch.Tensor) and v.tree.dim() == 1:
-            out[k] = PerMember(v.tree.tolist())
-    return out
-
-
 class LoopRunner(Runner):
     """The member loop: the stage once per member with that member's own state."""
 
@@ -871,8 +860,6 @@ class LoopRunner(Runner):
 
     def run(self, args: list) -> list:
         module = self.program.module
-        if self.program.number_inputs:
-            args = python_numbers(args, self.program.number_inputs)
         results = []
         for i in range(self.n_members):
             member_args = tuple(member_value(a, i) for a in args)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from stagewise.executor.stages import LoopRunner, python_numbers
+from stagewise.executor.stages import LoopRunner
 from stagewise.executor.values import PerMember, member_rows, member_value
 
 
@@ -58,8 +58,6 @@ class BoundLoopRunner(LoopRunner):
 
     def run(self, args: list) -> list:
         n = self.n_members
-        if self.program.number_inputs:
-            args = python_numbers(args, self.program.number_inputs)
         if args and self.program.writes_in_place:
             # each member's rows taken just before its call: a row taken before another member's write turned the
             # tensor into one that records gradients is refused by autograd (and an unbind row always is)
