@@ -33,7 +33,7 @@ from stagewise.executor.strategies.compiled import with_compile_mode
 from stagewise.executor.strategies.wide import with_conv_form
 from stagewise.executor.timing import Prepared, describe_error, inject_faults, interleaved, is_oom, peak_memory_bytes
 from stagewise.executor.values import Batched, PerMember, as_batched, leaf_paths, n_first
-from stagewise.executor.verify import DEFAULT_RTOL, dtype_clash, same_draws, same_number
+from stagewise.executor.verify import DEFAULT_RTOL, dtype_clash, nonfinite_apart, same_draws, same_number
 
 Progress = Optional[Callable[[int, int, str], None]]
 
@@ -81,8 +81,7 @@ def max_rel_error(got: Any, want: Any) -> float:
         wide = torch.complex128 if (w.is_complex() or g.is_complex()) else torch.float64
         g64, w64 = g.detach().to(wide).reshape(w.shape[0], -1), w.detach().to(wide).reshape(w.shape[0], -1)
         if not (g64.isfinite().all() and w64.isfinite().all()):  # NaN and inf must sit where the loop has them
-            inf = w64.isinf()
-            if not (torch.equal(g64.isnan(), w64.isnan()) and torch.equal(g64.isinf(), inf) and torch.equal(g64[inf], w64[inf])):
+            if nonfinite_apart(g64, w64):
                 return math.inf
         # NaN and inf sit alike (checked above): measured on the finite values (nan_to_num(0.0) alone would make an
         # inf 1.8e308, so a member's scale was inf-sized and its error divided to nothing)

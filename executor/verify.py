@@ -960,14 +960,19 @@ def _grads64(plan: Plan, member: nn.Module, inputs: tuple, weights: list, names:
     return grads
 
 
+def nonfinite_apart(g: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether NaN and inf in `g` sit elsewhere than in the loop's `w` (or an inf of another sign)."""
+    inf = w.isinf()
+    return not (torch.equal(g.isnan(), w.isnan()) and torch.equal(g.isinf(), inf) and torch.equal(g[inf], w[inf]))
+
+
 def _finite_pair(g: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(g, w, apart) for a gradient `g` against the loop's `w`: NaN and inf must sit where the loop has them (as for
     outputs); `apart` where they do not (a NaN gradient where the loop's is finite: its norm is NaN, which no `>`
     comparison and no max() would ever count), else both with those elements zeroed, measured on the finite rest."""
     if bool(torch.isfinite(g).all()) and bool(torch.isfinite(w).all()):
         return g, w, False
-    inf = w.isinf()
-    if not (torch.equal(g.isnan(), w.isnan()) and torch.equal(g.isinf(), inf) and torch.equal(g[inf], w[inf])):
+    if nonfinite_apart(g, w):
         return g, w, True
     return (g.nan_to_num(0.0, posinf=0.0, neginf=0.0), w.nan_to_num(0.0, posinf=0.0, neginf=0.0), False)
 
