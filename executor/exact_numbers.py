@@ -115,9 +115,9 @@ def number_op(name: str, *args: Any) -> Any:
     op = _OPS[name]
     if not any(isinstance(a, torch.Tensor) for a in args):
         return op(*args)
-    # (a whole number to a negative whole power written in forward(), `n ** -1`, is a float in Python; one to a
-    # per-member exponent stays whole, as Python's is for a non-negative one: a negative one gives 0 there)
-    floats = name == "truediv" or (name == "pow" and not isinstance(args[1], torch.Tensor) and args[1] < 0) or any(
+    # (a whole number to a negative whole power, `n ** -1` or `2 ** -k` with k per member, is a float in Python; to
+    # a non-negative one, a whole number: torch's int64 power gives 0 for a negative exponent)
+    floats = name == "truediv" or (name == "pow" and _negative_exponent(args[1])) or any(
         isinstance(a, float) or (isinstance(a, torch.Tensor) and a.is_floating_point()) for a in args)
     if not floats:
         if name in _BOOLS_AS_INTS:  # Python's True + True is 2; torch's bool + bool is `or`
@@ -125,6 +125,22 @@ def number_op(name: str, *args: Any) -> Any:
         return op(*args)
     return op(*(a.double() if isinstance(a, torch.Tensor) and a.dtype is not torch.float64 and not a.is_complex()
                 else a for a in args))
+
+
+@torch.compiler.disable  # (a compiled stage runs it eagerly: it reads the exponents)
+def _negative_exponent(e: Any) -> bool:
+    """A whole-number exponent below 0 for some member (the powers are then Python floats, one number per member
+    holding them all). A tensor's is read once on the host; while a CUDA graph captures (no reads) it is taken as
+    negative: float64 holds any whole power below 2**53 exactly."""
+    if not isinstance(e, torch.Tensor):
+        return e < 0
+    if e.is_floating_point() or e.is_complex():
+        return False  # floats already
+    if e.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    while torch._C._functorch.is_batchedtensor(e):  # inside vmap: the exponents of every member at once
+        e = torch._C._functorch.get_unwrapped(e)
+    return bool((e < 0).any())
 
 
 _BOOLS_AS_INTS = frozenset({"add", "sub", "mul", "floordiv", "mod", "pow", "neg", "pos", "abs"})

@@ -325,3 +325,27 @@ def test_a_float32_tensor_of_numbers_is_taken_as_it_holds_them():
         got = executor.build(plan, members)(x, gam)
         want = torch.stack([m(x[i], g) for i, (m, g) in enumerate(zip(members, gam.tolist()))])
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()  # was 0.029: numbers rounded to "shortest decimals"
+
+
+class NegativePowers(nn.Module):
+    """`2 ** -k` with a whole k per member: Python's is a float (0.25), torch's int64 power of a negative exponent 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.a(x)
+        k = (h[0] > 0).sum().item() - 3  # a whole number per member, negative for some
+        return h * 2 ** k, h * (k ** 2), h * (2 ** -abs(k))
+
+
+def test_a_whole_number_to_a_per_member_negative_power_is_a_float():
+    members = _members(NegativePowers)
+    x = torch.randn(N, 4, 6)
+    ref = _loop(members, x)
+    assert any(((members[i].a(x[i])[0] > 0).sum().item() - 3) < 0 for i in range(N)), "the test needs a negative k"
+    ens = executor.build(_plan(members, x), members)
+    out = ens(x)
+    for k in range(3):
+        _check(out, ref, k, ulps=2)
