@@ -695,15 +695,76 @@ def _data_numbers(graph) -> set[str]:
                                             and isinstance(values.get(first.name), torch.Tensor)) or (
             # a function of the model's own (torch.fx.wrap) that turns tensors into a number (`scale_of(h)` returning
             # h.abs().mean().item()): each member's differs too
-            isinstance(n.target, types.FunctionType) and not (n.target.__module__ or "").startswith("torch")
-            and any(isinstance(values.get(a.name), torch.Tensor) for a in n.all_input_nodes))
+            _own_function(n) and any(isinstance(values.get(a.name), torch.Tensor) for a in n.all_input_nodes))
         if read or any(a.name in out for a in n.all_input_nodes):
             out.add(n.name)
     graph._data_numbers_cache = out
     return out
 
 
-DEFAULT_CHECK = chain(autocast_region_check, cond_check, value_shape_check, stateful_module_check, inplace_buffer_check,
+def _own_function(node: torch.fx.Node) -> bool:
+    """`node` calls a function of the model's own that the trace kept closed (torch.fx.wrap): not torch's."""
+    return node.op == "call_function" and isinstance(node.target, types.FunctionType) and not (
+        node.target.__module__ or "").startswith("torch")
+
+
+def _holds_numbers(v: Any) -> bool:
+    """`v` is a Python number, or a tuple / list of them."""
+    if isinstance(v, (tuple, list)):
+        return bool(v) and all(type(x) in (bool, int, float) for x in v)
+    return type(v) in (bool, int, float)
+
+
+_NUMBER_ARITHMETIC = frozenset({operator.neg, operator.pos, operator.abs, operator.add, operator.sub, operator.mul,
+                                operator.truediv, operator.floordiv, operator.mod, operator.pow, operator.lt, operator.le,
+                                operator.gt, operator.ge, operator.eq, operator.ne, operator.getitem, float, int, bool,
+                                round, abs, min, max})
+
+
+def _returned_numbers(graph) -> set[str]:
+    """Names of the nodes whose value is Python numbers a function of the model's own (torch.fx.wrap) returned from
+    tensors (`m, m2 = stats(h)` with `.item()`s inside it), or computed from such by Python arithmetic. Build runs the
+    arithmetic on numbers forward() itself reads (`.item()`) in double, as the loop does (executor.exact_numbers), but
+    cannot see what such a function returns: its numbers would arrive as float32 tensors. Computed once per graph."""
+    cached = getattr(graph, "_returned_numbers_cache", None)
+    if cached is not None:
+        return cached
+    values = getattr(graph, "example_values", None) or {}
+    out: set[str] = set()
+    for n in graph.gm.graph.nodes:
+        if n.op != "call_function" or not _holds_numbers(values.get(n.name)):
+            continue
+        inputs = n.all_input_nodes
+        if _own_function(n) and any(isinstance(values.get(a.name), torch.Tensor) for a in inputs):
+            out.add(n.name)
+        elif (n.target in _NUMBER_ARITHMETIC or getattr(n.target, "__module__", None) == "math") \
+                and any(a.name in out for a in inputs):
+            out.add(n.name)
+    graph._returned_numbers_cache = out
+    return out
+
+
+def own_function_numbers_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """Python arithmetic on numbers a function of the model's own returned, and such a function given a number read
+    from tensors: in the loop these are Python doubles; batched they would be float32 tensors (a variance from two
+    moments near 100, `m2 - m * m`, 3e-3 off). Each member runs them, on its Python numbers."""
+    if node.op != "call_function":
+        return None
+    if node.name in _returned_numbers(graph) and not _own_function(node):
+        return (f"Python arithmetic ({_op_name(node)}) on numbers a function of the model's own returned (torch.fx.wrap): "
+                "the member loop computes it on Python doubles, a batched run would on float32 tensors: each member runs it")
+    if _own_function(node):
+        data = _data_numbers(graph) | _returned_numbers(graph)
+        given = [a.name for a in node.all_input_nodes if a.name in data]
+        if given and any(type(graph.example_values.get(a)) is float or isinstance(graph.example_values.get(a), (tuple, list))
+                         for a in given):
+            return (f"{_op_name(node)}, a function of the model's own (torch.fx.wrap), is given a number read from tensors "
+                    f"({given[0]}): the member loop hands it a Python double, a batched run would a float32 tensor, on "
+                    "which its arithmetic rounds otherwise: each member runs it")
+    return None
+
+
+DEFAULT_CHECK = chain(own_function_numbers_check, autocast_region_check, cond_check, value_shape_check, stateful_module_check, inplace_buffer_check,
                       norm_stats_view_check, unowned_write_check, vmap_probe_check)
 
 
