@@ -643,29 +643,45 @@ _MISSING_GLOBAL = object()
 _SETTING_ITEMS = 64  # a module-level container of more items is not watched (a vocabulary, not a setting)
 
 
+_HELPERS_FOLLOWED = 256  # functions looked into for one model at most (a deep library of the model's own is cut there)
+
+
 def _globals_read(model: nn.Module) -> tuple:
     """(module name, global name, a copy of its value) for each module-level setting the forward() of one of the
-    model's own classes names (a number, bool, str, or a small dict / list / tuple of them: `CFG["temperature"]`),
-    as it is now. torch's own modules are not looked into. Only names forward() itself reads: a helper function's
-    globals are not followed."""
+    model's own classes reads (a number, bool, str, or a small dict / list / tuple of them: `CFG["temperature"]`), as
+    it is now: named in forward() itself, in the lambdas and inner functions it makes, and in the functions of the
+    model's own it calls (a module-level helper `act(h)`, a method `self.scale(h)`), followed through theirs. torch's
+    own modules are not looked into."""
     out, seen = [], set()
+    todo: list[tuple[types.CodeType, str, type | None]] = []
     for cls in {type(m) for m in model.modules()}:
         fn = getattr(cls.forward, "__func__", cls.forward)
-        code, where = getattr(fn, "__code__", None), getattr(fn, "__module__", None) or ""
-        if code is None or where.startswith(("torch", "stagewise")) or where not in sys.modules:
+        if getattr(fn, "__code__", None) is not None and _own_module(getattr(fn, "__module__", None)):
+            todo.append((fn.__code__, fn.__module__, cls))
+    followed: set[types.CodeType] = set()
+    while todo and len(followed) < _HELPERS_FOLLOWED:
+        code, where, cls = todo.pop()
+        if code in followed:
             continue
-        names, todo = set(), [code]
-        while todo:  # forward() and the lambdas / inner functions it makes
-            c = todo.pop()
-            names |= set(c.co_names)
-            todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        followed.add(code)
         space = vars(sys.modules[where])
-        for name in sorted(names):
+        todo += [(k, where, cls) for k in code.co_consts if isinstance(k, types.CodeType)]  # lambdas, inner functions
+        for name in sorted(code.co_names):
             value = space.get(name, _MISSING_GLOBAL)
             if (where, name) not in seen and _is_setting(value):
                 seen.add((where, name))
                 out.append((where, name, copy.deepcopy(value)))
+            # a function this one may call: a module-level one of the model's own, or a method of its class
+            for fn in (value, getattr(cls, name, None) if cls is not None else None):
+                fn = getattr(fn, "__func__", fn)
+                if isinstance(fn, types.FunctionType) and _own_module(fn.__module__):
+                    todo.append((fn.__code__, fn.__module__, cls if fn is not value else None))
     return tuple(out)
+
+
+def _own_module(where: str | None) -> bool:
+    """`where` names a loaded module of the model's own, not torch's or stagewise's."""
+    return bool(where) and not where.startswith(("torch", "stagewise")) and where in sys.modules
 
 
 def _is_setting(value: Any) -> bool:
