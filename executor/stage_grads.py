@@ -157,17 +157,55 @@ def _device(params: list, leaves: list) -> torch.device | None:
     return t.device if t is not None else None
 
 
+# a gradient tensor is judged against at least this part of its member's largest gradient: float32 rounding noise of a
+# gradient that is zero in exact arithmetic reaches ~3e-6 of that (verify.GRAD_NOISE), 3e-5 of the floor, under the
+# float32 tolerance 1e-4; a wrong tensor is seen from 1e-5 of the member's scale (1e-4 of it judged whole-member alone)
+_TENSOR_SCALE_FLOOR = 0.1
+
+
 def grads_check(ref: list, n: int) -> Callable[[list], float]:
-    """Error of a stage's gradients against the member loop's, normwise over each member's [N, ...] gradients
-    (a per-member input's pieces are compared as one row each)."""
-    return lambda got: max(max_rel_error(*pair) for pair in zip(_rows(got, n), _rows(ref, n))) if ref else 0.0
+    """Error of a stage's gradients against the member loop's: normwise over each member's [N, ...] gradients (a
+    per-member input's pieces are compared as one row each), and each gradient tensor apart against the larger of
+    its own scale and 0.1 of its member's largest gradient (a small bias's gradient wholly wrong hid in the
+    member's norm; the floor keeps a gradient that cancels to almost nothing from being judged on its rounding)."""
+    if not ref:
+        return lambda got: 0.0
+    ref_rows = _rows(ref, n)
+    apart = [k for k, g in enumerate(ref) if g.dim() and g.shape[0] == n]
+    floor = _finite_abs(ref_rows[0]).amax(dim=1) * _TENSOR_SCALE_FLOOR if ref_rows[0].numel() else None
+
+    def check(got: list) -> float:
+        worst = max(max_rel_error(*pair) for pair in zip(_rows(got, n), ref_rows))
+        if worst == float("inf") or floor is None or len(got) != len(ref):
+            return worst
+        for k in apart:
+            g, w = (_as_real(x[k]).reshape(n, -1).double() for x in (got, ref))
+            if g.shape != w.shape:
+                return float("inf")
+            if not w.numel():
+                continue
+            diff = _finite_abs(g - w).amax(dim=1)
+            scale = torch.maximum(_finite_abs(w).amax(dim=1), floor.double())
+            rel = torch.where(scale > 0, diff / scale.clamp_min(1e-300), diff)
+            worst = max(worst, float(rel.max()))
+        return worst
+
+    return check
+
+
+def _as_real(g: torch.Tensor) -> torch.Tensor:
+    """A complex gradient as its (real, imaginary) pairs (.float() would keep its real part alone)."""
+    return torch.view_as_real(g.resolve_conj()) if g.is_complex() else g
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN and inf as 0 (where they sit is checked apart: verify.nonfinite_apart)."""
+    return x.detach().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
 
 
 def _rows(grads: list, n: int) -> list:
     """(the [N, ...] gradients as one [N, total] tensor, the rest as rows of their own)."""
-    # (a complex gradient as its (real, imaginary) pairs: .float() would keep its real part alone)
-    stacked = [(torch.view_as_real(g.resolve_conj()) if g.is_complex() else g).reshape(n, -1).float()
-               for g in grads if g.dim() and g.shape[0] == n]
+    stacked = [_as_real(g).reshape(n, -1).float() for g in grads if g.dim() and g.shape[0] == n]
     rest = [g.reshape(1, -1) for g in grads if not (g.dim() and g.shape[0] == n)]
     return [torch.cat(stacked, dim=1) if stacked else torch.zeros(n, 0)] + rest
 

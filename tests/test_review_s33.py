@@ -50,3 +50,21 @@ def test_a_setting_read_in_a_helper_function_or_method_is_watched():
         finally:
             HELPER_CFG["temperature"], GAIN = 1.0, 2.0
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+def test_the_stage_gradient_check_sees_a_small_tensor_wholly_wrong():
+    """Autotune / profile judged a stage's gradients normwise over each member's whole gradient: a bias gradient
+    1e-4 of the weight's, wholly wrong (doubled), was 1e-4 of the member's scale, at the float32 tolerance."""
+    from stagewise.executor.stage_grads import grads_check  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    w = torch.randn(N, 64, 64)
+    b = torch.randn(N, 64) * 2e-4
+    check = grads_check([w, b], N)
+    assert check([w.clone(), b.clone()]) == 0.0
+    assert check([w * (1 + 1e-6), b * (1 + 1e-6)]) < 1e-5  # rounding-sized differences pass
+    assert check([w.clone(), b * 2]) > 1e-3  # was ~1e-4: the tolerance itself
+    # a gradient that cancels to almost nothing (noise 3e-6 of the member's scale) is not judged on its own scale
+    zero_ish = torch.randn(N, 64) * 1e-9
+    check = grads_check([w, zero_ish], N)
+    assert check([w, zero_ish + 3e-6 * w.abs().amax(dim=(1, 2))[:, None]]) < 1e-4
