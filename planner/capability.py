@@ -715,6 +715,11 @@ def _holds_numbers(v: Any) -> bool:
     return type(v) in (bool, int, float)
 
 
+def _has_float(v: Any) -> bool:
+    """`v` is a Python float, or a tuple / list holding one."""
+    return type(v) is float or (isinstance(v, (tuple, list)) and any(type(x) is float for x in v))
+
+
 _NUMBER_ARITHMETIC = frozenset({operator.neg, operator.pos, operator.abs, operator.add, operator.sub, operator.mul,
                                 operator.truediv, operator.floordiv, operator.mod, operator.pow, operator.lt, operator.le,
                                 operator.gt, operator.ge, operator.eq, operator.ne, operator.getitem, float, int, bool,
@@ -750,14 +755,16 @@ def own_function_numbers_check(graph, node: torch.fx.Node) -> Optional[str]:
     moments near 100, `m2 - m * m`, 3e-3 off). Each member runs them, on its Python numbers."""
     if node.op != "call_function":
         return None
-    if node.name in _returned_numbers(graph) and not _own_function(node):
+    values = graph.example_values
+    if node.name in _returned_numbers(graph) and not _own_function(node) and any(
+            _has_float(values.get(a)) for a in [node.name, *(x.name for x in node.all_input_nodes)]):
+        # (whole numbers alone stay exact as int64: a size a helper returns, `n // 2`, batches)
         return (f"Python arithmetic ({_op_name(node)}) on numbers a function of the model's own returned (torch.fx.wrap): "
                 "the member loop computes it on Python doubles, a batched run would on float32 tensors: each member runs it")
     if _own_function(node):
         data = _data_numbers(graph) | _returned_numbers(graph)
         given = [a.name for a in node.all_input_nodes if a.name in data]
-        if given and any(type(graph.example_values.get(a)) is float or isinstance(graph.example_values.get(a), (tuple, list))
-                         for a in given):
+        if given and any(_has_float(values.get(a)) for a in given):
             return (f"{_op_name(node)}, a function of the model's own (torch.fx.wrap), is given a number read from tensors "
                     f"({given[0]}): the member loop hands it a Python double, a batched run would a float32 tensor, on "
                     "which its arithmetic rounds otherwise: each member runs it")

@@ -384,3 +384,31 @@ def test_numbers_a_wrapped_function_returns_are_the_loops():
     for k in range(3):
         _check(out, ref, k)  # float32 arithmetic on the numbers was 3.1e-3 off the loop's (var 2.6e-4)
     assert any("function of the model's own" in s.reason for s in plan.stages)  # the plan says why they loop
+
+
+def half_width(h):
+    return h.shape[-1] // 2  # a whole number: the same in every member
+
+
+torch.fx.wrap("half_width")
+
+
+class OwnFunctionSizes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        k = half_width(h) + 1
+        return h[..., :k] * 2
+
+
+def test_whole_numbers_a_wrapped_function_returns_stay_batched():
+    members = _members(OwnFunctionSizes)
+    x = torch.randn(N, 4, 6)
+    graph = planner.trace(members[0], (x[0],))
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    assert not any("function of the model's own" in s.reason for s in plan.stages)  # int64 arithmetic is exact
+    out, ref = executor.build(plan, members)(x), _loop(members, x)
+    torch.testing.assert_close(out, torch.stack(ref))
