@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import copy
+import dis
 import difflib
 import enum
 import operator
@@ -647,11 +648,13 @@ _HELPERS_FOLLOWED = 256  # functions looked into for one model at most (a deep l
 
 
 def _globals_read(model: nn.Module) -> tuple:
-    """(module name, global name, a copy of its value) for each module-level setting the forward() of one of the
-    model's own classes reads (a number, bool, str, or a small dict / list / tuple of them: `CFG["temperature"]`), as
-    it is now: named in forward() itself, in the lambdas and inner functions it makes, and in the functions of the
-    model's own it calls (a module-level helper `act(h)`, a method `self.scale(h)`), followed through theirs. torch's
-    own modules are not looked into."""
+    """(module name, dotted name, a copy of its value) for each module-level setting the forward() of one of the
+    model's own classes reads (a number, bool, str, or a small dict / list / tuple of them: `CFG["temperature"]`,
+    or such an attribute of a module-level object: `args.temperature` of an argparse Namespace, a dataclass config,
+    `settings.TEMPERATURE` of a module), as it is now: read in forward() itself, in the lambdas and inner functions it
+    makes, and in the functions of the model's own it calls (a module-level helper `act(h)`, a method
+    `self.scale(h)`), followed through theirs. Only global reads count (an attribute or method named like a global,
+    `x.size(0)` beside a module-level `size`, is not one). torch's own modules are not looked into."""
     out, seen = [], set()
     todo: list[tuple[types.CodeType, str, type | None]] = []
     for cls in {type(m) for m in model.modules()}:
@@ -666,17 +669,67 @@ def _globals_read(model: nn.Module) -> tuple:
         followed.add(code)
         space = vars(sys.modules[where])
         todo += [(k, where, cls) for k in code.co_consts if isinstance(k, types.CodeType)]  # lambdas, inner functions
-        for name in sorted(code.co_names):
-            value = space.get(name, _MISSING_GLOBAL)
+        for name, value in _global_reads(code, space):
             if (where, name) not in seen and _is_setting(value):
                 seen.add((where, name))
                 out.append((where, name, copy.deepcopy(value)))
-            # a function this one may call: a module-level one of the model's own, or a method of its class
-            for fn in (value, getattr(cls, name, None) if cls is not None else None):
+            fn = getattr(value, "__func__", value)  # a module-level function of the model's own it may call
+            if isinstance(fn, types.FunctionType) and _own_module(fn.__module__):
+                todo.append((fn.__code__, fn.__module__, None))
+        if cls is not None:  # a method of the class it may call (`self.scale(h)`)
+            for name in code.co_names:
+                fn = getattr(cls, name, None)
                 fn = getattr(fn, "__func__", fn)
                 if isinstance(fn, types.FunctionType) and _own_module(fn.__module__):
-                    todo.append((fn.__code__, fn.__module__, cls if fn is not value else None))
+                    todo.append((fn.__code__, fn.__module__, cls))
     return tuple(out)
+
+
+_LOADS_GLOBAL = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_LOADS_ATTR = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+
+def _global_reads(code: types.CodeType, space: dict) -> list[tuple[str, Any]]:
+    """(dotted name, value) for each global `code` reads: `CFG`, and for an object that holds settings (a module, a
+    Namespace, a dataclass instance: not a class, function, tensor or torch's), the attributes read off it,
+    `args.temperature` (as far as the first value that is a setting)."""
+    out = []
+    instructions = list(dis.get_instructions(code))
+    for k, ins in enumerate(instructions):
+        if ins.opname not in _LOADS_GLOBAL:
+            continue
+        name, value = ins.argval, space.get(ins.argval, _MISSING_GLOBAL)
+        if value is _MISSING_GLOBAL:
+            continue  # a builtin (len, range)
+        out.append((name, value))
+        j = k + 1
+        while j < len(instructions) and instructions[j].opname in _LOADS_ATTR and _holds_settings(value):
+            name = f"{name}.{instructions[j].argval}"
+            value = getattr(value, instructions[j].argval, _MISSING_GLOBAL)
+            if _is_setting(value):
+                out.append((name, value))
+                break
+            j += 1
+    return out
+
+
+def _holds_settings(obj: Any) -> bool:
+    """`obj` may hold settings as attributes: a module or a plain object, not torch's, a class, a function or a tensor."""
+    if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.Tensor, nn.Module)) \
+            or obj is _MISSING_GLOBAL or _is_setting(obj):
+        return False
+    owner = obj.__name__ if isinstance(obj, types.ModuleType) else type(obj).__module__
+    return not (owner or "").startswith(("torch", "stagewise", "builtins", "numpy"))
+
+
+def _resolved(where: str, name: str) -> Any:
+    """The value of the dotted global `name` of module `where` now (_MISSING_GLOBAL where any part is gone)."""
+    value: Any = sys.modules.get(where)
+    for part in name.split("."):
+        value = getattr(value, part, _MISSING_GLOBAL)
+        if value is _MISSING_GLOBAL:
+            break
+    return value
 
 
 def _own_module(where: str | None) -> bool:
@@ -1358,7 +1411,7 @@ class BatchedModule(nn.Module):
         """ExecutionError where a module-level setting forward() reads (`CFG["temperature"]`, `TEMPERATURE`) is not what
         it was at build: the traced graph holds the value it had then, the member loop reads the new one."""
         for where, name, value in self._globals_read:
-            now = getattr(sys.modules.get(where), name, _MISSING_GLOBAL)
+            now = _resolved(where, name)
             if not _same_setting(now, value):
                 raise ExecutionError(
                     f"forward() reads the module-level {name!r} of {where} (now {_short(now)}), which was {_short(value)} "

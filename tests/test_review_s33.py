@@ -68,3 +68,78 @@ def test_the_stage_gradient_check_sees_a_small_tensor_wholly_wrong():
     zero_ish = torch.randn(N, 64) * 1e-9
     check = grads_check([w, zero_ish], N)
     assert check([w, zero_ish + 3e-6 * w.abs().amax(dim=(1, 2))[:, None]]) < 1e-4
+
+
+@pytest.mark.parametrize("draw", ["dropout2d", "alpha_dropout", "feature_alpha_dropout", "rrelu"])
+def test_wide_on_a_random_op_of_a_shared_input_draws_per_member(draw):
+    """wide ran an op with no N-first argument once and shared it unless it knew the op draws: F.dropout2d,
+    alpha_dropout, feature_alpha_dropout and rrelu of a shared input gave every member one draw (2.51 off)."""
+    import copy  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    fn = getattr(F, draw)
+
+    class InputDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(fn(x, training=True) if draw == "rrelu" else fn(x, 0.5, True))
+
+    torch.manual_seed(0)
+    members = [InputDrop().train() for _ in range(N)]
+    x = torch.randn(2, 8, 16)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, n_members=N)
+    for s in plan.stages:
+        if s.mode is planner.StageMode.EXCLUDED:
+            plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    assert any(s.options.strategy.value == "wide" for s in plan.stages)
+    ens = executor.build(plan, copy.deepcopy(members)).train()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        got = ens(x)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        want = torch.stack([m(x) for m in members])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+class _Args:
+    """What argparse / a dataclass config gives a training script: settings as attributes of one object."""
+
+    def __init__(self):
+        self.temperature = 1.0
+
+
+args = _Args()
+size = 4  # a module-level loop variable named like the method forward() calls (`x.size(0)`)
+
+
+class ReadsAnObjectsSetting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x).view(x.size(0), -1)
+        return torch.softmax(h / args.temperature, -1)
+
+
+def test_a_setting_read_off_a_module_level_object_is_watched_and_a_method_name_is_not_a_global():
+    global size
+    torch.manual_seed(0)
+    members = [ReadsAnObjectsSetting() for _ in range(N)]
+    x = torch.randn(6, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        try:
+            for size in (4, 1, 7):  # was refused from the second call: `size` taken for a global forward() reads
+                torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+            args.temperature = 5.0  # the graph held 1.0: 0.27 off, no word
+            with pytest.raises(ExecutionError, match=r"module-level 'args.temperature'.*was 1.0"):
+                ens(x)
+        finally:
+            args.temperature, size = 1.0, 4
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))

@@ -421,7 +421,9 @@ def _is_random(node: torch.fx.Node) -> bool:
         return target in _RANDOM_METHODS
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags
-    return target in RANDOM_OPS
+    # (F.alpha_dropout, F.dropout2d, F.rrelu, F.gumbel_softmax, torch.feature_alpha_dropout: drawn as F.dropout is)
+    return target in RANDOM_OPS or (getattr(target, "__name__", "") in _RANDOM_FUNCTIONS
+                                    and (getattr(target, "__module__", None) or "").startswith("torch"))
 
 
 def _sibling_linears(gm: torch.fx.GraphModule, stacked: dict) -> dict[str, list[str]]:
@@ -483,8 +485,8 @@ def _vmap_call(fn: Callable, state: dict, args: tuple, kwargs: dict, writes: boo
     return tree_map(lambda t: NFirst(t) if isinstance(t, torch.Tensor) else t, out)
 
 
-_RANDOM_FUNCTIONS = {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
-                     "rrelu", "gumbel_softmax"}
+_RANDOM_FUNCTIONS = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout", "dropout1d",
+                               "dropout2d", "dropout3d", "rrelu", "rrelu_", "gumbel_softmax"})
 
 
 def random_ops(gm: torch.fx.GraphModule) -> int:
@@ -495,7 +497,7 @@ def random_ops(gm: torch.fx.GraphModule) -> int:
         if node.op == "call_module":
             count += draws_while_training(gm.get_submodule(str(node.target)))
         elif node.op in ("call_function", "call_method"):
-            count += _is_random(node) or getattr(node.target, "__name__", str(node.target)) in _RANDOM_FUNCTIONS
+            count += _is_random(node)
     return count
 
 
