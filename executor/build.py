@@ -46,7 +46,7 @@ from stagewise.planner.validate import stage_graph, validate, with_fresh_verdict
 from stagewise.planner.snapshot import held_values
 from stagewise.planner.source import MEMBER_SEED_BASE
 from stagewise.executor.exact_numbers import read_numbers
-from stagewise.executor.capture import CapturedPlan, CudaGraphBackend, NotCapturableError
+from stagewise.executor.capture import CAPTURED_CALL, CapturedPlan, CudaGraphBackend, NotCapturableError
 from stagewise.executor.constants import (_LEAKY, LIFTED_PREFIX, MEMBER_NUMBERS, MEMBER_SHAPES, _liftable, config_signature,
                                           lift_member_constants)
 from stagewise.executor.precision import take_dtypes_of_a_trace_in
@@ -1815,6 +1815,7 @@ class BatchedModule(nn.Module):
         later stage fails, for global module hooks registered since build, or for a
         training flag set by hand to a mode forward() was not traced in (see mode_bound).
         """
+        via = named.pop(CAPTURED_CALL, None) if named else None  # executor.capture's module calling through this one
         if named:  # `ens(**batch)`: the plan's inputs by name, in its order
             inputs = self._by_name(inputs, named)
         if global_hooks_present():  # four dict truthiness tests; torch's own watching hooks pass below
@@ -1838,10 +1839,12 @@ class BatchedModule(nn.Module):
         if self.__dict__.get("_value_reads") is not None:  # forward() reads buffer values: changed since build?
             self.__dict__["_value_reads"].check(self._stacked)
             self.__dict__["_value_reads"].refuse_trained_reads(self)  # (a layer in training: by .train() or by hand)
+        if via is not None:  # `fast = executor.capture(ens)`: its graphs, after this module's checks and hooks
+            return via.replay(*inputs)
         captured = self.__dict__["_captured"]
         if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
             try:
-                return captured(*inputs)
+                return captured.replay(*inputs)
             except NotCapturableError as e:
                 warnings.warn(f"the plan asks for whole-plan capture, but {e}; running stage by stage from now on",
                               RuntimeWarning, stacklevel=2)

@@ -65,6 +65,9 @@ from stagewise.executor.values import (Batched, PerMember, as_batched, number_dt
                                       untagged as _untagged)
 
 DEFAULT_MAX_SIGNATURES = 8
+# the keyword a CapturedPlan calls its batched module with, naming itself: the module makes its per-call checks and runs
+# its hooks, then replays this plan's graphs (a keyword no forward() parameter of a plan has: fx names none so)
+CAPTURED_CALL = "__stagewise_captured_plan"
 WARMUP_CALLS = 2  # lazy initialisation and cuBLAS/cuDNN workspace choices happen outside the graph
 
 
@@ -375,6 +378,14 @@ class CapturedPlan(nn.Module):
         return [{"stages": r.stage_ids, "mode": "eager" if r.eager else "graph", "reason": r.reason} for r in self._runs]
 
     def forward(self, *inputs):
+        """The batched module's call, its checks and its hooks included (a module-level setting changed since build,
+        a buffer whose value forward() reads, hooks registered on it), replayed from this module's graphs."""
+        self._check_mode()
+        return self.ens(*inputs, **{CAPTURED_CALL: self})
+
+    def replay(self, *inputs):
+        """The call itself, from the graphs (captured on the first call of a signature), without the batched module's
+        per-call checks: BatchedModule.forward calls it after making them."""
         self._check_mode()
         if getattr(self.ens, "_state_replaced", [False])[0]:  # a tensor of the state tree replaced: re-read first
             self.ens._follow_replaced_state()

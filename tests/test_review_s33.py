@@ -143,3 +143,37 @@ def test_a_setting_read_off_a_module_level_object_is_watched_and_a_method_name_i
         finally:
             args.temperature, size = 1.0, 4
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+def test_a_captured_plan_makes_the_batched_modules_checks_and_runs_its_hooks():
+    """executor.capture(ens) replayed its graphs without the batched module's per-call checks: a module-level
+    setting changed since build was answered from the stale graph (0.27 off), and hooks on ens never fired."""
+    torch.manual_seed(0)
+    members = [ReadsGlobalsHere() for _ in range(N)]
+    x = torch.randn(5, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members).eval()
+    fast = executor.capture(ens, backend=executor.ReplayBackend())
+    seen = []
+    ens.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), torch.stack([m(x) for m in members]))
+        assert seen == [torch.Size([N, 5, 8])]  # the hook on the batched module fired through the captured one
+        try:
+            HERE["temperature"] = 5.0
+            with pytest.raises(ExecutionError, match=r"module-level 'HERE'"):
+                fast(x)
+        finally:
+            HERE["temperature"] = 1.0
+        torch.testing.assert_close(fast(x), torch.stack([m(x) for m in members]))
+
+
+HERE = {"temperature": 1.0}
+
+
+class ReadsGlobalsHere(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x) / HERE["temperature"], -1)
