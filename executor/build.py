@@ -737,6 +737,21 @@ def _own_module(where: str | None) -> bool:
     return bool(where) and not where.startswith(("torch", "stagewise")) and where in sys.modules
 
 
+def _learnable_attributes(member: nn.Module, gm: torch.fx.GraphModule, stacked: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the plain tensor attributes (not parameters or buffers) of `member` that require grad as leaves, a
+    learnable scalar trained by passing it to the optimizer by hand, and that the graph reads (as a get_attr, or
+    lifted into the stacked state)."""
+    read = set(stacked) | {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    out = []
+    for path, module in member.named_modules():
+        for k, v in vars(module).items():
+            name = f"{path}.{k}" if path else k
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.requires_grad and v.is_leaf \
+                    and name in read:
+                out.append(name)
+    return out
+
+
 def _is_setting(value: Any) -> bool:
     if isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
         return True
@@ -1089,7 +1104,8 @@ class BatchedModule(nn.Module):
                                          or bool(self.__dict__.get("_frozen_apart"))
                                          or bool(self.__dict__.get("_lost_backwards"))
                                          or bool(self.__dict__.get("_aliased_params"))
-                                         or bool(self.__dict__.get("_traced_without_grad")))
+                                         or bool(self.__dict__.get("_traced_without_grad"))
+                                         or bool(self.__dict__.get("_learnable_attributes")))
 
     def _follow_new_storage(self) -> None:
         """Rebuild the runners if a tensor a loop stage reads got new storage (`p.data = ...`, `set_`): its
@@ -1226,6 +1242,14 @@ class BatchedModule(nn.Module):
                 "torch.no_grad() regions (Hugging Face's rotary embedding is one): a call that records gradients would "
                 "send them where the model stops them. Call it under torch.no_grad() / torch.inference_mode(), or plan "
                 "it with gradients on (planner.trace outside torch.no_grad()) to train it")
+        learnable = self.__dict__.get("_learnable_attributes")
+        if learnable:
+            raise ExecutionError(
+                f"member 0 holds {learnable[0]!r} as a plain tensor attribute that requires grad (a learnable value not "
+                "registered as an nn.Parameter, trained by passing it to the optimizer by hand): the batched module holds "
+                "it as a constant, so a call that records gradients would give it none where the member loop gives each "
+                f"member's one. Register it as a parameter (`self.{learnable[0].rpartition('.')[2]} = nn.Parameter(...)`) "
+                "so that it is stacked and trained with the others; inference (torch.no_grad()) is unaffected")
         aliased = [(k, other) for k, other in self.__dict__.get("_aliased_params", ()) if self._stacked[k].requires_grad]
         if aliased:
             raise ExecutionError(
@@ -2030,6 +2054,13 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
                 "masked softmax row), and an element size or a cast back to the input's dtype stays float32's. Check the "
                 "plan with executor.verify, or keep it float32 (planner.set_dtype(plan, 'float32'))", stacklevel=3)
     apart = ties_apart(members)
+    written_tie = next((tie for tie in apart if set(tie.split(" = ")) & always), None)
+    if written_tie is not None:
+        raise MemberError(
+            f"members tie parameters differently ({written_tie} in members {apart[written_tie]}, not in the others), and "
+            "forward() writes one of them in place (an nn.Embedding(max_norm=) renormalising the rows it reads, an "
+            "in-place update): the batched module stacks the two names apart, so the write would not reach the other "
+            "name as it does in a member that ties them. Give the members one tying, or write no weight in forward()")
     merged = [tie for tie, tying in apart.items() if 0 in tying]
     if plan.tracer == "export" and merged:
         # torch.export gives a tie of the member it traces one graph input: both names read member 0's one tensor,
@@ -2085,6 +2116,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_frozen_apart_flags"] = frozen_apart_flags(members)  # ... while the stacked flag stays member 0's
     module.__dict__["_ties_apart"] = apart
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
+    module.__dict__["_learnable_attributes"] = _learnable_attributes(members[0], graph.gm, module._stacked)
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place

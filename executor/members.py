@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from stagewise.executor.constants import _attr
 from stagewise.executor.subgraphs import root_outside, walk
@@ -467,6 +468,7 @@ def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], dict[str, str]]:
     executor.subgraphs); {buffer: the leaf module holding it} for the buffers of leaf modules the graph calls, which
     may update them in training mode: BatchNorm's running statistics)."""
     from stagewise.planner.capability import is_inplace, norm_stats_updated  # (capability's table of norm ops)
+    from stagewise.planner.graph import renormalised_weight
     from stagewise.planner.trace_watch import storage_root
 
     def root(value: torch.fx.Node) -> torch.fx.Node:
@@ -475,12 +477,18 @@ def written_state(gm: torch.fx.GraphModule) -> tuple[set[str], dict[str, str]]:
     always, training = set(), {}
     for scope, node in walk(gm):
         written = ([node.args[0]] if is_inplace(node) else []) + norm_stats_updated(node)  # norms: where they update
+        # F.embedding(max_norm=) renormalises its weight's rows in place; `torch.add(a, b, out=self.ema)` writes `out`
+        written += [w for w in (renormalised_weight(node),) if w is not None]
+        written += [t for t in tree_flatten(node.kwargs.get("out"))[0] if isinstance(t, torch.fx.Node)]
         for value in written:
             where, base = root_outside(scope, value, root)
             if where.parent is None and base.op == "get_attr":
                 always.add(str(base.target))
         if node.op == "call_module" and scope.parent is None:
-            training.update({f"{node.target}.{k}": str(node.target) for k, _ in gm.get_submodule(str(node.target)).named_buffers()})
+            layer = gm.get_submodule(str(node.target))
+            training.update({f"{node.target}.{k}": str(node.target) for k, _ in layer.named_buffers()})
+            if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.max_norm is not None:
+                always.add(f"{node.target}.weight")  # the leaf's lookup renormalises the rows it reads, in place
     return always, training
 
 
@@ -524,14 +532,15 @@ def _overlapping(items: Sequence[tuple[object, torch.Tensor]], one_object_too: b
 class Aliasing:
     """Names whose tensors stacking would part (aliasing_of): one member's two names for one memory that are not one
     tensor object (a buffer registered as `fc.weight.data` or a view of it, a plain attribute the graph reads; one
-    object stays tied), and one buffer several members hold. Stacking copies each apart, so a write the member loop
+    object stays tied), and one buffer (or parameter) several members hold. Stacking copies each apart, so a write the member loop
     makes through one name (forward() in place, an optimizer step, BatchNorm's running statistics) would not reach
     the others."""
 
     def __init__(self, within: list[tuple[str, str, str, str]], across: dict[str, list[int]],
                  member: nn.Module | None = None):
         self.within = within  # (name, its kind, other name, its kind) in member 0 (or the first member with any)
-        self.across = across  # buffer name -> the members holding it as one memory
+        self.across = across  # buffer or parameter name -> the members holding it as one memory
+        self.parameter_names = {k for k, _ in member.named_parameters(remove_duplicate=False)} if member is not None else set()
         self.member = member  # member 0: what its own train() does to the layers (_train_override_fix)
 
     _FIX = ("give each name its own tensor (a copy), or read one name in forward() (register the Parameter itself under "
@@ -576,7 +585,8 @@ class Aliasing:
                         f"member loop; {self._FIX}")
         for name, owners in self.across.items():
             if name in written:
-                return (f"members {owners} hold one tensor as buffer `{name}`, and {how}: the member loop updates that "
+                kind = "parameter" if name in self.parameter_names else "buffer"
+                return (f"members {owners} hold one tensor as {kind} `{name}`, and {how}: the member loop updates that "
                         "one tensor member after member, the batched module would update a copy per member; give each "
                         "member its own (copy.deepcopy the module for each member)"
                         + (self._train_override_fix(name) if training else ""))
@@ -601,11 +611,15 @@ def aliasing_of(members: Sequence[nn.Module], gm: torch.fx.GraphModule) -> Alias
             break  # one member's names are enough to say it
     across: dict[str, list[int]] = {}
     everyone = _whole_set(members)  # a rank's slice: a buffer its members share with another rank's is one tensor too
-    for name, _ in members[0].named_buffers(remove_duplicate=False):
+    # buffers, and parameters: a frozen one shared by members that forward() writes (an nn.Embedding(max_norm=)'s
+    # renormalised rows, an EMA codebook updated under torch.no_grad())
+    shared = [(name, "get_buffer") for name, _ in members[0].named_buffers(remove_duplicate=False)]
+    shared += [(name, "get_parameter") for name, _ in members[0].named_parameters(remove_duplicate=False)]
+    for name, getter in shared:
         held = []
         for i, m in enumerate(everyone):
             try:
-                buffer = m.get_buffer(name)
+                buffer = getattr(m, getter)(name)
             except AttributeError:
                 continue
             if isinstance(buffer, torch.Tensor):  # (a buffer registered as None in some members: the state check refuses)

@@ -191,6 +191,19 @@ class StageProgram:
                                    if r.op == "get_attr" and str(r.target) in state_keys])))
 
 
+def _passed_on(e: BaseException) -> bool:
+    """An exception a stage hands on as it is, not as an ExecutionError: out of memory (batch-size back-off code, and
+    torch's own, catch torch.OutOfMemoryError or an allocator's RuntimeError by type), and the control flow of torch's
+    non-reentrant activation checkpoint (`_StopRecomputationError`, which it raises to stop a recomputation early and
+    catches itself around a checkpointed batched module)."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or type(e).__name__ == "_StopRecomputationError":
+        return True
+    if type(e) is RuntimeError:
+        text = str(e).lower()
+        return "out of memory" in text or "can't allocate memory" in text
+    return False
+
+
 def exact_number_arithmetic(g: torch.fx.Graph, numbers: set[torch.fx.Node]) -> None:
     """Rewrite in `g` Python arithmetic and comparisons among `numbers` (the stage's values and inputs that are numbers
     read from tensors, see exact_numbers) to run in double as the member loop's Python numbers do (number_op), and
@@ -579,6 +592,11 @@ class Runner:
         except Exception as e:  # a stage failure becomes one message naming the stage
             if kept:
                 self._refuse_graph_into_state(kept, e)
+            if _passed_on(e):
+                if not type(e).__name__.startswith("_"):
+                    e.add_note(f"(in stage {self.program.describe} of the batched module, run with "
+                               f"{self.program.stage.options.strategy.value})")
+                raise
             shapes = [_describe_value(a) for a in args]
             strategy = self.program.stage.options.strategy.value
             training = (" This stage runs in training mode now: where the plan was traced with members in eval mode, "

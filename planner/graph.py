@@ -42,7 +42,7 @@ from stagewise.planner.plan import InputSpec
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
-from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, plain_attributes, restore_all, state_refusal  # noqa: F401
+from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, copy_plain, plain_attributes, restore_all, state_refusal  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _autograd_hooks_refused, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     _tensor_values_read,
@@ -193,6 +193,41 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
 def _cuda_devices(model: nn.Module) -> list[int]:
     """The CUDA device indices the model's state lives on (whose random generators a fork must keep)."""
     return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
+
+
+def _numbers_counted(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> list[tuple[str, Any, Any]]:
+    """(name, value after a first call, after a second) for each Python value of the model (plain_attributes: a
+    number, a string, a list of them, a config dict's entry) that two eager calls of forward() on the example inputs
+    leave apart: a counter, `self.frames += x.size(0)`, which a trace bakes at its value then (fx puts a Proxy
+    computed from a size back, torch.export restores the attribute itself) where each member of the loop counts on.
+    A value set from the inputs alone (`self.last_batch = x.shape[0]`) is the same after both. The model is put back
+    as `snapshot` holds it; the random streams are the caller's."""
+    copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))  # noqa: E731
+    if not plain_attributes(model):
+        return []
+    with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
+        try:
+            model(*copies())
+            first = copy_plain(plain_attributes(model))
+            model(*copies())
+            second = copy_plain(plain_attributes(model))
+        except Exception:  # noqa: BLE001 - forward() fails on its own: the trace's checks report that
+            return []
+        finally:
+            snapshot.restore_if_changed(model)
+            restore_all(snapshot, model)
+    same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731 - (NaN is NaN's)
+    return [(k, first.get(k), second.get(k)) for k in sorted(first.keys() | second.keys())
+            if not same(first.get(k), second.get(k))]
+
+
+def _counted_refusal(model: nn.Module, counted: list[tuple[str, Any, Any]]) -> str:
+    shown = "; ".join(f"{k}: {a!r}, then {b!r}" for k, a, b in counted[:3]) + ("; ..." if len(counted) > 3 else "")
+    return (f"{type(model).__name__}.forward() changes Python value(s) of the model on every call ({shown} after two "
+            "calls on the example inputs): a counter such as `self.frames += x.size(0)`. The traced graph holds the "
+            "value it had when traced, where each member of the loop counts on. Keep the count in a buffer updated in "
+            "place (`self.register_buffer('frames', torch.zeros((), dtype=torch.long))`, then `self.frames += "
+            "x.size(0)`: recorded per member), or keep it outside the model")
 
 
 def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple, snapshot: StateSnapshot) -> str | None:
@@ -1240,6 +1275,9 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             "torch.fx (which keeps the container)")
     if changed:
         raise TraceError(_changed_refusal(model, changed))
+    counted = _numbers_counted(model, example_inputs, before)
+    if counted:
+        raise TraceError(_counted_refusal(model, counted))
     held = held_generators(gm)
     if held:
         raise TraceError(f"forward() draws random numbers from a torch.Generator the model holds ({held}): the traced graph "

@@ -177,3 +177,236 @@ class ReadsGlobalsHere(nn.Module):
 
     def forward(self, x):
         return torch.softmax(self.fc(x) / HERE["temperature"], -1)
+
+
+# --- state several members (or two names) hold as one memory, written by forward() ----------------------------------
+
+from stagewise.planner.errors import MemberError  # noqa: E402
+
+
+class SharedCodebook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.codes = nn.Parameter(torch.randn(5, 4), requires_grad=False)  # frozen: an EMA codebook
+
+    def forward(self, h):
+        d = torch.cdist(h, self.codes)
+        with torch.no_grad():
+            self.codes.mul_(0.9).add_(0.1 * h.mean(0))
+        return d
+
+
+class SharedEma(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, h):
+        with torch.no_grad():  # (torch.export's graph: aten.add.out(..., out=ema))
+            torch.add(self.ema * 0.9, h.mean(0) * 0.1, out=self.ema)
+        return h - self.ema
+
+
+class UsesShared(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.shared = shared
+
+    def forward(self, x):
+        return self.shared(self.fc(x))
+
+
+@pytest.mark.parametrize("kind", ["frozen parameter", "out= write"])
+def test_state_members_share_and_forward_writes_is_refused(kind):
+    """A frozen Parameter shared by the members and written in place (0.48..0.95 off over 3 calls), a shared buffer
+    written with `out=` (8.8e-2..0.2 off): each member got a copy. Refused as a shared buffer written in place is."""
+    torch.manual_seed(0)
+    shared = SharedCodebook() if kind == "frozen parameter" else SharedEma()
+    members = [UsesShared(shared).eval() for _ in range(N)]
+    x = torch.randn(8, 6)
+    plan = planner.propose(planner.trace(members[0], (x,)), n_members=N)
+    with pytest.raises(MemberError, match=r"members \[0, 1, 2\] hold one tensor as (parameter `shared.codes`|buffer `shared.ema`)"):
+        executor.build(plan, members)
+
+
+class MaxNormTied(nn.Module):
+    """An embedding with max_norm (its lookup renormalises the rows it reads, in place) and an output head."""
+
+    def __init__(self, tie: str):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)
+        self.out = nn.Linear(4, 10, bias=False)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)
+        if tie == "data":
+            self.out.weight = nn.Parameter(self.emb.weight.data)  # another Parameter on the same memory
+        elif tie == "tied":
+            self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def test_an_embeddings_max_norm_write_is_seen_by_the_aliasing_checks():
+    """nn.Embedding(max_norm=)'s renormalisation wrote a weight another name shares (3.90 off), or members tying the
+    head differently (3.90): no in-place node shows it, so the checks missed it."""
+    ids = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    torch.manual_seed(0)
+    members = [MaxNormTied("data").eval() for _ in range(N)]
+    plan = planner.propose(planner.trace(members[0], (ids,)), n_members=N)
+    with pytest.raises(MemberError, match=r"`emb.weight` and parameter `out.weight` are two tensors on one memory"):
+        executor.build(plan, members)
+    torch.manual_seed(0)
+    members = [MaxNormTied(t).eval() for t in ("none", "tied", "tied")]
+    plan = planner.propose(planner.trace(members[0], (ids,)), n_members=N)
+    with pytest.raises(MemberError, match=r"members tie parameters differently \(out.weight = emb.weight"):
+        executor.build(plan, members)
+
+
+# --- Python values forward() counts on ----------------------------------------------------------------------------
+
+from stagewise.planner.errors import TraceError  # noqa: E402
+
+
+class FrameCounter(nn.Module):
+    """An RL agent annealing a temperature by the frames it has seen: `self.frames += x.size(0)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.frames = 0
+
+    def forward(self, x):
+        self.frames += x.size(0)
+        return torch.softmax(self.fc(x) / (1 + self.frames * 0.01), -1)
+
+
+class RunningCount(nn.Module):
+    """An observation normaliser whose count is a Python float (torch.export traces it: fx fails on `len`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.register_buffer("mean", torch.zeros(6))
+        self.count = 1e-4
+
+    def forward(self, x):
+        n = len(x)
+        with torch.no_grad():
+            self.mean.mul_(self.count / (self.count + n)).add_(x.sum(0) / (self.count + n))
+        self.count = self.count + n
+        return self.fc(x - self.mean)
+
+
+class LastBatch(nn.Module):
+    """A value set from the inputs alone (the same after every call on them): not a counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.last_batch = 0
+
+    def forward(self, x):
+        self.last_batch = x.shape[0]
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("cls", [FrameCounter, RunningCount])
+def test_a_python_number_forward_counts_on_is_refused_at_trace(cls):
+    """fx put back the Proxy of `self.frames += x.size(0)` (a size read, taken for a cache) and torch.export restores
+    attributes itself: the graph held the traced value, 0.39 off after 4 calls (a normaliser's count: 0.385)."""
+    torch.manual_seed(0)
+    model = cls()
+    x = torch.randn(16, 6)
+    before = {k: v for k, v in vars(model).items() if isinstance(v, (int, float))}
+    with pytest.raises(TraceError, match=r"changes Python value\(s\) of the model on every call"):
+        planner.trace(model, (x,))
+    assert {k: v for k, v in vars(model).items() if isinstance(v, (int, float))} == before  # the model as it was
+
+
+def test_a_value_set_from_the_inputs_alone_is_not_a_counter():
+    torch.manual_seed(0)
+    members = [LastBatch() for _ in range(N)]
+    x = torch.randn(5, 6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+# --- exceptions a stage hands on as they are ----------------------------------------------------------------------
+
+
+class TwoStages(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.g, self.fc2 = nn.Linear(16, 32), nn.GRU(32, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(self.g(torch.relu(self.fc1(x)))[0])
+
+
+def test_activation_checkpoint_around_the_batched_module_trains_as_the_loop():
+    """torch's non-reentrant checkpoint stops a recomputation early with an exception it catches itself: wrapped
+    into an ExecutionError by the stage, backward failed ("check the input shapes")."""
+    import copy  # noqa: PLC0415
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    members = [TwoStages() for _ in range(N)]
+    x = torch.randn(N, 4, 5, 16)
+    plan = planner.propose(planner.trace(members[0], (x[0],)), n_members=N, input_mode="per_member")
+    assert len(plan.stages) > 1
+    ens = executor.build(plan, copy.deepcopy(members))
+    loop = copy.deepcopy(members)
+    for i, m in enumerate(loop):
+        (checkpoint(m, x[i], use_reentrant=False) ** 2).mean().backward()
+    (checkpoint(ens, x, use_reentrant=False) ** 2).mean(dim=(1, 2, 3)).sum().backward()
+    named = dict(ens.named_stacked_parameters())
+    for i, m in enumerate(loop):
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(named[k].grad[i], p.grad, rtol=1e-5, atol=1e-6)
+
+
+class Allocates(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + h.new_zeros(x.shape[0] ** 4).sum()  # 16 elements at batch 2; 6e17 bytes at 20000
+
+
+def test_out_of_memory_in_a_stage_keeps_its_type():
+    """Batch-size back-off code catches torch.OutOfMemoryError / the allocator's RuntimeError by type: the stage
+    turned it into an ExecutionError. Handed on as it is, with a note naming the stage."""
+    torch.manual_seed(0)
+    members = [Allocates() for _ in range(N)]
+    ens = executor.build(planner.propose(planner.trace(members[0], (torch.randn(2, 4),)), N), members)
+    with pytest.raises(RuntimeError, match="can't allocate memory|out of memory") as caught:
+        ens(torch.randn(20000, 4))
+    assert not isinstance(caught.value, ExecutionError)
+    assert any("in stage" in note for note in getattr(caught.value, "__notes__", []))
+
+
+class LearnableAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.log_scale = (torch.randn(()) * 0.5).requires_grad_()  # learnable, not registered
+
+    def forward(self, x):
+        return self.fc(x) * self.log_scale.exp()
+
+
+def test_a_learnable_plain_tensor_attribute_is_refused_where_gradients_are_recorded():
+    """Held as a constant, it got no gradient (the loop's 6.65) and verify(grads=True) said MATCH."""
+    torch.manual_seed(0)
+    members = [LearnableAttribute() for _ in range(N)]
+    x = torch.randn(5, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.raises(ExecutionError, match=r"'log_scale' as a plain tensor attribute that requires grad"):
+        ens(x)
+    with torch.no_grad():  # inference is unaffected
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
