@@ -57,7 +57,7 @@ from stagewise.executor.own_storage import write_back as own_storage_write_back
 from stagewise.executor.input_writes import check_input_writes, overlapping_rows_refusal, rows_overlap
 from stagewise.executor.members import (aliasing_of, member_list, check_one_device, copy_member, frozen_apart, frozen_apart_flags, written_state, gradient_hooks, shared_across_members,
                                        stack_member_state, state_device, state_tree, tensors_overlap, ties_apart, tree_tensor)
-from stagewise.executor.members import member_state, tied_names  # noqa: F401
+from stagewise.executor.members import member_state, mirror_layer_classes, tied_names  # noqa: F401
 from stagewise.executor.modes import _MODE_NAME, mode_bound, own_train_modes, set_train_modes, train_on_copy
 from stagewise.executor.optim import watch_stacked_parameters
 from stagewise.executor.modes import reads_training  # noqa: F401
@@ -737,6 +737,22 @@ def _own_module(where: str | None) -> bool:
     return bool(where) and not where.startswith(("torch", "stagewise")) and where in sys.modules
 
 
+def _branching_modules(member: nn.Module, stage_modules: Sequence[nn.Module]) -> dict[str, tuple[str, bool]]:
+    """{path: (class name, the mode it was traced in)} of the member's modules whose forward() reads self.training and that no stage calls as a
+    leaf: traced through (a module of the model's own branching on it), or a torch.export graph's ops (BatchNorm,
+    Dropout with their mode fixed): the graph kept one mode. A leaf layer a stage calls reads its flag at run time."""
+    called = {str(n.target) for m in stage_modules for n in m.graph.nodes if n.op == "call_module"}
+    out = {}
+    for path, module in member.named_modules():
+        cls = type(module)
+        fn = getattr(cls.forward, "__func__", cls.forward)
+        code = getattr(fn, "__code__", None)
+        inside_a_call = any(path == c or path.startswith(c + ".") for c in called)  # a leaf run at call time
+        if path and not inside_a_call and code is not None and "training" in code.co_names:
+            out[path] = (cls.__name__, module.training)
+    return out
+
+
 def _learnable_attributes(member: nn.Module, gm: torch.fx.GraphModule, stacked: dict[str, torch.Tensor]) -> list[str]:
     """Names of the plain tensor attributes (not parameters or buffers) of `member` that require grad as leaves, a
     learnable scalar trained by passing it to the optimizer by hand, and that the graph reads (as a get_attr, or
@@ -875,6 +891,7 @@ class BatchedModule(nn.Module):
         params = params if params is not None else {}
         self._member_keys = list(member_keys) if member_keys is not None else [k for k in stacked if not k.startswith(LIFTED_PREFIX)]
         self.stacked = state_tree(stacked, params, persistent=set(self._member_keys))
+        self.stacked.__dict__["_modes"][0] = self  # train() / eval() on a node of the tree reach the layers (_layer_mode)
         self.__dict__["_state_replaced"] = self.stacked.changed  # [True] once a tensor of the tree is replaced
         self._stacked = {k: tree_tensor(self.stacked, k) for k in stacked}
         # a state tensor read by a stage and handed on is that tensor itself, not a copy: an in-place
@@ -1197,7 +1214,12 @@ class BatchedModule(nn.Module):
         ExecutionError for a mode whose graph differs from the traced one (forward() branches on self.training)."""
         if mode in self.__dict__.get("_mode_bound", ()):
             raise self._mode_refusal(mode, f".train({mode})" if mode else ".eval()")
-        super().train(mode)
+        self.__dict__["_setting_modes"] = True  # (the state tree's nodes follow below, as the stage modules do)
+        try:
+            super().train(mode)
+        finally:
+            self.__dict__["_setting_modes"] = False
+        self._bump_modes()
         later = self.__dict__.get("_low_precision_later")
         if mode and later:  # built in eval: the statistics start moving now, in the plan's low precision
             self.__dict__["_low_precision_later"] = ()
@@ -1223,6 +1245,47 @@ class BatchedModule(nn.Module):
             if k in self._stacked and self._stacked[k].requires_grad != flag:  # `freeze_bn` freezing the weights too
                 self._stacked[k].requires_grad_(flag)
         return self
+
+    def _layer_mode(self, path: str, mode: bool) -> None:
+        """train(mode) / eval() called on the node `path` of the state tree (`ens.stacked.bn.eval()`, or a walk over
+        `ens.modules()` picking layers by class: MC dropout's `m.train()` on the Dropouts of a model in eval, BatchNorm
+        frozen while fine-tuning): the layers at `path` in the stage modules and the loop stages' per-member copies
+        take that mode, as each member's layer does in the loop. ExecutionError where a module of the model's own
+        there branches on self.training in forward(): the trace kept one side of that branch."""
+        if not path or self.__dict__.get("_setting_modes"):
+            return
+        baked = [p for p, (_, traced) in (self.__dict__.get("_branching_modules") or {}).items()
+                 if (p == path or p.startswith(path + ".")) and traced != mode]
+        if baked:
+            raise ExecutionError(
+                f"train({mode}) on {path!r} of the batched module: forward() of {baked[0]!r} "
+                f"({self._branching_modules[baked[0]][0]}) reads self.training, and the plan's graph holds its ops as "
+                f"traced in one mode ({'torch.export fixes the mode of every layer' if self.plan.tracer == 'export' else 'traced through, one side of the branch kept'}), "
+                "so that layer's other mode cannot be run from this module. Put the members' layers in the mode you "
+                "want before planner.trace and executor.build, or build one module per mode (ens.train() / ens.eval() "
+                "switch the whole module where its graph allows)")
+        found = False
+        for m in self.stage_modules:
+            try:
+                m.get_submodule(path).train(mode)
+                found = True
+            except AttributeError:
+                continue
+        for r in self.runners:
+            for bound in getattr(r, "_bound", ()):
+                try:
+                    bound.get_submodule(path).train(mode)
+                except AttributeError:
+                    continue
+        if found:
+            self._bump_modes()
+
+    def _bump_modes(self) -> None:
+        """A layer's mode changed: graphs captured before (executor.capture) replay the old one, and are made again."""
+        self.__dict__["_modes_version"] = self.__dict__.get("_modes_version", 0) + 1
+        captured = self.__dict__.get("_captured")
+        if captured is not None:
+            self._make_captured()
 
     def _stage_layer_mode(self, name: str) -> bool | None:
         """The training flag of the layer `name` in the stage modules that hold it now (None where none does)."""
@@ -1888,6 +1951,7 @@ class BatchedModule(nn.Module):
             elif k not in _MADE_FROM_STATE:
                 new.__dict__[k] = copy.deepcopy(v, memo)
         new._stacked = {k: tree_tensor(new.stacked, k) for k in self._stacked}
+        new.stacked.__dict__["_modes"][0] = new
         new._build_runners()
         new._make_captured()
         watch_stacked_parameters(new)
@@ -1910,6 +1974,8 @@ class BatchedModule(nn.Module):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._stacked = {k: tree_tensor(self.stacked, k) for k in self._stacked}
+        if "_modes" in self.stacked.__dict__:  # (a module pickled before nodes followed modes: none)
+            self.stacked.__dict__["_modes"][0] = self
         self._build_runners()
         self._make_captured()
         watch_stacked_parameters(self)
@@ -2117,6 +2183,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_ties_apart"] = apart
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
     module.__dict__["_learnable_attributes"] = _learnable_attributes(members[0], graph.gm, module._stacked)
+    module.__dict__["_branching_modules"] = _branching_modules(members[0], module.stage_modules)
+    mirror_layer_classes(module.stacked, members[0])
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place

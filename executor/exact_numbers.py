@@ -56,6 +56,8 @@ def read_numbers(gm: torch.fx.GraphModule, inputs: Iterable[str] = ()) -> frozen
             out.add(node.name)  # `m, m2 = t.tolist()`: a number of the list read (or a list of them)
         elif node.op == "call_function" and node.target in (float, int, bool) and len(inputs) == 1 and not node.kwargs:
             out.add(node.name)  # float(t): a tensor's value, or a number already (float(n) of a size: plain arithmetic)
+        elif node.op == "call_function" and getattr(node.target, "__module__", None) == "math" and inputs:
+            out.add(node.name)  # math.log(t) of a 0-d tensor reads its value too; of numbers: a number of them
         elif node.op == "call_function" and (node.target in OP_NAMES or node.target in _NUMBER_FUNCTIONS
                                              or getattr(node.target, "__module__", None) == "math") \
                 and any(a.name in out for a in inputs) and all(a.name in out or a.name in sizes for a in inputs):

@@ -277,7 +277,9 @@ def update_bn(loader: Iterable[Any], model: nn.Module, device: torch.device | st
     if not batched:
         return _ORIGINAL.get("update_bn", torch.optim.swa_utils.update_bn)(loader, model, device)
     norms = [entry for module in batched for entry in _batched_norms(module)]
-    plain = {m: m.momentum for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    # (the batched modules' own nodes report the members' BatchNorm class, but hold stacked state: handled above)
+    plain = {m: m.momentum for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and type(m).__name__ != "StateNode"}
     if not norms and not plain:
         return None
     # what a refusal half way puts back (the user's statistics are not lost to a failed update)

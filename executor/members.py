@@ -358,9 +358,28 @@ class StateNode(nn.Module):
     whole tree, so the batched module reads the new tensor instead of the one it was built with. torch's prune,
     spectral_norm, weight_norm and parametrize are refused before they change it (see _REPARAMETRIZING)."""
 
-    def __init__(self, changed: list[bool]):
+    def __init__(self, changed: list[bool], path: str = "", modes: list | None = None):
         super().__init__()
-        self.__dict__.update(_parameters=_Watched(changed), _buffers=_Watched(changed), changed=changed)
+        self.__dict__.update(_parameters=_Watched(changed), _buffers=_Watched(changed), changed=changed,
+                             _path=path, _modes=modes if modes is not None else [None], _mirrors=None)
+
+    # The layer class of the members' module at this path (torch.nn's: nn.BatchNorm2d, nn.Dropout), which the node
+    # reports as its class, so that `isinstance(m, nn.Dropout)` over `ens.modules()` finds it, and its train() /
+    # eval() reach the layers the stages run (MC dropout, BatchNorm frozen for fine-tuning: see __setattr__)
+    @property
+    def __class__(self) -> type:
+        return self.__dict__.get("_mirrors") or type(self)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (_new_state_node, (type(self),), self.__getstate__())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "training":  # (train()/eval() set it here too) the layers at this path follow
+            modes = self.__dict__.get("_modes")
+            owner = modes[0] if modes else None
+            if owner is not None:
+                owner._layer_mode(self.__dict__["_path"], bool(value))
 
     def __getattr__(self, name: str) -> Any:
         """nn.Module's lookup of parameters, buffers and submodules; parametrize.register_parametrization is refused
@@ -368,7 +387,17 @@ class StateNode(nn.Module):
         registering = _registering_parametrization() if name == "parametrizations" else None
         if registering is not None:
             raise MemberError(_refusal(_REPARAMETRIZING["parametrize.py"], repr(registering)))
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            mirrors = self.__dict__.get("_mirrors")
+            if mirrors is None or name.startswith("__"):
+                raise
+            raise AttributeError(
+                f"{self.__dict__['_path']!r} of the batched module is the members' {mirrors.__name__} as stacked state "
+                f"([N, ...] tensors; its train() / eval() reach the layer the stages run), not the layer itself: it has "
+                f"no {name!r}. Set layer settings on the members before executor.build (a BatchNorm's statistics: "
+                "executor.update_bn)") from None
 
     def _never_fires(self, kind: str, *args: Any, **kwargs: Any) -> Any:
         """A module hook registered here, with a warning: this module holds state and is never called, so the hook
@@ -397,6 +426,41 @@ class StateNode(nn.Module):
         return self._never_fires("register_backward_hook", *args, **kwargs)
 
 
+def mirror_layer_classes(tree: StateNode, member: nn.Module) -> None:
+    """Give `tree` a node for each module of `member` (a Dropout or ReLU holds no state, so stacking made none), and
+    have each report the class of the member's module at its path as its own where that is a layer of torch.nn's:
+    `isinstance(m, nn.Dropout)` over `ens.modules()` then finds it, and its train() / eval() reach the layer the
+    stages run (see StateNode)."""
+    changed, modes = tree.__dict__["changed"], tree.__dict__["_modes"]
+    for path, layer in member.named_modules():
+        if not path:
+            continue
+        owner, parts = tree, path.split(".")
+        for k, part in enumerate(parts):
+            if part not in owner._modules:
+                owner._modules[part] = StateNode(changed, ".".join(parts[:k + 1]), modes)
+            owner = owner._modules[part]
+            if owner is None or not isinstance(owner, StateNode):
+                break
+        else:
+            cls = type(layer)
+            if (cls.__module__ or "").startswith("torch.nn.") and cls is not nn.Module:
+                owner.__dict__["_mirrors"] = cls
+    for path, layer in member.named_modules():  # in the member's order (`print(ens)` reads as the model does)
+        try:
+            node = tree.get_submodule(path) if path else tree
+        except AttributeError:
+            continue
+        if isinstance(node, StateNode):
+            order = [k for k in layer._modules if k in node._modules] + [k for k in node._modules if k not in layer._modules]
+            node.__dict__["_modules"] = {k: node._modules[k] for k in order}
+
+
+def _new_state_node(cls: type) -> StateNode:
+    """An empty StateNode for unpickling (its state, __dict__, follows): a node reports a layer class as its own."""
+    return cls.__new__(cls)
+
+
 def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persistent: set[str]) -> StateNode:
     """Stacked member state as a module tree mirroring one member's: `tree.fc1.weight` is [N, *fc1.weight.shape].
 
@@ -404,15 +468,15 @@ def state_tree(stacked: dict[str, torch.Tensor], params: dict[str, bool], persis
     under each of its names); the rest are buffers, in the state_dict when in `persistent`.
     `tree.changed[0]` is set when a tensor of the tree is replaced (see StateNode); it starts False.
     """
-    changed = [False]
-    root = StateNode(changed)
+    changed, modes = [False], [None]
+    root = StateNode(changed, "", modes)
     as_param: dict[int, nn.Parameter] = {}
     for name, t in stacked.items():
         owner = root
         *path, leaf = name.split(".")
-        for part in path:
+        for k, part in enumerate(path):
             if part not in owner._modules:
-                owner.add_module(part, StateNode(changed))
+                owner.add_module(part, StateNode(changed, ".".join(path[:k + 1]), modes))
             owner = owner._modules[part]
         if name in params:
             p = as_param.get(id(t))

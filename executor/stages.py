@@ -599,11 +599,13 @@ class Runner:
                 raise
             shapes = [_describe_value(a) for a in args]
             strategy = self.program.stage.options.strategy.value
-            training = (" This stage runs in training mode now: where the plan was traced with members in eval mode, "
-                        "its ops were probed in that mode, and some batch there but not in training (BatchNorm with "
-                        "momentum=None counts its calls with .item(), spectral_norm writes with out=); to train, plan "
-                        "with members in .train() (planner.trace and executor.build), or exclude this stage"
-                        if self.program.module.training and strategy in ("vmap", "compile")
+            training = (" This stage (or a layer of it: a Dropout put in training for MC dropout) runs in training "
+                        "mode now: where the plan was traced with members in eval mode, its ops were probed in that "
+                        "mode, and some batch there but not in training (dropout draws, BatchNorm with momentum=None "
+                        "counts its calls with .item(), spectral_norm writes with out=); to train, plan with members "
+                        "in .train() (planner.trace and executor.build; for MC dropout, with their Dropouts in "
+                        "training), or exclude this stage"
+                        if any(m.training for m in self.program.module.modules()) and strategy in ("vmap", "compile")
                         and _NOT_BATCHABLE.search(str(e)) else "")
             advice = self._dtype_advice(args, e) or f"Check the input shapes, or exclude the stage to run it as a loop.{training}"
             raise ExecutionError(

@@ -691,7 +691,8 @@ def _data_numbers(graph) -> set[str]:
         if n.op not in ("call_function", "call_method") or type(values.get(n.name)) not in (bool, int, float):
             continue
         first = n.args[0] if n.args else None
-        read = base_name(n) in _TO_NUMBER or (n.target in (float, int, bool) and isinstance(first, torch.fx.Node)
+        read = base_name(n) in _TO_NUMBER or ((n.target in (float, int, bool) or getattr(n.target, "__module__", None) == "math")
+                                            and isinstance(first, torch.fx.Node)
                                             and isinstance(values.get(first.name), torch.Tensor)) or (
             # a function of the model's own (torch.fx.wrap) that turns tensors into a number (`scale_of(h)` returning
             # h.abs().mean().item()): each member's differs too

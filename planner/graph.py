@@ -12,6 +12,7 @@ cannot repeat per member), planner.snapshot (plain attributes, state before/afte
 from __future__ import annotations
 
 import contextlib
+import collections
 import copy
 import dataclasses
 import hashlib
@@ -515,7 +516,9 @@ def _attributes_carried(model: nn.Module, example_inputs: tuple, snapshot: State
     after a first call on other values. An attribute only stored (an attention map kept to look at) or a cache sized
     by the inputs (a rotary table) does not. The model is put back as `snapshot` holds it; the random streams are the
     caller's."""
-    def tensors_in(v: Any) -> bool:
+    def tensors_in(v: Any) -> bool:  # (a deque: a frame stack `self.frames.append(obs)`)
+        if isinstance(v, collections.deque):
+            v = list(v)
         return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list, dict)) and any(
             isinstance(t, torch.Tensor) for t in tree_flatten(v)[0]))
 
@@ -524,6 +527,8 @@ def _attributes_carried(model: nn.Module, example_inputs: tuple, snapshot: State
                 if k not in ("_parameters", "_buffers", "_modules") and (v is None or tensors_in(v))}
 
     def leaves(v: Any) -> list[int] | None:  # what a dict or list attribute holds (`self.mem["h"] = h`: the same dict)
+        if isinstance(v, collections.deque):
+            v = list(v)
         return [id(t) for t in tree_flatten(v)[0]] if isinstance(v, (tuple, list, dict)) else None
 
     def copies(inputs: tuple) -> tuple:

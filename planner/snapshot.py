@@ -47,7 +47,8 @@ def plain_attributes(model: nn.Module) -> dict[str, Any]:
 
 
 def _is_plain(v: Any) -> bool:
-    return isinstance(v, PLAIN_TYPES) or (isinstance(v, (tuple, list)) and all(isinstance(x, PLAIN_TYPES) for x in v))
+    return isinstance(v, PLAIN_TYPES) or (isinstance(v, (tuple, list, collections.deque))
+                                          and all(isinstance(x, PLAIN_TYPES) for x in v))
 
 
 def _collect_plain(key: str, v: Any, out: dict[str, Any], depth: int, seen: set[int]) -> None:
@@ -467,8 +468,8 @@ class StateSnapshot:
                     for path, mod in model.named_modules() for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
         slots = [(f"{path}.{k}" if path else k, mod, table, k, t) for path, mod in model.named_modules(remove_duplicate=False)
                  for table in ("_parameters", "_buffers") for k, t in getattr(mod, table).items()]
-        contents = [(v, list(v) if isinstance(v, list) else dict(v), f"{type(mod).__name__}.{k}") for mod in model.modules()
-                    for k, v in vars(mod).items() if type(v) in (list, dict) and k not in _MODULE_TABLES]
+        contents = [(v, _contents_of(v), f"{type(mod).__name__}.{k}") for mod in model.modules()
+                    for k, v in vars(mod).items() if _is_container(v) and k not in _MODULE_INTERNALS]
         return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held,
                              slots, [(mod, dict(vars(mod))) for mod in model.modules()], contents)
 
@@ -564,17 +565,44 @@ def restore_all(snapshot: StateSnapshot, model: nn.Module) -> None:
                 mod.__dict__[k] = v
 
 
+def _is_container(v: Any) -> bool:
+    """A mutable container a module may keep values in between calls: a list, a deque, a dict (a defaultdict, an
+    OrderedDict), a set, a SimpleNamespace."""
+    return isinstance(v, (list, collections.deque, dict, set)) or type(v) is types.SimpleNamespace
+
+
+def _contents_of(v: Any) -> Any:
+    """A shallow copy of what the container `v` holds (a dict of a SimpleNamespace's fields)."""
+    if isinstance(v, (list, collections.deque)):
+        return list(v)
+    if isinstance(v, set):
+        return set(v)
+    return dict(v) if isinstance(v, dict) else dict(vars(v))
+
+
 def _put_back_contents(container: Any, was: Any) -> list:
-    """Put `container` (a list or dict) back to the contents `was`; the values it held instead that hold fx Proxies
-    (a trace stored them), or [] where it was as it is (or changed without Proxies: put back all the same)."""
-    if isinstance(container, list) and (len(container) != len(was) or any(a is not b for a, b in zip(container, was))):
-        stored = [x for x in container if _holds_proxy(x)]
-        container[:] = was
-        return stored
-    if isinstance(container, dict) and (container.keys() != was.keys() or any(container[k] is not was[k] for k in was)):
-        stored = [x for x in container.values() if _holds_proxy(x)]
-        container.clear()
-        container.update(was)
+    """Put `container` (a list, deque, dict, set or SimpleNamespace) back to the contents `was`; the values it held
+    instead that hold fx Proxies (a trace stored them), or [] where it was as it is (or changed without Proxies: put
+    back all the same)."""
+    if isinstance(container, (list, collections.deque)):
+        if len(container) != len(was) or any(a is not b for a, b in zip(container, was)):
+            stored = [x for x in container if _holds_proxy(x)]
+            container.clear()
+            container.extend(was)
+            return stored
+        return []
+    if isinstance(container, set):
+        if container != was:
+            stored = [x for x in container if _holds_proxy(x)]
+            container.clear()
+            container.update(was)
+            return stored
+        return []
+    fields = container if isinstance(container, dict) else vars(container)
+    if fields.keys() != was.keys() or any(fields[k] is not was[k] for k in was):
+        stored = [x for x in fields.values() if _holds_proxy(x)]
+        fields.clear()
+        fields.update(was)
         return stored
     return []
 
@@ -587,7 +615,7 @@ def _holds_proxy(v: Any) -> bool:
     """Whether `v` is an fx Proxy, or a list, tuple or dict holding one (one level down)."""
     if isinstance(v, torch.fx.Proxy):
         return True
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, (list, tuple, collections.deque, set)):
         return any(isinstance(x, torch.fx.Proxy) for x in v)
     if isinstance(v, dict):
         return any(isinstance(x, torch.fx.Proxy) for x in v.values())
@@ -611,7 +639,7 @@ def config_fields(model: nn.Module, attributes: list[str]) -> dict[str, Any]:
 
 
 def copy_plain(attrs: dict[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, list) else v for k, v in attrs.items()}
+    return {k: list(v) if isinstance(v, (list, collections.deque)) else v for k, v in attrs.items()}
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ Python float operand), and returns Python-float outputs as float64.
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -412,3 +413,25 @@ def test_whole_numbers_a_wrapped_function_returns_stay_batched():
     assert not any("function of the model's own" in s.reason for s in plan.stages)  # int64 arithmetic is exact
     out, ref = executor.build(plan, members)(x), _loop(members, x)
     torch.testing.assert_close(out, torch.stack(ref))
+
+
+class MathOfATensor(nn.Module):
+    """math.* of a per-member 0-d tensor reads its value, as .item() does (a log-space temperature schedule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, obs, tau0):
+        tau = math.exp(math.log(tau0) * 0.5)
+        return torch.softmax(self.l(obs) / tau, -1)
+
+
+def test_math_of_a_per_member_tensor_is_a_number_read_per_member():
+    """Two nested math calls on a per-member tensor were planned batched: every call failed inside vmap."""
+    torch.manual_seed(0)
+    members = [MathOfATensor() for _ in range(N)]
+    obs, tau0 = torch.randn(N, 5, 4), torch.tensor([0.9, 0.5, 2.0])
+    plan = planner.propose(planner.trace(members[0], (obs[0], torch.tensor(1.0))), n_members=N, input_mode="per_member")
+    out = executor.build(plan, members)(obs, tau0)
+    torch.testing.assert_close(out, torch.stack([m(obs[i], tau0[i]) for i, m in enumerate(members)]))

@@ -410,3 +410,210 @@ def test_a_learnable_plain_tensor_attribute_is_refused_where_gradients_are_recor
         ens(x)
     with torch.no_grad():  # inference is unaffected
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+# --- a layer's mode set on the batched module's own modules -------------------------------------------------------
+
+import copy  # noqa: E402
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _freeze_bn(model):
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+
+
+def test_batchnorm_frozen_by_class_on_the_batched_module_stays_frozen():
+    """`model.train(); for m in model.modules(): if isinstance(m, nn.BatchNorm2d): m.eval()` found nothing on the
+    batched module (its modules were state holders): its statistics moved, 0.30 off the loop's outputs."""
+    torch.manual_seed(0)
+    members = [ConvBN() for _ in range(N)]
+    for m in members:
+        with torch.no_grad():
+            m.bn.running_mean.uniform_(-1, 1)
+    x = torch.randn(4, 3, 6, 6)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]).train(), (x,)), N)
+    ens = executor.build(plan, [copy.deepcopy(m) for m in members])
+    _freeze_bn(ens)
+    for m in members:
+        _freeze_bn(m)
+    before = ens.stacked.bn.running_mean.clone()
+    for _ in range(2):
+        got, want = ens(x), torch.stack([m(x) for m in members])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ens.stacked.bn.running_mean, before, rtol=0, atol=0)
+    assert isinstance(ens.stacked.bn, nn.BatchNorm2d) and not ens.stacked.bn.training
+    with pytest.raises(AttributeError, match=r"'bn' of the batched module is the members' BatchNorm2d as stacked state"):
+        ens.stacked.bn.momentum  # noqa: B018 - a layer setting is the members', not here
+
+
+class MLPDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 2)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def _mc_dropout(model):
+    model.eval()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.train()
+
+
+def test_mc_dropout_set_by_class_draws_as_the_loop_and_survives_copies():
+    """MC dropout on the batched module stayed deterministic (the loop's two calls differ by 1.02)."""
+    torch.manual_seed(0)
+    members = [MLPDrop() for _ in range(N)]
+    for m in members:
+        _mc_dropout(m)
+    x = torch.randn(5, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    ens = executor.build(plan, [copy.deepcopy(m) for m in members])
+    ens.eval()
+    with torch.no_grad():
+        a, b = ens(x), ens(x)
+        assert torch.equal(a, b)  # all eval: deterministic
+        for target in (ens, copy.deepcopy(ens)):
+            _mc_dropout(target)
+            torch.manual_seed(3)
+            got = target(x)
+            torch.manual_seed(3)
+            torch.testing.assert_close(got, torch.stack([m(x) for m in members]), rtol=1e-6, atol=1e-6)
+        buffer = __import__("io").BytesIO()
+        torch.save(ens, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert isinstance(loaded.stacked.drop, nn.Dropout) and loaded.stacked.drop.training
+        loaded.stacked.drop.eval()  # reaches the loaded module's own layers
+        torch.testing.assert_close(loaded(x), loaded(x), rtol=0, atol=0)
+
+
+class Gate(nn.Module):
+    """A module of the model's own whose forward() branches on self.training (traced through: one side kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 0.5 if self.training else h
+
+
+class WithGate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.out = Gate(), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(self.gate(x))
+
+
+def test_a_mode_change_of_a_traced_through_branch_is_refused():
+    torch.manual_seed(0)
+    members = [WithGate().eval() for _ in range(N)]
+    x = torch.randn(3, 6)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.raises(ExecutionError, match=r"forward\(\) of .gate. \(Gate\) reads self.training"):
+        ens.stacked.gate.train()
+
+
+# --- containers a refused trace leaves as they were ---------------------------------------------------------------
+
+import collections  # noqa: E402
+import types as _types  # noqa: E402
+
+
+class FrameStack(nn.Module):
+    """A policy stacking its last k observations in a deque attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 2)
+        self.frames = collections.deque([torch.zeros(2, 4)] * 3, maxlen=3)
+
+    def forward(self, obs):
+        self.frames.append(obs)
+        return self.fc(torch.cat(list(self.frames), -1))
+
+
+class Counters(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.kind = kind
+        self.stats = collections.defaultdict(int) if kind == "defaultdict" else _types.SimpleNamespace(n=0)
+        self.hist = collections.deque(maxlen=100)
+
+    def forward(self, x):
+        if self.kind == "defaultdict":
+            self.stats["updates"] += 1
+            k = self.stats["updates"]
+        elif self.kind == "namespace":
+            self.stats.n += 1
+            k = self.stats.n
+        else:
+            self.hist.append(x.shape[0])
+            k = len(self.hist)
+        return self.fc(x) * k
+
+
+@pytest.mark.parametrize("make", [FrameStack, lambda: Counters("defaultdict"), lambda: Counters("namespace"),
+                                  lambda: Counters("deque")])
+def test_a_refused_trace_leaves_the_models_containers_as_they_were(make):
+    """Only exact lists and dicts were put back: a deque was left holding fx Proxies (the model's own call then
+    returned a Proxy), a defaultdict / SimpleNamespace counter at 1; a deque counter of sizes was accepted."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(2, 4)
+    before = {k: (list(v) if isinstance(v, collections.deque) else copy.copy(v)) for k, v in vars(model).items()
+              if k in ("frames", "stats", "hist")}
+    with pytest.raises(TraceError):
+        planner.trace(model, (x,))
+    for k, v in before.items():
+        now = getattr(model, k)
+        if isinstance(now, collections.deque):
+            assert len(now) == len(v) and all(a is b for a, b in zip(now, v)), k
+        else:
+            assert vars(now) == vars(v) if isinstance(now, _types.SimpleNamespace) else dict(now) == dict(v), k
+    assert isinstance(model(x), torch.Tensor)
+
+
+class CountsCalls(nn.Module):
+    """A call counter written in place in forward(): torch.fx cannot record it, so the plan is torch.export's."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 5)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_a_layer_mode_a_torch_export_graph_fixed_is_refused():
+    """On a torch.export plan the graph holds the batch norm's op with its mode fixed: ens.stacked.bn.eval() did
+    nothing (0.30 off, statistics moving); refused now, while the traced mode itself is accepted."""
+    torch.manual_seed(0)
+    members = [CountsCalls().train() for _ in range(N)]
+    x = torch.randn(4, 3, 8, 8)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    assert plan.tracer == "export"
+    ens = executor.build(plan, [copy.deepcopy(m) for m in members])
+    ens.stacked.bn.train()  # the traced mode: nothing to refuse
+    with pytest.raises(ExecutionError, match=r"'bn' \(BatchNorm2d\) reads self.training.*torch.export fixes the mode"):
+        ens.stacked.bn.eval()
