@@ -17,6 +17,7 @@ import operator
 import pickle
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 import dataclasses
@@ -676,12 +677,19 @@ def _globals_read(model: nn.Module) -> tuple:
             fn = getattr(value, "__func__", value)  # a module-level function of the model's own it may call
             if isinstance(fn, types.FunctionType) and _own_module(fn.__module__):
                 todo.append((fn.__code__, fn.__module__, None))
-        if cls is not None:  # a method of the class it may call (`self.scale(h)`)
+        if cls is not None:  # a method of the class it may call (`self.scale(h)`), a class attribute (`self.TEMP`)
             for name in code.co_names:
                 fn = getattr(cls, name, None)
                 fn = getattr(fn, "__func__", fn)
                 if isinstance(fn, types.FunctionType) and _own_module(fn.__module__):
                     todo.append((fn.__code__, fn.__module__, cls))
+                owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+                if owner is not None and _is_setting(vars(owner)[name]) and "<locals>" not in owner.__qualname__ \
+                        and _own_module(owner.__module__):
+                    key = (owner.__module__, f"{owner.__qualname__}.{name}")
+                    if key not in seen:
+                        seen.add(key)
+                        out.append((*key, copy.deepcopy(vars(owner)[name])))
     return tuple(out)
 
 
@@ -758,24 +766,46 @@ def _learnable_attributes(member: nn.Module, gm: torch.fx.GraphModule, stacked: 
     learnable scalar trained by passing it to the optimizer by hand, and that the graph reads (as a get_attr, or
     lifted into the stacked state)."""
     read = set(stacked) | {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    state = {k for k, _ in member.named_parameters(remove_duplicate=False)} | {k for k, _ in member.named_buffers()}
+    constants = any(t not in state for t in read)  # the graph reads tensors that are no state (constants, lifted)
+    learnable = lambda v: isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf  # noqa: E731
     out = []
     for path, module in member.named_modules():
         for k, v in vars(module).items():
             name = f"{path}.{k}" if path else k
-            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and v.requires_grad and v.is_leaf \
-                    and name in read:
+            if learnable(v) and not isinstance(v, nn.Parameter) and name in read:
                 out.append(name)
+            elif constants and isinstance(v, (list, tuple, dict)) and k not in ("_parameters", "_buffers", "_modules"):
+                # an nn.Parameter in a plain list or dict (not a ParameterList / ParameterDict): not registered, so
+                # no state of the member's, and the graph reads it as a constant
+                items = v.items() if isinstance(v, dict) else enumerate(v)
+                out += [f"{name}[{key!r}]" for key, item in items if learnable(item)]
     return out
 
 
 def _is_setting(value: Any) -> bool:
+    """A number, bool or str, or a dict / list / tuple of them, nested (a YAML config's `cfg["model"]["temperature"]`),
+    of _SETTING_ITEMS values at most in all."""
+    return _setting_items(value, 4) is not None
+
+
+def _setting_items(value: Any, depth: int) -> int | None:
+    """How many plain values `value` holds as a setting, or None where it is none (or holds too many)."""
     if isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
-        return True
-    if isinstance(value, dict) and len(value) <= _SETTING_ITEMS:
-        return all(isinstance(k, (str, int)) and isinstance(v, (bool, int, float, str)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and len(value) <= _SETTING_ITEMS:
-        return all(isinstance(v, (bool, int, float, str)) for v in value)
-    return False
+        return 1
+    if depth == 0 or not isinstance(value, (dict, list, tuple)) or len(value) > _SETTING_ITEMS:
+        return None
+    if isinstance(value, dict) and not all(isinstance(k, (str, int)) for k in value):
+        return None
+    total = 0
+    for v in (value.values() if isinstance(value, dict) else value):
+        n = _setting_items(v, depth - 1)
+        if n is None:
+            return None
+        total += n
+        if total > _SETTING_ITEMS:
+            return None
+    return total
 
 
 def _same_setting(now: Any, was: Any) -> bool:
@@ -820,7 +850,8 @@ AUTOCAST_WARNING = (
     "agree within that precision). For low-precision compute, set the plan's dtype instead "
     "(planner.set_dtype(plan, 'bfloat16')) and call the module outside autocast")
 
-_MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_storage", "_views_made", "_captured")
+_MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_storage", "_views_made", "_captured",
+                    "_call_lock")
 _IMMUTABLE = ("_output_tree", "_out_spec", "_input_guard")  # shared by a deepcopy (pytree specs, export's guard function)
 
 
@@ -1078,6 +1109,10 @@ class BatchedModule(nn.Module):
         self.__dict__["_captured"] = CapturedPlan(self, backend=backend) if backend is not None else None
 
     def _build_runners(self) -> None:
+        # one call at a time: a vmap stage swaps each call's state into its stage module's slots, and some runners keep
+        # per-call values of their own, so calls from several threads (a thread-pool server) would mix (1-3 in 1200
+        # calls came out wrong); re-entrant, for a hook that calls the module again
+        self.__dict__.setdefault("_call_lock", threading.RLock())
         self.__dict__["_written_ptrs"] = None  # the state's storage may be new: the written buffers' looked up anew
         # per-member views for loop stages, made once: made under no_grad (a build or .to() inside torch.no_grad())
         # they would carry no gradient back to the stacked tensors, so they are made with grad on; see _views_stale
@@ -1308,11 +1343,12 @@ class BatchedModule(nn.Module):
         learnable = self.__dict__.get("_learnable_attributes")
         if learnable:
             raise ExecutionError(
-                f"member 0 holds {learnable[0]!r} as a plain tensor attribute that requires grad (a learnable value not "
-                "registered as an nn.Parameter, trained by passing it to the optimizer by hand): the batched module holds "
-                "it as a constant, so a call that records gradients would give it none where the member loop gives each "
-                f"member's one. Register it as a parameter (`self.{learnable[0].rpartition('.')[2]} = nn.Parameter(...)`) "
-                "so that it is stacked and trained with the others; inference (torch.no_grad()) is unaffected")
+                f"member 0 holds {learnable[0]!r} as a plain tensor that requires grad (a learnable value not registered "
+                "as a parameter: a plain attribute, or an nn.Parameter in a plain list or dict, trained by passing it to "
+                "the optimizer by hand): the batched module holds it as a constant, so a call that records gradients "
+                "would give it none where the member loop gives each member's one. Register it (`self.x = "
+                "nn.Parameter(...)`, nn.ParameterList / nn.ParameterDict for a list or dict of them) so that it is "
+                "stacked and trained with the others; inference (torch.no_grad()) is unaffected")
         aliased = [(k, other) for k, other in self.__dict__.get("_aliased_params", ()) if self._stacked[k].requires_grad]
         if aliased:
             raise ExecutionError(
@@ -1895,13 +1931,18 @@ class BatchedModule(nn.Module):
         return tuple(inputs) + tuple(named[k] for k in names[len(inputs):])
 
     def forward(self, *inputs, **named):
-        """Shared inputs as one member takes them, per_member ones [N, ...]; returns N-first outputs.
+        """Shared inputs as one member takes them, per_member ones [N, ...]; returns N-first outputs (one call at a time:
+        calls from several threads wait for each other).
 
         Raises InputError for the wrong number of inputs, a missing member axis, or
         inputs a stage reading them cannot take (wrong shape); ExecutionError when a
         later stage fails, for global module hooks registered since build, or for a
         training flag set by hand to a mode forward() was not traced in (see mode_bound).
         """
+        with self.__dict__["_call_lock"]:
+            return self._forward(*inputs, **named)
+
+    def _forward(self, *inputs, **named):
         via = named.pop(CAPTURED_CALL, None) if named else None  # executor.capture's module calling through this one
         if named:  # `ens(**batch)`: the plan's inputs by name, in its order
             inputs = self._by_name(inputs, named)

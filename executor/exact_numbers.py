@@ -80,7 +80,7 @@ def stacked_numbers(args: list, positions: tuple[int, ...], device: torch.device
     return out
 
 
-def python_numbers(args: list, positions: tuple[int, ...]) -> list:
+def python_numbers(args: list, positions: tuple[int, ...], keep_grad: bool = True) -> list:
     """`args` with each value at `positions` (a number forward() read from a tensor, handed on by a batched stage as an
     [N] tensor) as one Python number per member, as the member loop has them: `round(s, 1)`, `range(n)` and ops that
     take a Python number refuse a 0-d tensor. float64 and int64 rows give the numbers exactly (number_op)."""
@@ -88,7 +88,9 @@ def python_numbers(args: list, positions: tuple[int, ...]) -> list:
     for k in positions:
         v = out[k]
         if type(v) is Batched and isinstance(v.tree, torch.Tensor) and v.tree.dim() == 1:
-            out[k] = PerMember(v.tree.tolist())
+            # (a tensor that records gradients, `temps = torch.tensor([...], requires_grad=True)` passed per member: its
+            # rows, 0-d tensors carrying the graph, as the loop's `temps[i]`; numbers would drop the gradient)
+            out[k] = PerMember(list(v.tree.unbind(0)) if keep_grad and v.tree.requires_grad else v.tree.tolist())
     return out
 
 

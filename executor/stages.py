@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -189,6 +190,24 @@ class StageProgram:
                                 # `ema.mul_(0.9)` reads the buffer in one stage, writes it in the next)
                                 + [str(r.target) for r in (storage_root(nodes[name], every_module=False) for name in written)
                                    if r.op == "get_attr" and str(r.target) in state_keys])))
+
+
+def _draws_random(node: torch.fx.Node) -> bool:
+    """`node` draws random numbers whatever the mode: torch.randn_like & co, x.normal_(), a seeded aten op."""
+    from stagewise.planner.trace_watch import RANDOM_OPS  # (the planner's table)
+    target = node.target
+    if node.op == "call_method":
+        return isinstance(target, str) and target in _RANDOM_METHOD_NAMES
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags and "dropout" not in target._schema.name
+    return node.op == "call_function" and target in RANDOM_OPS and target not in (torch.nn.functional.dropout, torch.dropout)
+
+
+_RANDOM_METHOD_NAMES = frozenset({"uniform_", "normal_", "bernoulli_", "bernoulli", "random_", "exponential_",
+                                  "geometric_", "cauchy_", "log_normal_", "multinomial"})
+
+
+_NUMBER_NOT_TENSOR = re.compile(r"must be (Number|real number|int|float|a number|SymFloat|SymInt), not Tensor")
 
 
 def _passed_on(e: BaseException) -> bool:
@@ -574,7 +593,19 @@ class Runner:
         numbers = set_number_context((self.stacked, args))  # ... at the precision of what the stage computes with
         kept = self._state_before_writes(args)
         try:
-            out = self.run(args)
+            try:
+                out = self.run(args)
+            except TypeError as e:
+                # numbers recording gradients handed as 0-d tensors (a learned temperature: the loop's `taus[i]`) to an
+                # op that takes a Python number only (F.leaky_relu's slope): as numbers, as the loop must give them
+                if not (self.takes_python_numbers and _NUMBER_NOT_TENSOR.search(str(e)) and not self.program.writes_in_place
+                        and any(type(a) is PerMember and a.values and isinstance(a.values[0], torch.Tensor)
+                                for a in (args[k] for k in self.program.number_inputs))):
+                    raise
+                args = python_numbers([a if type(a) is not PerMember or k not in self.program.number_inputs
+                                       else Batched(torch.stack(a.values).detach()) for k, a in enumerate(args)],
+                                      self.program.number_inputs, keep_grad=False)
+                out = self.run(args)
             if kept:
                 self._refuse_graph_into_state(kept, None)
             return out
@@ -768,6 +799,9 @@ class VmapRunner(Runner):
         self._state_keys = list(self.stacked)  # the order of the state arguments (see stateless_call)
         call = stateless_call(self.program.module, self._state_keys)
         flat_metas: dict[int, dict[str, Any]] = {}
+        # draws random numbers whatever the mode (`x + torch.randn_like(x)`, a stage excluded for it and set to vmap or
+        # compile by hand): computed once for every member, all would share one draw
+        self._draws = any(_draws_random(n) for n in self.program.module.graph.nodes)
 
         def one_member(*args):
             out = call(*args)
@@ -866,6 +900,10 @@ class VmapRunner(Runner):
         if not per_member and training:
             # training: random ops (dropout) must draw per member, so nothing is computed once and shared
             inputs, dims, per_member = self._vmap_args([as_batched(a, self.n_members, self.device_for(args)) for a in args])
+        if not per_member and self._draws:
+            # random draws with nothing per member: each member draws its own, in member order, as the loop does
+            outs = [self._call(*inputs) for _ in range(self.n_members)]
+            return [PerMember([o[k] for o in outs]) for k in range(len(outs[0]))]
         if not per_member:
             # nothing member-specific goes in: compute once, share the result
             out = self._call(*inputs)  # no state: the stage module's forward
@@ -900,6 +938,15 @@ def runner_for(program: StageProgram, n_members: int, stacked: dict[str, torch.T
     """
     stage = program.stage
     strategy = stage.options.strategy
+    if strategy is Strategy.WIDE and (program.writes_untracked or any(
+            n.op == "call_function" and n.target is getattr and len(n.args) > 1 and n.args[1] == "data"
+            for n in program.module.graph.nodes)):
+        # a write through `.data` (`r.data.clamp_(...)`), which bumps no version counter: wide runs the ops on N-first
+        # copies of what it is handed, so the write would not reach the tensor later stages read (0.72 off)
+        warnings.warn(f"stage {program.describe}: strategy 'wide' is not applied: the stage reads or writes through "
+                      "`.data`, which the wide strategy's N-first copies would not hand on; it runs as the member loop",
+                      UserWarning, stacklevel=3)
+        strategy = Strategy.LOOP
     cls = RUNNERS.get(strategy)
     if cls is None:
         known = ", ".join(s.value for s in RUNNERS)

@@ -302,7 +302,7 @@ def grad_leaves(args: Sequence[Any], graded: Sequence[GradKey]) -> tuple[tuple, 
         flat, spec = tree_flatten_with_path(args[k])
         given = []
         for path, x in flat:
-            if path in paths:
+            if path in paths and isinstance(x, torch.Tensor):  # (a per_member Python number: the loop's takes none)
                 leaves[(k, path)] = x.detach().clone().requires_grad_(True)
                 x = leaves[(k, path)].clone()
             given.append(x)
@@ -870,6 +870,11 @@ def _graded_inputs(plan: Plan, inputs: Sequence[Any], n_members: int) -> tuple[l
                                 "them as inputs of their own, or in a dict, list or tuple, to compare their gradients")
                 continue
             if not (leaf.requires_grad and leaf.is_floating_point()):
+                continue
+            if per_member and not container and spec.shape is None and spec.dtype in ("int", "float"):
+                held.append(f"gradient of {name} not compared: a per_member Python number, which the reference loop "
+                            "gives each member as a Python number (no gradient); the batched module carries its "
+                            "gradient where the ops take tensors")
                 continue
             if not per_member or (leaf.dim() > int(container) and leaf.shape[0] == n_members):
                 graded.append((k, path))

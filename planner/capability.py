@@ -63,12 +63,34 @@ _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrued
 def _is_inplace_target(node: torch.fx.Node) -> bool:
     if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
         return True
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and _written_arguments(node)[:1] == [0]:
+        return True  # a custom op declaring a write of its first argument (torch.library.custom_op(mutates_args=...))
     if node.op == "call_function" and node.target in _OPERATOR_NOT_INPLACE:
         return False  # `a & b`, `a | b`: operator.and_ / or_ make a new value (their name ends in "_")
     name = base_name(node)
     if node.op == "call_method" and name in _INPLACE_DUNDERS:
         return True
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _written_arguments(node: torch.fx.Node) -> list[int]:
+    """Positions of the arguments an op's schema says it writes (`Tensor(a!)`): an aten in-place op's first, a custom
+    op's `mutates_args`."""
+    try:
+        arguments = node.target._schema.arguments
+    except AttributeError:
+        return []
+    return [k for k, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def written_later_arguments(node: torch.fx.Node) -> list[str]:
+    """Names of the arguments past the first that an op of `node` writes in place by its schema (a custom op's
+    `mutates_args={"buf"}` on its second argument): the plan follows writes into an op's first argument only."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    arguments = node.target._schema.arguments
+    return [arguments[k].name for k in _written_arguments(node) if k > 0 and not arguments[k].kwarg_only
+            or k > 0 and arguments[k].name in node.kwargs]
 
 
 # Python's operators named with a trailing underscore, which is no in-place mark (operator.iand / ior are the writes)

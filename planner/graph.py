@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from stagewise.planner.capability import (BAKED_PREFIXES, alias_chain, annotate_capability, base_name, is_inplace,
-                                          norm_stats_updated)
+                                          norm_stats_updated, written_later_arguments)
 from stagewise.planner.errors import TraceError
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.inputs import traced_specs
@@ -194,6 +194,32 @@ def fx_or_export(model: nn.Module, example_inputs: tuple, opened: Sequence[str] 
 def _cuda_devices(model: nn.Module) -> list[int]:
     """The CUDA device indices the model's state lives on (whose random generators a fork must keep)."""
     return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
+
+
+def _state_written_in_functions(gm: torch.fx.GraphModule, values: dict) -> tuple[str, str] | None:
+    """(the Function, the state) for the first autograd.Function a graph applies to a state tensor (a buffer or
+    parameter, or a view of one) that its forward writes in place (`buf.copy_(...)` inside Function.forward, which no
+    node shows): seen by its version counter on a copy of the example values. None where none does."""
+    from stagewise.planner.trace_watch import _function_of  # (the Function a graph node names)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__qualname__", "") != "apply_autograd_function":
+            continue
+        state = {k: str(alias_chain(a)[-1].target) for k, a in enumerate(node.args[1:])
+                 if isinstance(a, torch.fx.Node) and alias_chain(a)[-1].op == "get_attr"}
+        if not state:
+            continue
+        args = [values.get(a.name) if isinstance(a, torch.fx.Node) else a for a in node.args[1:]]
+        copies = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in args]
+        versions = {k: copies[k]._version for k in state if isinstance(copies[k], torch.Tensor)}
+        try:
+            with torch.no_grad():
+                _function_of(node.args[0]).apply(*copies)
+        except Exception:  # noqa: BLE001 - it fails on copies (a check of its own): nothing said here
+            continue
+        for k, version in versions.items():
+            if copies[k]._version != version:
+                return node.args[0].split("#")[0], state[k]
+    return None
 
 
 def _numbers_counted(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> list[tuple[str, Any, Any]]:
@@ -1283,6 +1309,14 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     counted = _numbers_counted(model, example_inputs, before)
     if counted:
         raise TraceError(_counted_refusal(model, counted))
+    later = [(n, written_later_arguments(n)) for n in gm.graph.nodes if written_later_arguments(n)]
+    if later:
+        node, names = later[0]
+        raise TraceError(
+            f"{node.target} writes its argument(s) {names} in place (a custom op's mutates_args), past its first: the "
+            "plan follows an op's writes into its first argument only, so a later read of that tensor could run "
+            "before the write. Declare the written tensor as the op's first argument, or return the new value and "
+            "write it in forward() (`self.buf.copy_(new)`)")
     held = held_generators(gm)
     if held:
         raise TraceError(f"forward() draws random numbers from a torch.Generator the model holds ({held}): the traced graph "
@@ -1348,6 +1382,13 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     # the graph run and the probe draw random numbers (dropout in training): the caller's random state stays its own
     with torch.random.fork_rng(devices=_cuda_devices(model)):
         values, flops = _run_and_record(gm, example_inputs)
+        written = _state_written_in_functions(gm, values)
+        if written:
+            raise TraceError(
+                f"the autograd.Function {written[0]} writes {written[1]!r} in place inside its forward: the plan "
+                "cannot see a write inside a Function, so a later read of that state could run before it (and "
+                "members sharing it would each write a copy). Write the state in forward() itself "
+                f"(`self.{written[1].rpartition('.')[2]}.copy_(new)`, the Function returning what it computed)")
         graph = graph_of(gm, tracer, note, values, flops, opened=opened)
         if probe:
             annotate_capability(graph)

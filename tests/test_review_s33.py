@@ -406,7 +406,7 @@ def test_a_learnable_plain_tensor_attribute_is_refused_where_gradients_are_recor
     members = [LearnableAttribute() for _ in range(N)]
     x = torch.randn(5, 8)
     ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
-    with pytest.raises(ExecutionError, match=r"'log_scale' as a plain tensor attribute that requires grad"):
+    with pytest.raises(ExecutionError, match=r"'log_scale' as a plain tensor that requires grad"):
         ens(x)
     with torch.no_grad():  # inference is unaffected
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
@@ -617,3 +617,203 @@ def test_a_layer_mode_a_torch_export_graph_fixed_is_refused():
     ens.stacked.bn.train()  # the traced mode: nothing to refuse
     with pytest.raises(ExecutionError, match=r"'bn' \(BatchNorm2d\) reads self.training.*torch.export fixes the mode"):
         ens.stacked.bn.eval()
+
+
+# --- per-member numbers that record gradients ---------------------------------------------------------------------
+
+import torch.nn.functional as F  # noqa: E402
+
+
+class GumbelHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 4), nn.Linear(4, 2)
+
+    def forward(self, x, tau):
+        return self.out(F.gumbel_softmax(self.fc(x), tau=tau))
+
+
+def test_a_per_member_number_recording_gradients_keeps_them_through_a_loop_stage():
+    """A learned temperature per member (`taus` requiring grad) reached the loop stage as Python numbers: no
+    gradient (the loop's up to 0.031), and verify(grads=True) crashed on the loop's own call."""
+    N_ = 3
+    torch.manual_seed(0)
+    members = [GumbelHead() for _ in range(N_)]
+    xs = torch.randn(N_, 5, 8)
+    plan = planner.propose(planner.trace(members[0], (xs[0], 1.0)), n_members=N_, input_mode="per_member")
+    ens = executor.build(plan, copy.deepcopy(members))
+    taus = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+    torch.manual_seed(1)
+    out = ens(xs, taus)
+    (out ** 2).mean(dim=(1, 2)).sum().backward()
+    ref = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+    torch.manual_seed(1)
+    for i, m in enumerate(members):
+        (m(xs[i], ref[i]) ** 2).mean().backward()
+    assert taus.grad is not None
+    torch.testing.assert_close(taus.grad, ref.grad, rtol=1e-5, atol=1e-7)
+    report = executor.verify(plan, copy.deepcopy(members), (xs, torch.tensor([0.5, 1.0, 2.0], requires_grad=True)),
+                             grads=True)
+    assert report.ok, report.to_text()
+
+
+class ParametersInAList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.extra = [nn.Parameter(torch.randn(4) * 0.1)]  # a plain list: not registered
+
+    def forward(self, x):
+        return self.fc(x) + self.extra[0]
+
+
+def test_a_parameter_in_a_plain_list_is_refused_where_gradients_are_recorded():
+    """Read as a constant, it got no gradient (the loop's norms 5.4..9.5) and verify(grads=True) said MATCH."""
+    torch.manual_seed(0)
+    members = [ParametersInAList() for _ in range(N)]
+    x = torch.randn(5, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.raises(ExecutionError, match=r"'extra\[0\]' as a plain tensor that requires grad"):
+        ens(x)
+
+
+class AttnHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.o(F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x)))
+
+
+def test_calls_from_several_threads_give_each_its_own_answer():
+    """A vmap stage swaps each call's state into its stage module's slots: calls from 4 threads mixed (1-3 of 1200
+    wrong, by up to 0.77). Calls wait for each other now."""
+    import sys  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    members = [AttnHead().eval() for _ in range(N)]
+    x = torch.randn(2, 8, 16)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), copy.deepcopy(members))
+    worst, interval = [], sys.getswitchinterval()
+
+    def client(seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(150):
+            xx = torch.randn(2, 8, 16, generator=gen)
+            with torch.no_grad():
+                worst.append(float((ens(xx) - torch.stack([m(xx) for m in members])).abs().max()))
+
+    sys.setswitchinterval(1e-5)  # thread switches (and a race) far more often
+    try:
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(worst) == 600 and max(worst) < 1e-5
+
+
+# --- state written where no node shows it ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("stagewise_s33::track_max_second", mutates_args={"buf"})
+def track_max_second(h: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    buf.copy_(torch.maximum(buf, h.abs().amax(0)))
+    return h / buf
+
+
+@track_max_second.register_fake
+def _(h, buf):
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op("stagewise_s33::track_max_first", mutates_args={"buf"})
+def track_max_first(buf: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    buf.copy_(torch.maximum(buf, h.abs().amax(0)))
+    return h / buf
+
+
+@track_max_first.register_fake
+def _(buf, h):
+    return torch.empty_like(h)
+
+
+class TrackMaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, buf):
+        buf.copy_(torch.maximum(buf, h.detach().abs().amax(0)))
+        return h / buf
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class Observer(nn.Module):
+    """An activation-range observer updating its buffer inside an op, then reading it (55.6 off after 3 calls: the
+    later read was planned before the write)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.fc, self.g = nn.Linear(6, 4), nn.Linear(6, 4)
+        self.register_buffer("mx", torch.ones(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "second":
+            y = track_max_second(h, self.mx)
+        elif self.how == "first":
+            y = track_max_first(self.mx, h)
+        else:
+            y = TrackMaxFunction.apply(h, self.mx)
+        return y + self.g(x) * self.mx
+
+
+@pytest.mark.parametrize("how", ["second", "function"])
+def test_state_written_inside_a_custom_op_or_a_function_is_refused_at_trace(how):
+    with pytest.raises(TraceError, match=r"writes its argument\(s\) \['buf'\] in place|writes 'mx' in place inside"):
+        planner.trace(Observer(how), (torch.randn(5, 6),))
+
+
+def test_a_custom_op_writing_its_first_argument_is_ordered_as_an_in_place_op():
+    torch.manual_seed(0)
+    members = [Observer("first") for _ in range(N)]
+    loop = copy.deepcopy(members)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (torch.randn(5, 6),)), N)
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        for scale in (1, 3, 5):
+            x = torch.randn(5, 6) * scale
+            torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]), rtol=1e-5, atol=1e-5)
+
+
+class ClipsThroughData(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        r = torch.tanh(self.a(x))
+        r.data.clamp_(-0.2, 0.2)  # clip without autograd seeing it
+        return self.b(r)
+
+
+def test_wide_set_on_a_data_write_runs_as_the_loop():
+    """wide ran `.data` and its write on N-first copies: the clip never reached `r` (0.72 off)."""
+    torch.manual_seed(0)
+    members = [ClipsThroughData() for _ in range(N)]
+    xs = torch.randn(N, 5, 16)
+    graph = planner.trace(members[0], (xs[0],))
+    plan = planner.propose(graph, n_members=N, input_mode="per_member")
+    for s in plan.stages:
+        if s.mode is planner.StageMode.EXCLUDED:
+            plan = planner.set_options(plan, graph, s.id, strategy="wide")
+    with pytest.warns(UserWarning, match="strategy 'wide' is not applied"):
+        ens = executor.build(plan, copy.deepcopy(members))
+    with torch.no_grad():
+        torch.testing.assert_close(ens(xs), torch.stack([m(xs[i]) for i, m in enumerate(members)]), rtol=1e-5, atol=1e-6)

@@ -335,7 +335,7 @@ class WideRunner(Runner):
                 return self._linear_group(node.name, self._fused[node.name], args[0])
             mod, rule, state = entry
             if not state and not _any_nf((args, kwargs)):
-                if mod.training and isinstance(mod, torch.nn.modules.dropout._DropoutNd):  # a mask per member
+                if mod.training and draws_while_training(mod):  # a mask (an RReLU slope) per member
                     return NFirst(torch.stack([mod(*args, **kwargs) for _ in range(n)]))
                 return mod(*args, **kwargs)
             out = rule(mod, state, args, kwargs, n) if rule is not None else None
@@ -503,8 +503,8 @@ def random_ops(gm: torch.fx.GraphModule) -> int:
 
 def draws_while_training(module: torch.nn.Module) -> bool:
     """Whether `module` draws random numbers in training mode: a dropout of p > 0 in it (nn.Dropout & co, or
-    nn.MultiheadAttention's attention dropout)."""
-    return any((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
+    nn.MultiheadAttention's attention dropout), an nn.RReLU."""
+    return any((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0) or isinstance(m, torch.nn.RReLU)
                or (isinstance(m, torch.nn.MultiheadAttention) and m.dropout > 0) for m in module.modules())
 
 
