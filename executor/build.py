@@ -745,6 +745,23 @@ def _own_module(where: str | None) -> bool:
     return bool(where) and not where.startswith(("torch", "stagewise")) and where in sys.modules
 
 
+def _load_hooks(member: nn.Module) -> list[str]:
+    """The member's modules (by path, "the model" for the root) that load their state with code of their own: a
+    load_state_dict pre / post hook, or a class of the model's own overriding _load_from_state_dict or
+    set_extra_state."""
+    out = []
+    for path, m in member.named_modules():
+        cls = type(m)
+        own = not (cls.__module__ or "").startswith("torch") and any(
+            name in vars(c) for c in cls.__mro__ if not (c.__module__ or "").startswith("torch")
+            for name in ("_load_from_state_dict", "set_extra_state"))
+        hooks = [*m._load_state_dict_pre_hooks.values(), *m._load_state_dict_post_hooks.values()]
+        users = [h for h in hooks if not (getattr(getattr(h, "hook", h), "__module__", None) or "").startswith("torch")]
+        if users or own:
+            out.append(f"module {path!r}" if path else "model")
+    return out
+
+
 def _branching_modules(member: nn.Module, stage_modules: Sequence[nn.Module]) -> dict[str, tuple[str, bool]]:
     """{path: (class name, the mode it was traced in)} of the member's modules whose forward() reads self.training and that no stage calls as a
     leaf: traced through (a module of the model's own branching on it), or a torch.export graph's ops (BatchNorm,
@@ -1453,6 +1470,14 @@ class BatchedModule(nn.Module):
         are not read again: what they hold besides their state (a sweep's numbers) stays as built."""
         if not 0 <= i < self.n_members:
             raise MemberError(f"load_member_state_dict({i}): no such member; pass 0..{self.n_members - 1}")
+        hooked = self.__dict__.get("_load_hooks")
+        if hooked:
+            raise MemberError(
+                f"load_member_state_dict({i}): the members' {hooked[0]} loads its state with code of its own (a "
+                "load_state_dict hook, a _load_from_state_dict or set_extra_state of its class: a derived buffer "
+                "refreshed after loading), which copying the tensors into row i would skip. Load the state into "
+                "member i itself (member.load_state_dict(...)) and build again, or copy what the hook computes by hand "
+                "(ens.stacked_state[name][i].copy_(...))")
         if self._state_replaced[0]:
             self._follow_replaced_state()
         keys = set(self._member_keys)
@@ -2225,6 +2250,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_grad_hooks"] = gradient_hooks(members)
     module.__dict__["_learnable_attributes"] = _learnable_attributes(members[0], graph.gm, module._stacked)
     module.__dict__["_branching_modules"] = _branching_modules(members[0], module.stage_modules)
+    module.__dict__["_load_hooks"] = _load_hooks(members[0])
     mirror_layer_classes(module.stacked, members[0])
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
