@@ -743,7 +743,7 @@ def _has_float(v: Any) -> bool:
     return type(v) is float or (isinstance(v, (tuple, list)) and any(type(x) is float for x in v))
 
 
-_NUMBER_ARITHMETIC = frozenset({operator.neg, operator.pos, operator.abs, operator.add, operator.sub, operator.mul,
+_ON_RETURNED_NUMBERS = frozenset({operator.neg, operator.pos, operator.abs, operator.add, operator.sub, operator.mul,
                                 operator.truediv, operator.floordiv, operator.mod, operator.pow, operator.lt, operator.le,
                                 operator.gt, operator.ge, operator.eq, operator.ne, operator.getitem, float, int, bool,
                                 round, abs, min, max})
@@ -765,7 +765,7 @@ def _returned_numbers(graph) -> set[str]:
         inputs = n.all_input_nodes
         if _own_function(n) and any(isinstance(values.get(a.name), torch.Tensor) for a in inputs):
             out.add(n.name)
-        elif (n.target in _NUMBER_ARITHMETIC or getattr(n.target, "__module__", None) == "math") \
+        elif (n.target in _ON_RETURNED_NUMBERS or getattr(n.target, "__module__", None) == "math") \
                 and any(a.name in out for a in inputs):
             out.add(n.name)
     graph._returned_numbers_cache = out
