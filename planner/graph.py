@@ -196,6 +196,23 @@ def _cuda_devices(model: nn.Module) -> list[int]:
     return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
 
 
+def _buffers_reassigned(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> list[str]:
+    """Names of the buffers one eager call of forward() replaces by other tensors (`self.count = tot`, not written in
+    place); the model is put back as `snapshot` holds it, the random streams are the caller's."""
+    copies = tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+    out = []
+    with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
+        try:
+            model(*copies)
+            out = [name for name, mod, table, k, t in snapshot.slots if table == "_buffers" and mod._buffers.get(k) is not t]
+        except Exception:  # noqa: BLE001 - forward() fails on its own: the caller's message stands
+            return []
+        finally:
+            snapshot.restore_if_changed(model)
+            restore_all(snapshot, model)
+    return out
+
+
 def _state_written_in_functions(gm: torch.fx.GraphModule, values: dict) -> tuple[str, str] | None:
     """(the Function, the state) for the first autograd.Function a graph applies to a state tensor (a buffer or
     parameter, or a view of one) that its forward writes in place (`buf.copy_(...)` inside Function.forward, which no
@@ -1335,6 +1352,13 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         if _grads_disagreement(disagreement):
             raise TraceError(_grads_refusal(disagreement))
         if disagreement is not None and not disagreement.startswith("its graph fails"):  # (that is named below)
+            reassigned = _buffers_reassigned(model, example_inputs, before)
+            if reassigned:
+                raise TraceError(
+                    f"forward() assigns new tensors to buffer(s) {reassigned[:3]} (`self.count = tot`, rl_games' "
+                    "RunningMeanStd): torch.export does not record a buffer re-assignment, so its graph leaves the "
+                    f"buffer as it was ({disagreement}), and torch.fx cannot trace it either. Write it in place instead "
+                    f"(`self.{reassigned[0].rpartition('.')[2]}.copy_(new)`)")
             raise TraceError(
                 f"torch.export's graph is not forward(): {disagreement}. forward() runs otherwise when traced: a "
                 "branch on torch.compiler.is_compiling() / is_exporting(), torch.fx's is_fx_tracing() or "

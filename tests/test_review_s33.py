@@ -847,3 +847,41 @@ def test_load_member_state_dict_refuses_a_model_that_loads_with_hooks():
     plain = executor.build(planner.propose(planner.trace(TwoStages(), (torch.randn(2, 5, 16),)), N),
                            [TwoStages() for _ in range(N)])
     plain.load_member_state_dict(1, TwoStages().state_dict())  # torch's own layers: loaded as before
+
+
+class ReassignsBuffers(nn.Module):
+    """rl_games' RunningMeanStd: new tensors assigned to the buffers in forward(), in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(8))
+        self.register_buffer("running_var", torch.ones(8))
+        self.register_buffer("count", torch.ones(()))
+
+    def forward(self, x):
+        if self.training:
+            bm, bv, bc = x.mean(0), x.var(0), x.size(0)
+            delta = bm - self.running_mean
+            tot = self.count + bc
+            new_mean = self.running_mean + delta * bc / tot
+            new_var = (self.running_var * self.count + bv * bc + delta ** 2 * self.count * bc / tot) / tot
+            self.running_mean, self.running_var, self.count = new_mean, new_var, tot
+        return ((x - self.running_mean) / torch.sqrt(self.running_var + 1e-5)).clamp(-5, 5)
+
+
+class NormalisedActor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.pi = ReassignsBuffers(), nn.Linear(8, 4)
+
+    def forward(self, obs):
+        return self.pi(self.norm(obs))
+
+
+def test_a_buffer_reassigned_in_forward_is_refused_naming_it():
+    """Refused before as torch.export's graph "not forward()", blaming a branch on is_compiling() the model lacks."""
+    model = NormalisedActor().train()
+    before = {k: v for k, v in model.named_buffers()}
+    with pytest.raises(TraceError, match=r"assigns new tensors to buffer\(s\) \['norm.running_mean', 'norm.running_var'"):
+        planner.trace(model, (torch.randn(16, 8),))
+    assert all(model.get_buffer(k) is v for k, v in before.items())
