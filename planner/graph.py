@@ -1326,6 +1326,12 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     counted = _numbers_counted(model, example_inputs, before)
     if counted:
         raise TraceError(_counted_refusal(model, counted))
+    if any(n.op in ("call_method", "call_function") and isinstance(n.target, (str, torch._ops.OpOverload))
+           and base_name(n) == "set_" for m in gm.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes):
+        raise TraceError(
+            "forward() calls Tensor.set_(), which swaps a tensor's storage for another: a member's state and values "
+            "are rows of stacked tensors in the batched module, which set_ would part from them, so the write would "
+            "not reach the stacked state. Write the values in place instead (`self.buf.copy_(new)`)")
     later = [(n, written_later_arguments(n)) for n in gm.graph.nodes if written_later_arguments(n)]
     if later:
         node, names = later[0]

@@ -885,3 +885,22 @@ def test_a_buffer_reassigned_in_forward_is_refused_naming_it():
     with pytest.raises(TraceError, match=r"assigns new tensors to buffer\(s\) \['norm.running_mean', 'norm.running_var'"):
         planner.trace(model, (torch.randn(16, 8),))
     assert all(model.get_buffer(k) is v for k, v in before.items())
+
+
+class SwapsStorage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("buf", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            self.buf.set_(h.mean(0).detach().clone())
+        return h + self.buf
+
+
+def test_set_on_state_is_refused_at_trace():
+    """A loop stage's set_ swapped its row view's storage: the stacked buffer never saw the write (62.7 off)."""
+    with pytest.raises(TraceError, match=r"calls Tensor.set_\(\)"):
+        planner.trace(SwapsStorage(), (torch.randn(3, 4),))
