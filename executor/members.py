@@ -374,6 +374,15 @@ class StateNode(nn.Module):
         return (_new_state_node, (type(self),), self.__getstate__())
 
     def __setattr__(self, name: str, value: Any) -> None:
+        mirrors = self.__dict__.get("_mirrors")
+        if mirrors is not None and name != "training" and not name.startswith("_") \
+                and not isinstance(value, (torch.Tensor, nn.Module)) and name not in self.__dict__:
+            # `m.p = 0.0` on a Dropout found by class, `m.momentum = 0.01` on a BatchNorm: the stages' layers are the
+            # members', which this node is not (it would hold the number and nothing would read it)
+            raise AttributeError(
+                f"{self.__dict__['_path']!r} of the batched module is the members' {mirrors.__name__} as stacked state, "
+                f"not the layer the stages run: setting {name!r} here would change nothing. Set it on the members "
+                "before executor.build (train() / eval() here do reach the layers)")
         super().__setattr__(name, value)
         if name == "training":  # (train()/eval() set it here too) the layers at this path follow
             modes = self.__dict__.get("_modes")

@@ -904,3 +904,15 @@ def test_set_on_state_is_refused_at_trace():
     """A loop stage's set_ swapped its row view's storage: the stacked buffer never saw the write (62.7 off)."""
     with pytest.raises(TraceError, match=r"calls Tensor.set_\(\)"):
         planner.trace(SwapsStorage(), (torch.randn(3, 4),))
+
+
+def test_a_layer_setting_set_on_the_batched_modules_node_is_refused():
+    """`m.p = 0.0` on a Dropout found by class changed a number nothing reads."""
+    torch.manual_seed(0)
+    members = [MLPDrop().eval() for _ in range(N)]
+    x = torch.randn(5, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    drops = [m for m in ens.modules() if isinstance(m, nn.Dropout)]
+    assert len(drops) == 1
+    with pytest.raises(AttributeError, match=r"setting 'p' here would change nothing"):
+        drops[0].p = 0.0
