@@ -1984,7 +1984,7 @@ class BatchedModule(nn.Module):
         if self.__dict__.get("_grad_mode_refused"):  # forward() reads the grad mode (a module pickled before: absent)
             self._check_grad_mode(inputs)
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-            warnings.warn(AUTOCAST_WARNING, stacklevel=4)  # the caller, past nn.Module.__call__
+            warnings.warn(AUTOCAST_WARNING, stacklevel=5)  # the caller, past nn.Module.__call__ and forward()
         if self._state_replaced[0]:
             self._follow_replaced_state()
         if self.__dict__.get("_globals_read"):  # module-level settings forward() reads, baked at build: changed?
@@ -1997,7 +1997,7 @@ class BatchedModule(nn.Module):
         captured = self.__dict__["_captured"]
         if captured is not None and not self.training and not (torch.is_grad_enabled() and self._records_grad()):
             try:
-                return captured.replay(*inputs)
+                return getattr(captured, "replay", captured)(*inputs)
             except NotCapturableError as e:
                 warnings.warn(f"the plan asks for whole-plan capture, but {e}; running stage by stage from now on",
                               RuntimeWarning, stacklevel=2)

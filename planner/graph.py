@@ -239,30 +239,49 @@ def _state_written_in_functions(gm: torch.fx.GraphModule, values: dict) -> tuple
     return None
 
 
-def _numbers_counted(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> list[tuple[str, Any, Any]]:
+def _numbers_counted(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple,
+                     snapshot: StateSnapshot) -> list[tuple[str, Any, Any]]:
     """(name, value after a first call, after a second) for each Python value of the model (plain_attributes: a
     number, a string, a list of them, a config dict's entry) that two eager calls of forward() on the example inputs
-    leave apart: a counter, `self.frames += x.size(0)`, which a trace bakes at its value then (fx puts a Proxy
+    leave apart, where forward()'s outputs then differ from the graph's: a counter the computation reads,
+    `self.frames += x.size(0)` annealing a temperature, which a trace bakes at its value then (fx puts a Proxy
     computed from a size back, torch.export restores the attribute itself) where each member of the loop counts on.
-    A value set from the inputs alone (`self.last_batch = x.shape[0]`) is the same after both. The model is put back
-    as `snapshot` holds it; the random streams are the caller's."""
+    A value set from the inputs alone (`self.last_batch = x.shape[0]`) is the same after both, and a count nothing
+    reads (a log of calls) leaves the outputs alone. The model is put back as `snapshot` holds it; the random
+    streams are the caller's."""
     copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))  # noqa: E731
     if not plain_attributes(model):
         return []
+
+    def tensors_back() -> None:  # the state as it was, the Python values as the calls left them
+        live = dict([*model.named_parameters(), *model.named_buffers()])
+        for k, t in snapshot.tensors.items():
+            if k in live and live[k].shape == t.shape:
+                live[k].copy_(t)
+
     with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
         try:
             model(*copies())
             first = copy_plain(plain_attributes(model))
             model(*copies())
             second = copy_plain(plain_attributes(model))
-        except Exception:  # noqa: BLE001 - forward() fails on its own: the trace's checks report that
+            same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731 - (NaN is NaN's)
+            counted = [(k, first.get(k), second.get(k)) for k in sorted(first.keys() | second.keys())
+                       if not same(first.get(k), second.get(k))]
+            if not counted:
+                return []
+            tensors_back()
+            torch.manual_seed(0)
+            now = model(*copies())
+            tensors_back()
+            torch.manual_seed(0)
+            traced = gm(*copies())
+            return [] if _same_output(now, traced) else counted
+        except Exception:  # noqa: BLE001 - forward() or the graph fails on its own: the trace's checks report that
             return []
         finally:
             snapshot.restore_if_changed(model)
             restore_all(snapshot, model)
-    same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731 - (NaN is NaN's)
-    return [(k, first.get(k), second.get(k)) for k in sorted(first.keys() | second.keys())
-            if not same(first.get(k), second.get(k))]
 
 
 def _counted_refusal(model: nn.Module, counted: list[tuple[str, Any, Any]]) -> str:
@@ -1323,7 +1342,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             "torch.fx (which keeps the container)")
     if changed:
         raise TraceError(_changed_refusal(model, changed))
-    counted = _numbers_counted(model, example_inputs, before)
+    counted = _numbers_counted(model, gm, example_inputs, before)
     if counted:
         raise TraceError(_counted_refusal(model, counted))
     if any(n.op in ("call_method", "call_function") and isinstance(n.target, (str, torch._ops.OpOverload))

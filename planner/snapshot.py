@@ -54,7 +54,7 @@ def _is_plain(v: Any) -> bool:
 def _collect_plain(key: str, v: Any, out: dict[str, Any], depth: int, seen: set[int]) -> None:
     """Plain `v` as out[key]; a config dict's or plain object's plain entries as out[key['k']] / out[key.k], `depth` levels down."""
     if _is_plain(v):
-        out[key] = v
+        out[key] = list(v) if isinstance(v, collections.deque) else v  # (compared as a list: a deque is no list)
         return
     if depth == 0 or id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type, types.ModuleType)) or callable(v):
         return

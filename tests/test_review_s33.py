@@ -916,3 +916,25 @@ def test_a_layer_setting_set_on_the_batched_modules_node_is_refused():
     assert len(drops) == 1
     with pytest.raises(AttributeError, match=r"setting 'p' here would change nothing"):
         drops[0].p = 0.0
+
+
+class LogsCalls(nn.Module):
+    """Counts its eager calls in a Python attribute nothing computes with (a log): not refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.python_calls = 0
+
+    def forward(self, x):
+        self.python_calls += 1
+        return self.fc(x)
+
+
+def test_a_count_nothing_reads_is_no_counter():
+    torch.manual_seed(0)
+    members = [LogsCalls() for _ in range(N)]
+    x = torch.randn(3, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
