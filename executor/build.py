@@ -710,6 +710,12 @@ def _global_reads(code: types.CodeType, space: dict) -> list[tuple[str, Any]]:
         if value is _MISSING_GLOBAL:
             continue  # a builtin (len, range)
         out.append((name, value))
+        after = instructions[k + 1] if k + 1 < len(instructions) else None
+        if (k and instructions[k - 1].opname in _LOADS_GLOBAL and instructions[k - 1].argval == "getattr"
+                and after is not None and after.opname == "LOAD_CONST" and isinstance(after.argval, str)
+                and _holds_settings(value) and _is_setting(getattr(value, after.argval, _MISSING_GLOBAL))):
+            out.append((f"{name}.{after.argval}", getattr(value, after.argval)))  # getattr(args, "temperature")
+            continue
         j = k + 1
         while j < len(instructions) and instructions[j].opname in _LOADS_ATTR and _holds_settings(value):
             name = f"{name}.{instructions[j].argval}"

@@ -939,3 +939,27 @@ def test_a_count_nothing_reads_is_no_counter():
     ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
     with torch.no_grad():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+class ReadsBygetattr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.softmax(self.fc(x) / getattr(args, "temperature"), -1)
+
+
+def test_a_setting_read_by_getattr_is_watched():
+    torch.manual_seed(0)
+    members = [ReadsBygetattr() for _ in range(N)]
+    x = torch.randn(6, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with torch.no_grad():
+        try:
+            args.temperature = 5.0  # the graph held 1.0: 0.27 off, no word
+            with pytest.raises(ExecutionError, match=r"module-level 'args.temperature'"):
+                ens(x)
+        finally:
+            args.temperature = 1.0
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
