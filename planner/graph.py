@@ -196,10 +196,15 @@ def _cuda_devices(model: nn.Module) -> list[int]:
     return sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()] if t.is_cuda})
 
 
+def _input_copies(example_inputs: tuple) -> tuple:
+    """The example inputs with each tensor a copy (forward() may write its inputs in place)."""
+    return tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+
+
 def _buffers_reassigned(model: nn.Module, example_inputs: tuple, snapshot: StateSnapshot) -> list[str]:
     """Names of the buffers one eager call of forward() replaces by other tensors (`self.count = tot`, not written in
     place); the model is put back as `snapshot` holds it, the random streams are the caller's."""
-    copies = tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+    copies = _input_copies(example_inputs)
     out = []
     with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
         try:
@@ -249,7 +254,7 @@ def _numbers_counted(model: nn.Module, gm: torch.fx.GraphModule, example_inputs:
     A value set from the inputs alone (`self.last_batch = x.shape[0]`) is the same after both, and a count nothing
     reads (a log of calls) leaves the outputs alone. The model is put back as `snapshot` holds it; the random
     streams are the caller's."""
-    copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))  # noqa: E731
+    copies = lambda: _input_copies(example_inputs)  # noqa: E731
     if not plain_attributes(model):
         return []
 
@@ -301,7 +306,7 @@ def _fx_disagrees(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tu
     side) from one random state, which is the caller's again afterwards; the model is put back as `snapshot` (taken
     before the trace) holds it. Where forward() itself fails on the inputs, or outputs cannot be compared (a sparse
     tensor), None: the trace reports what it finds."""
-    copies = lambda: tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))  # noqa: E731
+    copies = lambda: _input_copies(example_inputs)  # noqa: E731
     devices = _cuda_devices(model)
     with torch.random.fork_rng(devices=devices):
         states = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
@@ -667,7 +672,7 @@ def _attributes_stored(model: nn.Module, example_inputs: tuple, snapshot: StateS
         return bool(now) and (before is None or len(now) != len(before) or any(a is not b for a, b in zip(now, before)))
 
     def call() -> None:
-        model(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+        model(*_input_copies(example_inputs))
 
     classes = {id(m): type(m).__name__ for m in model.modules()}
     with torch.random.fork_rng(devices=_cuda_devices(model)), torch.no_grad():
@@ -712,7 +717,7 @@ def _reads_its_own(model: nn.Module, stored: list[tuple[int, str]], example_inpu
 
     def run() -> dict[tuple[int, str], Any]:
         torch.random.set_rng_state(state)
-        model(*tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+        model(*_input_copies(example_inputs))
         return {key: modules[key[0]].__dict__.get(key[1], _NOT_HELD) for key in stored}
 
     restore_all(snapshot, model)
@@ -738,7 +743,7 @@ def _new_leaves_returned(model: nn.Module, example_inputs: tuple, snapshot: Stat
     holds it, and the random streams are the caller's."""
     if not torch.is_grad_enabled():
         return []
-    inputs = tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+    inputs = _input_copies(example_inputs)
     held = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]  # (plain attributes)
     own = {id(t) for t in [*model.parameters(), *model.buffers(), *held, *tree_flatten(inputs)[0]] if isinstance(t, torch.Tensor)}
     with torch.random.fork_rng(devices=_cuda_devices(model)):
@@ -1274,7 +1279,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         traced graph does not run on the example inputs, or an open_modules name matches no module.
     """
     # copies: the graph runs on them below, and a forward() that writes its inputs in place would write the caller's
-    example_inputs = tuple(tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
+    example_inputs = _input_copies(example_inputs)
     refusal = hooks_refusal(model, type(model).__name__) or global_hooks_refusal("the batched module") \
         or state_refusal(model)
     if refusal:
