@@ -347,9 +347,11 @@ def test_a_whole_number_to_a_per_member_negative_power_is_a_float():
     ref = _loop(members, x)
     assert any(((members[i].a(x[i])[0] > 0).sum().item() - 3) < 0 for i in range(N)), "the test needs a negative k"
     ens = executor.build(_plan(members, x), members)
-    out = ens(x)
-    for k in range(3):
-        _check(out, ref, k, ulps=2)
+    for rows in (4, 7, 4):  # calls after the first, and another batch size
+        x = torch.randn(N, rows, 6)
+        out, ref = ens(x), _loop(members, x)
+        for k in range(3):
+            _check(out, ref, k, ulps=2)
 
 
 def moments_of(h):
@@ -381,9 +383,11 @@ def test_numbers_a_wrapped_function_returns_are_the_loops():
     graph = planner.trace(members[0], (x[0],))
     plan = planner.propose(graph, n_members=N, input_mode="per_member")
     ens = executor.build(plan, members)
-    out, ref = ens(x), _loop(members, x)
-    for k in range(3):
-        _check(out, ref, k)  # float32 arithmetic on the numbers was 3.1e-3 off the loop's (var 2.6e-4)
+    for rows in (4, 7, 4):  # calls after the first, and another batch size
+        x = torch.randn(N, rows, 6)
+        out, ref = ens(x), _loop(members, x)
+        for k in range(3):
+            _check(out, ref, k)  # float32 arithmetic on the numbers was 3.1e-3 off the loop's (var 2.6e-4)
     assert any("function of the model's own" in s.reason for s in plan.stages)  # the plan says why they loop
 
 
@@ -433,5 +437,7 @@ def test_math_of_a_per_member_tensor_is_a_number_read_per_member():
     members = [MathOfATensor() for _ in range(N)]
     obs, tau0 = torch.randn(N, 5, 4), torch.tensor([0.9, 0.5, 2.0])
     plan = planner.propose(planner.trace(members[0], (obs[0], torch.tensor(1.0))), n_members=N, input_mode="per_member")
-    out = executor.build(plan, members)(obs, tau0)
-    torch.testing.assert_close(out, torch.stack([m(obs[i], tau0[i]) for i, m in enumerate(members)]))
+    ens = executor.build(plan, members)
+    for rows, taus in ((5, tau0), (9, tau0 * 0.5), (5, tau0)):  # calls after the first, another batch size
+        obs = torch.randn(N, rows, 4)
+        torch.testing.assert_close(ens(obs, taus), torch.stack([m(obs[i], taus[i]) for i, m in enumerate(members)]))

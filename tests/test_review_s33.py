@@ -448,7 +448,7 @@ def test_batchnorm_frozen_by_class_on_the_batched_module_stays_frozen():
     for m in members:
         _freeze_bn(m)
     before = ens.stacked.bn.running_mean.clone()
-    for _ in range(2):
+    for x in (x, torch.randn(2, 3, 8, 8), x):  # calls after the first, and another input shape
         got, want = ens(x), torch.stack([m(x) for m in members])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ens.stacked.bn.running_mean, before, rtol=0, atol=0)
