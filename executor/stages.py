@@ -27,7 +27,7 @@ try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch 
 except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
-from stagewise.planner.capability import alias_chain, is_inplace, is_inplace_op, norm_stats_updated
+from stagewise.planner.capability import _draws_random as draws_random, alias_chain, is_inplace, is_inplace_op, norm_stats_updated
 from stagewise.planner.opening import ContainerTracer, no_mha_fastpath
 from stagewise.planner.trace_watch import storage_root
 from stagewise.planner.graph import renormalised_weight
@@ -190,21 +190,6 @@ class StageProgram:
                                 # `ema.mul_(0.9)` reads the buffer in one stage, writes it in the next)
                                 + [str(r.target) for r in (storage_root(nodes[name], every_module=False) for name in written)
                                    if r.op == "get_attr" and str(r.target) in state_keys])))
-
-
-def _draws_random(node: torch.fx.Node) -> bool:
-    """`node` draws random numbers whatever the mode: torch.randn_like & co, x.normal_(), a seeded aten op."""
-    from stagewise.planner.trace_watch import RANDOM_OPS  # (the planner's table)
-    target = node.target
-    if node.op == "call_method":
-        return isinstance(target, str) and target in _RANDOM_METHOD_NAMES
-    if isinstance(target, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in target.tags and "dropout" not in target._schema.name
-    return node.op == "call_function" and target in RANDOM_OPS and target not in (torch.nn.functional.dropout, torch.dropout)
-
-
-_RANDOM_METHOD_NAMES = frozenset({"uniform_", "normal_", "bernoulli_", "bernoulli", "random_", "exponential_",
-                                  "geometric_", "cauchy_", "log_normal_", "multinomial"})
 
 
 _NUMBER_NOT_TENSOR = re.compile(r"must be (Number|real number|int|float|a number|SymFloat|SymInt), not Tensor")
@@ -801,7 +786,7 @@ class VmapRunner(Runner):
         flat_metas: dict[int, dict[str, Any]] = {}
         # draws random numbers whatever the mode (`x + torch.randn_like(x)`, a stage excluded for it and set to vmap or
         # compile by hand): computed once for every member, all would share one draw
-        self._draws = any(_draws_random(n) for n in self.program.module.graph.nodes)
+        self._draws = any(draws_random(n) for n in self.program.module.graph.nodes)
 
         def one_member(*args):
             out = call(*args)
