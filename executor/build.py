@@ -1464,9 +1464,11 @@ class BatchedModule(nn.Module):
         if self._state_replaced[0]:
             self._follow_replaced_state()
         with torch.no_grad():
-            # (a module's get_extra_state() value is no tensor and is not stacked: it is the model's, not a member's)
-            keys = [k for k in self._member_keys if k in self._stacked]
-            return [{k: self._stacked[k][i].detach().clone() for k in keys} for i in range(self.n_members)]
+            # a module's get_extra_state() value is no tensor and is not stacked: each member's, as built, goes back
+            # under its key (load_state_dict, strict, asks for it)
+            extra = self.__dict__.get("_extra_states") or [{}] * self.n_members
+            return [{k: self._stacked[k][i].detach().clone() if k in self._stacked else copy.deepcopy(extra[i][k])
+                     for k in self._member_keys if k in self._stacked or k in extra[i]} for i in range(self.n_members)]
 
     def load_member_state_dict(self, i: int, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Put one member's state (a state_dict of the original architecture: a member changed after build, a
@@ -2226,6 +2228,9 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             stacklevel=3)
     params = {k: p.requires_grad for k, p in members[0].named_parameters(remove_duplicate=False)}
     module = BatchedModule(plan, graph, stacked, dev, params=params, member_keys=list(members[0].state_dict()))
+    extra = [{k: copy.deepcopy(v) for k, v in m.state_dict().items() if k.rpartition(".")[2] == "_extra_state"}
+             for m in members] if any(k.rpartition(".")[2] == "_extra_state" for k in module._member_keys) else None
+    module.__dict__["_extra_states"] = extra
     bound.update(_numbers_by_mode(members, private, plan, example, bound, per_member, set(stacked) - set(per_member)))
     module.set_mode_bound(bound, private)
     module.__dict__["_own_train_modes"], module.__dict__["_own_train_grads"] = own_train_modes(private, params)
@@ -2570,6 +2575,18 @@ def check_member_folder(folder: Path, n_members: int) -> None:
                               "pass an empty folder, or move those files away first")
 
 
+def file_tensors(states: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    """The member state dicts as safetensors files hold them: the tensors, contiguous. A get_extra_state() value (no
+    tensor) is left out, with a warning naming it."""
+    left_out = sorted({k for state in states for k, v in state.items() if not isinstance(v, torch.Tensor)})
+    if left_out:
+        warnings.warn(
+            f"the members' get_extra_state() values ({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}) "
+            "are no tensors, and safetensors files hold tensors only: members loaded from these files get the values "
+            "the model builds. Keep them with torch.save(ens.member_state_dicts(), path) as well", stacklevel=3)
+    return [{k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)} for state in states]
+
+
 def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]:
     """Write each member's state as `folder/member_000.safetensors`, ... (one ordinary state dict per
     member, loadable with `planner.load_source(model, weights=paths)` or load_state_dict). Returns the paths."""
@@ -2592,9 +2609,9 @@ def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]
             "them", stacklevel=2)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for i, state in enumerate(module.member_state_dicts()):
+    for i, state in enumerate(file_tensors(module.member_state_dicts())):
         path = folder / f"member_{i:03d}.safetensors"
         with temp_beside(path) as tmp:  # written whole or not at all
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+            save_file(state, str(tmp))
         paths.append(path)
     return paths

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from stagewise.planner.errors import InputError, MemberError, ModelLoadError, StagewiseError
 from stagewise.planner.files import fsync_folder, mode_for
 from stagewise.planner.plan import InputMode, Plan
-from stagewise.executor.build import BatchedModule, build, check_member_folder
+from stagewise.executor.build import BatchedModule, build, check_member_folder, file_tensors
 from stagewise.executor.members import slice_of
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("STAGEWISE_DIST_TIMEOUT_S", "300"))  # a collective waits this long for a slow or dead rank
@@ -548,11 +548,11 @@ class ShardedModule(nn.Module):
             with agreed(f"saving the checkpoint to {folder}", self._group):
                 if writes:
                     folder.mkdir(parents=True, exist_ok=True)
-                    for g, state in zip(self.member_indices, self.member_state_dicts()):
+                    for g, state in zip(self.member_indices, file_tensors(self.member_state_dicts())):
                         path = folder / f"member_{g:03d}.safetensors"
                         target = Path(os.path.realpath(path)) if path.is_symlink() else path  # a link stays a link
                         written.append((_temp_beside(target), target))
-                        save_file({k: v.contiguous() for k, v in state.items()}, str(written[-1][0]))
+                        save_file(state, str(written[-1][0]))
                         paths.append(path)
             with agreed(f"replacing the checkpoint files in {folder}", self._group):  # every rank wrote all of its own
                 for tmp, path in written:

@@ -54,9 +54,15 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _base_covering(values: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor whose memory the `values` view (their common `._base`, or one of them that is no view)."""
+    """The tensor whose memory the `values` view (their common `._base`, or one of them that is no view). Values of
+    one memory may come from two such tensors where one is a detached alias of the other (`h` and `h.detach()`,
+    handed on both): the one that records gradients then, whose history the copy must carry on (a copy of the
+    detached one would hand `h`'s readers a value no gradient reaches `h` through)."""
     bases = {id(b): b for b in (x._base if x._base is not None else x for x in values)}
-    return next(iter(bases.values())) if len(bases) == 1 else None
+    if len(bases) == 1:
+        return next(iter(bases.values()))
+    recording = [b for b in bases.values() if b.requires_grad]
+    return recording[0] if len(recording) == 1 else None
 
 
 def _covers(base: torch.Tensor, extent: tuple[int, int]) -> bool:
@@ -123,7 +129,7 @@ def own_storage(args: list, n: int, written: Iterable[int], always: bool = False
         spans = sorted(extents.values())
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
             continue  # two members' values overlap in memory: one tensor they all hold, a write must reach every one
-        base = _base_covering(found[0][2] for found in members.values())
+        base = _base_covering(x for found in members.values() for _, _, x in found)
         if base is None or any(not _covers(base, extents[i]) for i in members):
             continue
         for i, found in members.items():
@@ -133,8 +139,12 @@ def own_storage(args: list, n: int, written: Iterable[int], always: bool = False
             original = base.as_strided((hi - lo,), (1,), lo)
             own = original.clone()
             stretches.append(OwnStretch(own, original, always, own.grad_fn))
+            # a detached alias (`h.detach()`, written in place to change h's values out of autograd's sight) stays
+            # one: the same memory, the same version counter, no history
+            untracked = own.detach() if own.requires_grad else own
             for k, j, x in found:
-                replaced[(k, i, j)] = own.as_strided(x.size(), x.stride(), x.storage_offset() - lo)
+                replaced[(k, i, j)] = (own if x.requires_grad else untracked).as_strided(
+                    x.size(), x.stride(), x.storage_offset() - lo)
     if not replaced:
         return args, []
     out = list(args)

@@ -769,6 +769,34 @@ def _default_layout(value: Any) -> Any:
     return fix(value)
 
 
+def _other_layout(value: Any) -> bool:
+    """Whether a stage argument holds a tensor of 4 or more dimensions not in the default layout (channels_last, a
+    permuted view), which an op asking for its memory format (GroupNorm) cannot be answered about inside vmap."""
+    tree = value.value if isinstance(value, Shared) else value.tree if isinstance(value, Batched) else \
+        value.values if isinstance(value, PerMember) else value
+    return any(isinstance(t, torch.Tensor) and t.dim() >= 4 and not t.is_contiguous() for t in tree_flatten(tree)[0])
+
+
+def _written_back(args: list, fixed: list, outs: list) -> list:
+    """After a stage ran on `fixed`, the default-layout copies of `args`: each copy it wrote in place (its version
+    counter moved) copied into the tensor it was made from, and an output that is such a copy made that tensor."""
+    leaves = lambda v: tree_flatten(v.value if isinstance(v, Shared) else v.tree if isinstance(v, Batched)  # noqa: E731
+                                    else v.values if isinstance(v, PerMember) else v)[0]
+    made_from = {}
+    for a, f in zip(args, fixed):
+        for orig, copy in zip(leaves(a), leaves(f)):
+            if isinstance(orig, torch.Tensor) and copy is not orig:
+                made_from[id(copy)] = orig
+                if copy._version:
+                    orig.copy_(copy)
+    if not made_from:
+        return outs
+    back = lambda t: made_from.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return [Shared(tree_map(back, o.value)) if isinstance(o, Shared) else Batched(tree_map(back, o.tree))
+            if isinstance(o, Batched) else PerMember([tree_map(back, v) for v in o.values])
+            if isinstance(o, PerMember) else o for o in outs]
+
+
 class VmapRunner(Runner):
     """One torch.func.vmap over stacked state: `functional_call(stage, state[i], inputs[i])` for all i at once.
 
@@ -862,6 +890,12 @@ class VmapRunner(Runner):
         return [stacked[k] for k in self._state_keys]
 
     def run(self, args: list) -> list:
+        if self.program.writes_in_place and any(_other_layout(a) for a in args):
+            # a retry after vmap's layout error would start from what the failed attempt already wrote (a chunked
+            # vmap writes chunk by chunk: those members' inputs written twice), so a stage that writes in place
+            # takes the default layout up front, and what it wrote goes back into its arguments
+            fixed = [_default_layout(a) for a in args]
+            return _written_back(args, fixed, self._run(fixed))
         try:
             return self._run(args)
         except RuntimeError as e:

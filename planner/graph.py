@@ -49,7 +49,7 @@ from stagewise.planner.trace_watch import (  # noqa: F401
     _tensor_values_read,
     storage_root, storage_sharers)
 from stagewise.planner.tracers import (LIFTED_CONSTANT, _defaults_not_given, _drop_concrete_placeholders, _export, check_small_sizes,
-                                      data_assignment, data_assignment_refusal, out_as_copies, region_written_operands,
+                                      data_assignment, data_assignment_refusal, detach_out_of_place, out_as_copies, region_written_operands,
                                       views_as_reshapes)
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method", "get_attr")  # nodes that belong to stages
@@ -463,8 +463,28 @@ def _input_grads_disagree(model: nn.Module, gm: torch.fx.GraphModule, example_in
     return _grads_differ(got_grads[1], want_grads[1], low, INPUT_GRADS_DIFFER, missing_is_zero=True)
 
 
-def _grads_refusal(disagreement: str) -> str:
+def _hook_computed_weights(model: nn.Module | None) -> list[str]:
+    """The weights torch's hook-based `torch.nn.utils.spectral_norm` / `weight_norm` recompute as plain attributes
+    before their module runs (`enc.weight` from `enc.weight_orig`), by dotted name."""
+    from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
+    from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
+
+    if model is None:
+        return []
+    return [f"{path}.{hook.name}" if path else hook.name for path, m in model.named_modules()
+            for hook in m._forward_pre_hooks.values() if isinstance(hook, (SpectralNorm, WeightNorm))]
+
+
+def _grads_refusal(disagreement: str, model: nn.Module | None = None) -> str:
     """The refusal for a traced graph whose parameter or input gradients are not forward()'s (`disagreement`)."""
+    hooked = [w for w in _hook_computed_weights(model) if any(f"{w}{end}" in disagreement for end in ("_orig", "_g", "_v"))]
+    if hooked:
+        return (f"The traced graph's outputs are forward()'s, but {disagreement.removeprefix('its graph gives ')}. "
+                f"The model uses torch's hook-based spectral_norm / weight_norm ({', '.join(hooked[:3])}): that weight "
+                "is a plain attribute the hook recomputes each time its module runs, so read anywhere else (a tied "
+                "weight: F.linear(h, self.enc.weight.t())) it holds what the last call left, without gradients when "
+                "that call ran under torch.no_grad(). Use torch.nn.utils.parametrizations.spectral_norm / weight_norm "
+                "(the weight is computed where it is read), or read the weight only inside its module")
     if disagreement.startswith(INPUT_GRADS_DIFFER):
         return (f"The traced graph's outputs are forward()'s, but {disagreement.removeprefix('its graph gives ')}: "
                 "called with an input requiring grad (a training step that reads x.grad: an adversarial step, a "
@@ -1038,6 +1058,7 @@ def _fx_trace(model: nn.Module, given: int | Sequence[str], opened: Sequence[str
         gm.graph.erase_node(node)
         gm.recompile()
     out_as_copies(gm)
+    detach_out_of_place(gm)
     # custom autograd.Functions fx had to trace through (an argument no graph holds): their backward is not in the graph
     gm.meta["stagewise_lost_backwards"] = tuple(sorted(inlined_functions))
     return gm
@@ -1321,7 +1342,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
             disagreement = _fx_disagrees(model, gm, example_inputs, before)
             before.restore_if_changed(model)  # the check's own runs write state (BatchNorm statistics): put back, not news
             if _grads_disagreement(disagreement):
-                raise TraceError(_grads_refusal(disagreement))  # torch.export records no such change either
+                raise TraceError(_grads_refusal(disagreement, model))  # torch.export records no such change either
             if disagreement is not None:
                 try:
                     gm = _export(model, example_inputs)
@@ -1380,7 +1401,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
         disagreement = _fx_disagrees(model, gm, example_inputs, before)
         before.restore_if_changed(model)
         if _grads_disagreement(disagreement):
-            raise TraceError(_grads_refusal(disagreement))
+            raise TraceError(_grads_refusal(disagreement, model))
         if disagreement is not None and not disagreement.startswith("its graph fails"):  # (that is named below)
             reassigned = _buffers_reassigned(model, example_inputs, before)
             if reassigned:

@@ -10,6 +10,8 @@ instance, a class overriding __call__ and function attributes closing over a mod
 from __future__ import annotations
 
 import contextlib
+import dis
+import inspect
 import types
 from typing import Any
 
@@ -114,6 +116,47 @@ def _closes_over_state(f: Any) -> str:
 VALUE_NEUTRAL_CALLS = {("transformers.modeling_layers", "GradientCheckpointingLayer.__call__")}
 
 
+_PASS_THROUGH_OPS = {"COPY_FREE_VARS", "RESUME", "NOP", "CACHE", "PUSH_NULL", "PRECALL", "CALL", "CALL_FUNCTION_EX",
+                     "RETURN_VALUE", "BUILD_MAP", "DICT_MERGE", "KW_NAMES", "LOAD_GLOBAL", "LOAD_METHOD", "LOAD_ATTR",
+                     "LOAD_SUPER_ATTR", "LOAD_DEREF", "LOAD_FAST"}
+
+
+def passes_through(call: Any) -> bool:
+    """Whether a `__call__` override only hands its arguments on, as they came, to nn.Module's:
+    `def __call__(self, x: Tensor) -> Tensor: return super().__call__(x)` (written for type checkers), with
+    `*args, **kwargs` or keywords passed by their own names (`mask=mask`). Nothing else read, computed or called."""
+    code = getattr(call, "__code__", None)
+    if code is None:
+        return False
+    try:
+        signature = list(inspect.signature(call).parameters.values())[1:]
+        params = [p.name for p in signature]
+        ops = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+    except (TypeError, ValueError):
+        return False
+    loaded, keywords, calls = [], (), 0
+    for op in ops:
+        if op.opname not in _PASS_THROUGH_OPS:
+            return False
+        if op.opname == "LOAD_GLOBAL" and op.argval != "super" \
+                or op.opname in ("LOAD_METHOD", "LOAD_ATTR", "LOAD_SUPER_ATTR") and op.argval != "__call__" \
+                or op.opname == "LOAD_DEREF" and op.argval != "__class__" or op.opname == "BUILD_MAP" and op.arg:
+            return False
+        if op.opname == "LOAD_FAST":
+            loaded.append(op.argval)
+        elif op.opname == "KW_NAMES":
+            keywords = code.co_consts[op.arg]
+        elif op.opname in ("CALL", "CALL_FUNCTION_EX"):
+            calls += 1
+    if calls != 2 or len(loaded) != len(params) or not all(isinstance(k, str) for k in keywords):
+        return False  # super() and its __call__; each argument once
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature) != any(
+            op.opname == "CALL_FUNCTION_EX" for op in ops):
+        return False  # *args handed on unpacked (not as one tuple), and only then
+    positional, named = loaded[:len(loaded) - len(keywords)], loaded[len(loaded) - len(keywords):]
+    return positional == params[:len(positional)] and list(keywords) == named
+
+
 def call_override_refusal(model: nn.Module, who: str) -> str | None:
     """The message refusing a forward replaced on a module instance, a user class overriding __call__, or a function
     attribute closing over a module or tensor (a deepcopy keeps reading the original's), or None.
@@ -141,7 +184,8 @@ def call_override_refusal(model: nn.Module, who: str) -> str | None:
                         "Make it a method (def f(self, x): ...) and keep `self.f = self.f_method` if needed, or an nn.Module")
         call = type(mod).__call__
         if call is not nn.Module.__call__ and not str(getattr(call, "__module__", "")).startswith("torch.") \
-                and (getattr(call, "__module__", None), getattr(call, "__qualname__", None)) not in VALUE_NEUTRAL_CALLS:
+                and (getattr(call, "__module__", None), getattr(call, "__qualname__", None)) not in VALUE_NEUTRAL_CALLS \
+                and not passes_through(call):
             return (f"{where} overrides __call__ ({type(mod).__qualname__}.__call__): the traced graph "
                     "runs forward() only, so what __call__ adds around it would be dropped or run twice. "
                     "Move that code into forward()")

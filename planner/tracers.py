@@ -113,7 +113,7 @@ def _export_watched(model: nn.Module, args: tuple) -> torch.fx.GraphModule:
     gm.meta["stagewise_lost_backwards"] = tuple(sorted(functions))
     _drop_guard_nodes(gm)
     _sizes_as_methods(gm)
-    _detach_out_of_place(gm)
+    detach_out_of_place(gm)
     _drop_self_copies(gm)
     out_as_copies(gm)
     return gm
@@ -243,20 +243,31 @@ def out_as_copies(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _detach_out_of_place(gm: torch.fx.GraphModule) -> None:
-    """`aten.detach_(x)` -> `aten.detach(x)`, later reads of x reading its result instead. Export records
-    `torch.tensor(x.shape[0])` as a fresh copy detached in place; per member that copy is a view of the stacked
-    value, which torch cannot detach in place. Same values; nothing in the graph needs gradients of a constant."""
+def detach_out_of_place(gm: torch.fx.GraphModule) -> None:
+    """`x.detach_()` -> `x.detach()`, later reads of x reading its result instead. Export records
+    `torch.tensor(x.shape[0])` as a fresh copy detached in place, and a model detaches a value it computed
+    (`h.detach_()`: no gradient back through what made h); per member the value is a view of the stacked one (a
+    loop stage's row), which torch cannot detach in place. Same values, and the same gradients: the reads after
+    the detach see a tensor without history, as in the member; the reads before it were recorded before it.
+    fx's `detach_` of an input or of state (the caller's tensor, a parameter) is left as it is."""
     changed = False
     nodes = list(gm.graph.nodes)
     for i, node in enumerate(nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach_.default and node.args:
+        traced = (node.op == "call_method" and node.target == "detach_") or (
+            node.op == "call_function" and node.target in (torch.detach_, torch.Tensor.detach_))
+        if traced and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].op.startswith("call_") and len(alias_chain(node.args[0])) == 1:  # no view, no in-place result
+            source = node.args[0]
+            node.op, node.target, changed = "call_method", "detach", True
+        elif node.op == "call_function" and node.target is torch.ops.aten.detach_.default and node.args:
             source = node.args[0]
             node.target, changed = torch.ops.aten.detach.default, True
-            later = set(nodes[i + 1:])
-            for user in list(getattr(source, "users", ())):
-                if user in later:
-                    user.replace_input_with(source, node)
+        else:
+            continue
+        later = set(nodes[i + 1:])
+        for user in list(getattr(source, "users", ())):
+            if user in later:
+                user.replace_input_with(source, node)
     if changed:
         gm.recompile()
 
