@@ -772,19 +772,44 @@ def _default_layout(value: Any) -> Any:
 def _other_layout(value: Any) -> bool:
     """Whether a stage argument holds a tensor of 4 or more dimensions not in the default layout (channels_last, a
     permuted view), which an op asking for its memory format (GroupNorm) cannot be answered about inside vmap."""
-    tree = value.value if isinstance(value, Shared) else value.tree if isinstance(value, Batched) else \
-        value.values if isinstance(value, PerMember) else value
-    return any(isinstance(t, torch.Tensor) and t.dim() >= 4 and not t.is_contiguous() for t in tree_flatten(tree)[0])
+    return any(isinstance(t, torch.Tensor) and t.dim() >= 4 and not t.is_contiguous() for t in _arg_leaves(value))
+
+
+def _arg_leaves(value: Any) -> list:
+    return tree_flatten(value.value if isinstance(value, Shared) else value.tree if isinstance(value, Batched)
+                        else value.values if isinstance(value, PerMember) else value)[0]
+
+
+def _values_kept(args: list) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """(tensor, version, a copy of its values) for each tensor among the stage arguments."""
+    with torch.no_grad():
+        return [(t, t._version, t.clone()) for a in args for t in _arg_leaves(a) if isinstance(t, torch.Tensor)]
+
+
+def _put_back(kept: list, stage: str) -> None:
+    """Each kept tensor a failed attempt wrote (its version moved) given its values back. Where that cannot be done
+    as the member loop would see it (the write recorded gradients; the arguments share memory, which default-layout
+    copies would part), ExecutionError naming the fix."""
+    written = [(t, old) for t, version, old in kept if t._version != version]
+    storages = [t.untyped_storage().data_ptr() for t, _, _ in kept]
+    if written and (torch.is_grad_enabled() and any(t.requires_grad for t, _ in written)
+                    or len(set(storages)) != len(storages)):
+        raise ExecutionError(
+            f"stage {stage} writes a tensor in place that is not in the default memory layout (channels_last, a "
+            "permuted view), and an op in it asks for the layout (GroupNorm), which vmap cannot answer; its chunked "
+            "run had written part of the values before failing, which cannot be put back here. Pass the input in "
+            "the default layout (x.contiguous()), or set no chunk_size on the stage")
+    with torch.no_grad():
+        for t, old in written:
+            t.copy_(old)
 
 
 def _written_back(args: list, fixed: list, outs: list) -> list:
     """After a stage ran on `fixed`, the default-layout copies of `args`: each copy it wrote in place (its version
     counter moved) copied into the tensor it was made from, and an output that is such a copy made that tensor."""
-    leaves = lambda v: tree_flatten(v.value if isinstance(v, Shared) else v.tree if isinstance(v, Batched)  # noqa: E731
-                                    else v.values if isinstance(v, PerMember) else v)[0]
     made_from = {}
     for a, f in zip(args, fixed):
-        for orig, copy in zip(leaves(a), leaves(f)):
+        for orig, copy in zip(_arg_leaves(a), _arg_leaves(f)):
             if isinstance(orig, torch.Tensor) and copy is not orig:
                 made_from[id(copy)] = orig
                 if copy._version:
@@ -890,12 +915,9 @@ class VmapRunner(Runner):
         return [stacked[k] for k in self._state_keys]
 
     def run(self, args: list) -> list:
-        if self.program.writes_in_place and any(_other_layout(a) for a in args):
-            # a retry after vmap's layout error would start from what the failed attempt already wrote (a chunked
-            # vmap writes chunk by chunk: those members' inputs written twice), so a stage that writes in place
-            # takes the default layout up front, and what it wrote goes back into its arguments
-            fixed = [_default_layout(a) for a in args]
-            return _written_back(args, fixed, self._run(fixed))
+        # a stage writing in place given a tensor in another layout: what a failed first attempt writes (a chunked
+        # vmap writes chunk by chunk before the layout error) is put back before the retry
+        kept = _values_kept(args) if self.program.writes_in_place and any(_other_layout(a) for a in args) else None
         try:
             return self._run(args)
         except RuntimeError as e:
@@ -903,7 +925,11 @@ class VmapRunner(Runner):
                 raise
             # a channels_last input meets an op that asks for its memory format (GroupNorm): vmap cannot answer
             # that, so the inputs go in in the default layout (the values are the same)
-            return self._run([_default_layout(a) for a in args])
+            if kept is None:
+                return self._run([_default_layout(a) for a in args])
+            _put_back(kept, self.program.describe)
+            fixed = [_default_layout(a) for a in args]
+            return _written_back(args, fixed, self._run(fixed))
 
     def _run(self, args: list) -> list:
         training = self.program.module.training
