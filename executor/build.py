@@ -1322,6 +1322,12 @@ class BatchedModule(nn.Module):
                 "so that layer's other mode cannot be run from this module. Put the members' layers in the mode you "
                 "want before planner.trace and executor.build, or build one module per mode (ens.train() / ens.eval() "
                 "switch the whole module where its graph allows)")
+        if mode:
+            for layer, why in (self.__dict__.get("_training_refused_layers") or {}).items():
+                if (layer == path or layer.startswith(path + ".") or path.startswith(layer + ".")) \
+                        and self._stage_layer_mode(layer) is False:
+                    raise ExecutionError(f"train() on {path!r} of the batched module would put {layer!r} in training "
+                                         f"mode, which is refused: {why}; evaluation is unaffected")
         found = False
         for m in self.stage_modules:
             try:
@@ -2251,6 +2257,18 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
         # the flag set by hand leaves every layer's own mode as it is)
         module.__dict__["_training_state_refused"] = training_refused
         module._mode_bound[True] = training_refused
+    # the same, layer by layer: train() on a node of the state tree (`ens.stacked.bn.train()`, MC dropout's walk
+    # over ens.modules()) puts only that layer in training mode, and is refused where that layer is one of these
+    refused_layers: dict[str, str] = {}
+    for owner in sorted({owner for owner in in_training.values() if owner not in kept_in_eval}):
+        why = aliasing.training_mode_refusal({k for k, o in in_training.items() if o == owner})
+        if why:
+            refused_layers[owner] = why
+    for layer, difference in zip(graph.gm.meta.get("stagewise_eval_only_layers", ()), eval_only or ()):
+        refused_layers.setdefault(layer, f"members differ in its dropout rate ({difference}), which does nothing in "
+                                         "eval mode but would run as member 0's in training (the traced graph holds "
+                                         "one rate); to run it in training batched, give the members one rate")
+    module.__dict__["_training_refused_layers"] = refused_layers
     module.__dict__["_aliased_params"] = aliasing.parameters()
     module.__dict__["_grad_mode_refused"] = grad_mode_refused
     module.__dict__["_traced_without_grad"] = not traced_with_grad

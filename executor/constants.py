@@ -61,23 +61,50 @@ _ATEN_SCALAR_TO_TENSOR.update({  # in place (`h.div_(self.t)`) and the clamp fam
     "add_": torch.ops.aten.add_.Tensor, "sub_": torch.ops.aten.sub_.Tensor, "mul_": torch.ops.aten.mul_.Tensor,
     "div_": torch.ops.aten.div_.Tensor, "clamp_min": torch.ops.aten.clamp_min.Tensor,
     "clamp_max": torch.ops.aten.clamp_max.Tensor})
-_LEAKY = {F.leaky_relu, torch.ops.aten.leaky_relu.default}
+_LEAKY = {F.leaky_relu, torch.ops.aten.leaky_relu.default, torch.ops.aten.leaky_relu_.default}
 
 
-def clamp_per_member(x: torch.Tensor, min: Any = None, max: Any = None) -> torch.Tensor:
+def clamp_per_member(x: torch.Tensor, min: Any = None, max: Any = None, inplace: bool = False) -> torch.Tensor:
     """torch.clamp where either bound may be a per-member 0-d tensor and the other a Python number (aten's clamp
-    takes both as numbers or both as tensors): min(max(x, min), max), as torch.clamp computes it."""
+    takes both as numbers or both as tensors): min(max(x, min), max), as torch.clamp computes it; into x with
+    `inplace` (`h.clamp_(min=-self.t, max=1.0)`)."""
+    if inplace:
+        if min is not None:
+            x.clamp_min_(min)
+        return x if max is None else x.clamp_max_(max)
     if min is not None:
         x = torch.clamp_min(x, min)
     return x if max is None else torch.clamp_max(x, max)
+
+
+_FX_CLAMPS = {torch.clamp: False, torch.clip: False, torch.clamp_: True, torch.clip_: True,
+              torch.Tensor.clamp: False, torch.Tensor.clip: False, torch.Tensor.clamp_: True, torch.Tensor.clip_: True}
+
+
+def _fx_clamp(node: torch.fx.Node) -> bool | None:
+    """For a torch.fx clamp / clip node: whether it writes in place; None for any other node."""
+    if node.op == "call_method" and node.target in ("clamp", "clip", "clamp_", "clip_"):
+        return node.target.endswith("_")
+    return _FX_CLAMPS.get(node.target) if node.op == "call_function" else None
 _IGNORED_IN_EVAL = (nn.modules.dropout._DropoutNd,)  # their config has no effect outside training
 # settings a module's forward() never reads (only its constructor: the initial values of its parameters)
 _CONSTRUCTION_ONLY = {nn.PReLU: {"init"}}
 
 
-def leaky_relu_per_member(x: torch.Tensor, negative_slope: torch.Tensor) -> torch.Tensor:
-    """leaky_relu with a tensor slope (F.leaky_relu takes only a Python number): x where x >= 0, else slope * x."""
-    return torch.where(x >= 0, x, x * negative_slope)
+def leaky_relu_per_member(x: torch.Tensor, negative_slope: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """leaky_relu with a tensor slope (F.leaky_relu takes only a Python number): x where x > 0, else slope * x
+    (at 0 the gradient is the slope's, as torch's), written into x with `inplace`."""
+    out = torch.where(x > 0, x, x * negative_slope)
+    return x.copy_(out) if inplace else out
+
+
+def _inplace_flag(node: torch.fx.Node, module: nn.Module | None = None) -> dict:
+    """{"inplace": True} for a leaky_relu node that writes its input (`nn.LeakyReLU(s, inplace=True)`,
+    `F.leaky_relu(h, s, True)`, `aten.leaky_relu_`), else {}."""
+    flag = getattr(module, "inplace", False) if module is not None else \
+        node.kwargs.get("inplace", node.args[2] if len(node.args) > 2 else False) if node.target is F.leaky_relu else \
+        node.target is torch.ops.aten.leaky_relu_.default
+    return {"inplace": True} if flag is True else {}
 
 
 
@@ -112,6 +139,19 @@ def config_signature(member: nn.Module) -> tuple:
 
 def _leaves(node: torch.fx.Node) -> list:
     return torch.utils._pytree.tree_flatten((node.args, node.kwargs))[0]
+
+
+def _defaults_given(node: torch.fx.Node) -> None:
+    """An aten op's positional arguments left out for their defaults written out (the same op, the same values)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return
+    positional = [a for a in node.target._schema.arguments if not a.kwarg_only]
+    args = list(node.args)
+    for a in positional[len(args):]:
+        if not a.has_default_value() or a.name in node.kwargs:
+            break
+        args.append(a.default_value)
+    node.args = tuple(args)
 
 
 def _structure(node: torch.fx.Node) -> Any:
@@ -267,6 +307,10 @@ def lift_member_constants(graph: ModelGraph, members: Sequence[nn.Module], trace
                 "number that differs is fine: it is lifted per member), or plan the members that differ separately")
         others[i] = g
         for node in graph.gm.graph.nodes:  # the same leaves in another structure: `{self.name: y}`, keys per member
+            if _structure(node) != _structure(g.fx_node(node.name)):
+                # torch.export leaves out an argument equal to its default (leaky_relu's slope 0.01 in member 0)
+                _defaults_given(node)
+                _defaults_given(g.fx_node(node.name))
             if _structure(node) != _structure(g.fx_node(node.name)):
                 named = ", ".join(sorted(attr_diffs)[:4]) or "?"
                 raise MemberError(
@@ -473,6 +517,7 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
             eval_only = gm.meta.setdefault("stagewise_eval_only_differences", [])
             shown = ", ".join(f"member {i}: {v!r}" for i, v in enumerate(diff.values) if i == 0 or not _same(v, diff.values[0]))
             eval_only.append(f"{diff.where} ({shown})")
+            gm.meta.setdefault("stagewise_eval_only_layers", []).append(f"{node.target}.{key}".rpartition(".")[0])
             return
         if attr in _CONSTRUCTION_ONLY.get(type(mod), ()):
             return
@@ -491,7 +536,7 @@ def _lift(graph: ModelGraph, diff: _Difference, attr_diffs: dict[str, list], lif
         if mod is leaf and isinstance(mod, nn.LeakyReLU) and attr == "negative_slope" and _numbers(diff.values):
             slope = _constant_node(gm, node, diff, lifted)
             node.op, node.target = "call_function", leaky_relu_per_member
-            node.args, node.kwargs = (node.args[0], slope), {}
+            node.args, node.kwargs = (node.args[0], slope), _inplace_flag(node, mod)
             return
         raise _refuse(diff, attr_diffs, f"{type(mod).__name__}.{attr} cannot be given per member"
                       + (f" (a setting inside the leaf module {type(leaf).__name__} at {node.target})." if mod is not leaf else "."))
@@ -534,13 +579,20 @@ def _retarget(node: torch.fx.Node, diff: _Difference, value: torch.fx.Node) -> N
     """The op of `node`, whose number at diff.where is now the tensor `value`, as the overload taking a tensor there."""
     if node.target in _LEAKY:
         x = node.args[0]
-        node.target, node.args, node.kwargs = leaky_relu_per_member, (x, value), {}
+        node.target, node.args, node.kwargs = leaky_relu_per_member, (x, value), _inplace_flag(node)
+    elif _fx_clamp(node) is not None:  # `h.clamp(min=-self.t, max=1.0)`: a tensor bound beside a number
+        inplace = _fx_clamp(node)
+        bounds = dict(zip(("min", "max"), node.args[1:]), **node.kwargs)
+        node.op, node.target = "call_function", clamp_per_member
+        node.args, node.kwargs = (node.args[0],), dict(bounds, **({"inplace": True} if inplace else {}))
     elif isinstance(node.target, torch._ops.OpOverload):
         base = node.target._schema.name.split("::")[-1]
         if base == "clamp":
             node.target = clamp_per_member  # (a second lifted bound finds it so and keeps it)
         elif base == "pow" and diff.where == 0:  # `self.t ** h`: the number is the base
             node.target = torch.ops.aten.pow.Tensor_Tensor
+        elif node.target._overloadname.endswith("_mode"):  # div.Scalar_mode(h, n, rounding_mode=): keep the mode
+            node.target = getattr(getattr(torch.ops.aten, base), "Tensor_mode")
         else:
             node.target = _ATEN_SCALAR_TO_TENSOR[base]
 
@@ -653,7 +705,7 @@ def _liftable(node: torch.fx.Node, position: int) -> bool:
     has_value = any(isinstance(x, torch.fx.Node) for x in leaves)
     if node.target in _LEAKY:
         return position == 1 or (len(node.args) < 2 and position == len(node.args))  # the slope, positional or keyword
-    if node.target is clamp_per_member:  # a clamp one of whose bounds is lifted already: the other may be too
+    if node.target is clamp_per_member or _fx_clamp(node) is not None:  # (one of whose bounds may be lifted already)
         return has_value and _is_operand(node, position)
     operand = _is_operand(node, position)
     if node.op == "call_function" and node.target in _ARITHMETIC:
@@ -675,7 +727,8 @@ def _is_operand(node: torch.fx.Node, position: int) -> bool:
     """Whether flattened position `position` of (args, kwargs) is an operand of the op: one of its first two
     positional arguments (three for clamp's min and max) or an operand keyword (other=, min=, max=), not a
     setting such as alpha= or rounding_mode=."""
-    clamp = node.target in (torch.clamp, "clamp", clamp_per_member) or getattr(node.target, "__name__", "").startswith("clamp")
+    clamp = node.target is clamp_per_member or _fx_clamp(node) is not None \
+        or getattr(node.target, "__name__", "").startswith("clamp")
     seen = 0
     for i, a in enumerate(node.args):
         count = len(torch.utils._pytree.tree_flatten(a)[0])

@@ -230,3 +230,156 @@ def test_the_hook_based_spectral_norm_read_outside_its_module_is_named():
         m(torch.randn(5, 6))
     with pytest.raises(TraceError, match=r"hook-based spectral_norm / weight_norm \(enc\.weight\).*parametrizations"):
         planner.trace(m, (torch.randn(5, 6),))
+
+
+class DropoutSweep(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.fc, self.do, self.out = nn.Linear(8, 8), nn.Dropout(p), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.do(self.fc(x)))
+
+
+@pytest.mark.parametrize("route", ["node", "walk", "tree", "flag"])
+def test_a_dropout_rate_sweep_put_in_training_layer_by_layer_is_refused(route):
+    """Members differing only in dropout rate build in eval (the rate does nothing there) and ens.train() is refused;
+    putting the Dropout layers in training through the state tree ran every member at member 0's rate (0.50-1.11)."""
+    from stagewise.planner.errors import ExecutionError  # noqa: PLC0415
+
+    members = [DropoutSweep(p).eval() for p in (0.0, 1.0, 0.5)]
+    x = torch.randn(5, 8)
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N), members)
+    with pytest.raises(ExecutionError, match=r"'do' in training mode, which is refused: members differ in its dropout rate"):
+        if route == "node":
+            ens.stacked.do.train()
+        elif route == "walk":  # MC dropout as it is usually written
+            for m in ens.modules():
+                if isinstance(m, nn.Dropout):
+                    m.train()
+        elif route == "tree":
+            ens.stacked.train()
+        else:
+            ens.stacked.do.training = True
+    ens.stacked.fc.train()  # another layer: its mode is its own
+    ens.stacked.fc.eval()
+    with torch.no_grad():  # nothing changed: still the loop's in eval
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+class SharedNorm(nn.Module):
+    def __init__(self, bn):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 4), bn
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def test_a_shared_batchnorm_put_in_training_by_its_node_is_refused():
+    """A BatchNorm every member holds (one running mean updated member after member in the loop): ens.train() is
+    refused, `ens.stacked.bn.train()` kept a copy of the statistics per member (0.238 off in eval afterwards)."""
+    from stagewise.planner.errors import ExecutionError  # noqa: PLC0415
+
+    bn = nn.BatchNorm1d(4).eval()
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(SharedNorm(bn).eval())
+    x = torch.randn(6, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.raises(ExecutionError, match=r"'bn' in training mode, which is refused: members \[0, 1, 2\] hold one tensor"):
+        ens.stacked.bn.train()
+
+
+class LeakySweep(nn.Module):
+    def __init__(self, slope, inplace=False, functional=False):
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+        self.act = nn.LeakyReLU(slope, inplace=inplace)
+        self.slope, self.functional, self.inplace = slope, functional, inplace
+
+    def forward(self, x):
+        h = self.fc(x)
+        r = h * 1.0
+        a = nn.functional.leaky_relu(r, self.slope, inplace=self.inplace) if self.functional else self.act(r)
+        return self.out(a + r)  # r read after: an in-place activation changed it
+
+
+def _loop_check(members, x, **plan_kw):
+    loop = copy.deepcopy(members)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    ens = executor.build(planner.propose(graph, len(members), **plan_kw), members)
+    out = ens(x)
+    ref = torch.stack([m(x) for m in loop])
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+    return graph
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("functional", [False, True])
+def test_a_leaky_relu_slope_sweep_matches_at_zero_and_in_place(inplace, functional):
+    """The per-member slope ran as where(x >= 0, ...): at a pre-activation of exactly 0 the gradient was 1, torch's is
+    the slope (1.53 off with a zero-initialised layer); and `inplace=True` lost the write into the input (1.16)."""
+    members = [LeakySweep(s, inplace, functional) for s in (0.2, 0.05, 0.3)]
+    for m in members:
+        with torch.no_grad():
+            m.fc.weight.zero_()  # every pre-activation is the bias: zero in some units
+            m.fc.bias.copy_(torch.tensor([0.0, 1.0, -1.0, 0.0, 2.0, -2.0, 0.0, 0.5]))
+    _loop_check(members, torch.randn(5, 8))
+
+
+class ClampSweep(nn.Module):
+    def __init__(self, t, kind):
+        super().__init__()
+        self.fc, self.t, self.kind = nn.Linear(8, 8), t, kind
+
+    def forward(self, x):
+        h = self.fc(x) * 3
+        if self.kind == "method":
+            return h.clamp(min=-self.t, max=1.0)
+        if self.kind == "function":
+            return torch.clamp(h, -self.t, 1.0)
+        if self.kind == "clip":
+            return h.clip(-1.0, self.t)
+        h.clamp_(min=-self.t, max=1.0)
+        return h * 2
+
+
+@pytest.mark.parametrize("kind", ["method", "function", "clip", "in_place"])
+def test_a_per_member_clamp_bound_beside_a_fixed_one(kind):
+    """`h.clamp(min=-self.t, max=1.0)` under torch.fx: the lifted bound (a tensor) beside a number failed every call
+    inside vmap (`.item()`); `clip` was refused as a setting."""
+    _loop_check([ClampSweep(t, kind) for t in (0.5, 1.5, 0.1)], torch.randn(5, 8))
+
+
+class ExportedSweep(nn.Module):
+    """A loop over a shape: planned with torch.export."""
+
+    def __init__(self, slope, t):
+        super().__init__()
+        self.fc, self.act, self.t = nn.Linear(8, 8), nn.LeakyReLU(slope), t
+
+    def forward(self, x):
+        h = self.fc(x)
+        acc = h
+        for i in range(x.size(0)):
+            acc = acc + 0 * h[i]
+        return torch.div(self.act(acc), self.t, rounding_mode="floor")
+
+
+def test_an_exported_slope_and_rounded_divisor_sweep():
+    """torch.export leaves out leaky_relu's slope where it is the default (0.01): members were refused as of 'another
+    structure'; and a per-member divisor with rounding_mode lost the mode (torch's arity error, said as an InputError)."""
+    members = [ExportedSweep(s, t) for s, t in ((0.01, 1.5), (0.5, 0.7), (0.2, 1.0))]
+    x = torch.randn(5, 8) * 4
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    assert graph.tracer == "export"
+    ens = executor.build(planner.propose(graph, N), members)
+    with torch.no_grad():
+        for xx in (x, torch.randn(5, 8) * 4):
+            torch.testing.assert_close(ens(xx), torch.stack([m(xx) for m in members]))
