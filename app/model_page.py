@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -31,10 +30,6 @@ def upload_limit_note() -> str:
             "`stagewise profile PLAN MODEL --weights FILE ...`.")
 
 
-def _natural(name: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
 def _open_sample() -> None:
     path = st.session_state.get("sample_choice")
     if path:
@@ -52,7 +47,7 @@ def _open_upload() -> None:
         state.flash("error", "choose a .py model file or a .pt2 archive first")
         return
     trust = up.name.endswith(".pt2") and bool(st.session_state.get(_trust_key(up)))
-    weights = sorted(st.session_state.get("weights_upload") or [], key=lambda f: _natural(f.name))
+    weights = sorted(st.session_state.get("weights_upload") or [], key=lambda f: planner.natural_key(f.name))
 
     def save() -> tuple[Path, str, tuple[str, ...]]:
         d = state.new_upload_dir()  # private (0700) and unique per upload: nothing planted can be picked up

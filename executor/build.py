@@ -752,7 +752,7 @@ def _own_module(where: str | None) -> bool:
 
 
 def _load_hooks(member: nn.Module) -> list[str]:
-    """The member's modules (by path, "the model" for the root) that load their state with code of their own: a
+    """The member's modules (by path, "" for the root) that load their state with code of their own: a
     load_state_dict pre / post hook, or a class of the model's own overriding _load_from_state_dict or
     set_extra_state."""
     out = []
@@ -764,8 +764,49 @@ def _load_hooks(member: nn.Module) -> list[str]:
         hooks = [*m._load_state_dict_pre_hooks.values(), *m._load_state_dict_post_hooks.values()]
         users = [h for h in hooks if not (getattr(getattr(h, "hook", h), "__module__", None) or "").startswith("torch")]
         if users or own:
-            out.append(f"module {path!r}" if path else "model")
+            out.append(path)
     return out
+
+
+def load_aliased_refusal(module: "BatchedModule", how: str, state_dict: dict, prefix: str, under: str) -> str:
+    """Why torch's load_state_dict of the rows of every member (`state_dict`, keys `prefix` + the member's name, for
+    the node at the path `under`) would give the members other values than their own loads: rows of a tensor several
+    members hold that differ (the loop's one tensor cannot hold two values), or one member's two names on one memory
+    stacked apart, loaded with other values (or one of them not loaded: a buffer viewing the weight keeps the old
+    rows), or ""."""
+    aliased = module.__dict__.get("_load_aliased") or {}
+    start = under + "." if under else ""
+    for name, (why, other) in aliased.items():
+        if not name.startswith(start) or prefix + name[len(start):] not in state_dict:
+            continue
+        value = state_dict[prefix + name[len(start):]]
+        if isinstance(other, list):  # the members holding it as one tensor: their rows must agree
+            rows = [value[i] for i in other if isinstance(value, torch.Tensor) and value.dim() and i < value.shape[0]]
+            if all(torch.equal(r, rows[0]) for r in rows[1:]):
+                continue
+            return f"{how}: {why}, and the rows loaded for members {other} differ. Load the same values into those rows"
+        twin = prefix + other[len(start):] if other.startswith(start) else None
+        if twin is not None and twin in state_dict and isinstance(value, torch.Tensor) and \
+                value.shape == state_dict[twin].shape and torch.equal(value, state_dict[twin]):
+            continue
+        return (f"{how}: {why}; loaded {'with other values under the two names' if twin in state_dict else 'under one name only'}, "
+                f"`{other}` would keep its old rows. Load into the members themselves (member.load_state_dict(...)) and "
+                "build again, or give each name its own tensor in the model")
+    return ""
+
+
+def load_hooks_refusal(module: "BatchedModule", how: str, under: str = "") -> str:
+    """Why loading state into the stacked rows by `how` would skip the members' own load code (a module at or under
+    the path `under` loading its state with code of its own: _load_hooks), or ""."""
+    hooked = [p for p in module.__dict__.get("_load_hooks") or () if not under or p == under or p.startswith(under + ".")]
+    if not hooked:
+        return ""
+    who = f"module {hooked[0]!r}" if hooked[0] else "model"
+    return (f"{how}: the members' {who} loads its state with code of its own (a load_state_dict hook, a "
+            "_load_from_state_dict or set_extra_state of its class: a derived buffer refreshed after loading), which "
+            "copying the tensors into the stacked rows would skip. Load the state into the members themselves "
+            "(member.load_state_dict(...)) and build again, or copy what the hook computes by hand "
+            "(ens.stacked_state[name][i].copy_(...))")
 
 
 def _branching_modules(member: nn.Module, stage_modules: Sequence[nn.Module]) -> dict[str, tuple[str, bool]]:
@@ -1484,14 +1525,10 @@ class BatchedModule(nn.Module):
         are not read again: what they hold besides their state (a sweep's numbers) stays as built."""
         if not 0 <= i < self.n_members:
             raise MemberError(f"load_member_state_dict({i}): no such member; pass 0..{self.n_members - 1}")
-        hooked = self.__dict__.get("_load_hooks")
+        hooked = load_hooks_refusal(self, f"load_member_state_dict({i})")
         if hooked:
-            raise MemberError(
-                f"load_member_state_dict({i}): the members' {hooked[0]} loads its state with code of its own (a "
-                "load_state_dict hook, a _load_from_state_dict or set_extra_state of its class: a derived buffer "
-                "refreshed after loading), which copying the tensors into row i would skip. Load the state into "
-                "member i itself (member.load_state_dict(...)) and build again, or copy what the hook computes by hand "
-                "(ens.stacked_state[name][i].copy_(...))")
+            raise MemberError(hooked)
+        self._check_member_load(i, state_dict)
         if self._state_replaced[0]:
             self._follow_replaced_state()
         keys = set(self._member_keys)
@@ -1508,6 +1545,35 @@ class BatchedModule(nn.Module):
         with torch.no_grad():
             for k, v in state_dict.items():
                 self._stacked[k][i].copy_(v)
+
+    def _check_member_load(self, i: int, state_dict: dict) -> None:
+        """MemberError where copying `state_dict` into row i alone would leave the batched module otherwise than member
+        i's own load_state_dict leaves the member: a tensor other members hold too (a shared backbone: the loop's load
+        writes it for them all), one of two names on one memory stacked apart (a view of the weight registered as a
+        buffer; a torch.export module's tie) loaded under one name or with other values, and a tie member i has where
+        others do not (a tie sweep: the member keeps one tensor for both names)."""
+        how = f"load_member_state_dict({i})"
+        for name, (why, other) in (self.__dict__.get("_load_aliased") or {}).items():
+            if name not in state_dict:
+                continue
+            if isinstance(other, list):
+                if i in other and len(other) > 1:
+                    raise MemberError(f"{how}: {why}. Load the state into the members and build again, or give each "
+                                      "member its own copy (copy.deepcopy the shared module for each member)")
+                continue
+            if other not in state_dict or not torch.equal(torch.as_tensor(state_dict[name]), torch.as_tensor(state_dict[other])):
+                raise MemberError(f"{how}: {why}; loaded {'with other values under the two names' if other in state_dict else 'under one name only'}, "
+                                  f"`{other}` would keep its old row. Load the same values under both names, or load into "
+                                  "member i itself (member.load_state_dict(...)) and build again")
+        for tie, tying in (self.__dict__.get("_ties_apart") or {}).items():
+            a, b = tie.split(" = ")
+            if i in tying and (a in state_dict or b in state_dict) and not (
+                    a in state_dict and b in state_dict and torch.equal(state_dict[a], state_dict[b])):
+                raise MemberError(f"{how}: member {i} ties `{a}` and `{b}` (one tensor), which the batched module stacks "
+                                  "apart because other members do not tie them; loaded under one name only or with "
+                                  "other values under the two, the member's own load would leave both names one value "
+                                  "where the rows here would differ. Load the same values under both names, or load "
+                                  "into member i itself and build again")
 
     @property
     def stacked_state(self) -> dict[str, torch.Tensor]:
@@ -2273,6 +2339,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_grad_mode_refused"] = grad_mode_refused
     module.__dict__["_traced_without_grad"] = not traced_with_grad
     module.__dict__["_shared_across"] = shared_across_members(members)
+    module.__dict__["_load_aliased"] = aliasing.load_refusals(module._stacked)  # what the in-place loads must not part
     module.__dict__["_frozen_apart"] = frozen_apart(members)  # trains member 0's choice for all: refused in training
     module.__dict__["_frozen_apart_flags"] = frozen_apart_flags(members)  # ... while the stacked flag stays member 0's
     module.__dict__["_ties_apart"] = apart
@@ -2623,8 +2690,9 @@ def save_member_weights(module: BatchedModule, folder: str | Path) -> list[Path]
             f"the members differ in buffers a state_dict does not hold ({', '.join(apart[:3])}"
             f"{', ...' if len(apart) > 3 else ''}: registered with persistent=False), which these files leave out: "
             "members loaded from them get the values the model builds (planner.load_model_file builds member i from "
-            f"seed {MEMBER_SEED_BASE} + i). Register them as persistent buffers, or keep ens.state_dict(), which holds "
-            "them", stacklevel=2)
+            f"seed {MEMBER_SEED_BASE} + i). Register them as persistent buffers, or keep them beside the files "
+            "(torch.save({k: ens.stacked_state[k] for k in names}, path), copied back into ens.stacked_state[k] "
+            "after loading: ens.state_dict() leaves them out too)", stacklevel=2)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, state in enumerate(file_tensors(module.member_state_dicts())):

@@ -68,7 +68,7 @@ def member_list(members: Any, where: str) -> list[nn.Module]:
             if isinstance(inner, nn.Module):
                 attr = "_orig_mod" if type(m).__name__ == "OptimizedModule" else "module"
                 raise MemberError(f"member {i} is a {type(m).__name__} wrapper: pass the model it wraps (m.{attr}); "
-                                  "stagewise batches the members' own modules (torch.compile the batched module instead)"
+                                  "stagewise batches the members' own modules (to compile, set strategy='compile' on stages, or let executor.autotune choose it)"
                                   if attr == "_orig_mod" else
                                   f"member {i} is a {type(m).__name__} wrapper: pass the model it wraps (m.{attr})")
             refusal = state_refusal(m)
@@ -390,6 +390,21 @@ class StateNode(nn.Module):
             if owner is not None:
                 owner._layer_mode(self.__dict__["_path"], bool(value))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """torch's load_state_dict (`ens.load_state_dict(checkpoint)`, `ens.stacked.load_state_dict(...)`) reaches each
+        node here, the root first: refused before any tensor is copied where the members load their state with
+        code of their own, which the stacked rows would skip (a derived buffer left as the members built it)."""
+        modes = self.__dict__.get("_modes")
+        owner = modes[0] if modes else None
+        if owner is not None:
+            from stagewise.executor.build import load_aliased_refusal, load_hooks_refusal  # build imports this module
+            path = self.__dict__["_path"]
+            how = f"load_state_dict on {path!r} of the batched module" if path else "load_state_dict of the batched module"
+            why = load_hooks_refusal(owner, how, under=path) or load_aliased_refusal(owner, how, state_dict, prefix, path)
+            if why:
+                raise MemberError(why)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         """nn.Module's lookup of parameters, buffers and submodules; parametrize.register_parametrization is refused
         at its first look (`module.parametrizations`), before a right_inverse (orthogonal's) writes the tensor."""
@@ -664,6 +679,23 @@ class Aliasing:
                         "member its own (copy.deepcopy the module for each member)"
                         + (self._train_override_fix(name) if training else ""))
         return ""
+
+    def load_refusals(self, stacked: dict[str, torch.Tensor]) -> dict[str, tuple[str, Any]]:
+        """{name: (why loading it into one member's row alone differs from the member's own load, what it is aliased
+        with)}: a tensor several members hold (the member's own load writes it for all of them: a list of members),
+        and one member's two names on one memory that the batched module stacks apart (the other name)."""
+        out: dict[str, tuple[str, Any]] = {}
+        for name, owners in self.across.items():
+            out[name] = (f"members {owners} hold `{name}` as one tensor (a shared module), which a member's own "
+                         "load_state_dict writes for all of them and the batched module holds a copy of per member",
+                         owners)
+        for a, ka, b, kb in self.within:
+            if stacked.get(a) is not stacked.get(b):
+                out.setdefault(a, (f"the members' {ka} `{a}` and {kb} `{b}` are on one memory, which a member's own "
+                                   "load_state_dict writes through either name and the batched module stacks apart", b))
+                out.setdefault(b, (f"the members' {kb} `{b}` and {ka} `{a}` are on one memory, which a member's own "
+                                   "load_state_dict writes through either name and the batched module stacks apart", a))
+        return out
 
     def parameters(self) -> list[tuple[str, str]]:
         """(parameter, the other name on its memory, in words): an optimizer step on the stacked parameter would leave

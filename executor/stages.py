@@ -623,7 +623,14 @@ class Runner:
                         "training), or exclude this stage"
                         if any(m.training for m in self.program.module.modules()) and strategy in ("vmap", "compile")
                         and _NOT_BATCHABLE.search(str(e)) else "")
-            advice = self._dtype_advice(args, e) or f"Check the input shapes, or exclude the stage to run it as a loop.{training}"
+            compiler = type(e).__name__ in ("BackendCompilerFailed", "TorchRuntimeError", "Unsupported", "InternalTorchDynamoError") \
+                or type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+            advice = (
+                "This failure is torch.compile's, compiling the batched module around the stage (torch.compile(ens)): "
+                f"call the module uncompiled, or let stagewise compile the stage itself (planner.set_options(plan, "
+                f"graph, {self.program.stage.id!r}, strategy='compile'), which executor.autotune also tries)"
+                if compiler else self._dtype_advice(args, e)
+                or f"Check the input shapes, or exclude the stage to run it as a loop.{training}")
             raise ExecutionError(
                 f"stage {self.program.describe} failed ({strategy}): "
                 f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}; "
@@ -775,6 +782,16 @@ def _other_layout(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dim() >= 4 and not t.is_contiguous() for t in _arg_leaves(value))
 
 
+def _hook_set_attributes(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """(module, attribute, its value now) for each weight torch's hook-based spectral_norm / weight_norm sets on a
+    module of `module` before it runs."""
+    from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
+    from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
+
+    return [(m, hook.name, m.__dict__.get(hook.name)) for m in module.modules()
+            for hook in m._forward_pre_hooks.values() if isinstance(hook, (SpectralNorm, WeightNorm))]
+
+
 def _arg_leaves(value: Any) -> list:
     return tree_flatten(value.value if isinstance(value, Shared) else value.tree if isinstance(value, Batched)
                         else value.values if isinstance(value, PerMember) else value)[0]
@@ -841,8 +858,15 @@ class VmapRunner(Runner):
         # compile by hand): computed once for every member, all would share one draw
         self._draws = any(draws_random(n) for n in self.program.module.graph.nodes)
 
+        # torch's hook-based spectral_norm / weight_norm set the weight they compute as a plain attribute of their
+        # module at each call: inside vmap a batched tensor, which would stay there after the call (deepcopy, pickle
+        # and torch.save of the module then fail on it): what the attribute held before goes back after each call
+        hooked = _hook_set_attributes(self.program.module)
+
         def one_member(*args):
             out = call(*args)
+            for module, name, before in hooked:
+                module.__dict__[name] = before
             if type(out) is tuple and all(isinstance(x, torch.Tensor) for x in out):
                 # the common case: a flat tuple of tensors, no pytree walk
                 meta = flat_metas.get(len(out))

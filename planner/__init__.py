@@ -7,7 +7,7 @@ from stagewise.planner.errors import (  # noqa: F401
     OptimizerError, OutputFileError, PlanFileError, PlanMismatchError, StagewiseError, TraceError, UntrustedArchiveError,
 )
 from stagewise.planner.plan import InputMode, InputSpec, Plan, Stage, StageMode, StageOptions, Strategy, SCHEMA_VERSION, DTYPES  # noqa: F401
-from stagewise.planner.source import ModelSource, load_export, load_model_file, load_source, read_state_dict  # noqa: F401
+from stagewise.planner.source import ModelSource, load_export, load_model_file, load_source, natural_key, read_state_dict  # noqa: F401
 from stagewise.planner.graph import ModelGraph, NodeInfo, trace, retrace, fingerprint  # noqa: F401
 from stagewise.planner.capability import annotate_capability, chain, unbatchable  # noqa: F401
 from stagewise.planner.propose import propose  # noqa: F401

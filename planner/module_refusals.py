@@ -240,7 +240,7 @@ def hooks_refusal(model: nn.Module, who: str) -> str | None:
     if compiled:
         return (f"{who} holds torch.compile'd submodule(s) {', '.join(repr(p) for p in compiled[:3])}: stagewise traces "
                 "and batches the plain modules. Build the members with the modules before compiling (set "
-                f"m.{compiled[0]} = m.{compiled[0]}._orig_mod), and torch.compile the batched module instead")
+                f"m.{compiled[0]} = m.{compiled[0]}._orig_mod); to compile, set strategy='compile' on the stages (executor.autotune tries it)")
     scripted = [path for path, mod in model.named_modules() if path and isinstance(mod, torch.jit.ScriptModule)]
     if scripted:
         return (f"{who} holds torch.jit-scripted or -traced submodule(s) {', '.join(repr(p) for p in scripted[:3])}: such "

@@ -22,6 +22,7 @@ import math
 import operator
 import pickle
 import re
+import warnings
 import sys
 import traceback
 import zipfile
@@ -627,11 +628,33 @@ def _weights_list(name: str, weights: Any) -> list | None:
     if isinstance(weights, (str, Path)):
         raise ModelLoadError(f"{name}: weights={str(weights)!r} is one path; pass a list of weight files, one per member "
                              f"(weights=[{str(weights)!r}] for one member)")
+    given = weights
     weights = list(weights)
     if not weights:
         raise ModelLoadError(f"{name}: weights is an empty list, so no member would get a file's weights; pass one weight "
                              "file per member (check the pattern that listed them), or weights=None for members without files")
+    if not isinstance(given, (list, tuple)):
+        # a generator (Path.glob, os.scandir) or a set lists in no order of its own: member i is the i-th file in natural
+        # order (member_2 before member_10), as save_member_weights numbers them
+        return sorted(weights, key=lambda w: natural_key(Path(w).name))
+    indices = [_member_file_index(w) for w in weights]
+    if None not in indices and indices != sorted(indices):
+        warnings.warn(f"{name}: the weight files are stagewise member files given out of their order "
+                      f"({', '.join(Path(w).name for w in weights[:4])}{', ...' if len(weights) > 4 else ''}): member i "
+                      "gets the i-th file as listed. Pass sorted(paths, key=planner.natural_key) to keep the saved order",
+                      stacklevel=3)
     return weights
+
+
+def natural_key(name: str) -> list:
+    """A sort key putting `member_2` before `member_10` (the digits compared as numbers)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", str(name))]
+
+
+def _member_file_index(path: Any) -> int | None:
+    """The index in a member file's name (`member_007.safetensors`: 7), or None for another name."""
+    found = re.fullmatch(r"member_(\d+)\.\w+", Path(str(path)).name)
+    return int(found.group(1)) if found else None
 
 
 def _members_from_weights(name: str, build_n: Callable[[int], list[nn.Module]], weights: Sequence[str | Path],

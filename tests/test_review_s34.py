@@ -383,3 +383,163 @@ def test_an_exported_slope_and_rounded_divisor_sweep():
     with torch.no_grad():
         for xx in (x, torch.randn(5, 8) * 4):
             torch.testing.assert_close(ens(xx), torch.stack([m(xx) for m in members]))
+
+
+class OnBackbone(nn.Module):
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone, self.head = backbone, nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.backbone(x)))
+
+
+def test_loading_a_member_that_shares_a_module_with_others_is_refused():
+    """Members on one frozen backbone: the member's own load writes the one tensor every member reads; the batched
+    module wrote row i only (1.38 off). Refused; a whole-module round trip with the rows alike still loads."""
+    from stagewise.planner.errors import MemberError  # noqa: PLC0415
+
+    backbone = nn.Linear(4, 4).requires_grad_(False)
+    members = [OnBackbone(backbone) for _ in range(N)]
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    ckpt = OnBackbone(nn.Linear(4, 4)).state_dict()
+    before = ens.state_dict()
+    with pytest.raises(MemberError, match=r"members \[0, 1, 2\] hold `backbone.weight` as one tensor"):
+        ens.load_member_state_dict(0, ckpt)
+    ens.load_member_state_dict(0, {k: v for k, v in ckpt.items() if k.startswith("head.")}, strict=False)  # its own part
+    ens.load_state_dict(before)  # the rows of the shared tensor alike: as the loop's one tensor
+    changed = {k: v.clone() for k, v in before.items()}
+    changed["stacked.backbone.weight"][1] += 1
+    with pytest.raises(MemberError, match=r"rows loaded for members \[0, 1, 2\] differ"):
+        ens.load_state_dict(changed)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x)[1:], torch.stack([m(x) for m in members])[1:])
+
+
+class MaybeTied(nn.Module):
+    def __init__(self, tie):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def test_loading_other_values_into_a_tie_of_a_tie_sweep_is_refused():
+    """Members 0 and 2 tie the head to the embedding, member 1 does not: the two names are stacked apart, and an
+    untied checkpoint loaded into member 0 untied it in the batched module (0.73 off), where the member keeps one."""
+    from stagewise.planner.errors import MemberError  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    members = [MaybeTied(tie=i != 1).eval() for i in range(N)]
+    ids = torch.randint(0, 10, (6,))
+    ens = executor.build(planner.propose(planner.trace(members[0], (ids,)), N), copy.deepcopy(members))
+    with pytest.raises(MemberError, match=r"member 0 ties `head.weight` and `emb.weight`"):
+        ens.load_member_state_dict(0, MaybeTied(tie=False).state_dict())
+    tied = MaybeTied(tie=True).eval()
+    ens.load_member_state_dict(0, tied.state_dict())  # one value under both names: as the member loads it
+    members[0].load_state_dict(tied.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(ens(ids), torch.stack([m(ids) for m in members]))
+
+
+class ViewBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("w_rows", self.fc.weight.detach()[:2], persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) + x @ self.w_rows.t().sum(-1, keepdim=True)
+
+
+def test_loading_a_weight_a_buffer_views_is_refused():
+    """A buffer registered as a view of the weight: the member's load writes both through the one memory; the
+    batched module stacks them apart and loaded the weight alone (0.94 off)."""
+    from stagewise.planner.errors import MemberError  # noqa: PLC0415
+
+    members = _members(ViewBuffer)
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    with pytest.raises(MemberError, match=r"`fc.weight` and buffer `w_rows` are on one memory"):
+        ens.load_member_state_dict(1, ViewBuffer().state_dict())
+    with pytest.raises(MemberError, match="under one name only"):
+        ens.load_state_dict(ens.state_dict())  # the view is no persistent buffer: the file leaves it out
+
+
+class DerivedBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8))
+        self.register_buffer("w_unit", torch.empty(4, 8), persistent=False)
+        self.refresh()
+        self.register_load_state_dict_post_hook(lambda mod, keys: mod.refresh())
+
+    @torch.no_grad()
+    def refresh(self):
+        self.w_unit.copy_(self.weight / self.weight.norm(dim=1, keepdim=True))
+
+    def forward(self, x):
+        return x @ self.w_unit.t()
+
+
+class WithDerived(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.d, self.fc = DerivedBuffer(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.d(x))
+
+
+def test_load_state_dict_of_the_batched_module_refuses_members_with_load_code():
+    """`ens.load_state_dict(checkpoint)` ran none of the members' load hooks: a buffer derived from the weight kept
+    the fresh members' values (1.85 off). Refused before anything is copied, as load_member_state_dict refuses."""
+    from stagewise.planner.errors import MemberError  # noqa: PLC0415
+
+    members = _members(WithDerived)
+    x = torch.randn(5, 8)
+    plan = planner.propose(planner.trace(members[0], (x,)), N)
+    ckpt = executor.build(plan, copy.deepcopy(members)).state_dict()
+    ens = executor.build(plan, [WithDerived() for _ in range(N)])  # fresh members, to resume into
+    before = {k: v.clone() for k, v in ens.state_dict().items()}
+    for load in (lambda: ens.load_state_dict(ckpt), lambda: ens.stacked.d.load_state_dict(
+            {k.removeprefix("stacked.d."): v for k, v in ckpt.items() if k.startswith("stacked.d.")})):
+        with pytest.raises(MemberError, match=r"module 'd' loads its state with code of its own"):
+            load()
+    for k, v in ens.state_dict().items():  # nothing copied
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+def test_weight_files_listed_in_no_order_load_in_member_order(tmp_path):
+    """`planner.load_source(model, weights=folder.glob("member_*.safetensors"))` put the members in directory order
+    (10 of 12 members someone else, 1.55 off)."""
+    import textwrap  # noqa: PLC0415
+
+    model = tmp_path / "m.py"
+    model.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        def build_model():
+            return nn.Linear(4, 2)
+        def example_inputs():
+            return (torch.randn(3, 4),)
+    """))
+    members = []
+    for i in range(12):
+        torch.manual_seed(i)
+        members.append(nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), 12), members)
+    folder = tmp_path / "w"
+    executor.save_member_weights(ens, folder)
+    src = planner.load_source(model, weights=folder.glob("member_*.safetensors"))
+    for i, m in enumerate(src.members(12)):
+        torch.testing.assert_close(m.weight, members[i].weight)
+    shuffled = sorted(folder.glob("member_*.safetensors"), reverse=True)
+    with pytest.warns(UserWarning, match="given out of their order"):
+        planner.load_source(model, weights=shuffled)
+    assert planner.natural_key("member_1000") > planner.natural_key("member_101")
