@@ -184,6 +184,7 @@ def inplace_buffer_check(graph, node: torch.fx.Node) -> Optional[str]:
 
 
 BAKED_PREFIXES = ("_tensor_constant",)  # names torch.fx gives the tensors it bakes into a graph
+TRACER_CONSTANTS = BAKED_PREFIXES + ("lifted_tensor_",)  # and torch.export's: made by the tracer, alike for every member
 _SIZE_QUERIES = {"size", "dim", "numel", "shape", "ndim", "dtype", "device", "sym_size", "sym_numel", "sym_stride",
                  "stride", "nelement", "ndimension"}
 
@@ -204,7 +205,9 @@ def _carries_member_axis(graph) -> set[str]:
         elif n.op == "get_attr":
             # a tensor torch.fx baked from constants (`torch.arange(6.)`; a GraphModule holds it as a buffer) is one
             # for every member, as a fresh `torch.zeros(n)` is: `torch.arange(6.).repeat(B, 1)` written per member
-            hit = str(n.target) in state and not str(n.target).startswith(BAKED_PREFIXES)
+            # (torch.export's lifted constants, `mask[r, a:b] = True`'s True, are the tracer's own too: alike for every
+            # member, whether the graph holds them as attributes or, at build, as buffers)
+            hit = str(n.target) in state and not str(n.target).startswith(TRACER_CONSTANTS)
         elif n.op != "call_module" and (str(_op_name(n)).split(".")[0] in _SIZE_QUERIES or (
                 n.target is getattr and len(n.args) > 1 and n.args[1] in _SIZE_QUERIES)):
             hit = False
@@ -272,6 +275,15 @@ def _op_name(node: torch.fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
+class _TracerConstant:
+    """A probe argument: a tensor the tracer made (a constant of the graph), one for every member: not stacked."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
 class _PerMemberNumber:
     """A probe argument: a Python number read from tensors, which the batched module hands a stage per member."""
 
@@ -292,6 +304,8 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
             return slice(value(a.start), value(a.stop), value(a.step))
         if isinstance(a, torch.fx.Node) and a.name in data:  # read from tensors: arrives per member ([N]) at run time
             return _PerMemberNumber(values[a.name])
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr" and str(a.target).startswith(TRACER_CONSTANTS):
+            return _TracerConstant(values[a.name])  # one for every member: not stacked
         return values[a.name] if isinstance(a, torch.fx.Node) else a
 
     args, kwargs = tree_map(value, node.args), tree_map(value, node.kwargs)
@@ -299,7 +313,7 @@ def vmap_probe_check(graph, node: torch.fx.Node) -> Optional[str]:
     # lookup that renormalises it) is refused by autograd, and the probe only asks whether the op batches
     stack = lambda v: (torch.stack([v.detach()] * PROBE_MEMBERS) if isinstance(v, torch.Tensor)  # noqa: E731
                        else torch.tensor([v.value] * PROBE_MEMBERS) if isinstance(v, _PerMemberNumber) else v)
-    batched = tree_map(stack, (args, kwargs))
+    batched = tree_map(lambda v: v.value if isinstance(v, _TracerConstant) else stack(v), (args, kwargs))
     in_dims = tree_map(lambda v: 0 if isinstance(v, (torch.Tensor, _PerMemberNumber)) else None, (args, kwargs))
     if node.op != "call_module" and not any(d == 0 for d in tree_flatten(in_dims)[0]):
         if _draws_random(node):  # torch.randn(x.shape): no tensor input, yet the loop draws anew for each member

@@ -543,3 +543,124 @@ def test_weight_files_listed_in_no_order_load_in_member_order(tmp_path):
     with pytest.warns(UserWarning, match="given out of their order"):
         planner.load_source(model, weights=shuffled)
     assert planner.natural_key("member_1000") > planner.natural_key("member_101")
+
+
+class SpectralMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.utils.spectral_norm(nn.Linear(8, 16)), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_the_module_copies_after_a_call_with_the_hook_based_spectral_norm():
+    """The hook set its computed weight on the stage's module inside vmap: a batched tensor stayed there after the
+    call, and deepcopy / pickle / torch.save of the batched module failed on it."""
+    import io  # noqa: PLC0415
+    import pickle  # noqa: PLC0415
+
+    members = [m.eval() for m in _members(SpectralMLP)]
+    x = torch.randn(5, 8)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N, input_mode="shared"), copy.deepcopy(members))
+    with torch.no_grad():
+        want = torch.stack([m(x) for m in members])
+        torch.testing.assert_close(ens(x), want, rtol=1e-5, atol=1e-5)
+        for other in (copy.deepcopy(ens), pickle.loads(pickle.dumps(ens))):
+            torch.testing.assert_close(other(x), want, rtol=1e-5, atol=1e-5)
+    torch.save(ens, io.BytesIO())
+
+
+E_ATT, H_ATT, T_ATT = 16, 2, 6
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self, final_norm):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(E_ATT, H_ATT, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E_ATT) if final_norm else None,
+                                         enable_nested_tensor=True)
+        if final_norm:
+            with torch.no_grad():
+                self.enc.norm.bias.uniform_(-1, 1)  # a trained norm's bias
+
+    def forward(self, x, pad):
+        return self.enc(x, src_key_padding_mask=pad)
+
+
+def test_an_encoders_final_norm_runs_on_the_zeros_of_padded_positions():
+    """torch's nested-tensor run pads with zeros and then applies the final norm (padded rows = norm.bias); the wide
+    encoder zeroed the padded rows after the norm (2.64 off)."""
+    members = [m.eval() for m in _members(PaddedEncoder, final_norm=True)]
+    x = torch.randn(3, T_ATT, E_ATT)
+    pad = torch.arange(T_ATT)[None, :] >= torch.tensor([6, 4, 2])[:, None]  # right padding
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (x, pad)), N), members)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = torch.stack([m(x, pad) for m in members])
+        torch.testing.assert_close(ens(x, pad), want)
+    torch.testing.assert_close(want[0][pad], members[0].enc.norm.bias.expand(int(pad.sum()), E_ATT).detach())
+
+
+class CausalPadded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E_ATT, H_ATT, batch_first=True)
+
+    def forward(self, x, causal, pad):
+        return self.attn(x, x, x, attn_mask=causal, key_padding_mask=pad, need_weights=False)[0]
+
+
+def test_a_row_masked_out_by_a_causal_mask_and_left_padding_together_is_refused():
+    """Neither mask alone masks a whole row, the two together do (causal hides the future, left padding the past):
+    torch's fast path answers NaN there, the wide strategy answered finite numbers."""
+    from stagewise.planner.errors import ExecutionError  # noqa: PLC0415
+
+    members = [m.eval() for m in _members(CausalPadded)]
+    x = torch.randn(3, T_ATT, E_ATT)
+    causal = torch.ones(T_ATT, T_ATT, dtype=torch.bool).triu(1)
+    left = torch.arange(T_ATT)[None, :] < (T_ATT - torch.tensor([6, 4, 2]))[:, None]
+    graph = planner.trace(copy.deepcopy(members[0]), (x, causal, left))
+    plan = planner.propose(graph, N)
+    plan = planner.set_options(plan, graph, plan.stages[0].id, strategy="wide")
+    ens = executor.build(plan, members)
+    with torch.no_grad():
+        assert torch.stack([m(x, causal, left) for m in members]).isnan().any()  # the loop's NaN rows
+        with pytest.raises(ExecutionError, match="has every key masked out"):
+            ens(x, causal, left)
+        right = torch.arange(T_ATT)[None, :] >= torch.tensor([6, 4, 5])[:, None]  # no row wholly masked
+        torch.testing.assert_close(ens(x, causal, right), torch.stack([m(x, causal, right) for m in members]))
+
+
+class SlidingWindow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E_ATT, 3 * E_ATT)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H_ATT, E_ATT // H_ATT).permute(2, 0, 3, 1, 4)
+        mask = torch.zeros(t, t, dtype=torch.bool)
+        for r in range(t):  # a loop over a size: planned with torch.export
+            mask[r, max(0, r - 3): r + 1] = True
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return y.transpose(1, 2).reshape(b, t, E_ATT)
+
+
+def test_a_mask_written_with_the_tracers_constants_builds_from_its_own_plan():
+    """torch.export lifts each `= True` as a constant copied by lift_fresh_copy, which the probe stacked (no batching
+    rule: a loop stage each); build then saw the mask written with per-member values and refused the plan propose had
+    just made, telling the user to re-plan (which made the same plan)."""
+    members = _members(SlidingWindow)
+    x = torch.randn(2, 8, E_ATT)
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    assert graph.tracer == "export"
+    loop = copy.deepcopy(members)
+    ens = executor.build(planner.propose(graph, N), members)
+    out = ens(x)
+    ref = torch.stack([m(x) for m in loop])
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]))

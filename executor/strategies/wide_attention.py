@@ -134,8 +134,8 @@ def attention(module: nn.Module, state: dict, query: Any, key: Any, value: Any, 
     masks = [m.t if is_nf(m) else m for m in (key_padding_mask, attn_mask) if m is not None]
     if any(m.dtype != torch.bool and m.dtype != dtype for m in masks):
         return None, None  # torch refuses such masks (integer, or another float dtype): let it say so
-    if not fully_masked_ok and _fast_path_possible(module, state, query, key, value, batch_first, need_weights) and \
-            any(bool((m if m.dtype == torch.bool else torch.isneginf(m)).all(dim=-1).any()) for m in masks):
+    fast = not fully_masked_ok and _fast_path_possible(module, state, query, key, value, batch_first, need_weights)
+    if fast and any(bool((m if m.dtype == torch.bool else torch.isneginf(m)).all(dim=-1).any()) for m in masks):
         raise ExecutionError(FULLY_MASKED)
     e, heads = module.embed_dim, module.num_heads
     dh = e // heads
@@ -145,6 +145,8 @@ def attention(module: nn.Module, state: dict, query: Any, key: Any, value: Any, 
     qh, kh, vh = (_heads(t, batch_first, heads) for t in (qp, kp, vp))  # [N*B, heads, L or S, dh]
     causal = is_causal and key_padding_mask is None and not need_weights  # torch's SDPA-is_causal case
     mask = None if causal else _merged_mask(attn_mask, key_padding_mask, n, batch, heads, tgt, src, qh.dtype)
+    if fast and len(masks) > 1 and mask is not None and bool(torch.isneginf(mask).all(dim=-1).any()):
+        raise ExecutionError(FULLY_MASKED)  # masked out by the two masks together (causal, and left padding)
     if need_weights:
         scores = torch.matmul(qh * math.sqrt(1.0 / dh), kh.transpose(-2, -1))
         if mask is not None:
@@ -301,11 +303,11 @@ def encoder(module: nn.Module, state: dict, args: tuple, kwargs: dict, n: int) -
         if y is None:
             return None
         x = NFirst(y)
-    out = _norm(module.norm, _sub(state, "norm."), x) if module.norm is not None else x.t
-    if nested:  # torch's nested-tensor run leaves zeros where the keys were padded
+    out = x.t
+    if nested:  # torch's nested-tensor run leaves zeros where the keys were padded, then its final norm runs on them
         padded = _float_mask(kpm, out.dtype) != 0
         out = out.masked_fill(padded.reshape(padded.shape[0] if is_nf(kpm) else 1, *padded.shape[-2:], 1), 0.0)
-    return NFirst(out)
+    return NFirst(_norm(module.norm, _sub(state, "norm."), NFirst(out)) if module.norm is not None else out)
 
 
 def _runs_nested(module: nn.Module, state: dict, x: Any, mask: Any, kpm: Any) -> Optional[bool]:
