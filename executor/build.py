@@ -13,6 +13,7 @@ import copy
 import dis
 import difflib
 import enum
+import inspect
 import operator
 import pickle
 import re
@@ -872,6 +873,33 @@ def _setting_items(value: Any, depth: int) -> int | None:
     return total
 
 
+def _configs_held(members: Sequence[nn.Module]) -> tuple:
+    """(the object, where it is held, a copy of its fields) for each configuration object the members' modules hold
+    as an attribute (a Hugging Face PretrainedConfig every layer shares as `self.config`, a dataclass, an argparse
+    Namespace): forward() reads its fields on every call (`self.config.pad_token_id`), the traced graph holds the
+    values they had; the script usually keeps the same object (`cfg`) and may change it after build."""
+    import argparse  # noqa: PLC0415
+    import dataclasses  # noqa: PLC0415
+
+    seen: dict[int, Any] = {}
+    for m in members:
+        for path, mod in m.named_modules():
+            for k, v in vars(mod).items():
+                if id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type)) or k.startswith("__"):
+                    continue
+                if not (dataclasses.is_dataclass(v) or isinstance(v, (argparse.Namespace, types.SimpleNamespace))
+                        or any(c.__name__.endswith("Config") for c in type(v).__mro__)) or not hasattr(v, "__dict__"):
+                    continue
+                try:
+                    fields = copy.deepcopy(dict(vars(v)))
+                except Exception:  # noqa: BLE001 - a field that cannot be copied: not watched
+                    continue
+                if any(isinstance(x, torch.Tensor) for x in tree_flatten(fields)[0]):
+                    continue
+                seen[id(v)] = (v, f"{path}.{k}" if path else k, fields)
+    return tuple(seen.values())
+
+
 def _same_setting(now: Any, was: Any) -> bool:
     if type(now) is not type(was):
         return False
@@ -916,7 +944,8 @@ AUTOCAST_WARNING = (
 
 _MADE_FROM_STATE = ("_runners", "_steps", "_inference_only", "_grad_checks", "_storage", "_views_made", "_captured",
                     "_call_lock")
-_IMMUTABLE = ("_output_tree", "_out_spec", "_input_guard")  # shared by a deepcopy (pytree specs, export's guard function)
+# shared by a deepcopy (pytree specs, export's guard function, the members' configuration objects it watches)
+_IMMUTABLE = ("_output_tree", "_out_spec", "_input_guard", "_configs_held")
 
 
 def _refuse_unloadable_graphs(state: dict) -> None:
@@ -1635,6 +1664,22 @@ class BatchedModule(nn.Module):
                    for k, v in env.items()}
         return env
 
+    def _check_configs(self) -> None:
+        """ExecutionError where a configuration object the members hold (`self.config`) has a field that is not what
+        it was at build (`cfg.pad_token_id = 1` after build: the member loop reads the new value, the graph the old)."""
+        for obj, where, fields in self._configs_held:
+            now = vars(obj)
+            if now == fields:
+                continue
+            for k in sorted(now.keys() | fields.keys(), key=str):
+                if not _same_setting(now.get(k, _MISSING_GLOBAL), fields.get(k, _MISSING_GLOBAL)):
+                    raise ExecutionError(
+                        f"the members' {type(obj).__name__} at {where!r} has {k!r} = {_short(now.get(k, _MISSING_GLOBAL))}, "
+                        f"which was {_short(fields.get(k, _MISSING_GLOBAL))} when the batched module was built: forward() "
+                        "reads its fields on every call and the traced graph holds the values they had then, where the "
+                        "member loop reads the new one. Build the batched module again after changing the config "
+                        "(planner.trace, executor.build), or set it back")
+
     def _check_globals(self) -> None:
         """ExecutionError where a module-level setting forward() reads (`CFG["temperature"]`, `TEMPERATURE`) is not what
         it was at build: the traced graph holds the value it had then, the member loop reads the new one."""
@@ -2025,7 +2070,12 @@ class BatchedModule(nn.Module):
             named = {aliases.get(k, k): v for k, v in named.items()}
         unknown = sorted(k for k in named if k not in names)
         twice = sorted(k for k in named if k in names[:len(inputs)])
-        missing = [k for k in names[len(inputs):] if k not in named]
+        # an input traced as None (`forward(input_ids, attention_mask=None, ..., labels=None)` planned with positional
+        # Nones to reach a later one) left out by name takes the None it was traced with, as forward()'s default would
+        absent = [k for k in names[len(inputs):] if k not in named]
+        defaults_none = self.__dict__.get("_none_by_default", ())
+        named = {**named, **{k: None for k in absent if k in self._traced_none and k in defaults_none}}
+        missing = [k for k in absent if k not in named]
         if unknown or twice or missing:
             why = (f"keyword(s) {unknown} are not inputs of the plan" if unknown else
                    f"input(s) {twice} given both by position and by name" if twice else
@@ -2069,6 +2119,8 @@ class BatchedModule(nn.Module):
             self._follow_replaced_state()
         if self.__dict__.get("_globals_read"):  # module-level settings forward() reads, baked at build: changed?
             self._check_globals()
+        if self.__dict__.get("_configs_held"):  # configuration objects the members hold (`self.config`): changed?
+            self._check_configs()
         if self.__dict__.get("_value_reads") is not None:  # forward() reads buffer values: changed since build?
             self.__dict__["_value_reads"].check(self._stacked)
             self.__dict__["_value_reads"].refuse_trained_reads(self)  # (a layer in training: by .train() or by hand)
@@ -2115,6 +2167,11 @@ class BatchedModule(nn.Module):
                 pickle.dumps(state["_input_guard"])
             except Exception:  # a local function of torch.export: pickling it fails after torch.save emptied the file
                 state["_input_guard"] = None
+        if state.get("_configs_held"):
+            try:
+                pickle.dumps(state["_configs_held"])
+            except Exception:  # noqa: BLE001 - a config class defined in a function: the loaded module watches none
+                state["_configs_held"] = ()
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -2349,6 +2406,12 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_load_hooks"] = _load_hooks(members[0])
     mirror_layer_classes(module.stacked, members[0])
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
+    module.__dict__["_configs_held"] = _configs_held(members)  # and the configuration objects they hold
+    try:  # forward()'s parameters whose default is None (a by-name call may leave out one traced as None)
+        module.__dict__["_none_by_default"] = frozenset(
+            k for k, p in inspect.signature(members[0].forward).parameters.items() if p.default is None)
+    except (TypeError, ValueError):
+        module.__dict__["_none_by_default"] = frozenset()
     module.__dict__["_lost_backwards"] = graph.gm.meta.get("stagewise_lost_backwards", ())
     module.__dict__["_written_inputs"] = written  # per_member inputs forward() writes in place
     module.__dict__["_precision_refused"] = precision_refused  # why the export graph kept its float32 dtypes

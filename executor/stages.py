@@ -553,6 +553,12 @@ class Runner:
         """For torch's dtype mismatch (`expected scalar type Float but found Double`, `Input type (double) and bias type
         (float)`): the advice naming a floating input's dtype and the one the stage's weights hold (what the plan was
         traced and the members built in), else "". The member loop fails alike, so excluding the stage is no fix."""
+        if "Tensor dtype mismatch" in str(error) and any(
+                n.op == "call_function" and "assert_tensor_metadata" in str(n.target) for n in self.program.module.graph.nodes):
+            return ("The stage's torch.export graph checks the dtypes it was traced with: a batched module whose state "
+                    "was cast after build (ens.to(torch.bfloat16), .half(), .double()) cannot run it. Set the precision "
+                    "on the plan (planner.set_dtype(plan, 'bfloat16')) and build again, or cast the members "
+                    "before planning")
         if not _DTYPE_MISMATCH.search(str(error)):
             return ""
         want = next((t.dtype for t in self.stacked.values() if t.is_floating_point()), None)

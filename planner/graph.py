@@ -43,7 +43,7 @@ from stagewise.planner.plan import InputSpec
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
-from stagewise.planner.snapshot import PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, copy_plain, plain_attributes, restore_all, state_refusal  # noqa: F401
+from stagewise.planner.snapshot import _HOOK_TABLES, PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, copy_plain, plain_attributes, restore_all, state_refusal  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _autograd_hooks_refused, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     _tensor_values_read,
@@ -1613,10 +1613,37 @@ def retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_n
     `opened`: the plan's opened_modules, traced inside again (and part of the fingerprint).
     """
     opened = resolve_open_modules(model, opened)
-    with registration_hooks_off(), _host_state_refused(model), _distribution_checks_off(), _autograd_hooks_refused() as hooks_in:
+    with registration_hooks_off(), _host_state_refused(model), _distribution_checks_off(), \
+            _autograd_hooks_refused() as hooks_in, _attributes_kept(model):
         graph = _retrace(model, tracer, example_inputs, input_names, opened)
         hooks_in(graph.gm)
         return graph
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module):
+    """Every module's attributes and hook tables put back as they were (one level) after a trace: what forward()
+    caches on its first call (a rotary table as a plain tensor attribute, Hugging Face's output-capturing hooks) is
+    left by torch.export as a fake tensor, by fx as a Proxy, which a later eager call of the model would read."""
+    before = [(mod, dict(vars(mod))) for mod in model.modules()]
+    tables = [(table, dict(table)) for mod, attrs in before for name in _HOOK_TABLES
+              for table in [attrs.get(name)] if isinstance(table, dict)]
+    try:
+        yield
+    finally:
+        for mod, attrs in before:
+            for k in [k for k in vars(mod) if k not in attrs]:
+                del mod.__dict__[k]
+            for k, v in attrs.items():
+                if mod.__dict__.get(k, _KEPT_MISSING) is not v:
+                    mod.__dict__[k] = v
+        for table, was in tables:
+            if table.keys() != was.keys():
+                table.clear()
+                table.update(was)
+
+
+_KEPT_MISSING = object()
 
 
 def _retrace(model: nn.Module, tracer: str, example_inputs: tuple | None, input_names: Sequence[str] | None,

@@ -72,6 +72,7 @@ def _collect_plain(key: str, v: Any, out: dict[str, Any], depth: int, seen: set[
 
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}  # torch's own fields of every module (hooks, ...)
+_HOOK_TABLES = tuple(k for k in sorted(_MODULE_INTERNALS) if k.startswith(("_forward_", "_backward_")) and "hook" in k)
 _HELD_DEPTH, _HELD_LEAVES = 8, 20_000
 # past _HELD_LEAVES leaves the rest is folded into one hash (still compared, without a leaf each); past this many more
 # the walk stops, and the digest holds a value equal to no other's: such members are always traced again
@@ -458,6 +459,10 @@ class StateSnapshot:
     # the lists and dicts those attributes hold, with their contents as they were (one level: `self.maps.append(h)`
     # in forward() leaves an fx Proxy in the list) and their names ("Net.mem"), for restore_all
     contents: list[tuple[Any, Any, str]] = field(default_factory=list)
+    # every module's hook tables with the hooks they held: a forward() that registers hooks on its first call (Hugging
+    # Face's output capturing, marked by a plain attribute the restore takes back) would otherwise have each traced or
+    # checked run add another set, and the model left with them
+    hooks: list[tuple[dict, dict]] = field(default_factory=list)
 
     @staticmethod
     def take(model: nn.Module) -> "StateSnapshot":
@@ -470,8 +475,10 @@ class StateSnapshot:
                  for table in ("_parameters", "_buffers") for k, t in getattr(mod, table).items()]
         contents = [(v, _contents_of(v), f"{type(mod).__name__}.{k}") for mod in model.modules()
                     for k, v in vars(mod).items() if _is_container(v) and k not in _MODULE_INTERNALS]
+        hooks = [(table, dict(table)) for mod in model.modules() for name in _HOOK_TABLES
+                 for table in [mod.__dict__.get(name)] if isinstance(table, dict)]
         return StateSnapshot(tensors, {k: t._version for k, t in live.items()}, copy_plain(plain_attributes(model)), held,
-                             slots, [(mod, dict(vars(mod))) for mod in model.modules()], contents)
+                             slots, [(mod, dict(vars(mod))) for mod in model.modules()], contents, hooks)
 
     def restore_if_changed(self, model: nn.Module) -> StateChange:
         """Compare with `model` now; put changed tensors back, and attributes a trace left holding fx Proxies (a cache
@@ -518,6 +525,10 @@ class StateSnapshot:
                     tensor.copy_(saved)
                 self.held[key] = (mod, k, tensor, saved, tensor._version)
                 moved.append(key)
+        for table, was in self.hooks:  # hooks forward() registered: the model as it was (a side effect, not news)
+            if table.keys() != was.keys():
+                table.clear()
+                table.update(was)
         for container, was, name in self.contents:  # (after `moved`: a count in a dict, `stats["calls"] += 1`, is news)
             stored = _put_back_contents(container, was)
             # `self.mem["h"] = cell(x, self.mem.get("h"))`: a state kept inside a dict or list attribute

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -664,3 +665,122 @@ def test_a_mask_written_with_the_tracers_constants_builds_from_its_own_plan():
     ref.sum().backward()
     for name, p in ens.named_stacked_parameters():
         torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]))
+
+
+def test_hugging_face_output_hidden_states_plans_and_leaves_the_model_as_it_was():
+    """transformers' output capturing registers forward hooks on the model's first call, marked by a plain attribute:
+    each traced run put the mark back and kept the hooks, so the trace was refused (9 hidden states against 3) and the
+    caller's model left returning 13 (8.5e-2 off)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=100,
+                                        output_hidden_states=True)
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(transformers.DistilBertModel(cfg).eval())
+    ids = torch.randint(3, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    graph = planner.trace(members[0], (ids, mask))
+    assert sum(len(m._forward_hooks) for m in members[0].modules()) == 0  # as it was
+    ens = executor.build(planner.propose(graph, N), members)
+    with torch.no_grad():
+        out = ens(ids, mask)
+        refs = [m(ids, mask) for m in members]
+    torch.testing.assert_close(out.last_hidden_state, torch.stack([r.last_hidden_state for r in refs]))
+    assert len(out.hidden_states) == len(refs[0].hidden_states) == 3
+    for k, h in enumerate(out.hidden_states):
+        torch.testing.assert_close(h, torch.stack([r.hidden_states[k] for r in refs]))
+
+
+def test_a_table_cached_on_the_first_call_builds_without_a_fake_tensor_left_behind():
+    """A longrope (Phi-3 style) Llama caches its long frequencies as a plain tensor attribute on its first call; the
+    build's own torch.export trace left a fake tensor there, and the snapshot after it failed with torch's raw
+    DataDependentOutputException."""
+    transformers = pytest.importorskip("transformers")
+    import logging  # noqa: PLC0415
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=100, max_position_embeddings=32, use_cache=False,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                         "long_factor": [4.0] * 4, "original_max_position_embeddings": 8})
+    members = []
+    for i in range(N):
+        torch.manual_seed(i)
+        members.append(transformers.LlamaModel(cfg).eval())
+    ids = torch.randint(0, 100, (2, 6))
+    ens = executor.build(planner.propose(planner.trace(copy.deepcopy(members[0]), (ids,)), N), members)
+    with torch.no_grad():
+        got = ens(ids).last_hidden_state
+        torch.testing.assert_close(got, torch.stack([m(ids).last_hidden_state for m in members]))
+
+
+@dataclasses.dataclass
+class HeadConfig:
+    temperature: float = 1.0
+    pool: str = "mean"
+
+
+
+class ReadsConfig(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config, self.fc = config, nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x) / self.config.temperature
+        return h.mean(0) if self.config.pool == "mean" else h.amax(0)
+
+
+def test_a_shared_config_object_changed_after_build_is_refused():
+    """Every layer of a Hugging Face model holds the script's config object and reads it on every call; the graph
+    holds the values at build (`cfg.pad_token_id = 1` after build: 0.87 off, no word). Refused at the next call."""
+    import pickle  # noqa: PLC0415
+
+    from stagewise.planner.errors import ExecutionError  # noqa: PLC0415
+
+    cfg = HeadConfig()
+    members = _members(ReadsConfig, config=cfg)
+    x = torch.randn(5, 4)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x,)), N), members)
+    twin = copy.deepcopy(ens)  # watches the same object
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))  # the loop's calls change nothing
+        for changed in (dict(temperature=0.5), dict(pool="max")):
+            for k, v in changed.items():
+                setattr(cfg, k, v)
+            for module in (ens, twin):
+                with pytest.raises(ExecutionError, match=f"HeadConfig at 'config' has '{next(iter(changed))}'"):
+                    module(x)
+            cfg.temperature, cfg.pool = 1.0, "mean"
+        torch.testing.assert_close(twin(x), torch.stack([m(x) for m in members]))
+    pickle.loads(pickle.dumps(ens))  # (a config of a module-level class pickles with it)
+
+
+class OptionalInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, mask=None, extra=None, labels=None, flag=True):
+        h = self.fc(x) if mask is None else self.fc(x * mask)
+        h = h if extra is None else h + extra
+        return h if labels is None else nn.functional.cross_entropy(h, labels)
+
+
+def test_a_by_name_call_leaves_out_the_inputs_traced_as_their_none_default():
+    """A plan traced from positional Nones to reach `labels` refused `ens(x=..., labels=...)`, as HF code calls a model
+    (`ens(**batch)`), asking for the Nones; an input traced as None whose default is not None stays required."""
+    from stagewise.planner.errors import InputError  # noqa: PLC0415
+
+    members = _members(OptionalInputs)
+    x, labels = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    ens = executor.build(planner.propose(planner.trace(members[0], (x, None, None, labels)), N), members)
+    with torch.no_grad():
+        want = torch.stack([m(x, labels=labels) for m in members])
+        torch.testing.assert_close(ens(x=x, labels=labels), want)
+        torch.testing.assert_close(ens(x, labels=labels), want)
+        with pytest.raises(InputError, match=r"input\(s\) \['labels'\] not given"):
+            ens(x=x)
