@@ -1920,6 +1920,12 @@ def _run_and_record(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[dict, dict
         with torch.no_grad():
             rec.run(*inputs)
     except Exception as e:
+        if any("flex_attention" in str(n.target) for n in gm.graph.nodes if n.op == "call_function"):
+            raise TraceError(
+                f"forward() calls flex_attention, whose eager implementation (CPU, outside torch.compile) runs "
+                f"torch.vmap inside, which the traced graph cannot run again ({type(e).__name__}: "
+                f"{_first_line(e)[:160]}); use F.scaled_dot_product_attention with an attn_mask built from the same "
+                "mask function, or run the members as they are") from None
         if "vmapped" in str(e) or any("_functorch" in str(getattr(n.target, "__module__", "")) or "batch_dim" in str(n.target)
                                       for n in gm.graph.nodes if n.op == "call_function"):
             raise TraceError(

@@ -784,3 +784,26 @@ def test_a_by_name_call_leaves_out_the_inputs_traced_as_their_none_default():
         torch.testing.assert_close(ens(x, labels=labels), want)
         with pytest.raises(InputError, match=r"input\(s\) \['labels'\] not given"):
             ens(x=x)
+
+
+class FlexCausal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E_ATT, 3 * E_ATT)
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H_ATT, E_ATT // H_ATT).permute(2, 0, 3, 1, 4)
+        y = flex_attention(q, k, v, score_mod=lambda score, b_, h, qi, ki: torch.where(qi >= ki, score, -float("inf")))
+        return y.transpose(1, 2).reshape(b, t, E_ATT)
+
+
+def test_flex_attention_is_refused_by_its_name():
+    """The refusal said forward() calls torch.vmap itself; it calls flex_attention, whose eager CPU run uses vmap."""
+    from stagewise.planner.errors import TraceError  # noqa: PLC0415
+
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    with torch.no_grad(), pytest.raises(TraceError, match="calls flex_attention"):
+        planner.trace(FlexCausal().eval(), (torch.randn(2, 8, E_ATT),))
