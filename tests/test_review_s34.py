@@ -22,6 +22,31 @@ def _members(cls, n: int = N, **kw) -> list[nn.Module]:
     return out
 
 
+def _loop_check(members, x, strategies=None, input_mode="shared"):
+    """Build from member 0's plan (`strategies`: one for every stage, or one per stage), call with x (per_member:
+    member i takes x[i]) and backward the sum: outputs and every parameter's gradient against the member loop's.
+    Returns the graph."""
+    loop = copy.deepcopy(members)
+    per_member = input_mode == "per_member"
+    graph = planner.trace(copy.deepcopy(members[0]), (x[0] if per_member else x,))
+    plan = planner.propose(graph, len(members), input_mode=input_mode)
+    if strategies is not None:
+        each = [strategies] * len(plan.stages) if isinstance(strategies, str) else strategies
+        assert len(each) == len(plan.stages)
+        for st, strategy in zip(plan.stages, each):
+            plan = planner.set_options(plan, graph, st.id, strategy=strategy)
+    ens = executor.build(plan, members)
+    out = ens(x)
+    ref = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)])
+    torch.testing.assert_close(out, ref)
+    (out ** 2).sum().backward()
+    (ref ** 2).sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+    return graph
+
+
 class Tagged(nn.Linear):
     """A layer with a get_extra_state() value of its own (a quantisation config, a version tag)."""
 
@@ -83,22 +108,7 @@ class DetachesInPlace(nn.Module):
 def test_a_value_detached_in_place_in_forward(strategy):
     """`h.detach_()` failed every call of the proposed plan: a loop stage hands row views, which torch cannot detach in
     place. It is traced as `h.detach()` read by what comes after; values and gradients are the loop's."""
-    members = _members(DetachesInPlace)
-    x = torch.randn(2, 4)
-    graph = planner.trace(members[0], (x,))
-    plan = planner.propose(graph, N)
-    if strategy:
-        for st in plan.stages:
-            plan = planner.set_options(plan, graph, st.id, strategy=strategy)
-    loop = copy.deepcopy(members)
-    ens = executor.build(plan, members)
-    out = ens(x)
-    ref = torch.stack([m(x) for m in loop])
-    torch.testing.assert_close(out, ref)
-    out.sum().backward()
-    ref.sum().backward()
-    for name, p in ens.named_stacked_parameters():
-        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]))
+    _loop_check(_members(DetachesInPlace), torch.randn(2, 4), strategy)
 
 
 class GatedStraightThrough(nn.Module):
@@ -120,23 +130,7 @@ def test_a_write_through_a_detached_alias_keeps_the_gradient(strategies):
     """A loop stage gave each member a private copy of memory its values share, made from the detached alias
     (`h.detach()`) rather than from h: h's later readers got a value without history, and `a` no gradient (0.058,
     the whole gradient), with outputs right."""
-    members = _members(GatedStraightThrough)
-    xs = torch.randn(N, 2, 5, 8)
-    graph = planner.trace(members[0], (xs[0],))
-    plan = planner.propose(graph, N, input_mode="per_member")
-    assert len(plan.stages) == len(strategies)
-    for st, strategy in zip(plan.stages, strategies):
-        plan = planner.set_options(plan, graph, st.id, strategy=strategy)
-    loop = copy.deepcopy(members)
-    ens = executor.build(plan, members)
-    out = ens(xs)
-    ref = torch.stack([m(xs[i]) for i, m in enumerate(loop)])
-    torch.testing.assert_close(out, ref)
-    (out ** 2).sum().backward()
-    (ref ** 2).sum().backward()
-    for name, p in ens.named_stacked_parameters():
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]))
+    _loop_check(_members(GatedStraightThrough), torch.randn(N, 2, 5, 8), strategies, input_mode="per_member")
 
 
 class ScalesInput(nn.Module):
@@ -305,20 +299,6 @@ class LeakySweep(nn.Module):
         r = h * 1.0
         a = nn.functional.leaky_relu(r, self.slope, inplace=self.inplace) if self.functional else self.act(r)
         return self.out(a + r)  # r read after: an in-place activation changed it
-
-
-def _loop_check(members, x, **plan_kw):
-    loop = copy.deepcopy(members)
-    graph = planner.trace(copy.deepcopy(members[0]), (x,))
-    ens = executor.build(planner.propose(graph, len(members), **plan_kw), members)
-    out = ens(x)
-    ref = torch.stack([m(x) for m in loop])
-    torch.testing.assert_close(out, ref)
-    out.sum().backward()
-    ref.sum().backward()
-    for name, p in ens.named_stacked_parameters():
-        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
-    return graph
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -633,7 +613,9 @@ def test_a_row_masked_out_by_a_causal_mask_and_left_padding_together_is_refused(
         torch.testing.assert_close(ens(x, causal, right), torch.stack([m(x, causal, right) for m in members]))
 
 
-class SlidingWindow(nn.Module):
+class _HeadsOf(nn.Module):
+    """Self-attention over heads: q, k, v from one projection; `attend` (the subclass's) mixes them."""
+
     def __init__(self):
         super().__init__()
         self.qkv = nn.Linear(E_ATT, 3 * E_ATT)
@@ -641,30 +623,22 @@ class SlidingWindow(nn.Module):
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, H_ATT, E_ATT // H_ATT).permute(2, 0, 3, 1, 4)
+        return self.attend(q, k, v, t).transpose(1, 2).reshape(b, t, E_ATT)
+
+
+class SlidingWindow(_HeadsOf):
+    def attend(self, q, k, v, t):
         mask = torch.zeros(t, t, dtype=torch.bool)
         for r in range(t):  # a loop over a size: planned with torch.export
             mask[r, max(0, r - 3): r + 1] = True
-        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return y.transpose(1, 2).reshape(b, t, E_ATT)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def test_a_mask_written_with_the_tracers_constants_builds_from_its_own_plan():
     """torch.export lifts each `= True` as a constant copied by lift_fresh_copy, which the probe stacked (no batching
     rule: a loop stage each); build then saw the mask written with per-member values and refused the plan propose had
     just made, telling the user to re-plan (which made the same plan)."""
-    members = _members(SlidingWindow)
-    x = torch.randn(2, 8, E_ATT)
-    graph = planner.trace(copy.deepcopy(members[0]), (x,))
-    assert graph.tracer == "export"
-    loop = copy.deepcopy(members)
-    ens = executor.build(planner.propose(graph, N), members)
-    out = ens(x)
-    ref = torch.stack([m(x) for m in loop])
-    torch.testing.assert_close(out, ref)
-    out.sum().backward()
-    ref.sum().backward()
-    for name, p in ens.named_stacked_parameters():
-        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]))
+    assert _loop_check(_members(SlidingWindow), torch.randn(2, 8, E_ATT)).tracer == "export"
 
 
 def test_hugging_face_output_hidden_states_plans_and_leaves_the_model_as_it_was():
@@ -786,18 +760,11 @@ def test_a_by_name_call_leaves_out_the_inputs_traced_as_their_none_default():
             ens(x=x)
 
 
-class FlexCausal(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(E_ATT, 3 * E_ATT)
-
-    def forward(self, x):
+class FlexCausal(_HeadsOf):
+    def attend(self, q, k, v, t):
         from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
 
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, H_ATT, E_ATT // H_ATT).permute(2, 0, 3, 1, 4)
-        y = flex_attention(q, k, v, score_mod=lambda score, b_, h, qi, ki: torch.where(qi >= ki, score, -float("inf")))
-        return y.transpose(1, 2).reshape(b, t, E_ATT)
+        return flex_attention(q, k, v, score_mod=lambda score, b, h, qi, ki: torch.where(qi >= ki, score, -float("inf")))
 
 
 def test_flex_attention_is_refused_by_its_name():
