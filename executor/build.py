@@ -45,7 +45,7 @@ from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFF
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
 from stagewise.planner.validate import stage_graph, validate, with_fresh_verdicts
-from stagewise.planner.snapshot import held_values
+from stagewise.planner.snapshot import PLAIN_TYPES, held_values
 from stagewise.planner.source import MEMBER_SEED_BASE
 from stagewise.executor.exact_numbers import read_numbers
 from stagewise.executor.capture import CAPTURED_CALL, CapturedPlan, CudaGraphBackend, NotCapturableError
@@ -777,19 +777,22 @@ def load_aliased_refusal(module: "BatchedModule", how: str, state_dict: dict, pr
     rows), or ""."""
     aliased = module.__dict__.get("_load_aliased") or {}
     start = under + "." if under else ""
+    # torch hands every node the whole dict: the root's prefix finds a name outside this node's subtree too (given
+    # where the load began at the root, absent where it began here)
+    root = prefix[:len(prefix) - len(start)] if start and prefix.endswith(start) else prefix
     for name, (why, other) in aliased.items():
-        if not name.startswith(start) or prefix + name[len(start):] not in state_dict:
+        if not name.startswith(start) or root + name not in state_dict:
             continue
-        value = state_dict[prefix + name[len(start):]]
+        value = state_dict[root + name]
         if isinstance(other, list):  # the members holding it as one tensor: their rows must agree
             rows = [value[i] for i in other if isinstance(value, torch.Tensor) and value.dim() and i < value.shape[0]]
             if all(torch.equal(r, rows[0]) for r in rows[1:]):
                 continue
             return f"{how}: {why}, and the rows loaded for members {other} differ. Load the same values into those rows"
-        twin = prefix + other[len(start):] if other.startswith(start) else None
-        if twin is not None and twin in state_dict and isinstance(value, torch.Tensor) and \
-                value.shape == state_dict[twin].shape and torch.equal(value, state_dict[twin]):
-            continue
+        twin = root + other
+        if twin is not None and twin in state_dict and isinstance(value, torch.Tensor) and (
+                value.shape != state_dict[twin].shape or torch.equal(value, state_dict[twin])):
+            continue  # both given: alike, or one a part of the other (a buffer viewing rows of the weight)
         return (f"{how}: {why}; loaded {'with other values under the two names' if twin in state_dict else 'under one name only'}, "
                 f"`{other}` would keep its old rows. Load into the members themselves (member.load_state_dict(...)) and "
                 "build again, or give each name its own tensor in the model")
@@ -874,13 +877,16 @@ def _setting_items(value: Any, depth: int) -> int | None:
 
 
 def _configs_held(members: Sequence[nn.Module]) -> tuple:
-    """(the object, where it is held, a copy of its fields) for each configuration object the members' modules hold
-    as an attribute (a Hugging Face PretrainedConfig every layer shares as `self.config`, a dataclass, an argparse
-    Namespace): forward() reads its fields on every call (`self.config.pad_token_id`), the traced graph holds the
-    values they had; the script usually keeps the same object (`cfg`) and may change it after build."""
+    """(the object, where it is held, {field: a copy of its value}) for each configuration object the members' modules
+    hold as an attribute (a Hugging Face PretrainedConfig every layer shares as `self.config`, a dataclass, an
+    argparse Namespace): forward() reads its fields on every call (`self.config.pad_token_id`), the traced graph holds
+    the values they had; the script usually keeps the same object (`cfg`) and may change it after build. Watched:
+    the fields holding plain values (numbers, strings, and small containers of them) whose names the code of the
+    model's own classes reads (an `args.epoch` a training loop moves and no model code reads is not one)."""
     import argparse  # noqa: PLC0415
     import dataclasses  # noqa: PLC0415
 
+    read = _names_read_by_classes(members[0]) if members else frozenset()
     seen: dict[int, Any] = {}
     for m in members:
         for path, mod in m.named_modules():
@@ -890,14 +896,51 @@ def _configs_held(members: Sequence[nn.Module]) -> tuple:
                 if not (dataclasses.is_dataclass(v) or isinstance(v, (argparse.Namespace, types.SimpleNamespace))
                         or any(c.__name__.endswith("Config") for c in type(v).__mro__)) or not hasattr(v, "__dict__"):
                     continue
-                try:
-                    fields = copy.deepcopy(dict(vars(v)))
-                except Exception:  # noqa: BLE001 - a field that cannot be copied: not watched
-                    continue
-                if any(isinstance(x, torch.Tensor) for x in tree_flatten(fields)[0]):
-                    continue
-                seen[id(v)] = (v, f"{path}.{k}" if path else k, fields)
+                fields = {f: copy.deepcopy(x) for f, x in vars(v).items() if f in read and _plain_setting(x)}
+                if fields:
+                    seen[id(v)] = (v, f"{path}.{k}" if path else k, fields)
     return tuple(seen.values())
+
+
+def _plain_setting(value: Any, depth: int = 0) -> bool:
+    """A number, string, bool, None or enum, or a small tuple / list / dict of them (compared with ==)."""
+    if isinstance(value, PLAIN_TYPES):
+        return True
+    if depth < 3 and isinstance(value, (tuple, list)) and len(value) <= _SETTING_ITEMS:
+        return all(_plain_setting(x, depth + 1) for x in value)
+    if depth < 3 and isinstance(value, dict) and len(value) <= _SETTING_ITEMS:
+        return all(isinstance(k, str) and _plain_setting(x, depth + 1) for k, x in value.items())
+    return False
+
+
+def _names_read_by_classes(member: nn.Module) -> frozenset:
+    """Every name the code of the member's module classes (not torch's) reads: their functions and what decorates
+    them (a wrapper's own code, and the function it wraps), nested functions included."""
+    names: set[str] = set()
+    seen_code: set[int] = set()
+
+    def code_names(code: types.CodeType) -> None:
+        if id(code) in seen_code:
+            return
+        seen_code.add(id(code))
+        names.update(code.co_names)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                code_names(const)
+
+    for cls in {c for m in member.modules() for c in type(m).__mro__}:
+        if (cls.__module__ or "").startswith(("torch", "builtins")):
+            continue
+        for f in vars(cls).values():
+            f = getattr(f, "fget", None) or getattr(f, "__func__", f)
+            for _ in range(8):  # down a decorator chain (functools.wraps keeps __wrapped__)
+                code = getattr(f, "__code__", None)
+                if code is not None:
+                    code_names(code)
+                f = getattr(f, "__wrapped__", None)
+                if f is None:
+                    break
+    return frozenset(names)
 
 
 def _same_setting(now: Any, was: Any) -> bool:
@@ -1590,7 +1633,8 @@ class BatchedModule(nn.Module):
                     raise MemberError(f"{how}: {why}. Load the state into the members and build again, or give each "
                                       "member its own copy (copy.deepcopy the shared module for each member)")
                 continue
-            if other not in state_dict or not torch.equal(torch.as_tensor(state_dict[name]), torch.as_tensor(state_dict[other])):
+            mine, theirs = (torch.as_tensor(state_dict[k]) for k in (name, other)) if other in state_dict else (None, None)
+            if mine is None or (mine.shape == theirs.shape and not torch.equal(mine, theirs)):
                 raise MemberError(f"{how}: {why}; loaded {'with other values under the two names' if other in state_dict else 'under one name only'}, "
                                   f"`{other}` would keep its old row. Load the same values under both names, or load into "
                                   "member i itself (member.load_state_dict(...)) and build again")
@@ -1669,9 +1713,9 @@ class BatchedModule(nn.Module):
         it was at build (`cfg.pad_token_id = 1` after build: the member loop reads the new value, the graph the old)."""
         for obj, where, fields in self._configs_held:
             now = vars(obj)
-            if now == fields:
+            if all(now.get(k, _MISSING_GLOBAL) == v for k, v in fields.items()):
                 continue
-            for k in sorted(now.keys() | fields.keys(), key=str):
+            for k in sorted(fields, key=str):
                 if not _same_setting(now.get(k, _MISSING_GLOBAL), fields.get(k, _MISSING_GLOBAL)):
                     raise ExecutionError(
                         f"the members' {type(obj).__name__} at {where!r} has {k!r} = {_short(now.get(k, _MISSING_GLOBAL))}, "

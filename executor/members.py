@@ -400,10 +400,27 @@ class StateNode(nn.Module):
             from stagewise.executor.build import load_aliased_refusal, load_hooks_refusal  # build imports this module
             path = self.__dict__["_path"]
             how = f"load_state_dict on {path!r} of the batched module" if path else "load_state_dict of the batched module"
-            why = load_hooks_refusal(owner, how, under=path) or load_aliased_refusal(owner, how, state_dict, prefix, path)
+            # (torch hands a node below the root only its own keys: a name aliased outside it is checked at the root,
+            # or where load_state_dict was called on the node itself)
+            why = load_hooks_refusal(owner, how, under=path) or (
+                load_aliased_refusal(owner, how, state_dict, prefix, path) if not path else "")
             if why:
                 raise MemberError(why)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """nn.Module's, on a node of the state tree (`ens.stacked.fc.load_state_dict(...)`): a load into names the
+        members alias with names outside the node is refused as a load from the root refuses it."""
+        modes = self.__dict__.get("_modes")
+        owner = modes[0] if modes else None
+        path = self.__dict__.get("_path")
+        if owner is not None and path:
+            from stagewise.executor.build import load_aliased_refusal  # build imports this module
+            full = {f"{path}.{k}": v for k, v in state_dict.items()}  # the names as the members hold them
+            why = load_aliased_refusal(owner, f"load_state_dict on {path!r} of the batched module", full, "", "")
+            if why:
+                raise MemberError(why)
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         """nn.Module's lookup of parameters, buffers and submodules; parametrize.register_parametrization is refused

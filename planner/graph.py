@@ -43,7 +43,7 @@ from stagewise.planner.plan import InputSpec
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
     global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
-from stagewise.planner.snapshot import _HOOK_TABLES, PLAIN_TYPES, StateChange, StateSnapshot, _same_tensor, config_fields, copy_plain, plain_attributes, restore_all, state_refusal  # noqa: F401
+from stagewise.planner.snapshot import _HOOK_TABLES, PLAIN_TYPES, drop_added_capturing_hooks, StateChange, StateSnapshot, _same_tensor, config_fields, copy_plain, plain_attributes, restore_all, state_refusal  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _autograd_hooks_refused, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
     _tensor_values_read,
@@ -1638,9 +1638,7 @@ def _attributes_kept(model: nn.Module):
                 if mod.__dict__.get(k, _KEPT_MISSING) is not v:
                     mod.__dict__[k] = v
         for table, was in tables:
-            if table.keys() != was.keys():
-                table.clear()
-                table.update(was)
+            drop_added_capturing_hooks(table, was)
 
 
 _KEPT_MISSING = object()

@@ -525,10 +525,8 @@ class StateSnapshot:
                     tensor.copy_(saved)
                 self.held[key] = (mod, k, tensor, saved, tensor._version)
                 moved.append(key)
-        for table, was in self.hooks:  # hooks forward() registered: the model as it was (a side effect, not news)
-            if table.keys() != was.keys():
-                table.clear()
-                table.update(was)
+        for table, was in self.hooks:  # capturing hooks forward() registered: the model as it was
+            drop_added_capturing_hooks(table, was)
         for container, was, name in self.contents:  # (after `moved`: a count in a dict, `stats["calls"] += 1`, is news)
             stored = _put_back_contents(container, was)
             # `self.mem["h"] = cell(x, self.mem.get("h"))`: a state kept inside a dict or list attribute
@@ -540,6 +538,17 @@ class StateSnapshot:
 # calls that read a tensor's size, not its values: a cache sized by the input (a rotary table for x.shape[1]) is
 # still a cache
 _SIZE_READS = frozenset({"size", "dim", "numel", "shape", "ndim", "dtype", "device", "sym_size", "nelement", "ndimension"})
+
+
+def drop_added_capturing_hooks(table: dict, was: dict) -> None:
+    """Take out of a module's hook table the hooks added since it held `was` that only record outputs (Hugging Face's
+    output capturing, installed on a model's first call with output_hidden_states / output_attentions and marked by
+    a plain attribute a restore takes back: kept, each traced run would add another set). Any other hook forward()
+    registers stays, for build to refuse as a hook of the member's."""
+    for key in [k for k in table if k not in was]:
+        hook = table[key]
+        if "output_capturing" in str(getattr(getattr(hook, "__func__", hook), "__module__", "") or ""):
+            del table[key]
 
 
 def _reads_inputs(v: Any) -> bool:

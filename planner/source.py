@@ -633,11 +633,18 @@ def _weights_list(name: str, weights: Any) -> list | None:
     if not weights:
         raise ModelLoadError(f"{name}: weights is an empty list, so no member would get a file's weights; pass one weight "
                              "file per member (check the pattern that listed them), or weights=None for members without files")
-    if not isinstance(given, (list, tuple)):
-        # a generator (Path.glob, os.scandir) or a set lists in no order of its own: member i is the i-th file in natural
-        # order (member_2 before member_10), as save_member_weights numbers them
-        return sorted(weights, key=lambda w: natural_key(Path(w).name))
     indices = [_member_file_index(w) for w in weights]
+    if not isinstance(given, (list, tuple)):
+        if None not in indices:
+            # stagewise member files from a generator (Path.glob, os.scandir) or a set, which list them in no order of
+            # their own: member i is file member_i, as save_member_weights numbered them
+            return [w for _, w in sorted(zip(indices, weights), key=lambda p: p[0])]
+        if [natural_key(Path(w).name) for w in weights] != sorted(natural_key(Path(w).name) for w in weights):
+            warnings.warn(f"{name}: the weight files came from a {type(given).__name__} in an order that is not their "
+                          f"names' ({', '.join(Path(w).name for w in weights[:4])}{', ...' if len(weights) > 4 else ''}): "
+                          "member i gets the i-th as listed (Path.glob lists in the folder's order). Pass a list in the "
+                          "order you mean (sorted(paths, key=planner.natural_key) for the names' order)", stacklevel=3)
+        return weights
     if None not in indices and indices != sorted(indices):
         warnings.warn(f"{name}: the weight files are stagewise member files given out of their order "
                       f"({', '.join(Path(w).name for w in weights[:4])}{', ...' if len(weights) > 4 else ''}): member i "

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import TraceError
 from stagewise.planner.opening import cumulative_batchnorm
-from stagewise.planner.trace_watch import _autograd_functions_seen, _bound_state_reads_refused, _inference_mode_as_no_grad, storage_root
+from stagewise.planner.trace_watch import _may_alias, _autograd_functions_seen, _bound_state_reads_refused, _inference_mode_as_no_grad, storage_root
 
 
 def _defaults_not_given(model: nn.Module, given: int | Sequence[str]) -> dict[str, Any]:
@@ -243,6 +243,14 @@ def out_as_copies(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _aliased(source: torch.fx.Node, detach: torch.fx.Node) -> bool:
+    """Whether `source` may be (a view of) another value, or another value (not `detach`) may be `source` itself or
+    a view of it (`h.contiguous()`, `.float()` of a float, `nn.ReLU(inplace=True)` hand back their input): detached in
+    place, those would lose their history too, which rewriting the reads of `source` alone would not do."""
+    return _may_alias(source, every_module=False) or any(
+        u is not detach and u.args and u.args[0] is source and _may_alias(u, every_module=False) for u in source.users)
+
+
 def detach_out_of_place(gm: torch.fx.GraphModule) -> None:
     """`x.detach_()` -> `x.detach()`, later reads of x reading its result instead. Export records
     `torch.tensor(x.shape[0])` as a fresh copy detached in place, and a model detaches a value it computed
@@ -256,7 +264,7 @@ def detach_out_of_place(gm: torch.fx.GraphModule) -> None:
         traced = (node.op == "call_method" and node.target == "detach_") or (
             node.op == "call_function" and node.target in (torch.detach_, torch.Tensor.detach_))
         if traced and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], torch.fx.Node) \
-                and node.args[0].op.startswith("call_") and len(alias_chain(node.args[0])) == 1:  # no view, no in-place result
+                and node.args[0].op.startswith("call_") and not _aliased(node.args[0], node):
             source = node.args[0]
             node.op, node.target, changed = "call_method", "detach", True
         elif node.op == "call_function" and node.target is torch.ops.aten.detach_.default and node.args:

@@ -421,7 +421,7 @@ def test_a_cache_filled_lazily_from_parameters_leaves_the_model_whole_and_verify
     members = _members(LazyCache)
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), n_members=N)
     report = executor.verify(plan, members, (x,))
-    assert report.ok and any("not compared" in n for n in report.notes)
+    assert report.ok and not report.notes, report.notes  # a retrace puts back what forward() cached: all compared
 
 
 # --- sweeps through torch.export (every Hugging Face model traces that way) ------------------------------------
