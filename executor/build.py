@@ -14,6 +14,7 @@ import dis
 import difflib
 import enum
 import inspect
+import math
 import operator
 import pickle
 import re
@@ -943,6 +944,23 @@ def _names_read_by_classes(member: nn.Module) -> frozenset:
     return frozenset(names)
 
 
+def _check_number_input(name: str, x: Any, kind: str, traced: Any) -> None:
+    """InputError where a Python number input comes as another type than traced (a bool, int or float for another, a
+    0-d tensor for a number: forward() may branch on which, `isinstance(s, torch.Tensor)`, and the graph holds the
+    branch taken), or, where the trace took its value as a constant (torch.export), a float of another sign of zero or
+    NaN-ness than that value (`math.copysign`; torch.export's guard compares with ==, for which -0.0 == 0.0)."""
+    if type(x).__name__ != kind and not (kind == "float" and type(x) is int):  # (an int where a float was: as Python)
+        got = f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise InputError(f"input {name!r} was traced as a Python {kind}, got {got}: forward() may take another path "
+                         f"for a {type(x).__name__} (a branch on its type), and the plan holds the one it took for a "
+                         f"{kind}; pass a {kind} (for one per member, plan the input as per_member), or re-plan with a "
+                         f"{type(x).__name__} in the example inputs")
+    if kind == "float" and isinstance(traced, float) and isinstance(x, float) and (
+            math.isnan(x) != math.isnan(traced) or math.copysign(1.0, x) != math.copysign(1.0, traced)):
+        raise InputError(f"input {name!r} is {x!r}, the plan's torch.export trace took it as the constant {traced!r} "
+                         "(another sign of zero, or NaN): pass that value, or re-plan with this one")
+
+
 def _same_setting(now: Any, was: Any) -> bool:
     if type(now) is not type(was):
         return False
@@ -1032,6 +1050,9 @@ class BatchedModule(nn.Module):
         self._per_member_at = [mode is InputMode.PER_MEMBER for mode in self._modes]  # a traced None is shared (InputSpec)
         self._traced_tensors = frozenset(i.name for i in plan.inputs if i.shape is not None)  # inputs traced as tensors
         self._traced_none = frozenset(i.name for i in plan.inputs if i.dtype == "NoneType")  # inputs traced as None
+        # shared inputs traced as a Python bool / int / float: {name: (type name, the traced value or None)}
+        self._traced_numbers_typed = {i.name: (i.dtype, i.value) for i in plan.inputs if i.shape is None
+                                      and i.dtype in ("bool", "int", "float") and i.mode is InputMode.SHARED}
         self._traced_numbers = frozenset(i.name for i in plan.inputs if i.shape is None and i.dtype in _PYTHON_SCALARS
                                          and plan.input_mode(i.name) is InputMode.PER_MEMBER)  # per_member Python numbers
         self.__dict__["_shapes"] = {k: t.shape for k, t in stacked.items()}  # [N, *member shape] of every stacked tensor
@@ -1695,6 +1716,9 @@ class BatchedModule(nn.Module):
                     raise InputError(f"input {name!r} was traced as None, got a {type(x).__name__}: the plan holds the "
                                      "branch forward() took for None there, which would ignore it; pass None, or re-plan "
                                      f"with a {type(x).__name__} for {name!r} in the example inputs")
+                typed = self.__dict__.get("_traced_numbers_typed", {}).get(name)
+                if typed is not None:
+                    _check_number_input(name, x, *typed)
                 env[name] = Shared(x)
         if self.__dict__.get("_written_inputs"):
             self._check_shared_apart(inputs)
@@ -1779,6 +1803,17 @@ class BatchedModule(nn.Module):
             if name not in self._traced_numbers:
                 continue
             x, n = inputs[k], self.n_members
+            kind = self.plan.inputs[k].dtype
+            if isinstance(x, (list, tuple)) and len(x) == n:
+                for i, v in enumerate(x):
+                    if isinstance(v, (bool, int, float)) and kind in ("bool", "int", "float"):
+                        _check_number_input(f"{name}[{i}]", v, kind, None)
+            elif isinstance(x, torch.Tensor) and kind in ("bool", "int", "float") and (
+                    (x.dtype == torch.bool) != (kind == "bool") or (x.is_floating_point() and kind != "float")):
+                raise InputError(f"input {name!r} was traced as a Python {kind} per member, got a {str(x.dtype)[6:]} "
+                                 f"tensor: forward() may take another path for another type (a branch on it), and the "
+                                 f"plan holds the one it took for a {kind}; pass {kind}s (a list, or a tensor of that "
+                                 "kind), or re-plan with such values in the example inputs")
             if isinstance(x, (list, tuple)) and len(x) == n and all(isinstance(v, (bool, int, float)) for v in x):
                 floats = any(isinstance(v, float) for v in x)
                 out[k] = x = torch.tensor(x, dtype=torch.float64 if floats else None)
@@ -1840,6 +1875,11 @@ class BatchedModule(nn.Module):
                 continue  # refused where the member axis is looked for (bind_inputs)
             traced = self.plan.inputs[k].value
             differ = ((x != x[:1]) if traced is None else (x != traced)).reshape(len(x), -1).any(1)
+            if isinstance(traced, float) and x.is_floating_point():  # -0.0 == 0.0 and NaN != NaN for ==: the sign and
+                # NaN-ness as the trace took them (`math.copysign(1, s)`)
+                sign = torch.signbit(x) != (math.copysign(1.0, traced) < 0)
+                differ = (differ & ~(torch.isnan(x) & math.isnan(traced))) | sign.reshape(len(x), -1).any(1) | (
+                    torch.isnan(x) != math.isnan(traced)).reshape(len(x), -1).any(1)
             for i in differ.nonzero().flatten().tolist():
                 if guard is not None:
                     self._guard(guard, [x[i] if per_member else x for per_member, x in zip(self._per_member_at, inputs)], i)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -915,3 +916,35 @@ def test_weight_files_from_a_generator_of_other_names_keep_their_order(tmp_path)
         src = planner.load_source(model, weights=(tmp_path / f"{n}.pt" for n in runs))
     for m, want in zip(src.members(2), runs.values()):
         torch.testing.assert_close(m.weight, want.weight)
+
+
+class BranchesOnNumberType(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, s):
+        h = self.fc(x)
+        if isinstance(s, torch.Tensor):
+            return h * 3
+        if isinstance(s, bool):
+            return h - 1
+        return h * math.copysign(1.0, s) * (2 if isinstance(s, float) else 1)
+
+
+@pytest.mark.parametrize("mode", ["shared", "per_member"])
+def test_a_number_input_of_another_type_or_sign_of_zero_is_refused(mode):
+    """A Python number input called as another type than traced (a 0-d tensor for a float, a bool or a float for an
+    int) or, traced as a constant, another sign of zero: the graph held the traced branch (3.61, 0.90, 9.71 off)."""
+    from stagewise.planner.errors import InputError  # noqa: PLC0415
+
+    members = _members(BranchesOnNumberType)
+    x = torch.randn(3, 4)
+    for traced, wrong in ((2.0, torch.tensor(2.0)), (1, True), (1, 1.5), (-0.0, 0.0)):
+        plan = planner.propose(planner.trace(members[0], (x, traced)), N, input_mode={"x": "shared", "s": mode})
+        ens = executor.build(plan, members)
+        given = traced if mode == "shared" else [traced] * N
+        with torch.no_grad():
+            torch.testing.assert_close(ens(x, given), torch.stack([m(x, traced) for m in members]))
+            with pytest.raises(InputError):
+                ens(x, wrong if mode == "shared" else [wrong] * N)
