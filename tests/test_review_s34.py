@@ -948,3 +948,36 @@ def test_a_number_input_of_another_type_or_sign_of_zero_is_refused(mode):
             torch.testing.assert_close(ens(x, given), torch.stack([m(x, traced) for m in members]))
             with pytest.raises(InputError):
                 ens(x, wrong if mode == "shared" else [wrong] * N)
+
+
+class SliceKept(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.c0 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        v = h[:, :2]  # a view of h, kept for a skip
+        h.add_(self.bn(self.c0(x)))  # a later stage (BatchNorm in training: the loop) writes h: v sees it
+        return v * 1.0, h
+
+
+@pytest.mark.parametrize("form", [None, "grouped"])
+def test_a_wide_conv_outputs_view_stays_one_across_stages(form):
+    """The wide strategy handed a batch of images on to the next stage as a dense copy where its layout was not the
+    standard one (the grouped conv form's rows): a view of it (`v = h[:, :2]`) then missed a later write (2.90)."""
+    from stagewise.executor.strategies.wide import with_conv_form  # noqa: PLC0415
+
+    members = [m.train() for m in _members(SliceKept)]
+    x = torch.randn(N, 2, 3, 5, 5)
+    graph = planner.trace(members[0], (x[0],))
+    plan = planner.propose(graph, N, input_mode="per_member")
+    for st in plan.stages:
+        plan = planner.set_options(plan, graph, st.id, strategy="wide")
+    if form:
+        plan = plan.with_stages([s.__class__(s.id, s.nodes, s.mode, s.reason, with_conv_form(s.options, form))
+                                 for s in plan.stages])
+    refs = [m(x[i]) for i, m in enumerate(copy.deepcopy(members))]
+    v, h = executor.build(plan, members)(x)
+    torch.testing.assert_close(v, torch.stack([r[0] for r in refs]))
+    torch.testing.assert_close(h, torch.stack([r[1] for r in refs]))

@@ -566,9 +566,12 @@ def _dense_images(t: torch.Tensor) -> torch.Tensor:
 
 def _unbind(value: Any, n: int) -> Any:
     """A stage output as a boundary value: Batched if anything in it is per member, else Shared."""
+    # (handed on as they are, not made dense: a copy would part a view from what it views, `v = h[:, :2]` then
+    # `h.add_(b)` in a later stage, 2.9 off; a vmap stage asked the layout of channels-last rows retries on
+    # contiguous copies of its arguments, putting back what it wrote)
     if type(value) is NFirst:
-        return Batched(_dense_images(value.t))
+        return Batched(value.t)
     if not _any_nf(value):
         return Shared(value)
-    return Batched(tree_map(lambda x: _dense_images(x.t) if is_nf(x) else (x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, torch.Tensor) else x),
+    return Batched(tree_map(lambda x: x.t if is_nf(x) else (x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, torch.Tensor) else x),
                             value, is_leaf=is_nf))
