@@ -981,3 +981,32 @@ def test_a_wide_conv_outputs_view_stays_one_across_stages(form):
     v, h = executor.build(plan, members)(x)
     torch.testing.assert_close(v, torch.stack([r[0] for r in refs]))
     torch.testing.assert_close(h, torch.stack([r[1] for r in refs]))
+
+
+class DropPathInRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 3, 3, padding=1), nn.Linear(3, 2)
+
+    def forward(self, x):
+        with torch.no_grad():  # torch.export keeps the region as one op holding its own graph
+            keep = (torch.rand(x.shape[0], 1, 1, 1, device=x.device) >= 0.5).to(x.dtype) * 2.0
+        return self.head((x + torch.relu(self.conv(x)) * keep).mean((2, 3))), keep.flatten()
+
+
+def test_wide_draws_per_member_inside_a_no_grad_region():
+    """`wide` looked for random draws at the node itself: a drop-path mask drawn inside torch.export's no_grad region
+    was drawn once and shared by every member (50 of 50 calls)."""
+    base = DropPathInRegion()
+    members = [copy.deepcopy(base).train() for _ in range(4)]
+    x = torch.randn(4, 8, 3, 6, 6)
+    graph = planner.trace(members[0], (x[0],))
+    plan = planner.propose(graph, 4, input_mode="per_member")
+    for st in plan.stages:
+        plan = planner.set_options(plan, graph, st.id, strategy="wide")
+    ens = executor.build(plan, members).train()
+    shared = 0
+    for _ in range(10):
+        _, keep = ens(x)
+        shared += all(torch.equal(keep[0], keep[i]) for i in range(1, 4))
+    assert shared == 0  # the loop's four 8-sample masks all equal: about 3e-7 per call

@@ -366,7 +366,11 @@ class WideRunner(Runner):
         fn, name = entry
         if not _any_nf((args, kwargs)):
             if _is_random(node):  # one draw per member, as the loop makes (computed once it would be shared by all)
-                return NFirst(torch.stack([fn(*args, **kwargs) for _ in range(n)]))
+                draws = [fn(*args, **kwargs) for _ in range(n)]
+                if isinstance(draws[0], (tuple, list)):  # a region's outputs (torch.no_grad() / autocast, export)
+                    return type(draws[0])(NFirst(torch.stack(list(c))) if isinstance(c[0], torch.Tensor) else c[0]
+                                          for c in zip(*draws))
+                return NFirst(torch.stack(draws))
             return fn(*args, **kwargs)
         if isinstance(fn, torch._ops.OpOverload) and not fn._schema.returns:
             # an export graph's checks (_assert_tensor_metadata: dtype, device): the same for the stacked tensor
@@ -419,6 +423,11 @@ def _is_random(node: torch.fx.Node) -> bool:
     target = node.target
     if node.op == "call_method":
         return target in _RANDOM_METHODS
+    if isinstance(target, torch._ops.HigherOrderOperator):  # a torch.no_grad() / autocast region of torch.export:
+        owner = node.graph.owning_module  # a draw inside it (drop path, a Beta sample) is one too
+        subs = [getattr(owner, str(a.target), None) for a in node.args
+                if isinstance(a, torch.fx.Node) and a.op == "get_attr" and owner is not None]
+        return any(_is_random(n) for sub in subs if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes)
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags
     # (F.alpha_dropout, F.dropout2d, F.rrelu, F.gumbel_softmax, torch.feature_alpha_dropout: drawn as F.dropout is)
