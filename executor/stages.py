@@ -666,8 +666,24 @@ def _describe_value(v) -> str:
 
 def randomness(module: torch.nn.Module) -> str:
     """vmap's randomness for a stage: in training each member draws its own (dropout masks, as the loop
-    would); in eval a random op is an error (inference is expected to be deterministic)."""
-    return "different" if module.training else "error"
+    would), and so in eval where the graph draws whatever the mode (noise drawn inside a torch.no_grad() region of
+    a torch.export graph); otherwise a random op is an error (inference is expected to be deterministic)."""
+    if module.training:
+        return "different"
+    graph = getattr(module, "graph", None)
+    return "different" if graph is not None and _graph_draws(module) else "error"
+
+
+def _graph_draws(gm: torch.nn.Module, depth: int = 0) -> bool:
+    """Whether a stage's graph, or a region's graph it holds (torch.export), draws random numbers."""
+    for n in gm.graph.nodes:
+        if draws_random(n):
+            return True
+        if depth < 4 and isinstance(n.target, torch._ops.HigherOrderOperator):
+            subs = [getattr(gm, str(a.target), None) for a in n.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+            if any(isinstance(sub, torch.fx.GraphModule) and _graph_draws(sub, depth + 1) for sub in subs):
+                return True
+    return False
 
 
 def flat_vmap(func: Callable[..., tuple], dims: tuple, batch_size: int, randomness: str) -> Callable[..., tuple]:

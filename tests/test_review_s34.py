@@ -1010,3 +1010,27 @@ def test_wide_draws_per_member_inside_a_no_grad_region():
         _, keep = ens(x)
         shared += all(torch.equal(keep[0], keep[i]) for i in range(1, 4))
     assert shared == 0  # the loop's four 8-sample masks all equal: about 3e-7 per call
+
+
+class NoisyInEval(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 3, 3, padding=1), nn.Linear(3, 2)
+
+    def forward(self, x):
+        with torch.no_grad():
+            noise = torch.randn(x.shape[0], 1, 1, 1) * 0.5
+        return self.head(torch.relu(self.conv(x + noise)).mean((2, 3))), noise.flatten()
+
+
+def test_a_draw_in_eval_inside_a_no_grad_region_runs_after_eval():
+    """A model in eval drawing noise inside torch.no_grad(): the vmap stage's randomness followed the layer mode, so
+    after `ens.eval()` every call failed with vmap's 'random operation while in randomness error mode'."""
+    base = NoisyInEval().eval()
+    members = [copy.deepcopy(base) for _ in range(N)]
+    x = torch.randn(N, 4, 3, 5, 5)
+    ens = executor.build(planner.propose(planner.trace(members[0], (x[0],)), N, input_mode="per_member"), members)
+    for _ in range(2):
+        ens.eval()
+        _, noise = ens(x)
+        assert not torch.equal(noise[0], noise[1])  # each member draws its own, as in the loop
