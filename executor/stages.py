@@ -561,6 +561,11 @@ class Runner:
                     "before planning")
         if not _DTYPE_MISMATCH.search(str(error)):
             return ""
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            # a loop or wide stage ran under the autocast and handed on low-precision values; vmap applies none
+            return ("The call runs under torch.autocast, which vmap stages do not apply while loop and wide stages do: "
+                    "one handed on values in the autocast dtype to a stage computing in the weights' dtype. Set the "
+                    "plan's dtype instead (planner.set_dtype(plan, 'bfloat16')) and call the module outside autocast")
         want = next((t.dtype for t in self.stacked.values() if t.is_floating_point()), None)
         leaves = [x for a in args for x in tree_flatten(a.tree if type(a) is Batched else a.values if type(a) is PerMember
                                                         else getattr(a, "value", a))[0]]
