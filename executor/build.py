@@ -944,7 +944,7 @@ def _names_read_by_classes(member: nn.Module) -> frozenset:
     return frozenset(names)
 
 
-def _check_number_input(name: str, x: Any, kind: str, traced: Any) -> None:
+def _check_number_input(name: str, x: Any, kind: str, traced: Any, guarded: bool = False) -> None:
     """InputError where a Python number input comes as another type than traced (a bool, int or float for another, a
     0-d tensor for a number: forward() may branch on which, `isinstance(s, torch.Tensor)`, and the graph holds the
     branch taken), or, where the trace took its value as a constant (torch.export), a float of another sign of zero or
@@ -955,6 +955,10 @@ def _check_number_input(name: str, x: Any, kind: str, traced: Any) -> None:
                          f"for a {type(x).__name__} (a branch on its type), and the plan holds the one it took for a "
                          f"{kind}; pass a {kind} (for one per member, plan the input as per_member), or re-plan with a "
                          f"{type(x).__name__} in the example inputs")
+    if not guarded and traced is not None and _is_number(x) and x != traced and not (x != x and traced != traced):
+        # (torch.export's guard refuses it, naming the fix; a module loaded by torch.load has none)
+        raise InputError(f"input {name!r} is {x!r}, the plan's torch.export trace took it as the constant {traced!r}: "
+                         "pass that value, plan the input as per_member, or re-plan with this one")
     if kind == "float" and isinstance(traced, float) and isinstance(x, float) and (
             math.isnan(x) != math.isnan(traced) or math.copysign(1.0, x) != math.copysign(1.0, traced)):
         raise InputError(f"input {name!r} is {x!r}, the plan's torch.export trace took it as the constant {traced!r} "
@@ -1718,7 +1722,7 @@ class BatchedModule(nn.Module):
                                      f"with a {type(x).__name__} for {name!r} in the example inputs")
                 typed = self.__dict__.get("_traced_numbers_typed", {}).get(name)
                 if typed is not None:
-                    _check_number_input(name, x, *typed)
+                    _check_number_input(name, x, *typed, guarded=self.__dict__.get("_input_guard") is not None)
                 env[name] = Shared(x)
         if self.__dict__.get("_written_inputs"):
             self._check_shared_apart(inputs)
