@@ -496,20 +496,18 @@ def test_load_state_dict_of_the_batched_module_refuses_members_with_load_code():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
+def _linear_model_file(folder):
+    """A model file of one nn.Linear(4, 2) in `folder`, for planner.load_source."""
+    path = folder / "m.py"
+    path.write_text("import torch\nfrom torch import nn\n\n\ndef build_model():\n    return nn.Linear(4, 2)\n\n\n"
+                    "def example_inputs():\n    return (torch.randn(3, 4),)\n")
+    return path
+
+
 def test_weight_files_listed_in_no_order_load_in_member_order(tmp_path):
     """`planner.load_source(model, weights=folder.glob("member_*.safetensors"))` put the members in directory order
     (10 of 12 members someone else, 1.55 off)."""
-    import textwrap  # noqa: PLC0415
-
-    model = tmp_path / "m.py"
-    model.write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-        def build_model():
-            return nn.Linear(4, 2)
-        def example_inputs():
-            return (torch.randn(3, 4),)
-    """))
+    model = _linear_model_file(tmp_path)
     members = []
     for i in range(12):
         torch.manual_seed(i)
@@ -896,17 +894,7 @@ def test_a_round_trip_of_a_buffer_viewing_part_of_a_weight_loads():
 def test_weight_files_from_a_generator_of_other_names_keep_their_order(tmp_path):
     """Files of a sweep's own names from a generator were re-sorted by name (member 0 got run_2's weights): kept as
     listed, with a warning where that is not their names' order."""
-    import textwrap  # noqa: PLC0415
-
-    model = tmp_path / "m.py"
-    model.write_text(textwrap.dedent("""
-        import torch
-        from torch import nn
-        def build_model():
-            return nn.Linear(4, 2)
-        def example_inputs():
-            return (torch.randn(3, 4),)
-    """))
+    model = _linear_model_file(tmp_path)
     runs = {}
     for name in ("run_10", "run_2"):
         torch.manual_seed(len(runs))
