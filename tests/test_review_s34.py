@@ -25,8 +25,8 @@ def _members(cls, n: int = N, **kw) -> list[nn.Module]:
 
 def _loop_check(members, x, strategies=None, input_mode="shared"):
     """Build from member 0's plan (`strategies`: one for every stage, or one per stage), call with x (per_member:
-    member i takes x[i]) and backward the sum: outputs and every parameter's gradient against the member loop's.
-    Returns the graph."""
+    member i takes x[i]), then again with other values at another batch size, each followed by a backward of the
+    sum: outputs and every parameter's (accumulated) gradient against the member loop's. Returns the graph."""
     loop = copy.deepcopy(members)
     per_member = input_mode == "per_member"
     graph = planner.trace(copy.deepcopy(members[0]), (x[0] if per_member else x,))
@@ -37,14 +37,17 @@ def _loop_check(members, x, strategies=None, input_mode="shared"):
         for st, strategy in zip(plan.stages, each):
             plan = planner.set_options(plan, graph, st.id, strategy=strategy)
     ens = executor.build(plan, members)
-    out = ens(x)
-    ref = torch.stack([m(x[i] if per_member else x) for i, m in enumerate(loop)])
-    torch.testing.assert_close(out, ref)
-    (out ** 2).sum().backward()
-    (ref ** 2).sum().backward()
-    for name, p in ens.named_stacked_parameters():
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+    batch = 1 if per_member else 0
+    again = torch.cat([x, x.narrow(batch, 0, 1)], batch) * 0.5 + 0.25  # a second call: other values, batch + 1
+    for call in (x, again):
+        out = ens(call)
+        ref = torch.stack([m(call[i] if per_member else call) for i, m in enumerate(loop)])
+        torch.testing.assert_close(out, ref)
+        (out ** 2).sum().backward()
+        (ref ** 2).sum().backward()
+        for name, p in ens.named_stacked_parameters():
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
     return graph
 
 
@@ -155,14 +158,16 @@ def test_a_chunked_stage_writing_a_channels_last_input_writes_once(chunk_size, g
     plan = planner.propose(graph, N, input_mode="per_member")
     plan = planner.set_options(plan, graph, plan.stages[0].id, chunk_size=chunk_size)
     ens = executor.build(plan, copy.deepcopy(members))
-    channels_last = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
-    xb, xl = channels_last.clone(), channels_last.clone()
-    with torch.set_grad_enabled(grad), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = ens(xb)
-        want = torch.stack([m(xl[i]) for i, m in enumerate(members)])
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(xb, xl, rtol=0, atol=0)  # the caller's tensor written once, as the loop writes it
+    for batch in (2, 3):  # two calls, two batch sizes
+        x = torch.randn(N, batch, 4, 6, 6)
+        channels_last = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+        xb, xl = channels_last.clone(), channels_last.clone()
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = ens(xb)
+            want = torch.stack([m(xl[i]) for i, m in enumerate(members)])
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(xb, xl, rtol=0, atol=0)  # the caller's tensor written once, as the loop writes it
 
 
 class TypedBlock(nn.Module):
@@ -363,7 +368,7 @@ def test_an_exported_slope_and_rounded_divisor_sweep():
     assert graph.tracer == "export"
     ens = executor.build(planner.propose(graph, N), members)
     with torch.no_grad():
-        for xx in (x, torch.randn(5, 8) * 4):
+        for xx in (x, torch.randn(5, 8) * 4):  # two calls (the Python loop over x.size(0) fixes the batch size)
             torch.testing.assert_close(ens(xx), torch.stack([m(xx) for m in members]))
 
 
@@ -579,6 +584,8 @@ def test_an_encoders_final_norm_runs_on_the_zeros_of_padded_positions():
         warnings.simplefilter("ignore")
         want = torch.stack([m(x, pad) for m in members])
         torch.testing.assert_close(ens(x, pad), want)
+        x2, pad2 = torch.randn(4, T_ATT, E_ATT), torch.arange(T_ATT)[None, :] >= torch.tensor([6, 3, 5, 1])[:, None]
+        torch.testing.assert_close(ens(x2, pad2), torch.stack([m(x2, pad2) for m in members]))  # a second call, batch 4
     torch.testing.assert_close(want[0][pad], members[0].enc.norm.bias.expand(int(pad.sum()), E_ATT).detach())
 
 
@@ -657,13 +664,14 @@ def test_hugging_face_output_hidden_states_plans_and_leaves_the_model_as_it_was(
     graph = planner.trace(members[0], (ids, mask))
     assert sum(len(m._forward_hooks) for m in members[0].modules()) == 0  # as it was
     ens = executor.build(planner.propose(graph, N), members)
-    with torch.no_grad():
-        out = ens(ids, mask)
-        refs = [m(ids, mask) for m in members]
-    torch.testing.assert_close(out.last_hidden_state, torch.stack([r.last_hidden_state for r in refs]))
-    assert len(out.hidden_states) == len(refs[0].hidden_states) == 3
-    for k, h in enumerate(out.hidden_states):
-        torch.testing.assert_close(h, torch.stack([r.hidden_states[k] for r in refs]))
+    for call in ((ids, mask), (ids[:, :9], mask[:, :9])):  # two calls, two sequence lengths
+        with torch.no_grad():
+            out = ens(*call)
+            refs = [m(*call) for m in members]
+        torch.testing.assert_close(out.last_hidden_state, torch.stack([r.last_hidden_state for r in refs]))
+        assert len(out.hidden_states) == len(refs[0].hidden_states) == 3
+        for k, h in enumerate(out.hidden_states):
+            torch.testing.assert_close(h, torch.stack([r.hidden_states[k] for r in refs]))
 
 
 def test_a_table_cached_on_the_first_call_builds_without_a_fake_tensor_left_behind():
@@ -965,10 +973,13 @@ def test_a_wide_conv_outputs_view_stays_one_across_stages(form):
     if form:
         plan = plan.with_stages([s.__class__(s.id, s.nodes, s.mode, s.reason, with_conv_form(s.options, form))
                                  for s in plan.stages])
-    refs = [m(x[i]) for i, m in enumerate(copy.deepcopy(members))]
-    v, h = executor.build(plan, members)(x)
-    torch.testing.assert_close(v, torch.stack([r[0] for r in refs]))
-    torch.testing.assert_close(h, torch.stack([r[1] for r in refs]))
+    loop = copy.deepcopy(members)
+    ens = executor.build(plan, members)
+    for call in (x, torch.randn(N, 3, 3, 5, 5)):  # two calls, two batch sizes (BatchNorm statistics carried over)
+        refs = [m(call[i]) for i, m in enumerate(loop)]
+        v, h = ens(call)
+        torch.testing.assert_close(v, torch.stack([r[0] for r in refs]))
+        torch.testing.assert_close(h, torch.stack([r[1] for r in refs]))
 
 
 class DropPathInRegion(nn.Module):
