@@ -27,7 +27,9 @@ try:  # the pieces torch.func.vmap is made of (private, see flat_vmap); a torch 
 except ImportError:  # pragma: no cover - another torch
     functorch_ops = None
 
-from stagewise.planner.capability import _draws_random as draws_random, alias_chain, is_inplace, is_inplace_op, norm_stats_updated
+from stagewise.planner.capability import (_draws_random as draws_random, alias_chain, is_inplace, is_inplace_op,
+                                          norm_stats_updated, region_graphs)
+from stagewise.planner.module_refusals import hook_computed_weights
 from stagewise.planner.opening import ContainerTracer, no_mha_fastpath
 from stagewise.planner.trace_watch import storage_root
 from stagewise.planner.graph import renormalised_weight
@@ -681,14 +683,8 @@ def randomness(module: torch.nn.Module) -> str:
 
 def _graph_draws(gm: torch.nn.Module, depth: int = 0) -> bool:
     """Whether a stage's graph, or a region's graph it holds (torch.export), draws random numbers."""
-    for n in gm.graph.nodes:
-        if draws_random(n):
-            return True
-        if depth < 4 and isinstance(n.target, torch._ops.HigherOrderOperator):
-            subs = [getattr(gm, str(a.target), None) for a in n.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
-            if any(isinstance(sub, torch.fx.GraphModule) and _graph_draws(sub, depth + 1) for sub in subs):
-                return True
-    return False
+    return any(draws_random(n) or (depth < 4 and any(_graph_draws(sub, depth + 1) for sub in region_graphs(n)))
+               for n in gm.graph.nodes)
 
 
 def flat_vmap(func: Callable[..., tuple], dims: tuple, batch_size: int, randomness: str) -> Callable[..., tuple]:
@@ -809,16 +805,6 @@ def _other_layout(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dim() >= 4 and not t.is_contiguous() for t in _arg_leaves(value))
 
 
-def _hook_set_attributes(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
-    """(module, attribute, its value now) for each weight torch's hook-based spectral_norm / weight_norm sets on a
-    module of `module` before it runs."""
-    from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
-    from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
-
-    return [(m, hook.name, m.__dict__.get(hook.name)) for m in module.modules()
-            for hook in m._forward_pre_hooks.values() if isinstance(hook, (SpectralNorm, WeightNorm))]
-
-
 def _arg_leaves(value: Any) -> list:
     return tree_flatten(value.value if isinstance(value, Shared) else value.tree if isinstance(value, Batched)
                         else value.values if isinstance(value, PerMember) else value)[0]
@@ -888,7 +874,7 @@ class VmapRunner(Runner):
         # torch's hook-based spectral_norm / weight_norm set the weight they compute as a plain attribute of their
         # module at each call: inside vmap a batched tensor, which would stay there after the call (deepcopy, pickle
         # and torch.save of the module then fail on it): what the attribute held before goes back after each call
-        hooked = _hook_set_attributes(self.program.module)
+        hooked = [(m, name, m.__dict__.get(name)) for _, m, name in hook_computed_weights(self.program.module)]
 
         def one_member(*args):
             out = call(*args)

@@ -436,6 +436,16 @@ _RANDOM_NAMES = frozenset({"rand", "randn", "randint", "randperm", "normal", "be
                            "exponential_", "geometric_", "cauchy_", "log_normal_", "bernoulli_"})
 
 
+def region_graphs(node: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    """The graphs a torch.export region node runs (a `torch.no_grad()` / autocast block kept as a higher-order op
+    holding its own graph module), or []."""
+    owner = node.graph.owning_module
+    if owner is None or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    subs = [getattr(owner, str(a.target), None) for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    return [sub for sub in subs if isinstance(sub, torch.fx.GraphModule)]
+
+
 def _draws_random(node: torch.fx.Node) -> bool:
     """Whether `node` draws random numbers (torch.randn, aten.randn.default, x.normal_, ...)."""
     target = node.target

@@ -42,7 +42,7 @@ from stagewise.planner.plan import InputSpec
 # names the executor imports from here stay importable from here (noqa: F401); tests patch
 # _grad_mode_watch and _host_state_refused on this module, where _fx_trace, trace and retrace look them up
 from stagewise.planner.module_refusals import (  # noqa: F401
-    global_hooks_present, global_hooks_refusal, hook_configs, hooks_refusal, registration_hooks_off)
+    global_hooks_present, global_hooks_refusal, hook_computed_weights, hook_configs, hooks_refusal, registration_hooks_off)
 from stagewise.planner.snapshot import _HOOK_TABLES, PLAIN_TYPES, drop_added_capturing_hooks, StateChange, StateSnapshot, _same_tensor, config_fields, copy_plain, plain_attributes, restore_all, state_refusal  # noqa: F401
 from stagewise.planner.trace_watch import (  # noqa: F401
     RANDOM_OPS, _autograd_functions_kept, _autograd_hooks_refused, _grad_mode_watch, _grad_state_proxied, _host_state_refused, _inference_mode_as_no_grad, _input_writes_recorded, _RandomWatch,
@@ -463,21 +463,10 @@ def _input_grads_disagree(model: nn.Module, gm: torch.fx.GraphModule, example_in
     return _grads_differ(got_grads[1], want_grads[1], low, INPUT_GRADS_DIFFER, missing_is_zero=True)
 
 
-def _hook_computed_weights(model: nn.Module | None) -> list[str]:
-    """The weights torch's hook-based `torch.nn.utils.spectral_norm` / `weight_norm` recompute as plain attributes
-    before their module runs (`enc.weight` from `enc.weight_orig`), by dotted name."""
-    from torch.nn.utils.spectral_norm import SpectralNorm  # noqa: PLC0415
-    from torch.nn.utils.weight_norm import WeightNorm  # noqa: PLC0415
-
-    if model is None:
-        return []
-    return [f"{path}.{hook.name}" if path else hook.name for path, m in model.named_modules()
-            for hook in m._forward_pre_hooks.values() if isinstance(hook, (SpectralNorm, WeightNorm))]
-
-
 def _grads_refusal(disagreement: str, model: nn.Module | None = None) -> str:
     """The refusal for a traced graph whose parameter or input gradients are not forward()'s (`disagreement`)."""
-    hooked = [w for w in _hook_computed_weights(model) if any(f"{w}{end}" in disagreement for end in ("_orig", "_g", "_v"))]
+    weights = [f"{path}.{name}" if path else name for path, _, name in hook_computed_weights(model)] if model else []
+    hooked = [w for w in weights if any(f"{w}{end}" in disagreement for end in ("_orig", "_g", "_v"))]
     if hooked:
         return (f"The traced graph's outputs are forward()'s, but {disagreement.removeprefix('its graph gives ')}. "
                 f"The model uses torch's hook-based spectral_norm / weight_norm ({', '.join(hooked[:3])}): that weight "

@@ -203,6 +203,13 @@ def _state_driven_hook_types() -> tuple[type, ...]:
     return SpectralNorm, WeightNorm
 
 
+def hook_computed_weights(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(module path, the module, attribute) for each weight torch's hook-based spectral_norm / weight_norm computes
+    and sets as a plain attribute of its module before the module runs (`enc.weight` from `enc.weight_orig`)."""
+    return [(path, m, hook.name) for path, m in model.named_modules() for hook in m._forward_pre_hooks.values()
+            if isinstance(hook, _state_driven_hook_types())]
+
+
 def module_hooks(model: nn.Module) -> dict[str, str]:
     """Hooks the batched module cannot repeat per member: "path (kind)" -> what the hook is.
 

@@ -36,7 +36,7 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import ExecutionError, PlanFileError
-from stagewise.planner.capability import ALWAYS_VIEWS, VIEW_NAMES, base_name, is_inplace
+from stagewise.planner.capability import ALWAYS_VIEWS, VIEW_NAMES, base_name, is_inplace, region_graphs
 from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageMode, StageOptions
 from stagewise.planner.trace_watch import storage_root
@@ -424,10 +424,8 @@ def _is_random(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return target in _RANDOM_METHODS
     if isinstance(target, torch._ops.HigherOrderOperator):  # a torch.no_grad() / autocast region of torch.export:
-        owner = node.graph.owning_module  # a draw inside it (drop path, a Beta sample) is one too
-        subs = [getattr(owner, str(a.target), None) for a in node.args
-                if isinstance(a, torch.fx.Node) and a.op == "get_attr" and owner is not None]
-        return any(_is_random(n) for sub in subs if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes)
+        # a draw inside it (drop path, a Beta sample) is one too
+        return any(_is_random(n) for sub in region_graphs(node) for n in sub.graph.nodes)
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags
     # (F.alpha_dropout, F.dropout2d, F.rrelu, F.gumbel_softmax, torch.feature_alpha_dropout: drawn as F.dropout is)
