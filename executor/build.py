@@ -13,6 +13,7 @@ import copy
 import dis
 import difflib
 import enum
+import functools
 import inspect
 import math
 import operator
@@ -41,8 +42,8 @@ from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError, TraceError)
 from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFFERS, ModelGraph, global_hooks_present,
-                                      global_hooks_refusal, gradients_refusal, plain_fx_code, registration_hooks_off,
-                                      retrace)
+                                      global_hooks_refusal, gradients_refusal, norms_in_checkpoints, plain_fx_code,
+                                      registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
 from stagewise.planner.validate import stage_graph, validate, with_fresh_verdicts
@@ -1028,6 +1029,32 @@ def _refuse_unloadable_graphs(state: dict) -> None:
                 f"(a torch.export trace) would not load again ({type(e).__name__}: {_first_line(e)[:160]}). Save its "
                 "state instead: torch.save(ens.state_dict(), path) and, to load, executor.build(plan, members) then "
                 "ens.load_state_dict(torch.load(path)); or executor.save_member_weights(ens, folder)") from None
+
+
+def _checkpointed_norm(members: Sequence[nn.Module], path: str) -> tuple[str, tuple[float | None, ...], bool]:
+    """(path, each member's momentum, whether it counts batches) for a layer updating running statistics that the
+    members run inside a checkpointed region (BatchedModule._run_recomputing_norms). A BatchNorm counts its batches
+    (momentum None: their cumulative average); an InstanceNorm counts none, and momentum None updates nothing."""
+    counts = isinstance(members[0].get_submodule(path), nn.modules.batchnorm._BatchNorm)
+    momenta = tuple(m.get_submodule(path).momentum for m in members)
+    return path, momenta if counts else tuple(0.0 if m is None else m for m in momenta), counts
+
+
+def _update_again(terms: list, _grads: Any) -> None:
+    """The second statistics update eager torch makes when backward recomputes a checkpointed region (see
+    BatchedModule._run_recomputing_norms), on the statistics as they are now (another call may have updated them)."""
+    with torch.no_grad():
+        for momentum, cumulative, mean, var, count, updated, batch in terms:
+            # through .data: the autograd graph saved the statistics (a BatchNorm's backward takes them, and reads
+            # them only in eval), and a version bump would fail this backward and any later one through the graph
+            mean, var = mean.data, var.data
+            if count is not None:  # (an InstanceNorm counts no batches)
+                count.data.add_(updated.to(count.dtype))
+            rows = updated.unsqueeze(-1)
+            f = 1.0 / count.to(mean.dtype).clamp(min=1).unsqueeze(-1) if count is not None else mean.new_ones(())
+            for stat, term in zip((mean, var), batch):
+                again = torch.where(cumulative, (1 - f) * stat + f * term, (1 - momentum) * stat + term)
+                stat.copy_(torch.where(rows, again, stat))
 
 
 class BatchedModule(nn.Module):
@@ -2222,9 +2249,44 @@ class BatchedModule(nn.Module):
                 warnings.warn(f"the plan asks for whole-plan capture, but {e}; running stage by stage from now on",
                               RuntimeWarning, stacklevel=2)
                 self.__dict__["_captured"] = None
+        if self.__dict__.get("_checkpointed_norms") and self.training and torch.is_grad_enabled():
+            return self._run_recomputing_norms(inputs)
         if self.plan.dtype == "float32":  # the common case, straight to the stages (run_stages casts for the others)
             return self._run_plain(*inputs)[0]
         return self.run_stages(*inputs)[0]
+
+    def _run_recomputing_norms(self, inputs: tuple) -> Any:
+        """One call where the members run normalisation layers inside a torch.utils.checkpoint region: eager torch
+        recomputes the region when backward reaches it, so each such layer that updated its statistics in the call
+        updates them a second time with the same batch statistics (num_batches_tracked counts 2 per step), on each
+        backward through the call. The batched module runs the region once; a hook on its outputs' gradients applies
+        the second update to each member that updated, from the batch term this call added (exact to rounding)."""
+        before = []
+        for path, momenta, counts in self._checkpointed_norms:
+            keys = [f"{path}.{k}" for k in ("running_mean", "running_var", "num_batches_tracked")]
+            if all(k in self._stacked for k in keys):
+                before.append((momenta, counts, *(self._stacked[k] for k in keys),
+                               *(self._stacked[k].detach().clone() for k in keys)))
+        out = self._run_plain(*inputs)[0] if self.plan.dtype == "float32" else self.run_stages(*inputs)[0]
+        terms = []
+        for momenta, counts, mean, var, count, mean0, var0, count0 in before:
+            # per member: a layer in eval mode (set by hand) updated nothing
+            updated = (count != count0) if counts else ((mean != mean0) | (var != var0)).flatten(1).any(1)
+            if not bool(updated.any()):
+                continue
+            with torch.no_grad():  # per member: momentum · the batch's statistics, or (momentum None: a cumulative
+                # average) the batch's statistics themselves, n·new - (n-1)·old
+                cumulative = torch.tensor([m is None for m in momenta], device=mean.device).unsqueeze(-1)
+                momentum = torch.tensor([0.0 if m is None else m for m in momenta], dtype=mean.dtype,
+                                        device=mean.device).unsqueeze(-1)
+                n = count.to(mean.dtype).unsqueeze(-1)
+                batch = tuple(torch.where(cumulative, n * new - (n - 1) * old, new - (1 - momentum) * old)
+                              for new, old in ((mean, mean0), (var, var0)))
+            terms.append((momentum, cumulative, mean, var, count if counts else None, updated, batch))
+        grads_to = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if terms and grads_to:
+            torch.autograd.graph.register_multi_grad_hook(grads_to, functools.partial(_update_again, terms), mode="any")
+        return out
 
     def __deepcopy__(self, memo: dict) -> "BatchedModule":
         """A copy with its own stacked state (EMA / SWA copies, the best model so far). The loop stages' per-member views
@@ -2492,6 +2554,10 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_learnable_attributes"] = _learnable_attributes(members[0], graph.gm, module._stacked)
     module.__dict__["_branching_modules"] = _branching_modules(members[0], module.stage_modules)
     module.__dict__["_load_hooks"] = _load_hooks(members[0])
+    # norms that eager torch recomputes in backward (inside a torch.utils.checkpoint region): the loop updates their
+    # statistics twice per backward, which the batched module repeats (BatchedModule._run_recomputing_norms)
+    checkpointed = norms_in_checkpoints(private, example) if example is not None else None
+    module.__dict__["_checkpointed_norms"] = tuple(_checkpointed_norm(members, path) for path in checkpointed or ())
     mirror_layer_classes(module.stacked, members[0])
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_configs_held"] = _configs_held(members)  # and the configuration objects they hold

@@ -1461,17 +1461,18 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     for mod, k, v in tensor_attributes:
         mod.__dict__[k] = v
     restore_all(before, model)  # and what else it left (an RNN's _flat_weights list of vmap tensors)
-    updating = [path for path, m in model.named_modules() if isinstance(m, _NORMS_WITH_STATISTICS) and m.track_running_stats]
-    if checkpointed and updating:  # (traced in eval too: ens.train() may come later)
-        warnings.warn(
-            f"forward() runs part of itself through torch.utils.checkpoint, and {type(model).__name__} holds layers that "
-            f"update running statistics in training ({', '.join(updating[:3])}{', ...' if len(updating) > 3 else ''}): "
-            "eager torch recomputes a checkpointed region in backward, so such a layer inside it updates its statistics "
-            "a second time per training step (num_batches_tracked counts 2), where the batched module runs the region "
-            "once and updates them once. After a training step the statistics (and eval outputs) differ from the member "
-            "loop's. Keep BatchNorm layers out of checkpointed regions, or checkpoint only where no layer updates state "
-            "(the batched module does not recompute: it saves no memory there either)", stacklevel=2)
+    if checkpointed and updating_norms(model) and norms_in_checkpoints(model, example_inputs) is None:
+        warnings.warn(CHECKPOINTED_NORMS_UNKNOWN.format(model=type(model).__name__), stacklevel=2)
     return graph
+
+
+CHECKPOINTED_NORMS_UNKNOWN = (
+    "forward() runs part of itself through torch.utils.checkpoint, and {model} holds layers that update running "
+    "statistics in training, but a training-mode call of a copy failed, so which of them run inside a checkpointed "
+    "region is not known. Eager torch recomputes such a region in backward: a BatchNorm inside it updates its "
+    "statistics a second time per backward in the member loop, which the batched module repeats only for the layers "
+    "it knows. Trace and build with inputs forward() takes in training mode, or keep BatchNorm layers out of "
+    "checkpointed regions")
 
 
 @contextlib.contextmanager
@@ -1515,18 +1516,28 @@ def _autograd_calls_named():
 
 
 @contextlib.contextmanager
-def _checkpoints_seen():
+def _checkpoints_seen(depth: list[int] | None = None):
     """Yields a list that gets an entry each time torch.utils.checkpoint runs a region while inside (non-reentrant:
-    its generator; reentrant: CheckpointFunction, also seen by export's Function watch)."""
+    its generator; reentrant: CheckpointFunction, also seen by export's Function watch). `depth` (a one-element list),
+    where given, counts the regions running now: above 0 while a module runs inside one."""
     import torch.utils.checkpoint as ckpt
 
     seen: list[bool] = []
+    depth = [0] if depth is None else depth
     generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
     function = getattr(ckpt, "CheckpointFunction", None)
     if generator is not None:
         def watched(*args, **kwargs):
             seen.append(True)
-            return generator(*args, **kwargs)
+            inner = generator(*args, **kwargs)
+
+            def counted():  # checkpoint() steps it once before the region and once after
+                depth[0] += 1
+                try:
+                    return (yield from inner)
+                finally:
+                    depth[0] -= 1
+            return counted()
         ckpt._checkpoint_without_reentrant_generator = watched
     forward = function.__dict__.get("forward") if function is not None else None
     if forward is not None:
@@ -1534,7 +1545,11 @@ def _checkpoints_seen():
 
         def forward_watched(*args, **kwargs):
             seen.append(True)
-            return plain(*args, **kwargs)
+            depth[0] += 1
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         function.forward = staticmethod(forward_watched)
     try:
         yield seen
@@ -1543,6 +1558,39 @@ def _checkpoints_seen():
             ckpt._checkpoint_without_reentrant_generator = generator
         if forward is not None:
             function.forward = forward
+
+
+def updating_norms(model: nn.Module) -> list[str]:
+    """Paths of the layers that update running statistics in training (BatchNorm, InstanceNorm tracking them)."""
+    return [path for path, m in model.named_modules() if isinstance(m, _NORMS_WITH_STATISTICS) and m.track_running_stats]
+
+
+def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> list[str] | None:
+    """Paths of the layers updating running statistics that run inside a torch.utils.checkpoint region when `model`
+    runs in training mode with gradients on: eager torch recomputes such a region in backward, so the member loop
+    updates their statistics a second time per backward, which the batched module repeats
+    (executor.build.BatchedModule, `_checkpointed_norms`). One eager call of a training-mode copy sharing nothing
+    with `model`; None where that call fails (the caller cannot tell, and says so)."""
+    updating = updating_norms(model)
+    if not updating:
+        return []
+    try:
+        probe = copy.deepcopy(model).train()
+    except Exception:  # noqa: BLE001 - a module that does not copy: cannot tell
+        return None
+    depth, inside = [0], set()
+    handles = [probe.get_submodule(path).register_forward_pre_hook(
+        lambda _m, _a, path=path: inside.add(path) if depth[0] else None) for path in updating]
+    try:
+        with _checkpoints_seen(depth), torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe(*_input_copies(example_inputs))
+    except Exception:  # noqa: BLE001 - forward() in training mode needs other inputs (labels): cannot tell
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return sorted(inside)
 
 
 @contextlib.contextmanager

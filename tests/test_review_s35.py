@@ -1,0 +1,147 @@
+"""Silent wrong answers found in session 35's reviews and known items, each against the plain member loop."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from stagewise import executor, planner
+
+N = 3
+
+
+def _members(cls, n: int = N, **kw) -> list[nn.Module]:
+    out = []
+    for i in range(n):
+        torch.manual_seed(i)
+        out.append(cls(**kw))
+    return out
+
+
+def _build(members, x, strategy=None, input_mode="shared"):
+    graph = planner.trace(copy.deepcopy(members[0]), (x,))
+    plan = planner.propose(graph, len(members), input_mode=input_mode)
+    if strategy is not None:
+        for st in plan.stages:
+            plan = planner.set_options(plan, graph, st.id, strategy=strategy)
+    return executor.build(plan, members)
+
+
+def _same_state(ens, loop):
+    for k, v in ens.state_dict().items():
+        k = k.removeprefix("stacked.")
+        want = torch.stack([m.state_dict()[k] for m in loop])
+        torch.testing.assert_close(v, want, msg=k, rtol=1e-5, atol=1e-6)
+
+
+class CheckpointedNorm(nn.Module):
+    """A block with a BatchNorm run through torch.utils.checkpoint (memory-bound training), a BatchNorm after it
+    outside the region; `when_training`: checkpointed only in training mode, as Hugging Face and timm do."""
+
+    def __init__(self, reentrant=False, when_training=False, momentum=0.1):
+        super().__init__()
+        self.reentrant, self.when_training = reentrant, when_training
+        self.a = nn.Linear(4, 8)
+        self.blk = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=momentum), nn.ReLU())
+        self.bn2 = nn.BatchNorm1d(8)
+        self.o = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training or not self.when_training:
+            h = checkpoint(self.blk, h, use_reentrant=self.reentrant)
+        else:
+            h = self.blk(h)
+        return self.o(self.bn2(h))
+
+
+@pytest.mark.parametrize("strategy", [None, "loop"])
+@pytest.mark.parametrize("kw", [{}, {"when_training": True}, {"momentum": None}])
+def test_checkpointed_batchnorm_updates_twice_as_the_loop(kw, strategy):
+    """Eager torch recomputes a checkpointed region in backward, so a BatchNorm inside it updates its statistics a
+    second time per step (num_batches_tracked 6 after 3 steps, eval outputs 0.046 off before): the batched module
+    repeats that update when backward reaches its outputs; the BatchNorm outside the region updates once."""
+    members = _members(CheckpointedNorm, **kw)
+    for m in members:  # traced in eval where the region exists only in training (the trace sees no checkpoint)
+        m.train(not kw.get("when_training"))
+    x = torch.randn(5, 4)
+    loop = [copy.deepcopy(m).train() for m in members]
+    ens = _build(members, x, strategy)
+    ens.train()
+    for step in range(3):
+        xs = x * (step + 1) + step
+        ref = torch.stack([m(xs) for m in loop])
+        out = ens(xs)
+        torch.testing.assert_close(out, ref)
+        (ref ** 2).sum().backward()
+        (out ** 2).sum().backward()
+    _same_state(ens, loop)
+    assert loop[0].blk[1].num_batches_tracked.item() == 6
+    ens.eval()
+    for m in loop:
+        m.eval()
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))
+
+
+def test_checkpointed_batchnorm_calls_without_backward_and_backward_twice():
+    """No backward: one update (the loop recomputes nothing). Two calls, then one backward of both: each call's
+    region recomputed. retain_graph and a second backward: a third update; autograd.grad then backward (a
+    gradient penalty) works through the graph the second update left."""
+    members = _members(CheckpointedNorm, momentum=0.3)
+    x = torch.randn(6, 4)
+    loop = [copy.deepcopy(m) for m in members]
+    ens = _build(members, x)
+    ens.train()
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in loop]))  # no backward
+    _same_state(ens, loop)
+    outs = [ens(x * 2), ens(x - 1)]
+    refs = [torch.stack([m(x * 2) for m in loop]), torch.stack([m(x - 1) for m in loop])]
+    sum(r.sum() for r in refs).backward()
+    sum(o.sum() for o in outs).backward()
+    _same_state(ens, loop)
+    out, ref = ens(x + 1), torch.stack([m(x + 1) for m in loop])
+    ref.sum().backward(retain_graph=True)
+    out.sum().backward(retain_graph=True)
+    ref.square().sum().backward()
+    out.square().sum().backward()
+    _same_state(ens, loop)
+    xg = (x * 0.5).requires_grad_()
+    out = ens(xg)
+    refs = [m(xg) for m in loop]
+    g_ens, = torch.autograd.grad(out.sum(), xg, create_graph=True)
+    g_ref, = torch.autograd.grad(sum(r.sum() for r in refs), xg, create_graph=True)
+    torch.testing.assert_close(g_ens, g_ref)
+    (out.sum() + g_ens.square().sum()).backward()
+    (sum(r.sum() for r in refs) + g_ref.square().sum()).backward()
+    _same_state(ens, loop)
+    for name, p in ens.named_stacked_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+
+
+class CheckpointedInstanceNorm(nn.Module):
+    """An InstanceNorm tracking running statistics inside a checkpointed region."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv1d(2, 4, 3)
+        self.norm = nn.InstanceNorm1d(4, track_running_stats=True, affine=True)
+
+    def forward(self, x):
+        return checkpoint(lambda h: torch.relu(self.norm(self.c(h))), x, use_reentrant=False).mean(-1)
+
+
+def test_checkpointed_instance_norm_updates_twice_as_the_loop():
+    members = _members(CheckpointedInstanceNorm)
+    x = torch.randn(3, 2, 9)
+    loop = copy.deepcopy(members)
+    ens = _build(members, x)
+    for step in range(3):
+        ref = torch.stack([m(x + step) for m in loop])
+        out = ens(x + step)
+        torch.testing.assert_close(out, ref)
+        ref.sum().backward()
+        out.sum().backward()
+    _same_state(ens, loop)
