@@ -1582,7 +1582,9 @@ def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> list[str] |
     handles = [probe.get_submodule(path).register_forward_pre_hook(
         lambda _m, _a, path=path: inside.add(path) if depth[0] else None) for path in updating]
     try:
-        with _checkpoints_seen(depth), torch.enable_grad(), warnings.catch_warnings():
+        cuda = sorted({t.device.index or 0 for t in [*probe.parameters(), *probe.buffers()] if t.is_cuda})
+        with _checkpoints_seen(depth), torch.enable_grad(), warnings.catch_warnings(), \
+                torch.random.fork_rng(devices=cuda):  # dropout's draws: the caller's random stream as it was
             warnings.simplefilter("ignore")
             probe(*_input_copies(example_inputs))
     except Exception:  # noqa: BLE001 - forward() in training mode needs other inputs (labels): cannot tell
