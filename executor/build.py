@@ -42,7 +42,7 @@ from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError, TraceError)
 from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFFERS, ModelGraph, global_hooks_present,
-                                      global_hooks_refusal, gradients_refusal, norms_in_checkpoints, plain_fx_code,
+                                      global_hooks_refusal, gradients_refusal, norms_in_checkpoints, persistence_only, plain_fx_code,
                                       registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
@@ -881,27 +881,49 @@ def _setting_items(value: Any, depth: int) -> int | None:
 def _configs_held(members: Sequence[nn.Module]) -> tuple:
     """(the object, where it is held, {field: a copy of its value}) for each configuration object the members' modules
     hold as an attribute (a Hugging Face PretrainedConfig every layer shares as `self.config`, a dataclass, an
-    argparse Namespace): forward() reads its fields on every call (`self.config.pad_token_id`), the traced graph holds
-    the values they had; the script usually keeps the same object (`cfg`) and may change it after build. Watched:
-    the fields holding plain values (numbers, strings, and small containers of them) whose names the code of the
-    model's own classes reads (an `args.epoch` a training loop moves and no model code reads is not one)."""
+    argparse Namespace, an object of a plain class of the script's, `self.hp = HParams()`, or a dict, `self.cfg =
+    {"scale": 2.0}`): forward() reads its fields on every call (`self.config.pad_token_id`, `self.cfg["scale"]`), the
+    traced graph holds the values they had; the script usually keeps the same object (`cfg`) and may change it after
+    build. Watched: the fields (a dict's string keys) holding plain values (numbers, strings, and small containers of
+    them) whose names the code of the model's own classes reads (an `args.epoch` a training loop moves and no model
+    code reads is not one), and that no method of theirs but __init__ writes (a count forward() keeps in a dict, which
+    the member loop moves and the batched module does not)."""
     import argparse  # noqa: PLC0415
     import dataclasses  # noqa: PLC0415
 
-    read = _names_read_by_classes(members[0]) if members else frozenset()
+    read, written = _names_used_by_classes(members[0]) if members else (frozenset(), frozenset())
     seen: dict[int, Any] = {}
     for m in members:
         for path, mod in m.named_modules():
             for k, v in vars(mod).items():
                 if id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type)) or k.startswith("__"):
                     continue
-                if not (dataclasses.is_dataclass(v) or isinstance(v, (argparse.Namespace, types.SimpleNamespace))
-                        or any(c.__name__.endswith("Config") for c in type(v).__mro__)) or not hasattr(v, "__dict__"):
+                if type(v) is dict:
+                    fields = {f: copy.deepcopy(x) for f, x in v.items()
+                              if isinstance(f, str) and f in read and f not in written and _plain_setting(x)}
+                elif (dataclasses.is_dataclass(v) or isinstance(v, (argparse.Namespace, types.SimpleNamespace))
+                        or any(c.__name__.endswith("Config") for c in type(v).__mro__) or _plain_class(type(v))) \
+                        and hasattr(v, "__dict__"):
+                    fields = {f: copy.deepcopy(x) for f, x in vars(v).items()
+                              if f in read and f not in written and _plain_setting(x)}
+                else:
                     continue
-                fields = {f: copy.deepcopy(x) for f, x in vars(v).items() if f in read and _plain_setting(x)}
                 if fields:
                     seen[id(v)] = (v, f"{path}.{k}" if path else k, fields)
     return tuple(seen.values())
+
+
+def _plain_class(cls: type) -> bool:
+    """A class of the script's own that may hold settings (`class HParams:`): not a library's, and not a function,
+    method, module, exception or partial."""
+    if (cls.__module__ or "").startswith(_LIBRARY_MODULES):
+        return False
+    return not issubclass(cls, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
+                                BaseException, functools.partial))
+
+
+_LIBRARY_MODULES = ("torch", "builtins", "numpy", "typing", "collections", "functools", "logging", "transformers",
+                    "safetensors", "networkx", "stagewise", "_thread", "_io", "_collections", "_operator", "_abc")
 
 
 def _plain_setting(value: Any, depth: int = 0) -> bool:
@@ -915,34 +937,49 @@ def _plain_setting(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _names_read_by_classes(member: nn.Module) -> frozenset:
-    """Every name the code of the member's module classes (not torch's) reads: their functions and what decorates
-    them (a wrapper's own code, and the function it wraps), nested functions included."""
+def _names_used_by_classes(member: nn.Module) -> tuple[frozenset, frozenset]:
+    """(read, written): every name the code of the member's module classes (not torch's) reads, its attribute names
+    and string constants (a dict key, `self.cfg["scale"]`), in their functions and what decorates them (a wrapper's
+    own code, and the function it wraps), nested functions included; and the attribute names and constant dict keys
+    that code writes outside __init__ (`self.stats["calls"] += 1`, `self.hp.count = ...`)."""
     names: set[str] = set()
+    written: set[str] = set()
     seen_code: set[int] = set()
 
-    def code_names(code: types.CodeType) -> None:
+    def code_names(code: types.CodeType, init: bool) -> None:
         if id(code) in seen_code:
             return
         seen_code.add(id(code))
         names.update(code.co_names)
+        names.update(c for c in code.co_consts if isinstance(c, str))
+        if not init:
+            recent: list[Any] = []
+            for ins in dis.get_instructions(code):
+                if ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
+                    written.add(ins.argval)
+                elif ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR"):
+                    written.update(c for c in recent if isinstance(c, str))
+                if ins.opname in ("LOAD_CONST", "LOAD_SMALL_INT"):
+                    recent = [*recent[-3:], ins.argval]
+                elif ins.opname.startswith("STORE") or ins.opname in ("POP_TOP", "RETURN_VALUE"):
+                    recent = []  # a statement ended: the next write's key comes after
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                code_names(const)
+                code_names(const, init)
 
     for cls in {c for m in member.modules() for c in type(m).__mro__}:
         if (cls.__module__ or "").startswith(("torch", "builtins")):
             continue
-        for f in vars(cls).values():
+        for attr, f in vars(cls).items():
             f = getattr(f, "fget", None) or getattr(f, "__func__", f)
             for _ in range(8):  # down a decorator chain (functools.wraps keeps __wrapped__)
                 code = getattr(f, "__code__", None)
                 if code is not None:
-                    code_names(code)
+                    code_names(code, attr == "__init__")
                 f = getattr(f, "__wrapped__", None)
                 if f is None:
                     break
-    return frozenset(names)
+    return frozenset(names), frozenset(written)
 
 
 def _check_number_input(name: str, x: Any, kind: str, traced: Any, guarded: bool = False) -> None:
@@ -1767,7 +1804,7 @@ class BatchedModule(nn.Module):
         """ExecutionError where a configuration object the members hold (`self.config`) has a field that is not what
         it was at build (`cfg.pad_token_id = 1` after build: the member loop reads the new value, the graph the old)."""
         for obj, where, fields in self._configs_held:
-            now = vars(obj)
+            now = obj if type(obj) is dict else vars(obj)
             if all(now.get(k, _MISSING_GLOBAL) == v for k, v in fields.items()):
                 continue
             for k in sorted(fields, key=str):
@@ -2416,6 +2453,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             other = retrace(private, plan.tracer, example, [i.name for i in plan.inputs], plan.opened_modules)
         if other.fingerprint == plan.fingerprint:
             graph, traced_with_grad, reads = other, False, reads_off
+    if graph.fingerprint != plan.fingerprint and persistence_only(graph.gm, plan.opened_modules, plan.fingerprint):
+        graph.fingerprint = plan.fingerprint  # the same graph: one buffer in the state_dict or not (members deep-copied)
     if graph.fingerprint != plan.fingerprint:
         cast = {str(p.dtype).removeprefix("torch.") for p in members[0].parameters() if p.is_floating_point()}
         if plan.dtype in LOW_PRECISION and cast == {plan.dtype}:

@@ -2082,4 +2082,21 @@ def fingerprint_lines(gm: torch.fx.GraphModule, opened: Sequence[str] = ()) -> l
 
 def fingerprint(gm: torch.fx.GraphModule, opened: Sequence[str] = ()) -> str:
     """Hash of the graph structure, parameter/buffer shapes (not their values) and the opened module paths."""
-    return hashlib.sha256("\n".join(fingerprint_lines(gm, opened)).encode()).hexdigest()[:16]
+    return _hashed(fingerprint_lines(gm, opened))
+
+
+def _hashed(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def persistence_only(gm: torch.fx.GraphModule, opened: Sequence[str], planned: str) -> str | None:
+    """The buffer whose line alone parts `gm`'s fingerprint from `planned`: held in the state_dict here where the
+    plan's model kept it out of it (a non-persistent buffer, which copy.deepcopy of a torch.export module registers as
+    persistent). The graph and every shape are the same; None where something else differs."""
+    lines = fingerprint_lines(gm, opened)
+    buffers = {name for name, _ in gm.named_buffers()}
+    for i, line in enumerate(lines):
+        name = line.removeprefix("state ").rpartition(":")[0] if line.startswith("state ") else None
+        if name in buffers and _hashed(lines[:i] + lines[i + 1:]) == planned:
+            return name
+    return None

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stagewise import executor, planner
+from stagewise.planner.errors import ExecutionError
 
 N = 3
 
@@ -145,3 +146,76 @@ def test_checkpointed_instance_norm_updates_twice_as_the_loop():
         ref.sum().backward()
         out.sum().backward()
     _same_state(ens, loop)
+
+
+class HParams:
+    """A plain settings class of the script's (not a dataclass, Namespace or *Config)."""
+
+    def __init__(self):
+        self.scale = 2.0
+
+
+class HeldSettings(nn.Module):
+    """Reads a plain settings object and a dict every call; keeps a per-call log in a dict nothing computes with."""
+
+    def __init__(self, hp, cfg):
+        super().__init__()
+        self.hp, self.cfg = hp, cfg
+        self.l = nn.Linear(4, 4)
+        self.log = {"last_rows": 0}
+
+    def forward(self, x):
+        self.log["last_rows"] = 0 * self.log["last_rows"]  # written by forward(): not a setting
+        return self.l(x) * self.hp.scale + self.cfg["shift"]
+
+
+@pytest.mark.parametrize("which", ["object", "dict"])
+def test_plain_settings_object_or_dict_changed_after_build_refused(which):
+    """A plain class's object or a dict the members hold, changed after build: the loop read the new value, the
+    batched module the traced one (4.19 off): refused naming the field; set back, calls run again."""
+    hp, cfg = HParams(), {"scale": 9.0, "shift": 1.0}
+    members = _members(HeldSettings, hp=hp, cfg=cfg)
+    x = torch.randn(2, 4)
+    ens = _build(members, x)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))  # the loop wrote its log: still runs
+    if which == "object":
+        hp.scale = 5.0
+    else:
+        cfg["shift"] = 3.0
+    with pytest.raises(ExecutionError, match="scale" if which == "object" else "shift"):
+        ens(x)
+    hp.scale, cfg["shift"] = 2.0, 1.0
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+class NonPersistentScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("scale", torch.ones(4) * 1.5, persistent=False)
+
+    def forward(self, x):
+        return self.bn(self.fc(x)) * self.scale
+
+
+def test_deep_copied_archive_members_build(tmp_path):
+    """copy.deepcopy of a torch.export module registers a non-persistent buffer as persistent: such copies were refused
+    as "a plan made for another model" (the state_dict gained a key); the graph is the same, they build, and each
+    member's own buffer values run."""
+    import warnings  # noqa: PLC0415
+    path = tmp_path / "net.pt2"
+    torch.export.save(torch.export.export(NonPersistentScale().train(), (torch.randn(5, 8),)), str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        src = planner.load_source(str(path))
+        plan = planner.propose(planner.trace(src.model, src.example_inputs), N)
+    members = src.members(N)
+    with torch.no_grad():
+        for i, m in enumerate(members):
+            m.scale.fill_(i + 1.0)
+    ens = executor.build(plan, copy.deepcopy(members))
+    for x in (torch.randn(5, 8), torch.randn(5, 8) * 3):
+        ref = torch.stack([m(x) for m in members])
+        torch.testing.assert_close(ens(x), ref)
