@@ -36,7 +36,6 @@ from torch.utils._pytree import SUPPORTED_NODES, register_dataclass, tree_flatte
 
 from stagewise.planner import budget
 from stagewise.planner.capability import alias_chain, is_inplace
-from stagewise.planner.tracers import region_written_operands
 from stagewise.planner.files import temp_beside
 from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
@@ -44,7 +43,8 @@ from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, M
 from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFFERS, ModelGraph, global_hooks_present,
                                       global_hooks_refusal, gradients_refusal, norms_in_checkpoints, persistence_only, plain_fx_code,
                                       registration_hooks_off, retrace)
-from stagewise.planner.inputs import check_call_inputs, example_inputs_from
+from stagewise.planner.inputs import check_call_inputs, example_inputs_from, traced_specs
+from stagewise.planner.tracers import check_small_sizes, region_written_operands
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
 from stagewise.planner.validate import stage_graph, validate, with_fresh_verdicts
 from stagewise.planner.snapshot import PLAIN_TYPES, held_values
@@ -300,6 +300,27 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError("device 'cuda' was requested but this machine has no CUDA device; use device='cpu'")
     return dev
+
+
+def _check_small_sizes(plan: Plan, graph: ModelGraph, member: nn.Module, example: tuple | None) -> None:
+    """PlanMismatchError where a torch.export plan accepts a dynamic dim below 2 that the members' graph does not hold
+    for. torch.export traces such dims for sizes of at least 2, and planning checked sizes 1 and 0 against the model
+    (planner.tracers.check_small_sizes); the fingerprint does not hold the bounds, so a plan file edited to a smaller
+    `min` would run the >= 2 branch where forward() takes another (`if x.shape[0] == 1:`). Checked again here, on
+    the zeros of the traced shapes and fresh random floats, only for plans that accept such sizes."""
+    loose = [(spec.name, d) for spec in plan.inputs for d in spec.dynamic_dims if d.min < 2 and d.symbol]
+    if plan.tracer != "export" or not loose or example is None:
+        return
+    check_small_sizes(member, graph.gm, example)
+    found = traced_specs(graph.gm, "export", {})
+    for name, d in loose:
+        ours = next((x for x in found[name].dynamic_dims if x.dim == d.dim), None) if name in found else None
+        if ours is not None and ours.min > d.min:
+            raise PlanMismatchError(
+                f"the plan accepts size {d.min} for dim {d.dim} of input {name!r}, where these members' graph holds for "
+                f"sizes of at least {ours.min} only: torch.export traced that dim from 2 up, and at size "
+                f"{ours.min - 1} forward() answers otherwise than the graph (a branch on the size). The plan file says "
+                f"min {d.min}, planning found {ours.min}: set it back, or re-plan (`stagewise plan`)")
 
 
 def _first_difference(plan: Plan, graph: ModelGraph, member: nn.Module | None = None, example: tuple | None = None) -> str:
@@ -2467,6 +2488,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
             f"({_first_difference(plan, graph, private, example)}); the plan was made for another model, or for this one by an earlier "
             "stagewise that traced it otherwise (out= writes now trace as copy_): re-plan with `stagewise plan`"
         )
+    _check_small_sizes(plan, graph, private, example)
     # the member traced again below (its modes, the members' numbers, the plan's dtype) in the mode the plan was
     with torch.set_grad_enabled(traced_with_grad):
         validate(plan, graph)

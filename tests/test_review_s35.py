@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stagewise import executor, planner
-from stagewise.planner.errors import ExecutionError
+from stagewise.planner.errors import ExecutionError, PlanMismatchError
 
 N = 3
 
@@ -219,3 +219,34 @@ def test_deep_copied_archive_members_build(tmp_path):
     for x in (torch.randn(5, 8), torch.randn(5, 8) * 3):
         ref = torch.stack([m(x) for m in members])
         torch.testing.assert_close(ens(x), ref)
+
+
+class SizeOneBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if x.shape[0] == 1:  # a single sample takes another path (torch.export traces the >= 2 one)
+            return -h
+        return h
+
+
+def test_export_plan_edited_to_accept_a_size_the_graph_does_not_hold_refused():
+    """A plan file whose dynamic dim's min was edited from 2 to 1 ran size 1 through the >= 2 branch (2.1 off, no
+    error): build checks sizes below 2 again and refuses, naming the dim; the plan as made still builds and refuses
+    size 1 at the call, and a plan whose dims hold at size 0 builds and runs there."""
+    members = [SizeOneBranch().eval() for _ in range(N)]
+    x = torch.randn(3, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    assert plan.tracer == "export"
+    d = plan.to_json()
+    assert [dd["min"] for dd in d["inputs"][0]["dynamic_dims"] if dd["dim"] == 0] == [2]
+    for dd in d["inputs"][0]["dynamic_dims"]:
+        dd["min"] = 1
+    with pytest.raises(PlanMismatchError, match=r"size 1 for dim 0 of input 'x'.*min 1, planning found 2"):
+        executor.build(planner.Plan.from_json(d), members)
+    ens = executor.build(plan, members)
+    for call in (x, torch.randn(5, 4)):
+        torch.testing.assert_close(ens(call), torch.stack([m(call) for m in members]))
