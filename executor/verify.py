@@ -1111,7 +1111,10 @@ def batched_inputs(plan: Plan, example_inputs: Sequence[Any], seed: int = 0) -> 
             # a Python number per member (a temperature) goes in as an [N] tensor, each member's own
             # (float32: a float64 tensor would turn a float32 computation into float64, where the member's Python
             # number does not)
-            values = [x * (1 + 0.1 * i) if isinstance(x, float) else x for i in range(plan.n_members)]
+            # A torch.export plan fixed the number at its traced value: every member is given that one (the batched
+            # module refuses another, naming the fix)
+            fixed = plan.tracer == "export" and spec.shape is None
+            values = [x * (1 + 0.1 * i) if isinstance(x, float) and not fixed else x for i in range(plan.n_members)]
             out.append(torch.tensor(values, dtype=torch.float32 if isinstance(x, float) else torch.int64))
         else:
             out.append(x)

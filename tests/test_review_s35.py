@@ -250,3 +250,30 @@ def test_export_plan_edited_to_accept_a_size_the_graph_does_not_hold_refused():
     ens = executor.build(plan, members)
     for call in (x, torch.randn(5, 4)):
         torch.testing.assert_close(ens(call), torch.stack([m(call) for m in members]))
+
+
+class ExportTemperature(nn.Module):
+    """A buffer forward() updates sends the trace to torch.export, which fixes a Python number input."""
+
+    def __init__(self):
+        super().__init__()
+        self.pi = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, obs, temperature):
+        with torch.no_grad():
+            self.calls += 1
+        return torch.softmax(self.pi(obs) / temperature, -1)
+
+
+def test_verify_gives_a_per_member_number_on_an_export_plan_its_traced_value():
+    """`stagewise plan --input-mode s=per_member` on a torch.export plan was accepted and `stagewise run` then failed:
+    verify made other values per member, which the plan (the number fixed at its traced value) refuses. Every member
+    is given the traced value, and the plan verifies."""
+    members = _members(ExportTemperature)
+    x = torch.randn(2, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x, 1.0)), N,
+                           input_mode={"obs": "shared", "temperature": "per_member"})
+    assert plan.tracer == "export"
+    report = executor.verify(plan, members, (x, 1.0))
+    assert report.ok, report.to_text()
