@@ -1874,6 +1874,8 @@ class BatchedModule(nn.Module):
             self.__dict__["_written_ptrs"] = ptrs
         for name, x in zip(self._input_names, inputs):
             for t in (x,) if isinstance(x, torch.Tensor) else _tensor_leaves(x):
+                while torch._C._functorch.is_functorch_wrapped_tensor(t):  # under torch.func.grad / vmap: its memory
+                    t = torch._C._functorch.get_unwrapped(t)
                 key = ptrs[1].get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
                 if key is not None and _elements_shared(t, self._stacked[key]):
                     raise InputError(

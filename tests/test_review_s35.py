@@ -277,3 +277,30 @@ def test_verify_gives_a_per_member_number_on_an_export_plan_its_traced_value():
     assert plan.tracer == "export"
     report = executor.verify(plan, members, (x, 1.0))
     assert report.ok, report.to_text()
+
+
+class SpectralD(nn.Module):
+    """A discriminator whose spectral norm's power iteration writes its buffers in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 16))
+        self.fc3 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc3(torch.nn.functional.leaky_relu(self.fc1(x), 0.2))
+
+
+def test_torch_func_grad_over_the_input_of_a_module_writing_its_state():
+    """An R1 penalty written with torch.func (`torch.func.grad(lambda x: D(x).sum())(x)`) on a training D that
+    writes state: the input-aliasing check asked a functorch wrapper for its storage (raw NotImplementedError)."""
+    members = _members(SpectralD)
+    loop = copy.deepcopy(members)
+    x = torch.randn(N, 6, 8)
+    ens = _build(members, x[0], input_mode="per_member")
+    ens.train()
+    for call in (x, x * 2):
+        got = torch.func.grad(lambda xx: ens(xx).sum())(call)
+        want = torch.stack([torch.func.grad(lambda xx: m(xx).sum())(call[i]) for i, m in enumerate(loop)])
+        torch.testing.assert_close(got, want)
+    _same_state(ens, loop)
