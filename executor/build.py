@@ -42,6 +42,7 @@ from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, M
                                       StagewiseError, TraceError)
 from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFFERS, ModelGraph, global_hooks_present,
                                       global_hooks_refusal, gradients_refusal, norms_in_checkpoints, persistence_only, plain_fx_code,
+                                      quantized_state_refusal,
                                       registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from, traced_specs
 from stagewise.planner.tracers import check_small_sizes, region_written_operands
@@ -2432,7 +2433,8 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         (members.frozen_apart: inference runs); InputError for a model input
         forward() writes in place where the batched module cannot repeat the loop's writes (check_input_writes).
     """
-    refusal = global_hooks_refusal("the batched module")
+    refusal = global_hooks_refusal("the batched module") or next(
+        (r for r in map(quantized_state_refusal, members) if r), None)
     if refusal:
         raise MemberError(refusal)
     # the members went through registration hooks; the modules made here from them must not. Outside inference mode:

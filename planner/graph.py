@@ -1291,7 +1291,7 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     # copies: the graph runs on them below, and a forward() that writes its inputs in place would write the caller's
     example_inputs = _input_copies(example_inputs)
     refusal = hooks_refusal(model, type(model).__name__) or global_hooks_refusal("the batched module") \
-        or state_refusal(model)
+        or state_refusal(model) or quantized_state_refusal(model)
     if refusal:
         raise TraceError(refusal)
     opened = resolve_open_modules(model, open_modules)
@@ -1453,6 +1453,10 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                 "cannot see a write inside a Function, so a later read of that state could run before it (and "
                 "members sharing it would each write a copy). Write the state in forward() itself "
                 f"(`self.{written[1].rpartition('.')[2]}.copy_(new)`, the Function returning what it computed)")
+        quantized = [name for name, v in values.items()
+                     if any(isinstance(t, torch.Tensor) and t.is_quantized for t in tree_flatten(v)[0])]
+        if quantized:
+            raise TraceError(QUANTIZED.format(what=f"makes quantized tensors (node {quantized[0]!r})"))
         graph = graph_of(gm, tracer, note, values, flops, opened=opened)
         if probe:
             annotate_capability(graph)
@@ -1464,6 +1468,20 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     if checkpointed and updating_norms(model) and norms_in_checkpoints(model, example_inputs) is None:
         warnings.warn(CHECKPOINTED_NORMS_UNKNOWN.format(model=type(model).__name__), stacklevel=2)
     return graph
+
+
+QUANTIZED = (
+    "forward() {what}: the batched module holds the members' values stacked, one tensor per value, and a quantized "
+    "tensor has one scale and zero point (torch's stack puts every member on member 0's, clipping the others), so "
+    "members would compute on member 0's grid. Keep quantized values out of forward() (quantize and dequantize in "
+    "one place outside it), or use fake quantization (torch.fake_quantize_per_tensor_affine / per_channel_affine, "
+    "torch.ao.quantization.FakeQuantize), which computes in float and runs per member with each member's scales")
+
+
+def quantized_state_refusal(model: nn.Module) -> str | None:
+    """QUANTIZED where `model` holds a quantized parameter or buffer (`qint8` weights with a scale of their own)."""
+    held = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if t.is_quantized]
+    return QUANTIZED.format(what=f"reads quantized state ({', '.join(held[:3])})") if held else None
 
 
 CHECKPOINTED_NORMS_UNKNOWN = (

@@ -304,3 +304,52 @@ def test_torch_func_grad_over_the_input_of_a_module_writing_its_state():
         want = torch.stack([torch.func.grad(lambda xx: m(xx).sum())(call[i]) for i, m in enumerate(loop)])
         torch.testing.assert_close(got, want)
     _same_state(ens, loop)
+
+
+class QuantizedWeight(nn.Module):
+    """Weight-only int8: a qint8 buffer with a scale of its own, dequantized in forward()."""
+
+    def __init__(self, spread=1.0):
+        super().__init__()
+        w = torch.randn(4, 6) * spread
+        self.register_buffer("qw", torch.quantize_per_tensor(w, float(w.abs().max() / 127), 0, torch.qint8))
+        self.b = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.qw.dequantize(), self.b)
+
+
+class QuantizesInForward(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.fc = nn.Linear(6, 8)
+        self.register_buffer("s", torch.full((8,), 0.05))
+        self.register_buffer("z", torch.zeros(8, dtype=torch.long))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.how == "tensor":
+            return torch.quantize_per_tensor(h, 0.05, 0, torch.quint8).dequantize()
+        if self.how == "dynamic":
+            return torch.quantize_per_tensor_dynamic(h, torch.quint8, False).dequantize()
+        return torch.quantize_per_channel(h, self.s, self.z, 1, torch.qint8).dequantize()
+
+
+@pytest.mark.parametrize("how", ["tensor", "dynamic", "channel"])
+def test_quantized_values_refused_at_trace(how):
+    """torch's stack puts quantized tensors on the first one's scale: members' quantized outputs came back on member
+    0's grid (16.0 off), a wide stage's quantize -> dequantize too (4.12), per-channel ones crashed the trace raw."""
+    with pytest.raises(planner.TraceError, match=r"makes quantized tensors \(node 'quantize_per_.*fake quantization"):
+        planner.trace(QuantizesInForward(how), (torch.randn(5, 6),))
+
+
+def test_quantized_state_refused_at_trace_and_build():
+    """Members holding qint8 weights with scales of their own were stacked onto member 0's scale (10.3 off)."""
+    members = [QuantizedWeight(spread=(i + 1) ** 2) for i in range(N)]
+    x = torch.randn(5, 6)
+    with pytest.raises(planner.TraceError, match=r"reads quantized state \(qw\)"):
+        planner.trace(members[0], (x,))
+    plain = planner.propose(planner.trace(nn.Linear(6, 4), (x,)), N)
+    with pytest.raises(Exception, match=r"reads quantized state \(qw\)"):
+        executor.build(plain, members)
