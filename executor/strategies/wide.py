@@ -376,6 +376,11 @@ class WideRunner(Runner):
             # an export graph's checks (_assert_tensor_metadata: dtype, device): the same for the stacked tensor
             return fn(*tree_map(lambda x: x.t if is_nf(x) else x, args, is_leaf=is_nf),
                       **tree_map(lambda x: x.t if is_nf(x) else x, kwargs, is_leaf=is_nf))
+        if fn is check_member_indices and not is_nf(args[0]):
+            # shared indices, handed on as they are: the op checks them against its own table, and the lookup keeps
+            # them shared (through vmap they came back N-first, and torch's rule for both batched then trained
+            # members 1..N-1's padding rows, the padding index not offset per member)
+            return args[0]
         if fn is check_member_indices and is_nf(args[0]):
             # an embedding's / one_hot's member indices, N-first here: checked against one member's table without a vmap
             bound = args[1]
