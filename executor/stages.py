@@ -388,8 +388,8 @@ def _index_bound_of(gm: torch.nn.Module, node: torch.fx.Node) -> tuple[Any, Any,
     return (found[0], bound, found[2]) if isinstance(bound, (int, torch.fx.Node)) else None
 
 
-def check_index_rows(ids: torch.Tensor, dim: int, bound: int, what: str, where: str) -> None:
-    """InputError naming the first member (position along `dim`, the member axis of `ids`) whose indices leave
+def check_index_rows(ids: torch.Tensor, dim: int | None, bound: int, what: str, where: str) -> None:
+    """InputError naming the first member (position along `dim`, the member axis of `ids`; None: not known) whose indices leave
     [0, bound), as the member loop's IndexError / one_hot's RuntimeError would: one min/max reduction and a read of
     its two numbers. On CUDA torch._assert_async instead, which does not wait for the device (no host sync per call):
     a failure is a device-side assert, as the member loop's own lookup kernel raises there, without the member named."""
@@ -397,21 +397,23 @@ def check_index_rows(ids: torch.Tensor, dim: int, bound: int, what: str, where: 
         if ids.numel():
             torch._assert_async(((ids >= 0) & (ids < bound)).all())
         return
-    if ids.is_meta or not ids.numel():
-        return
+    if ids.is_meta or not ids.numel() or type(ids) is not torch.Tensor \
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
+        return  # a tracing tensor (make_fx, torch.func.linearize): no values to read; the op checks its own
     lo, hi = torch.aminmax(ids)
     if lo.item() >= 0 and hi.item() < bound:
         return
-    rows = ids.movedim(dim, 0).reshape(ids.shape[dim], -1)
+    rows = ids.movedim(dim, 0).reshape(ids.shape[dim], -1) if dim is not None else ids.reshape(1, -1)
     bad = (rows < 0) | (rows >= bound)
     member = int(bad.any(1).nonzero()[0, 0])
     value = int(rows[member][bad[member]][0])
+    whose = f"member {member}'s indices" if dim is not None else "the indices (under the caller's transform)"
     one_hot = what.startswith("F.one_hot")
     size = "num_classes" if one_hot else "num_embeddings"
     loop = ("RuntimeError: Class values must be " + ("non-negative" if value < 0 else "smaller than num_classes")
             if one_hot else "IndexError: index out of range in self")
     raise InputError(
-        f"stage {where}: member {member}'s indices into {what} hold {value}, outside [0, {bound}) ({size}={bound}); "
+        f"stage {where}: {whose} into {what} hold {value}, outside [0, {bound}) ({size}={bound}); "
         f"the member loop raises {loop} there. Batched, the members' tables are one [N*{bound}] table (torch.func's "
         f"rule), so such an index would read another member's row (and train it) instead: pass indices in "
         f"0..{bound - 1} (below {size}; a padding id equal to the vocabulary size is a common cause), or make {size} "
@@ -425,11 +427,24 @@ def check_member_indices(ids: Any, bound: Any, what: str, where: str) -> Any:
     Under torch.compile nothing is checked here: CompileRunner checks the indices its compiled call hands back."""
     if torch.compiler.is_compiling() or not isinstance(ids, torch.Tensor) or not _functorch.is_batchedtensor(ids):
         return ids
-    inner = _functorch.get_unwrapped(ids)
-    if _functorch.is_batchedtensor(inner):
-        return ids
-    check_index_rows(inner, _functorch.maybe_get_bdim(ids), bound if type(bound) is int else bound.shape[0], what, where)
+    check_indices_under(_functorch.get_unwrapped(ids), _functorch.maybe_get_bdim(ids),
+                        bound if type(bound) is int else bound.shape[0], what, where)
     return ids
+
+
+def check_indices_under(ids: torch.Tensor, dim: int, bound: int, what: str, where: str) -> None:
+    """check_index_rows on member indices with the member axis at `dim`. Inside a transform of the caller's
+    (torch.func.vmap over a batch of calls, vmap(grad(...)) per-sample gradients) they are wrapped again, and
+    torch.func's rule still reads the members' tables as one: every index is checked, on the memory under every
+    wrapper (each member's and each mapped call's, the member not named); a tracing tensor (make_fx, linearize) has
+    no values to read."""
+    if not _functorch.is_functorch_wrapped_tensor(ids):
+        check_index_rows(ids, dim, bound, what, where)
+        return
+    while _functorch.is_functorch_wrapped_tensor(ids):
+        ids = _functorch.get_unwrapped(ids)
+    if type(ids) is torch.Tensor:
+        check_index_rows(ids.reshape(1, -1), None, bound, what, where)
 
 
 def guard_member_indices(gm: torch.nn.Module, g: torch.fx.Graph, describe: str) -> None:

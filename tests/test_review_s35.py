@@ -391,3 +391,47 @@ def test_shared_ids_keep_every_members_padding_row_untrained(how, strategy):
         ref.square().sum().backward()
         for name, p in ens.named_stacked_parameters():
             torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+
+
+class LabelEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lab = nn.Embedding(5, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return self.fc(x + self.lab(y))
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "wide", "loop"])
+def test_per_sample_gradients_through_an_embedding_under_the_callers_vmap(strategy):
+    """vmap(grad(functional_call(ens, ...))) with each sample's own label: the index check read its numbers with
+    .item() under the caller's vmap (a raw vmap error); an index out of range there was not checked at all, and
+    read another member's row (the members' tables are one under torch.func's rule): refused as the loop refuses."""
+    from torch.func import functional_call, grad, vmap  # noqa: PLC0415
+    members = _members(LabelEmbedding)
+    b = 4
+    x, y = torch.randn(N, b, 8), torch.randint(0, 5, (N, b))
+    graph = planner.trace(copy.deepcopy(members[0]), (x[0], y[0]))
+    plan = planner.propose(graph, N, input_mode="per_member")
+    for st in plan.stages:
+        plan = planner.set_options(plan, graph, st.id, strategy=strategy)
+    ens = executor.build(plan, copy.deepcopy(members))
+    params = {k: v.detach() for k, v in ens.named_parameters()}
+
+    def loss(p, xb, yb):
+        return functional_call(ens, p, (xb[:, None], yb[:, None])).square().sum()
+    for call_x, call_y in ((x, y), (x * 2, (y + 1) % 5)):
+        got = vmap(grad(loss), in_dims=(None, 1, 1))(params, call_x, call_y)  # [B, N, ...]
+        for i, m in enumerate(members):
+            mp = {k: v.detach() for k, v in m.named_parameters()}
+            want = vmap(grad(lambda p, xb, yb: functional_call(m, p, (xb[None], yb[None])).square().sum()),
+                        in_dims=(None, 0, 0))(mp, call_x[i], call_y[i])
+            for k, v in want.items():
+                torch.testing.assert_close(got["stacked." + k][:, i], v, msg=k)
+    bad = y.clone()
+    bad[0, 1] = 5  # one past the table: the loop raises IndexError
+    if strategy != "loop":
+        with pytest.raises(planner.InputError, match=r"under the caller's transform.*hold 5, outside \[0, 5\)"):
+            with torch.no_grad():
+                vmap(lambda xb, yb: ens(xb[:, None], yb[:, None])[:, 0], in_dims=1, out_dims=1)(x, bad)

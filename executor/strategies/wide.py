@@ -40,7 +40,7 @@ from stagewise.planner.capability import ALWAYS_VIEWS, VIEW_NAMES, base_name, is
 from stagewise.planner.graph import RANDOM_OPS
 from stagewise.planner.plan import StageMode, StageOptions
 from stagewise.planner.trace_watch import storage_root
-from stagewise.executor.stages import Runner, StageProgram, check_index_rows, check_member_indices
+from stagewise.executor.stages import Runner, StageProgram, check_indices_under, check_member_indices
 from stagewise.executor.strategies import wide_ops
 from stagewise.executor.strategies.wide_layers import (CONV_FORMS, ELEMENTWISE_MODULES, conv, conv_forms,
                                                        inplace_activation, module_rule)
@@ -385,7 +385,7 @@ class WideRunner(Runner):
             # an embedding's / one_hot's member indices, N-first here: checked against one member's table without a vmap
             bound = args[1]
             rows = bound if type(bound) is int else bound.t.shape[1] if is_nf(bound) else bound.shape[0]
-            check_index_rows(args[0].t, 0, rows, args[2], args[3])
+            check_indices_under(args[0].t, 0, rows, args[2], args[3])
             return args[0]
         if name == "getitem" and not is_nf(args[0]) and not _any_nf(args[1:]):
             return args[0][args[1]]  # an item of a container (a module's output tuple): None is an item too
