@@ -90,8 +90,18 @@ def python_numbers(args: list, positions: tuple[int, ...], keep_grad: bool = Tru
         if type(v) is Batched and isinstance(v.tree, torch.Tensor) and v.tree.dim() == 1:
             # (a tensor that records gradients, `temps = torch.tensor([...], requires_grad=True)` passed per member: its
             # rows, 0-d tensors carrying the graph, as the loop's `temps[i]`; numbers would drop the gradient)
-            out[k] = PerMember(list(v.tree.unbind(0)) if keep_grad and v.tree.requires_grad else v.tree.tolist())
+            out[k] = PerMember(list(v.tree.unbind(0)) if keep_grad and _carries_derivative(v.tree) else v.tree.tolist())
     return out
+
+
+def _carries_derivative(t: torch.Tensor) -> bool:
+    """Whether `t` records a gradient, carries a forward-mode tangent (torch.func.jvp / jacfwd, a forward_ad dual), or
+    is mapped by a transform of the caller's (torch.func.vmap over a batch of calls): its rows are then kept as 0-d
+    tensors, as the loop's `w[i]`; numbers would drop the derivative (or cannot be read)."""
+    if t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return True
+    from torch.autograd import forward_ad  # noqa: PLC0415
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None
 
 
 _SIZE_METHODS = frozenset({"size", "numel", "dim", "nelement", "ndimension"})

@@ -435,3 +435,38 @@ def test_per_sample_gradients_through_an_embedding_under_the_callers_vmap(strate
         with pytest.raises(planner.InputError, match=r"under the caller's transform.*hold 5, outside \[0, 5\)"):
             with torch.no_grad():
                 vmap(lambda xb, yb: ens(xb[:, None], yb[:, None])[:, 0], in_dims=1, out_dims=1)(x, bad)
+
+
+class Guidance(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 8)
+        self.lab = nn.Linear(1, 8)
+
+    def forward(self, x, w: float):
+        ec = self.net(x) + self.lab.weight.sum()
+        eu = self.net(x)
+        return eu + w * (ec - eu)  # classifier-free guidance with scale w
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "wide", "loop"])
+def test_forward_mode_and_callers_vmap_over_a_per_member_number(strategy):
+    """torch.func.jvp / jacfwd with respect to a per-member Python number input: the loop strategy turned its [N]
+    tensor into numbers and dropped the tangent (1.89 off, the whole derivative); vmap over a grid of them crashed
+    raw there (a BatchedTensor has no data pointer)."""
+    from torch.func import jacfwd, jvp, vmap  # noqa: PLC0415
+    members = _members(Guidance)
+    x = torch.randn(N, 4, 8)
+    graph = planner.trace(copy.deepcopy(members[0]), (x[0], 2.0))
+    plan = planner.propose(graph, N, input_mode="per_member")
+    for st in plan.stages:
+        plan = planner.set_options(plan, graph, st.id, strategy=strategy)
+    ens = executor.build(plan, copy.deepcopy(members))
+    for w in (torch.tensor([1.0, 2.5, 4.0]), torch.tensor([0.5, -1.0, 3.0])):
+        def loop(v):
+            return torch.stack([m(x[i], v[i]) for i, m in enumerate(members)])
+        torch.testing.assert_close(jvp(lambda v: ens(x, v), (w,), (torch.ones(N),))[1],
+                                   jvp(loop, (w,), (torch.ones(N),))[1])
+        torch.testing.assert_close(jacfwd(lambda v: ens(x, v))(w), jacfwd(loop)(w))
+        grid = torch.stack([w, w * 2])
+        torch.testing.assert_close(vmap(lambda v: ens(x, v))(grid), torch.stack([loop(v) for v in grid]))
