@@ -859,8 +859,10 @@ def _learnable_attributes(member: nn.Module, gm: torch.fx.GraphModule, stacked: 
     lifted into the stacked state)."""
     read = set(stacked) | {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     state = {k for k, _ in member.named_parameters(remove_duplicate=False)} | {k for k, _ in member.named_buffers()}
-    constants = any(t not in state for t in read)  # the graph reads tensors that are no state (constants, lifted)
-    learnable = lambda v: isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf  # noqa: E731
+    modules = {k for k, _ in member.named_modules()}  # (a submodule handed to a torch.fx.wrap helper: no tensor)
+    constants = any(t not in state and t not in modules for t in read)  # tensors that are no state (constants, lifted)
+    registered = {id(p) for p in member.parameters()}  # (an RNN's _flat_weights list holds its own parameters)
+    learnable = lambda v: isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf and id(v) not in registered  # noqa: E731
     out = []
     for path, module in member.named_modules():
         for k, v in vars(module).items():
@@ -2352,6 +2354,8 @@ class BatchedModule(nn.Module):
     def __deepcopy__(self, memo: dict) -> "BatchedModule":
         """A copy with its own stacked state (EMA / SWA copies, the best model so far). The loop stages' per-member views
         are not graph leaves, which torch cannot deepcopy: the copy makes its own from its state."""
+        if self._state_replaced[0]:  # (after torch.func.functional_call: the transform's tensors, read anew)
+            self._follow_replaced_state()
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
@@ -2370,6 +2374,8 @@ class BatchedModule(nn.Module):
         """Pickled (torch.save(ens)) without what is made from the state (runners, per-member views, the capture):
         __setstate__ makes them again, as a deepcopy does. torch.export's guard function does not pickle: a loaded
         module checks its inputs against the plan's traced shapes (check_call_inputs) without it."""
+        if self._state_replaced[0]:  # (after torch.func.functional_call: the transform's tensors, read anew)
+            self._follow_replaced_state()
         state = {k: v for k, v in self.__dict__.items() if k not in _MADE_FROM_STATE}
         if self.plan.tracer == "export":
             _refuse_unloadable_graphs(state)

@@ -333,7 +333,37 @@ def no_grad_at_padding(out: Any, idx: Any, padding_idx: int, weight: Any = None)
         return out  # shared indices, or the member loop: torch's backward keeps every padding row at zero already
     if padding_idx < 0 and isinstance(weight, torch.Tensor):
         padding_idx += weight.shape[0]
-    return torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
+    return _NoGradAt.apply(out, idx == padding_idx)
+
+
+class _NoGradAt(torch.autograd.Function):
+    """`out` as it is, with its reverse-mode gradient zero where `at` (positions, `out`'s shape without its last dim);
+    its forward-mode tangent (torch.func.jvp, jacfwd, forward-over-reverse) passes unchanged, as torch's embedding
+    gives the padding row one."""
+
+    @staticmethod
+    def forward(out: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return out.clone()
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, out: torch.Tensor, at: torch.Tensor) -> tuple:
+        # (a rule of its own: torch's generated one fails under a jvp around the vmap)
+        out, at = (t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
+                   for t, d in zip((out, at), in_dims))
+        return _NoGradAt.apply(out, at), 0
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        at, = ctx.saved_tensors
+        return grad.masked_fill(at.unsqueeze(-1), 0), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, _at: Any) -> torch.Tensor:
+        return tangent
 
 
 def guard_padding_rows(gm: torch.nn.Module, g: torch.fx.Graph) -> None:
@@ -470,6 +500,9 @@ def _state_of(gm: torch.fx.GraphModule, node: torch.fx.Node, state_keys: set[str
         return [k for k in state_keys if k.startswith(prefix)]
     if node.op == "get_attr" and node.target in state_keys:
         return [str(node.target)]
+    if node.op == "get_attr":  # a submodule itself, handed to a torch.fx.wrap helper (`run_packed(self.rnn, x)`)
+        prefix = f"{node.target}."
+        return [k for k in state_keys if k.startswith(prefix)]
     return []
 
 

@@ -25,14 +25,16 @@ Measured on the 2-core CPU, round-robin against HEAD's interpreter: deep MLP
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import fields, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx
 from torch.func import functional_call, vmap
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
 from stagewise.planner.errors import ExecutionError, PlanFileError
@@ -163,6 +165,17 @@ class WideRunner(Runner):
             elif node.op == "get_attr":
                 value = self.stacked.get(str(node.target))
                 self._calls[node.name] = (NFirst(value) if value is not None else _attr(gm, str(node.target)),)
+        # a submodule handed to a torch.fx.wrap helper (`run_packed(self.rnn, x)`): the call runs once per member with
+        # that member's state swapped into the module (the stage module's own copy holds member 0's)
+        self._module_args: dict[str, list[tuple[torch.nn.Module, dict]]] = {}
+        for node in self._nodes:
+            if node.op in ("call_function", "call_method"):
+                mods = [(self._calls[a.name][0], {k[len(f"{a.target}."):]: v for k, v in self.stacked.items()
+                                                  if k.startswith(f"{a.target}.")})
+                        for a in node.all_input_nodes
+                        if a.op == "get_attr" and isinstance(self._calls.get(a.name, (None,))[0], torch.nn.Module)]
+                if mods:
+                    self._module_args[node.name] = mods
 
         self._fused = _sibling_linears(gm, self.stacked)  # first node of a group -> the group's node names
         self._pending: dict[str, Any] = {}
@@ -364,6 +377,8 @@ class WideRunner(Runner):
                 self._vmap_ran.add(node.name)
             return out
         fn, name = entry
+        if node.name in self._module_args:
+            return _member_loop(fn, {}, args, kwargs, n, stateless=True, modules=self._module_args[node.name])
         if not _any_nf((args, kwargs)):
             if _is_random(node):  # one draw per member, as the loop makes (computed once it would be shared by all)
                 draws = [fn(*args, **kwargs) for _ in range(n)]
@@ -526,15 +541,20 @@ _VMAP_CANNOT = re.compile(r"[Bb]atching rule not implemented|vmap: .*(\.item\(\)
                           r"must only return Tensors")  # a module returning None (MultiheadAttention's weights)
 
 
-def _member_loop(mod: Any, state: dict, args: tuple, kwargs: dict, n: int, stateless: bool = False) -> Any:
+def _member_loop(mod: Any, state: dict, args: tuple, kwargs: dict, n: int, stateless: bool = False,
+                 modules: Sequence[tuple[torch.nn.Module, dict]] = ()) -> Any:
     """The module once per member, with that member's state and inputs, outputs stacked (NFirst): for a module whose
     wide rule refused the call and which vmap cannot run either (random draws while training, torch's RNNs). Members
-    run in order, each drawing from the global generator, as the member loop (LoopRunner) draws."""
+    run in order, each drawing from the global generator, as the member loop (LoopRunner) draws. `modules`: modules
+    the call is handed (a torch.fx.wrap helper's argument), each with the member's rows of its state swapped in."""
     outs = []
     for i in range(n):
         a, kw = tree_map(lambda x: x.t[i] if is_nf(x) else x, (args, kwargs), is_leaf=is_nf)
-        outs.append(mod(*a, **kw) if stateless else functional_call(mod, {k: v[i] for k, v in state.items()}, a, kw,
-                                                                    tie_weights=False))
+        with contextlib.ExitStack() as swapped:
+            for module, st in modules:
+                swapped.enter_context(_reparametrize_module(module, {k: v[i] for k, v in st.items()}))
+            outs.append(mod(*a, **kw) if stateless else functional_call(mod, {k: v[i] for k, v in state.items()}, a,
+                                                                        kw, tie_weights=False))
     first, spec = tree_flatten(outs[0])
     columns = [tree_flatten(o)[0] for o in outs]
     for j, leaf in enumerate(first):
