@@ -333,6 +333,8 @@ def no_grad_at_padding(out: Any, idx: Any, padding_idx: int, weight: Any = None)
         return out  # shared indices, or the member loop: torch's backward keeps every padding row at zero already
     if padding_idx < 0 and isinstance(weight, torch.Tensor):
         padding_idx += weight.shape[0]
+    if torch.compiler.is_compiling():  # (dynamo traces this form; no forward-mode derivative through a compiled stage)
+        return torch.where((idx == padding_idx).unsqueeze(-1), out.detach(), out)
     return _NoGradAt.apply(out, idx == padding_idx)
 
 
