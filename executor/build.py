@@ -25,6 +25,7 @@ import types
 from pathlib import Path
 import dataclasses
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import networkx as nx
@@ -1090,6 +1091,34 @@ def _refuse_unloadable_graphs(state: dict) -> None:
                 f"(a torch.export trace) would not load again ({type(e).__name__}: {_first_line(e)[:160]}). Save its "
                 "state instead: torch.save(ens.state_dict(), path) and, to load, executor.build(plan, members) then "
                 "ens.load_state_dict(torch.load(path)); or executor.save_member_weights(ens, folder)") from None
+
+
+_STACKED_BY = torch.utils.weak.WeakIdKeyDictionary()  # member parameter -> [(batched module, its member)] (weak)
+
+
+def _warn_stacked_elsewhere(module: "BatchedModule", members: Sequence[nn.Module]) -> None:
+    """Warn where a learnable member parameter was stacked by another live batched module built from other models (a
+    layer the members' generator and discriminator share, a GAN's label embedding, built as two modules): each
+    batched module trains its own copy, where the member loop trains one tensor; then remember this module's."""
+    elsewhere = []
+    for i, m in enumerate(members):
+        for name, p in m.named_parameters():
+            if not p.requires_grad:
+                continue
+            live = [(mod, owner) for mod, owner in _STACKED_BY.get(p, ()) if mod() is not None and owner() is not None]
+            other = next((owner() for mod, owner in live if mod() is not module and owner() is not m), None)
+            if other is not None:
+                elsewhere.append((i, name, type(other).__name__))
+            _STACKED_BY[p] = [*live, (weakref.ref(module), weakref.ref(m))]
+    if elsewhere:
+        i, name, other = elsewhere[0]
+        warnings.warn(
+            f"member {i}'s parameter {name!r} is also a parameter of {other} members an earlier batched module stacked "
+            f"(a layer the two models share{f', and {len(elsewhere) - 1} more' if len(elsewhere) > 1 else ''}): each "
+            "batched module holds its own copy, so training one leaves the other's as it was, where the member loop "
+            "trains one tensor. Put both models in one wrapper module and build one batched module from it (the "
+            "shared layer is then one stacked tensor), or copy the trained rows across after each step",
+            UserWarning, stacklevel=3)
 
 
 def _checkpointed_norm(members: Sequence[nn.Module], path: str) -> tuple[str, tuple[float | None, ...], bool]:
@@ -2625,6 +2654,7 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     module.__dict__["_learnable_attributes"] = _learnable_attributes(members[0], graph.gm, module._stacked)
     module.__dict__["_branching_modules"] = _branching_modules(members[0], module.stage_modules)
     module.__dict__["_load_hooks"] = _load_hooks(members[0])
+    _warn_stacked_elsewhere(module, members)
     # norms that eager torch recomputes in backward (inside a torch.utils.checkpoint region): the loop updates their
     # statistics twice per backward, which the batched module repeats (BatchedModule._run_recomputing_norms)
     checkpointed = norms_in_checkpoints(private, example) if example is not None else None
