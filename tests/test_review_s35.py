@@ -629,3 +629,32 @@ def test_a_layer_two_models_share_built_as_two_batched_modules_warns():
     with pytest.warns(UserWarning, match=r"parameter 'shared.weight' is also a parameter of UsesShared members"):
         _build(discs, x)
     assert first is not None
+
+
+class RecurrentWithConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        o, _ = self.rnn(x)
+        steps = torch.tensor([0.5, 1.0, 2.0])  # a constant made in forward(): the graph reads a non-state tensor
+        return self.head(o[:, -3:] * steps[:, None])
+
+
+def test_rnn_with_a_constant_trains():
+    """Training was refused blaming 'rnn._flat_weights[0]' as an unregistered learnable tensor (nn.RNNBase's own
+    list of its registered parameters) wherever the graph read a constant."""
+    members = _members(RecurrentWithConstant)
+    loop = copy.deepcopy(members)
+    x = torch.randn(2, 5, 4)
+    ens = _build(members, x)
+    for call in (x, torch.randn(3, 5, 4)):
+        out = ens(call)
+        ref = torch.stack([m(call) for m in loop])
+        torch.testing.assert_close(out, ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
