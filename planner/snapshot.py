@@ -512,6 +512,8 @@ class StateSnapshot:
                         now[k].detach_()
                     except RuntimeError:  # a view cannot be detached in place: its values are put back all the same
                         pass
+                if now[k].shape != self.tensors[k].shape:  # resized in place (an observer's first call sizes its min_val)
+                    now[k].resize_(self.tensors[k].shape)
                 now[k].copy_(self.tensors[k])
                 self.versions[k] = now[k]._version  # the copy back is not a change of the next step
         attrs = plain_attributes(model)

@@ -683,3 +683,30 @@ def test_embedding_bag_with_last_offset_trains():
     out = ens(ids, off)
     ref = torch.stack([m(ids, off) for m in loop])
     torch.testing.assert_close(out, ref)
+
+
+class UncalibratedQAT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import torch.ao.quantization as tq  # noqa: PLC0415
+        self.fc = nn.Linear(6, 8)
+        self.wq = tq.FakeQuantize(observer=tq.MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
+                                  dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.wq(self.fc.weight), self.fc.bias)
+
+
+def test_a_buffer_forward_resizes_is_put_back_at_its_size():
+    """An uncalibrated per-channel observer resizes its empty min_val / max_val in forward(): the trace's restore
+    copied the [0] snapshot into the [8] buffer (raw RuntimeError). The buffers are put back at their size, and the
+    trace answers with a StagewiseError."""
+    import warnings  # noqa: PLC0415
+    model = UncalibratedQAT().train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            planner.trace(model, (torch.randn(5, 6),))
+        except planner.StagewiseError:
+            pass
+    assert model.wq.activation_post_process.min_val.shape == (0,)
