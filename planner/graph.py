@@ -1294,6 +1294,12 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     """
     # copies: the graph runs on them below, and a forward() that writes its inputs in place would write the caller's
     example_inputs = _input_copies(example_inputs)
+    if any(isinstance(leaf, torch.Generator) for leaf in tree_flatten(tuple(example_inputs))[0]):
+        raise TraceError(
+            "an input is a torch.Generator (each member's own noise drawn inside forward()): neither tracer can take a "
+            "generator as an input, and the batched module could not hand each member its own. Draw the noise outside "
+            "forward() and pass it as an input planned per_member (member i's noise in row i), as the member loop "
+            "would draw it with member i's generator")
     refusal = hooks_refusal(model, type(model).__name__) or global_hooks_refusal("the batched module") \
         or state_refusal(model) or quantized_state_refusal(model)
     if refusal:

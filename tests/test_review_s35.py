@@ -710,3 +710,18 @@ def test_a_buffer_forward_resizes_is_put_back_at_its_size():
         except planner.StagewiseError:
             pass
     assert model.wq.activation_post_process.min_val.shape == (0,)
+
+
+class DrawsWithGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, gen):
+        return self.fc(x + torch.randn(x.shape, generator=gen))
+
+
+def test_a_generator_input_refused_by_name():
+    """A torch.Generator passed into forward() was refused blaming a Python branch and torch.export's internals."""
+    with pytest.raises(planner.TraceError, match=r"an input is a torch.Generator.*per_member"):
+        planner.trace(DrawsWithGenerator(), (torch.randn(2, 4), torch.Generator().manual_seed(0)))
