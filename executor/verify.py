@@ -431,13 +431,18 @@ def _compare_outputs(report: VerifyReport, got: Any, want: list[Any], suffix: st
         _note_nothing_finite(report, label, column)
 
 
+def _with_isfinite(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a float8 tensor (which has no isfinite kernel) in float32, whose infinities and NaN it keeps."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
+
+
 def _note_nothing_finite(report: VerifyReport, label: str, column: list) -> None:
     """A note when a member's loop output `label` holds no finite value (all NaN / inf): its row says 0 error because
     the batched NaN and inf sit where the loop's do (compare counts NaN against NaN, and the same infinity, as agreement,
     and one anywhere else as a mismatch), but no number was compared, so a MATCH there says nothing of the weights (an
     all-NaN input, a diverged member). Once per output, at the first call or input set that shows it."""
     empty = [i for i, c in enumerate(column) if isinstance(c, torch.Tensor) and (c.is_floating_point() or c.is_complex())
-             and c.numel() and not bool(torch.isfinite(c.detach()).any())]
+             and c.numel() and not bool(torch.isfinite(_with_isfinite(c.detach())).any())]
     if not empty or any(note.startswith(f"{label}: ") for note in report.notes):
         return
     who = "every member's" if len(empty) == len(column) else \

@@ -725,3 +725,22 @@ def test_a_generator_input_refused_by_name():
     """A torch.Generator passed into forward() was refused blaming a Python branch and torch.export's internals."""
     with pytest.raises(planner.TraceError, match=r"an input is a torch.Generator.*per_member"):
         planner.trace(DrawsWithGenerator(), (torch.randn(2, 4), torch.Generator().manual_seed(0)))
+
+
+class Float8Head(nn.Module):
+    def __init__(self, s=1.0):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.register_buffer("s", torch.tensor(s))
+
+    def forward(self, x):
+        return (self.fc(x) / self.s).to(torch.float8_e4m3fn)
+
+
+def test_verify_compares_float8_outputs():
+    """verify crashed on float8 outputs (torch has no isfinite kernel for them)."""
+    members = [Float8Head(s) for s in (0.5, 1.0, 4.0)]
+    x = torch.randn(5, 6) * 3
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    report = executor.verify(plan, members, (x,))
+    assert report.ok, report.to_text()
