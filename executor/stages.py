@@ -241,7 +241,9 @@ def _through_data(node: torch.fx.Node) -> bool:
 
 # where each embedding function takes `sparse` positionally
 _SPARSE_AT = {torch.nn.functional.embedding: 6, torch.nn.functional.embedding_bag: 7,
-              torch.ops.aten.embedding.default: 4, torch.embedding: 4}
+              torch.ops.aten.embedding.default: 4, torch.embedding: 4, torch.embedding_bag: 5,
+              torch.ops.aten.embedding_bag.default: 5, torch.ops.aten.embedding_bag.padding_idx: 5,
+              torch.ops.aten._embedding_bag.default: 5}
 
 
 def makes_sparse_grad(gm: torch.nn.Module, node: torch.fx.Node) -> bool:
@@ -277,6 +279,8 @@ def refuse_sparse_grad(out: Any, message: str) -> Any:
     backward reaches it only where its weight records one (a frozen weight: no autograd node, nothing refused)."""
     if isinstance(out, torch.Tensor) and torch.is_grad_enabled():
         return _SparseGradRefused.apply(out, message)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and torch.is_grad_enabled():
+        return (_SparseGradRefused.apply(out[0], message), *out[1:])  # aten embedding_bag: (output, offsets, ...)
     return out
 
 

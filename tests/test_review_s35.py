@@ -744,3 +744,32 @@ def test_verify_compares_float8_outputs():
     plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
     report = executor.verify(plan, members, (x,))
     assert report.ok, report.to_text()
+
+
+class SparseBag(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.e = nn.EmbeddingBag(20, 4, mode="sum", sparse=True)
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        if self.how == "export":
+            with torch.no_grad():  # a region: traced with torch.export
+                k = (ids >= 0).float().mean()
+            return self.fc(self.e(ids)).squeeze(-1) * k
+        offsets = torch.arange(0, ids.numel(), ids.shape[1])
+        return self.fc(torch.embedding_bag(self.e.weight, ids.flatten(), offsets, False, 0, True)[0]).squeeze(-1)
+
+
+@pytest.mark.parametrize("how", ["export", "fx"])
+def test_sparse_embedding_bag_training_refused_by_name(how):
+    """EmbeddingBag(sparse=True) under torch.export, and torch.embedding_bag(sparse=True), failed in backward with a
+    bare NotImplementedError: refused by name as nn.Embedding(sparse=True) is; inference runs."""
+    members = _members(SparseBag, how=how)
+    ids = torch.tensor([[1, 3, 3, 0], [5, 0, 7, 19]])
+    ens = _build(members, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(ids), torch.stack([m(ids) for m in members]))
+    with pytest.raises(ExecutionError, match="has sparse=True"):
+        ens(ids).sum().backward()
