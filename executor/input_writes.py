@@ -15,7 +15,7 @@ from stagewise.executor.timing import Prepared
 from stagewise.executor.values import span
 from stagewise.planner.capability import alias_chain, is_inplace
 from stagewise.planner.errors import InputError
-from stagewise.planner.graph import ModelGraph
+from stagewise.planner.graph import ModelGraph, renormalised_weight
 from stagewise.planner.plan import InputMode, Plan
 from stagewise.planner.snapshot import StateSnapshot
 
@@ -61,7 +61,9 @@ def check_input_writes(private: nn.Module, graph: ModelGraph, plan: Plan, exampl
     names = list(graph.input_names)
     shared = {n for n in names if plan.input_mode(n) is not InputMode.PER_MEMBER}
     shown = set()
-    for node, written in _graph_writes(graph.gm):
+    # F.embedding(max_norm=) renormalises the rows of the weight it is given in place (a table passed as an input)
+    renorms = [(n, w) for n in graph.gm.graph.nodes for w in [renormalised_weight(n)] if w is not None]
+    for node, written in [*_graph_writes(graph.gm), *renorms]:
         root = alias_chain(written)[-1]
         if root.op == "placeholder":
             if root.name in shared:

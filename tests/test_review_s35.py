@@ -773,3 +773,34 @@ def test_sparse_embedding_bag_training_refused_by_name(how):
         torch.testing.assert_close(ens(ids), torch.stack([m(ids) for m in members]))
     with pytest.raises(ExecutionError, match="has sparse=True"):
         ens(ids).sum().backward()
+
+
+class RenormTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+
+    def forward(self, ids, table):
+        return self.fc(torch.nn.functional.embedding(ids, table, max_norm=1.0)).squeeze(-1)
+
+
+def test_an_input_table_renormalised_by_max_norm():
+    """F.embedding(max_norm=) renormalises the rows of an input table in place: per_member, refused blaming a
+    `table += ...` forward() does not hold; it runs now, writing the caller's rows as the loop does (shared: refused
+    naming the write)."""
+    members = _members(RenormTable)
+    ids = torch.tensor([[1, 3, 3, 0], [5, 0, 7, 11]])
+    graph = planner.trace(copy.deepcopy(members[0]), (ids, torch.randn(12, 3) * 3))
+    plan = planner.propose(graph, N, input_mode={"ids": "shared", "table": "per_member"})
+    ens = executor.build(plan, members)
+    for call in (ids, ids[:1] + 1):
+        tables = torch.randn(N, 12, 3) * 3
+        theirs = tables.clone()
+        with torch.no_grad():
+            out = ens(call, tables)
+            ref = torch.stack([m(call, theirs[i]) for i, m in enumerate(members)])
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(tables, theirs)
+    shared = planner.propose(graph, N, input_mode={"ids": "shared", "table": "shared"})
+    with pytest.raises(planner.InputError, match="writes the shared input 'table' in place"):
+        executor.build(shared, members)
