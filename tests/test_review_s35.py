@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -252,31 +253,27 @@ def test_export_plan_edited_to_accept_a_size_the_graph_does_not_hold_refused():
         torch.testing.assert_close(ens(call), torch.stack([m(call) for m in members]))
 
 
-class ExportTemperature(nn.Module):
-    """A buffer forward() updates sends the trace to torch.export, which fixes a Python number input."""
-
-    def __init__(self):
-        super().__init__()
-        self.pi = nn.Linear(4, 3)
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, obs, temperature):
-        with torch.no_grad():
-            self.calls += 1
-        return torch.softmax(self.pi(obs) / temperature, -1)
-
-
-def test_verify_gives_a_per_member_number_on_an_export_plan_its_traced_value():
+def test_verify_gives_a_per_member_number_on_an_export_plan_its_traced_value(tmp_path):
     """`stagewise plan --input-mode s=per_member` on a torch.export plan was accepted and `stagewise run` then failed:
     verify made other values per member, which the plan (the number fixed at its traced value) refuses. Every member
     is given the traced value, and the plan verifies."""
-    members = _members(ExportTemperature)
-    x = torch.randn(2, 4)
-    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x, 1.0)), N,
-                           input_mode={"obs": "shared", "temperature": "per_member"})
-    assert plan.tracer == "export"
-    report = executor.verify(plan, members, (x, 1.0))
-    assert report.ok, report.to_text()
+    from stagewise.app import cli  # noqa: PLC0415
+    model = tmp_path / "numexp.py"
+    model.write_text(
+        "import math, torch, torch.nn as nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = nn.Linear(4, 4)\n"
+        "    def forward(self, x, s: float):\n"
+        "        h = self.fc(x)\n"
+        "        for t in range(x.shape[0]):\n"
+        "            h = h + 0.0\n"
+        "        return h * math.copysign(1.0, s)\n"
+        "def build_model(): return M().eval()\n"
+        "def example_inputs(): return (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), -1.5)\n")
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", str(model), "-n", "3", "--input-mode", "x=shared", "s=per_member", "-o", str(plan)]) == 0
+    assert cli.main(["run", str(plan), str(model)]) == 0
 
 
 class SpectralD(nn.Module):
