@@ -1425,6 +1425,9 @@ def clip_grad_norm_per_member_(params: Iterable[torch.Tensor] | torch.Tensor, ma
     Raises: OptimizerError for a bad max_norm, a grad without the member axis, or (error_if_nonfinite)
     a member whose norm is not finite.
     """
+    if isinstance(n_members, bool) or not isinstance(n_members, int) or n_members < 1:
+        raise OptimizerError(f"clip_grad_norm_per_member_: n_members must be a positive int (the member count), got "
+                             f"{n_members!r}; the arguments are (params, max_norm, n_members)")
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")

@@ -1294,6 +1294,12 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
     """
     # copies: the graph runs on them below, and a forward() that writes its inputs in place would write the caller's
     example_inputs = _input_copies(example_inputs)
+    if any(isinstance(x, torch.nn.utils.rnn.PackedSequence) for x in tree_flatten(
+            tuple(example_inputs), is_leaf=lambda v: isinstance(v, torch.nn.utils.rnn.PackedSequence))[0]):
+        raise TraceError(
+            "an input is a PackedSequence: its data holds the sequences' steps packed by length, which differ per call "
+            "and cannot carry a member axis. Pass the padded batch and the lengths as inputs (and mask the padded steps "
+            "in forward(): a mask from the lengths, or the last valid step gathered by length)")
     if any(isinstance(leaf, torch.Generator) for leaf in tree_flatten(tuple(example_inputs))[0]):
         raise TraceError(
             "an input is a torch.Generator (each member's own noise drawn inside forward()): neither tracer can take a "

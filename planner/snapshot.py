@@ -273,6 +273,8 @@ def held_values(model: nn.Module) -> dict[str, Any]:
         # the old weight_norm / spectral_norm recompute `weight` in a pre-hook on every call (their config is compared
         # by hook_configs): a tensor attribute derived from the member's state, not something it holds
         recomputed = {getattr(h, "name", None) for h in mod._forward_pre_hooks.values()}
+        if isinstance(mod, nn.RNNBase):  # its own weights again (parametrized ones computed per call: weight_norm)
+            recomputed |= {"_flat_weights", "_flat_weight_refs"}
         for k, v in vars(mod).items():
             if k not in _MODULE_INTERNALS and k not in recomputed:
                 walk(f"{path}.{k}" if path else k, v, _HELD_DEPTH)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stagewise import executor, planner
-from stagewise.planner.errors import ExecutionError, PlanMismatchError
+from stagewise.planner.errors import ExecutionError, OptimizerError, PlanMismatchError
 
 N = 3
 
@@ -801,3 +801,52 @@ def test_an_input_table_renormalised_by_max_norm():
     shared = planner.propose(graph, N, input_mode={"ids": "shared", "table": "shared"})
     with pytest.raises(planner.InputError, match="writes the shared input 'table' in place"):
         executor.build(shared, members)
+
+
+class NormedRecurrence(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.utils.parametrizations.weight_norm(nn.LSTM(4, 6, batch_first=True), "weight_hh_l0")
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_weight_normalised_lstm_builds():
+    """A weight-normalised LSTM was refused as a leaf holding other values per member: its _flat_weight_refs, the
+    RNN's references to its own (parametrized) weights."""
+    members = _members(NormedRecurrence)
+    loop = copy.deepcopy(members)
+    x = torch.randn(3, 5, 4)
+    ens = _build(members, x)
+    for call in (x, torch.randn(2, 5, 4)):
+        out, ref = ens(call), torch.stack([m(call) for m in loop])
+        torch.testing.assert_close(out, ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+    for name, p in ens.named_stacked_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+
+
+def test_clip_with_a_float_member_count_refused_by_name():
+    p = torch.zeros(N, 4, requires_grad=True)
+    p.grad = torch.ones(N, 4)
+    with pytest.raises(OptimizerError, match="n_members must be a positive int"):
+        executor.clip_grad_norm_per_member_([p], N, 1.0)
+
+
+class TakesPacked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 6)
+
+    def forward(self, packed):
+        return self.rnn(packed)[1]
+
+
+def test_a_packed_sequence_input_refused_by_name():
+    """A PackedSequence input crashed the trace raw (the probe rebuilt one from its in_dims)."""
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 4), torch.tensor([5, 3]))
+    with pytest.raises(planner.TraceError, match="an input is a PackedSequence"):
+        planner.trace(TakesPacked(), (packed,))
