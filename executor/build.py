@@ -42,9 +42,8 @@ from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError, TraceError)
 from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFFERS, ModelGraph, global_hooks_present,
-                                      global_hooks_refusal, gradients_refusal, norms_in_checkpoints, persistence_only, plain_fx_code,
-                                      quantized_state_refusal,
-                                      registration_hooks_off, retrace)
+                                      global_hooks_refusal, gradients_refusal, norms_in_checkpoints, persistence_only,
+                                      plain_fx_code, quantized_state_refusal, registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from, traced_specs
 from stagewise.planner.tracers import check_small_sizes, region_written_operands
 from stagewise.planner.plan import InputMode, Plan, Stage, Strategy
@@ -863,7 +862,8 @@ def _learnable_attributes(member: nn.Module, gm: torch.fx.GraphModule, stacked: 
     modules = {k for k, _ in member.named_modules()}  # (a submodule handed to a torch.fx.wrap helper: no tensor)
     constants = any(t not in state and t not in modules for t in read)  # tensors that are no state (constants, lifted)
     registered = {id(p) for p in member.parameters()}  # (an RNN's _flat_weights list holds its own parameters)
-    learnable = lambda v: isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf and id(v) not in registered  # noqa: E731
+    def learnable(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and v.requires_grad and v.is_leaf and id(v) not in registered
     out = []
     for path, module in member.named_modules():
         for k, v in vars(module).items():
