@@ -1121,13 +1121,25 @@ def _warn_stacked_elsewhere(module: "BatchedModule", members: Sequence[nn.Module
             UserWarning, stacklevel=3)
 
 
-def _checkpointed_norm(members: Sequence[nn.Module], path: str) -> tuple[str, tuple[float | None, ...], bool]:
-    """(path, each member's momentum, whether it counts batches) for a layer updating running statistics that the
-    members run inside a checkpointed region (BatchedModule._run_recomputing_norms). A BatchNorm counts its batches
-    (momentum None: their cumulative average); an InstanceNorm counts none, and momentum None updates nothing."""
+def _checkpointed_norm(members: Sequence[nn.Module], path: str, graph: ModelGraph,
+                       output_leaves: list) -> tuple[str, tuple[float | None, ...], bool, tuple[int, ...] | None]:
+    """(path, each member's momentum, whether it counts batches, the output leaves computed from it) for a layer
+    updating running statistics that the members run inside a checkpointed region
+    (BatchedModule._run_recomputing_norms). A BatchNorm counts its batches (momentum None: their cumulative average);
+    an InstanceNorm counts none, and momentum None updates nothing. The leaves: positions in the flattened outputs
+    whose nodes come after the layer's (torch recomputes the region only where backward reaches it); None where the
+    layer's nodes are not found (every output then)."""
     counts = isinstance(members[0].get_submodule(path), nn.modules.batchnorm._BatchNorm)
     momenta = tuple(m.get_submodule(path).momentum for m in members)
-    return path, momenta if counts else tuple(0.0 if m is None else m for m in momenta), counts
+    def in_layer(n: torch.fx.Node) -> bool:  # fx: the layer's call; torch.export: the ops it recorded inside it
+        if n.op == "call_module":
+            return str(n.target) == path
+        stack = (n.meta.get("nn_module_stack") or {}).values() if n.op == "call_function" else ()
+        return any(isinstance(v, tuple) and str(v[0]).removeprefix("L['self'].") == path for v in stack)
+    mine = [n.name for n in graph.gm.graph.nodes if in_layer(n)]
+    after = set(mine).union(*(nx.descendants(graph.dag, n) for n in mine if n in graph.dag)) if mine else None
+    leaves = None if after is None else tuple(i for i, (name, _) in enumerate(output_leaves) if name in after)
+    return path, momenta if counts else tuple(0.0 if m is None else m for m in momenta), counts, leaves
 
 
 def _update_again(terms: list, _grads: Any) -> None:
@@ -2354,14 +2366,15 @@ class BatchedModule(nn.Module):
         backward through the call. The batched module runs the region once; a hook on its outputs' gradients applies
         the second update to each member that updated, from the batch term this call added (exact to rounding)."""
         before = []
-        for path, momenta, counts in self._checkpointed_norms:
+        for path, momenta, counts, leaves in self._checkpointed_norms:
             keys = [f"{path}.{k}" for k in ("running_mean", "running_var", "num_batches_tracked")]
             if all(k in self._stacked for k in keys):
-                before.append((momenta, counts, *(self._stacked[k] for k in keys),
+                before.append((momenta, counts, leaves, *(self._stacked[k] for k in keys),
                                *(self._stacked[k].detach().clone() for k in keys)))
         out = self._run_plain(*inputs)[0] if self.plan.dtype == "float32" else self.run_stages(*inputs)[0]
-        terms = []
-        for momenta, counts, mean, var, count, mean0, var0, count0 in before:
+        flat = tree_flatten(out)[0]
+        terms: dict[tuple[int, ...] | None, list] = {}
+        for momenta, counts, leaves, mean, var, count, mean0, var0, count0 in before:
             # per member: a layer in eval mode (set by hand) updated nothing
             updated = (count != count0) if counts else ((mean != mean0) | (var != var0)).flatten(1).any(1)
             if not bool(updated.any()):
@@ -2374,10 +2387,14 @@ class BatchedModule(nn.Module):
                 n = count.to(mean.dtype).unsqueeze(-1)
                 batch = tuple(torch.where(cumulative, n * new - (n - 1) * old, new - (1 - momentum) * old)
                               for new, old in ((mean, mean0), (var, var0)))
-            terms.append((momentum, cumulative, mean, var, count if counts else None, updated, batch))
-        grads_to = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if terms and grads_to:
-            torch.autograd.graph.register_multi_grad_hook(grads_to, functools.partial(_update_again, terms), mode="any")
+            if leaves is not None and len(flat) != len(self._output_leaves):
+                leaves = None  # (outputs in another structure than traced: every one)
+            terms.setdefault(leaves, []).append((momentum, cumulative, mean, var, count if counts else None, updated, batch))
+        for leaves, group in terms.items():  # when backward first reaches an output computed from the layer
+            grads_to = [t for i, t in enumerate(flat) if (leaves is None or i in leaves)
+                        and isinstance(t, torch.Tensor) and t.requires_grad]
+            if grads_to:
+                torch.autograd.graph.register_multi_grad_hook(grads_to, functools.partial(_update_again, group), mode="any")
         return out
 
     def __deepcopy__(self, memo: dict) -> "BatchedModule":
@@ -2658,7 +2675,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # norms that eager torch recomputes in backward (inside a torch.utils.checkpoint region): the loop updates their
     # statistics twice per backward, which the batched module repeats (BatchedModule._run_recomputing_norms)
     checkpointed = norms_in_checkpoints(private, example) if example is not None else None
-    module.__dict__["_checkpointed_norms"] = tuple(_checkpointed_norm(members, path) for path in checkpointed or ())
+    module.__dict__["_checkpointed_norms"] = tuple(_checkpointed_norm(members, path, graph, module._output_leaves)
+                                                   for path in checkpointed or ())
     mirror_layer_classes(module.stacked, members[0])
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_configs_held"] = _configs_held(members)  # and the configuration objects they hold

@@ -850,3 +850,42 @@ def test_a_packed_sequence_input_refused_by_name():
     packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 4), torch.tensor([5, 3]))
     with pytest.raises(planner.TraceError, match="an input is a PackedSequence"):
         planner.trace(TakesPacked(), (packed,))
+
+
+class CheckpointedWithAux(nn.Module):
+    """An auxiliary head before the checkpointed block; `export`: a torch.no_grad() region sends the trace to
+    torch.export."""
+
+    def __init__(self, export=False):
+        super().__init__()
+        self.export = export
+        self.a = nn.Linear(4, 8)
+        self.aux = nn.Linear(8, 1)
+        self.blk = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.o = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.export:
+            with torch.no_grad():
+                k = (x > 0).float().mean()
+            h = h * k
+        return self.aux(h), self.o(checkpoint(self.blk, h, use_reentrant=False))
+
+
+@pytest.mark.parametrize("export", [False, True])
+@pytest.mark.parametrize("loss_on", ["aux", "main", "both"])
+def test_checkpointed_norm_updated_again_only_where_backward_reaches_it(export, loss_on):
+    """torch recomputes a checkpointed region only where backward reaches it: a loss on the auxiliary head alone
+    updates the block's statistics once, as the loop does."""
+    members = _members(CheckpointedWithAux, export=export)
+    loop = copy.deepcopy(members)
+    x = torch.randn(6, 4)
+    ens = _build(members, x)
+    for step in range(2):
+        outs = ens(x + step)
+        refs = [m(x + step) for m in loop]
+        pick = {"aux": (0,), "main": (1,), "both": (0, 1)}[loss_on]
+        sum(outs[k].square().sum() for k in pick).backward()
+        sum(r[k].square().sum() for r in refs for k in pick).backward()
+    _same_state(ens, loop)
