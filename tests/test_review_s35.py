@@ -32,6 +32,19 @@ def _build(members, x, strategy=None, input_mode="shared"):
     return executor.build(plan, members)
 
 
+def _calls_match(ens, loop, calls):
+    """Each call (a tuple of inputs, shared) through `ens` and the member loop, each followed by a backward of the sum
+    of squares: outputs and every parameter's accumulated gradient against the loop's."""
+    for call in calls:
+        out = ens(*call)
+        ref = torch.stack([m(*call) for m in loop])
+        torch.testing.assert_close(out, ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for name, p in ens.named_stacked_parameters():
+            torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+
+
 def _same_state(ens, loop):
     for k, v in ens.state_dict().items():
         k = k.removeprefix("stacked.")
@@ -380,14 +393,7 @@ def test_shared_ids_keep_every_members_padding_row_untrained(how, strategy):
     loop = copy.deepcopy(members)
     ids = torch.tensor([[1, 3, 3, 0], [5, 0, 7, 19]])
     ens = _build(members, ids, strategy)
-    for call in (ids, torch.tensor([[0, 2, 19, 0], [4, 4, 0, 1], [19, 0, 0, 6]])):
-        out = ens(call)
-        ref = torch.stack([m(call) for m in loop])
-        torch.testing.assert_close(out, ref)
-        out.square().sum().backward()
-        ref.square().sum().backward()
-        for name, p in ens.named_stacked_parameters():
-            torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+    _calls_match(ens, loop, [(ids,), (torch.tensor([[0, 2, 19, 0], [4, 4, 0, 1], [19, 0, 0, 6]]),)])
 
 
 class LabelEmbedding(nn.Module):
@@ -588,14 +594,7 @@ def test_a_submodule_handed_into_a_wrapped_helper_runs_each_members(rnn, strateg
         for st in plan.stages:
             plan = planner.set_options(plan, graph, st.id, strategy=strategy)
     ens = executor.build(plan, members)
-    for call, lens in ((x, lengths), (x[:3] * 2, torch.tensor([2, 7, 4]))):
-        out = ens(call, lens)
-        ref = torch.stack([m(call, lens) for m in loop])
-        torch.testing.assert_close(out, ref)
-        out.square().sum().backward()
-        ref.square().sum().backward()
-        for name, p in ens.named_stacked_parameters():
-            torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+    _calls_match(ens, loop, [(x, lengths), (x[:3] * 2, torch.tensor([2, 7, 4]))])
 
 
 class UsesShared(nn.Module):
@@ -647,14 +646,7 @@ def test_rnn_with_a_constant_trains():
     loop = copy.deepcopy(members)
     x = torch.randn(2, 5, 4)
     ens = _build(members, x)
-    for call in (x, torch.randn(3, 5, 4)):
-        out = ens(call)
-        ref = torch.stack([m(call) for m in loop])
-        torch.testing.assert_close(out, ref)
-        out.square().sum().backward()
-        ref.square().sum().backward()
-    for name, p in ens.named_stacked_parameters():
-        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+    _calls_match(ens, loop, [(x,), (torch.randn(3, 5, 4),)])
 
 
 class Bag(nn.Module):
@@ -820,13 +812,7 @@ def test_weight_normalised_lstm_builds():
     loop = copy.deepcopy(members)
     x = torch.randn(3, 5, 4)
     ens = _build(members, x)
-    for call in (x, torch.randn(2, 5, 4)):
-        out, ref = ens(call), torch.stack([m(call) for m in loop])
-        torch.testing.assert_close(out, ref)
-        out.square().sum().backward()
-        ref.square().sum().backward()
-    for name, p in ens.named_stacked_parameters():
-        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in loop]), msg=name)
+    _calls_match(ens, loop, [(x,), (torch.randn(2, 5, 4),)])
 
 
 def test_clip_with_a_float_member_count_refused_by_name():
