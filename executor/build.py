@@ -312,7 +312,7 @@ def _check_small_sizes(plan: Plan, graph: ModelGraph, member: nn.Module, example
     loose = [(spec.name, d) for spec in plan.inputs for d in spec.dynamic_dims if d.min < 2 and d.symbol]
     if plan.tracer != "export" or not loose or example is None:
         return
-    check_small_sizes(member, graph.gm, example)
+    check_small_sizes(member, graph.gm, example, drawn_only=True)
     found = traced_specs(graph.gm, "export", {})
     for name, d in loose:
         ours = next((x for x in found[name].dynamic_dims if x.dim == d.dim), None) if name in found else None

@@ -1469,8 +1469,8 @@ def trace(model: nn.Module, example_inputs: tuple, *, probe: bool = True, open_m
                 "cannot see a write inside a Function, so a later read of that state could run before it (and "
                 "members sharing it would each write a copy). Write the state in forward() itself "
                 f"(`self.{written[1].rpartition('.')[2]}.copy_(new)`, the Function returning what it computed)")
-        quantized = [name for name, v in values.items()
-                     if any(isinstance(t, torch.Tensor) and t.is_quantized for t in tree_flatten(v)[0])]
+        quantized = [name for name, v in values.items() if not _constant_quantizer(gm, name)
+                     and any(isinstance(t, torch.Tensor) and t.is_quantized for t in tree_flatten(v)[0])]
         if quantized:
             raise TraceError(QUANTIZED.format(what=f"makes quantized tensors (node {quantized[0]!r})"))
         graph = graph_of(gm, tracer, note, values, flops, opened=opened)
@@ -1492,6 +1492,16 @@ QUANTIZED = (
     "members would compute on member 0's grid. Keep quantized values out of forward() (quantize and dequantize in "
     "one place outside it), or use fake quantization (torch.fake_quantize_per_tensor_affine / per_channel_affine, "
     "torch.ao.quantization.FakeQuantize), which computes in float and runs per member with each member's scales")
+
+
+def _constant_quantizer(gm: torch.fx.GraphModule, name: str) -> bool:
+    """Whether node `name` is torch.quantize_per_tensor with a scale and zero point written as numbers: the same for
+    every member, so the members' quantized values stack exactly (a dequantize next is the usual use)."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    if node is None or node.target not in (torch.quantize_per_tensor, torch.ops.aten.quantize_per_tensor.default):
+        return False
+    qparams = list(node.args[1:3]) + [node.kwargs.get(k) for k in ("scale", "zero_point") if k in node.kwargs]
+    return not any(isinstance(a, torch.fx.Node) for a in qparams)
 
 
 def quantized_state_refusal(model: nn.Module) -> str | None:

@@ -386,7 +386,7 @@ def region_written_operands(gm: torch.fx.GraphModule, node: torch.fx.Node, _dept
     return list(dict.fromkeys(out))
 
 
-def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple) -> None:
+def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs: tuple, drawn_only: bool = False) -> None:
     """Which sizes below 2 each dynamic dim of an export trace holds for, into gm.meta["stagewise_small_ok"]
     ({symbol: smallest size}); planner.inputs makes that the dim's minimum.
 
@@ -415,7 +415,10 @@ def check_small_sizes(model: nn.Module, gm: torch.fx.GraphModule, example_inputs
             # the example's own rows, and fresh floating values (a branch taken at size 1 may change only some values)
             drawn = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(device=t.device, dtype=t.dtype)
                      if isinstance(t, torch.Tensor) and t.is_floating_point() else t for i, t in enumerate(small)]
-            if not all(_same_outputs(model, gm, tree_unflatten(v, spec), StateSnapshot) for v in (small, drawn)):
+            # (`drawn_only`: the example is zeros standing in for the inputs, which some models cannot take, an
+            # input matrix inverted: the fresh floats alone)
+            if not all(_same_outputs(model, gm, tree_unflatten(v, spec), StateSnapshot)
+                       for v in ((drawn,) if drawn_only else (small, drawn))):
                 break
             smallest = k
         return smallest

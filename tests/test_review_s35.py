@@ -339,19 +339,32 @@ class QuantizesInForward(nn.Module):
 
     def forward(self, x):
         h = self.fc(x)
-        if self.how == "tensor":
+        if self.how == "tensor":  # numbers: one grid for every member
             return torch.quantize_per_tensor(h, 0.05, 0, torch.quint8).dequantize()
+        if self.how == "buffers":  # each member's own scale
+            return torch.quantize_per_tensor(h, self.s[0], self.z[0], torch.quint8).dequantize()
         if self.how == "dynamic":
             return torch.quantize_per_tensor_dynamic(h, torch.quint8, False).dequantize()
         return torch.quantize_per_channel(h, self.s, self.z, 1, torch.qint8).dequantize()
 
 
-@pytest.mark.parametrize("how", ["tensor", "dynamic", "channel"])
+@pytest.mark.parametrize("how", ["buffers", "dynamic", "channel"])
 def test_quantized_values_refused_at_trace(how):
     """torch's stack puts quantized tensors on the first one's scale: members' quantized outputs came back on member
     0's grid (16.0 off), a wide stage's quantize -> dequantize too (4.12), per-channel ones crashed the trace raw."""
     with pytest.raises(planner.TraceError, match=r"makes quantized tensors \(node 'quantize_per_.*fake quantization"):
         planner.trace(QuantizesInForward(how), (torch.randn(5, 6),))
+
+
+@pytest.mark.parametrize("strategy", [None, "loop", "wide"])
+def test_quantizing_on_a_grid_of_numbers_runs(strategy):
+    """A scale and zero point written as numbers are every member's: such a quantize -> dequantize stacks exactly."""
+    members = _members(QuantizesInForward, how="tensor")
+    x = torch.randn(5, 6)
+    ens = _build(members, x, strategy)
+    with torch.no_grad():
+        for call in (x, x[:3] * 2):
+            torch.testing.assert_close(ens(call), torch.stack([m(call) for m in members]))
 
 
 def test_quantized_state_refused_at_trace_and_build():
