@@ -966,19 +966,21 @@ def _names_used_by_classes(member: nn.Module) -> tuple[frozenset, frozenset]:
     """(read, written): every name the code of the member's module classes (not torch's) reads, its attribute names
     and string constants (a dict key, `self.cfg["scale"]`), in their functions and what decorates them (a wrapper's
     own code, and the function it wraps), nested functions included; and the attribute names and constant dict keys
-    that code writes outside __init__ (`self.stats["calls"] += 1`, `self.hp.count = ...`)."""
+    their forward() writes (`self.stats["calls"] += 1`: a count the member loop moves on each call). A method the
+    script calls between steps (`set_epoch`) writes what the watch is for, and is not counted."""
     names: set[str] = set()
     written: set[str] = set()
     seen_code: set[int] = set()
 
-    def code_names(code: types.CodeType, init: bool) -> None:
+    def code_names(code: types.CodeType, writes: bool) -> None:
         if id(code) in seen_code:
             return
         seen_code.add(id(code))
         names.update(code.co_names)
         names.update(c for c in code.co_consts if isinstance(c, str))
-        if not init:
+        if writes:
             recent: list[Any] = []
+            previous = ""
             for ins in dis.get_instructions(code):
                 if ins.opname in ("STORE_ATTR", "DELETE_ATTR"):
                     written.add(ins.argval)
@@ -986,11 +988,15 @@ def _names_used_by_classes(member: nn.Module) -> tuple[frozenset, frozenset]:
                     written.update(c for c in recent if isinstance(c, str))
                 if ins.opname in ("LOAD_CONST", "LOAD_SMALL_INT"):
                     recent = [*recent[-3:], ins.argval]
+                elif ins.opname == "BINARY_SUBSCR" and not previous.startswith(("COPY", "DUP_TOP")) and recent:
+                    recent = recent[:-1]  # a key read (`y[:, 0] = self.cfg["fill"]`), not the one written to; an
+                    # augmented write (`d["k"] += 1`) copies its container and key first
                 elif ins.opname.startswith("STORE") or ins.opname in ("POP_TOP", "RETURN_VALUE"):
                     recent = []  # a statement ended: the next write's key comes after
+                previous = ins.opname
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                code_names(const, init)
+                code_names(const, writes)
 
     for cls in {c for m in member.modules() for c in type(m).__mro__}:
         if (cls.__module__ or "").startswith(("torch", "builtins")):
@@ -1000,7 +1006,7 @@ def _names_used_by_classes(member: nn.Module) -> tuple[frozenset, frozenset]:
             for _ in range(8):  # down a decorator chain (functools.wraps keeps __wrapped__)
                 code = getattr(f, "__code__", None)
                 if code is not None:
-                    code_names(code, attr == "__init__")
+                    code_names(code, attr == "forward")
                 f = getattr(f, "__wrapped__", None)
                 if f is None:
                     break
@@ -1110,6 +1116,12 @@ def _warn_stacked_elsewhere(module: "BatchedModule", members: Sequence[nn.Module
             if other is not None:
                 elsewhere.append((i, name, type(other).__name__))
             _STACKED_BY[p] = [*live, (weakref.ref(module), weakref.ref(m))]
+    if elsewhere:
+        import gc  # noqa: PLC0415 - a module deleted but in a reference cycle is still alive until the collector runs
+        gc.collect()
+        elsewhere = [(i, name, other) for i, name, other in elsewhere
+                     if any(mod() is not None and mod() is not module and owner() is not members[i]
+                            for mod, owner in _STACKED_BY.get(members[i].get_parameter(name), ()))]
     if elsewhere:
         i, name, other = elsewhere[0]
         warnings.warn(

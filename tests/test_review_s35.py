@@ -888,3 +888,38 @@ def test_checkpointed_norm_updated_again_only_where_backward_reaches_it(export, 
         sum(outs[k].square().sum() for k in pick).backward()
         sum(r[k].square().sum() for r in refs for k in pick).backward()
     _same_state(ens, loop)
+
+
+class Scheduled(nn.Module):
+    """A KL weight kept in a dict a method of the model moves between epochs; a fill value read into an index write."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.sched = {"beta": 0.0, "fill": 2.0}
+
+    def set_epoch(self, e):
+        self.sched["beta"] = min(1.0, e / 2)
+
+    def forward(self, x):
+        y = self.l(x) * (1 + self.sched["beta"])
+        y[:, 0] = self.sched["fill"]
+        return y
+
+
+@pytest.mark.parametrize("change", ["set_epoch", "fill"])
+def test_settings_a_method_moves_or_an_index_write_reads_are_watched(change):
+    """A dict key a method other than forward() writes (`set_epoch`), or one read on the right of an index write
+    (`y[:, 0] = self.sched["fill"]`), was taken as written by the model itself and not watched (1.40 / 5.0 off)."""
+    members = _members(Scheduled)
+    x = torch.randn(2, 4)
+    ens = _build(members, x)
+    with torch.no_grad():
+        torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    for m in members:
+        if change == "set_epoch":
+            m.set_epoch(2)
+        else:
+            m.sched["fill"] = 7.0
+    with pytest.raises(ExecutionError, match="beta" if change == "set_epoch" else "fill"):
+        ens(x)
