@@ -42,7 +42,8 @@ from stagewise.planner.errors import first_line as _first_line
 from stagewise.planner.errors import (DeviceError, ExecutionError, InputError, MemberError, OutputFileError, PlanMismatchError,
                                       StagewiseError, TraceError)
 from stagewise.planner.graph import (BUFFER_VALUE_READS, READ_BUFFERS, REAL_BUFFERS, ModelGraph, global_hooks_present,
-                                      global_hooks_refusal, gradients_refusal, norms_in_checkpoints, persistence_only,
+                                      CHECKPOINTED_NORMS_UNKNOWN, global_hooks_refusal, gradients_refusal, norms_in_checkpoints,
+                                      persistence_only, updating_norms,
                                       plain_fx_code, quantized_state_refusal, registration_hooks_off, retrace)
 from stagewise.planner.inputs import check_call_inputs, example_inputs_from, traced_specs
 from stagewise.planner.tracers import check_small_sizes, region_written_operands
@@ -1133,16 +1134,19 @@ def _warn_stacked_elsewhere(module: "BatchedModule", members: Sequence[nn.Module
             UserWarning, stacklevel=3)
 
 
-def _checkpointed_norm(members: Sequence[nn.Module], path: str, graph: ModelGraph,
-                       output_leaves: list) -> tuple[str, tuple[float | None, ...], bool, tuple[int, ...] | None]:
-    """(path, each member's momentum, whether it counts batches, the output leaves computed from it) for a layer
-    updating running statistics that the members run inside a checkpointed region
-    (BatchedModule._run_recomputing_norms). A BatchNorm counts its batches (momentum None: their cumulative average);
-    an InstanceNorm counts none, and momentum None updates nothing. The leaves: positions in the flattened outputs
-    whose nodes come after the layer's (torch recomputes the region only where backward reaches it); None where the
-    layer's nodes are not found (every output then)."""
+def _checkpointed_norm(members: Sequence[nn.Module], path: str, graph: ModelGraph, output_leaves: list,
+                       stacked: dict[str, torch.Tensor], again: bool) -> tuple:
+    """(path, each member's momentum, whether it counts batches, the output leaves computed from it, the state and
+    the inputs it is computed from, whether it is called more than once) for a layer updating running statistics that
+    the members run inside a checkpointed region (BatchedModule._run_recomputing_norms). A BatchNorm counts its
+    batches (momentum None: their cumulative average); an InstanceNorm counts none, and momentum None updates
+    nothing. Torch recomputes the region when backward runs a node of it: after the gradient of an output computed
+    from the layer (the leaves: positions in the flattened outputs; None where the layer's nodes are not found), on
+    the way to a gradient the layer's own state or what comes before it records (a frozen region, and a backward
+    asked for later parameters alone, recompute nothing)."""
     counts = isinstance(members[0].get_submodule(path), nn.modules.batchnorm._BatchNorm)
     momenta = tuple(m.get_submodule(path).momentum for m in members)
+
     def in_layer(n: torch.fx.Node) -> bool:  # fx: the layer's call; torch.export: the ops it recorded inside it
         if n.op == "call_module":
             return str(n.target) == path
@@ -1151,23 +1155,63 @@ def _checkpointed_norm(members: Sequence[nn.Module], path: str, graph: ModelGrap
     mine = [n.name for n in graph.gm.graph.nodes if in_layer(n)]
     after = set(mine).union(*(nx.descendants(graph.dag, n) for n in mine if n in graph.dag)) if mine else None
     leaves = None if after is None else tuple(i for i, (name, _) in enumerate(output_leaves) if name in after)
-    return path, momenta if counts else tuple(0.0 if m is None else m for m in momenta), counts, leaves
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    before = set(mine).union(*(nx.ancestors(graph.dag, n) for n in mine if n in graph.dag))
+    state, inputs = {k for k in stacked if k.startswith(f"{path}.")}, set()
+    for name in before:
+        n = nodes.get(name)
+        if n is None:
+            continue
+        if n.op == "call_module":
+            state |= {k for k in stacked if k.startswith(f"{n.target}.")}
+        elif n.op == "get_attr" and str(n.target) in stacked:
+            state.add(str(n.target))
+        elif n.op == "placeholder":
+            inputs.add(n.name)
+    if not mine:  # (not found: every state and input)
+        state, inputs = set(stacked), set(graph.input_names)
+    return (path, momenta if counts else tuple(0.0 if m is None else m for m in momenta), counts, leaves,
+            tuple(sorted(state)), tuple(sorted(inputs)), again)
 
 
-def _update_again(terms: list, _grads: Any) -> None:
-    """The second statistics update eager torch makes when backward recomputes a checkpointed region (see
-    BatchedModule._run_recomputing_norms), on the statistics as they are now (another call may have updated them)."""
+_RECOMPUTED: dict[int, list] = {}  # backward pass -> [[term, reached its region]] in the order backward met them
+
+
+def _reached_output(term: list, _grads: Any) -> None:
+    """Backward came through an output computed from a checkpointed norm layer (BatchedModule._run_recomputing_norms):
+    noted in the order backward meets the calls' outputs (the order eager torch recomputes their regions), applied at
+    the end of this backward where it also reached what the layer's statistics are computed from."""
+    task = torch._C._current_graph_task_id()
+    if task not in _RECOMPUTED:
+        _RECOMPUTED[task] = []
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_update_again, task))
+    _RECOMPUTED[task].append([term, False])
+
+
+def _reached_region(term: list, _grads: Any) -> None:
+    for entry in _RECOMPUTED.get(torch._C._current_graph_task_id(), ()):
+        if entry[0] is term:
+            entry[1] = True
+
+
+def _update_again(task: int) -> None:
+    """The second statistics update eager torch makes when backward recomputes a checkpointed region, for each call
+    this backward ran through (see BatchedModule._run_recomputing_norms), on the statistics as they are now (another
+    call may have updated them), in the order torch recomputes them."""
     with torch.no_grad():
-        for momentum, cumulative, mean, var, count, updated, batch in terms:
+        for term, reached in _RECOMPUTED.pop(task, ()):
+            if not reached:
+                continue
+            momentum, cumulative, mean, var, count, updated, batch = term[0]
             # through .data: the autograd graph saved the statistics (a BatchNorm's backward takes them, and reads
-            # them only in eval), and a version bump would fail this backward and any later one through the graph
+            # them only in eval), and a version bump would fail a later backward through the graph
             mean, var = mean.data, var.data
             if count is not None:  # (an InstanceNorm counts no batches)
                 count.data.add_(updated.to(count.dtype))
             rows = updated.unsqueeze(-1)
             f = 1.0 / count.to(mean.dtype).clamp(min=1).unsqueeze(-1) if count is not None else mean.new_ones(())
-            for stat, term in zip((mean, var), batch):
-                again = torch.where(cumulative, (1 - f) * stat + f * term, (1 - momentum) * stat + term)
+            for stat, part in zip((mean, var), batch):
+                again = torch.where(cumulative, (1 - f) * stat + f * part, (1 - momentum) * stat + part)
                 stat.copy_(torch.where(rows, again, stat))
 
 
@@ -2373,24 +2417,38 @@ class BatchedModule(nn.Module):
 
     def _run_recomputing_norms(self, inputs: tuple) -> Any:
         """One call where the members run normalisation layers inside a torch.utils.checkpoint region: eager torch
-        recomputes the region when backward reaches it, so each such layer that updated its statistics in the call
-        updates them a second time with the same batch statistics (num_batches_tracked counts 2 per step), on each
-        backward through the call. The batched module runs the region once; a hook on its outputs' gradients applies
-        the second update to each member that updated, from the batch term this call added (exact to rounding)."""
+        recomputes the region when backward runs a node of it, so each such layer that updated its statistics in the
+        call updates them a second time with the same batch statistics (num_batches_tracked counts 2 per step), on
+        each backward through the region. The batched module runs the region once; two gradient hooks apply the
+        second update to each member that updated, from the batch term this call added (exact to rounding): one on
+        the outputs computed from the layer, then one on what the layer's statistics are computed from (its state and
+        what comes before it, inputs included) within the same backward, which then ran through the region. A layer
+        called more than once per call (or inside a region and outside it) is refused: its updates cannot be told
+        apart after the call."""
+        named = dict(zip(self._input_names, inputs))
         before = []
-        for path, momenta, counts, leaves in self._checkpointed_norms:
+        for path, momenta, counts, leaves, state, input_names, again in self._checkpointed_norms:
+            if again and self.stacked.get_submodule(path).training:
+                raise ExecutionError(
+                    f"{path} updates running statistics inside a torch.utils.checkpoint region and is called more than "
+                    "once per call (or outside the region too): eager torch recomputes the region in backward and "
+                    "updates those statistics once more per call inside it, which the batched module cannot repeat "
+                    "call by call. Train with the layer called once inside the region, or keep it out of checkpointed "
+                    "regions (the batched module saves no memory there); inference, and evaluation mode, are unaffected")
             keys = [f"{path}.{k}" for k in ("running_mean", "running_var", "num_batches_tracked")]
             if all(k in self._stacked for k in keys):
-                before.append((momenta, counts, leaves, *(self._stacked[k] for k in keys),
+                sources = [self._stacked[k] for k in state if k in self._stacked and self._stacked[k].requires_grad]
+                sources += [t for name in input_names for t in tree_flatten(named.get(name))[0]
+                            if isinstance(t, torch.Tensor) and t.requires_grad]
+                before.append((momenta, counts, leaves, sources, *(self._stacked[k] for k in keys),
                                *(self._stacked[k].detach().clone() for k in keys)))
         out = self._run_plain(*inputs)[0] if self.plan.dtype == "float32" else self.run_stages(*inputs)[0]
         flat = tree_flatten(out)[0]
-        terms: dict[tuple[int, ...] | None, list] = {}
-        for momenta, counts, leaves, mean, var, count, mean0, var0, count0 in before:
+        for momenta, counts, leaves, sources, mean, var, count, mean0, var0, count0 in before:
             # per member: a layer in eval mode (set by hand) updated nothing
             updated = (count != count0) if counts else ((mean != mean0) | (var != var0)).flatten(1).any(1)
-            if not bool(updated.any()):
-                continue
+            if not sources or not bool(updated.any()):
+                continue  # (nothing records a gradient through the region: torch recomputes nothing)
             with torch.no_grad():  # per member: momentum · the batch's statistics, or (momentum None: a cumulative
                 # average) the batch's statistics themselves, n·new - (n-1)·old
                 cumulative = torch.tensor([m is None for m in momenta], device=mean.device).unsqueeze(-1)
@@ -2401,12 +2459,13 @@ class BatchedModule(nn.Module):
                               for new, old in ((mean, mean0), (var, var0)))
             if leaves is not None and len(flat) != len(self._output_leaves):
                 leaves = None  # (outputs in another structure than traced: every one)
-            terms.setdefault(leaves, []).append((momentum, cumulative, mean, var, count if counts else None, updated, batch))
-        for leaves, group in terms.items():  # when backward first reaches an output computed from the layer
-            grads_to = [t for i, t in enumerate(flat) if (leaves is None or i in leaves)
-                        and isinstance(t, torch.Tensor) and t.requires_grad]
-            if grads_to:
-                torch.autograd.graph.register_multi_grad_hook(grads_to, functools.partial(_update_again, group), mode="any")
+            outputs = [t for i, t in enumerate(flat) if (leaves is None or i in leaves)
+                       and isinstance(t, torch.Tensor) and t.requires_grad]
+            if not outputs:
+                continue
+            term = [(momentum, cumulative, mean, var, count if counts else None, updated, batch)]
+            torch.autograd.graph.register_multi_grad_hook(outputs, functools.partial(_reached_output, term), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(sources, functools.partial(_reached_region, term), mode="any")
         return out
 
     def __deepcopy__(self, memo: dict) -> "BatchedModule":
@@ -2687,8 +2746,11 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     # norms that eager torch recomputes in backward (inside a torch.utils.checkpoint region): the loop updates their
     # statistics twice per backward, which the batched module repeats (BatchedModule._run_recomputing_norms)
     checkpointed = norms_in_checkpoints(private, example) if example is not None else None
-    module.__dict__["_checkpointed_norms"] = tuple(_checkpointed_norm(members, path, graph, module._output_leaves)
-                                                   for path in checkpointed or ())
+    if checkpointed is None and updating_norms(private) and "checkpoint" in _names_used_by_classes(members[0])[0]:
+        warnings.warn(CHECKPOINTED_NORMS_UNKNOWN.format(model=type(members[0]).__name__), UserWarning, stacklevel=3)
+    module.__dict__["_checkpointed_norms"] = tuple(
+        _checkpointed_norm(members, path, graph, module._output_leaves, module._stacked, again)
+        for path, again in (checkpointed or {}).items())
     mirror_layer_classes(module.stacked, members[0])
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_configs_held"] = _configs_held(members)  # and the configuration objects they hold

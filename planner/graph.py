@@ -1609,34 +1609,43 @@ def updating_norms(model: nn.Module) -> list[str]:
     return [path for path, m in model.named_modules() if isinstance(m, _NORMS_WITH_STATISTICS) and m.track_running_stats]
 
 
-def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> list[str] | None:
-    """Paths of the layers updating running statistics that run inside a torch.utils.checkpoint region when `model`
-    runs in training mode with gradients on: eager torch recomputes such a region in backward, so the member loop
-    updates their statistics a second time per backward, which the batched module repeats
-    (executor.build.BatchedModule, `_checkpointed_norms`). One eager call of a training-mode copy sharing nothing
-    with `model`; None where that call fails (the caller cannot tell, and says so)."""
+def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> dict[str, bool] | None:
+    """{path: whether its calls are more than one} for the layers updating running statistics that run inside a
+    torch.utils.checkpoint region when `model` runs in training mode with gradients on: eager torch recomputes such a
+    region in backward, so the member loop updates their statistics a second time per backward, which the batched
+    module repeats (executor.build.BatchedModule, `_checkpointed_norms`) for a layer called once per call; a layer
+    called more than once, or inside a region and outside it too, is refused in training (`True`). One eager call of
+    a training-mode copy sharing nothing with `model` (a batch of one, which BatchNorm refuses in training, is taken
+    twice); None where that call fails (the caller cannot tell, and says so)."""
     updating = updating_norms(model)
     if not updating:
-        return []
+        return {}
     try:
         probe = copy.deepcopy(model).train()
     except Exception:  # noqa: BLE001 - a module that does not copy: cannot tell
         return None
-    depth, inside = [0], set()
+    depth, calls = [0], collections.defaultdict(list)
     handles = [probe.get_submodule(path).register_forward_pre_hook(
-        lambda _m, _a, path=path: inside.add(path) if depth[0] else None) for path in updating]
+        lambda _m, _a, path=path: calls[path].append(depth[0] > 0)) for path in updating]
+    cuda = sorted({t.device.index or 0 for t in [*probe.parameters(), *probe.buffers()] if t.is_cuda})
+    doubled = tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 1 else t,
+                       tuple(example_inputs))
     try:
-        cuda = sorted({t.device.index or 0 for t in [*probe.parameters(), *probe.buffers()] if t.is_cuda})
-        with _checkpoints_seen(depth), torch.enable_grad(), warnings.catch_warnings(), \
-                torch.random.fork_rng(devices=cuda):  # dropout's draws: the caller's random stream as it was
-            warnings.simplefilter("ignore")
-            probe(*_input_copies(example_inputs))
-    except Exception:  # noqa: BLE001 - forward() in training mode needs other inputs (labels): cannot tell
-        return None
+        for inputs in (example_inputs, doubled):
+            calls.clear()
+            try:
+                with _checkpoints_seen(depth), torch.enable_grad(), warnings.catch_warnings(), \
+                        torch.random.fork_rng(devices=cuda):  # dropout's draws: the caller's random stream as it was
+                    warnings.simplefilter("ignore")
+                    probe(*_input_copies(inputs))
+                break
+            except Exception:  # noqa: BLE001 - forward() in training mode needs other inputs (labels): cannot tell
+                if inputs is doubled:
+                    return None
     finally:
         for h in handles:
             h.remove()
-    return sorted(inside)
+    return {path: len(seen) > 1 for path, seen in calls.items() if any(seen)}
 
 
 @contextlib.contextmanager
