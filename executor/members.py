@@ -383,6 +383,17 @@ class StateNode(nn.Module):
                 f"{self.__dict__['_path']!r} of the batched module is the members' {mirrors.__name__} as stacked state, "
                 f"not the layer the stages run: setting {name!r} here would change nothing. Set it on the members "
                 "before executor.build (train() / eval() here do reach the layers)")
+        modes = self.__dict__.get("_modes")
+        if isinstance(value, nn.Module) and modes and modes[0] is not None:
+            # `ens.stacked.head = saved_head`, a LoRA wrapper put in a layer's place, `ens.stacked.fc2 = ens.stacked.fc1`:
+            # the stages run the layers build made, not this tree's modules, so the module would change nothing
+            where = f"{self.__dict__['_path']}.{name}" if self.__dict__.get("_path") else name
+            raise AttributeError(
+                f"assigning a module to {where!r} of the batched module's state tree changes nothing the stages run "
+                "(they run the layers build made, reading this tree's tensors). To change weights, load them in place "
+                "(ens.load_member_state_dict(i, state), ens.load_state_dict(...), or copy_ into ens.stacked_state under "
+                "torch.no_grad()); to change the architecture (an adapter, another head, a tie), change the members and "
+                "build again")
         super().__setattr__(name, value)
         if name == "training":  # (train()/eval() set it here too) the layers at this path follow
             modes = self.__dict__.get("_modes")

@@ -578,7 +578,8 @@ def _grads_differ(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         # bfloat16 / float16 on the way (members, or a cast in forward()): a re-ordered or decomposed op rounds at
         # that precision (a few eps of the norm)
         rtol = max(_GRAD_RTOL, 8 * torch.finfo(low).eps) if low is not None else _GRAD_RTOL
-        a, b = got[k].double(), want[k].double()
+        a, b = (got[k].to(torch.complex128), want[k].to(torch.complex128)) if want[k].is_complex() else \
+            (got[k].double(), want[k].double())
         if a.shape != b.shape or not torch.isfinite(b).all():
             continue
         off = float((a - b).norm())
@@ -839,7 +840,9 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if not finite.any():
         return True
-    x, y = a[finite].double(), b[finite].double()
+    # (complex: both parts; .double() of a complex tensor keeps the real part alone)
+    x, y = (a[finite].to(torch.complex128), b[finite].to(torch.complex128)) if b.is_complex() else \
+        (a[finite].double(), b[finite].double())
     return bool((x - y).abs().max() <= 1e-5 * y.abs().max() + 1e-12)
 
 

@@ -997,3 +997,60 @@ def test_a_norm_called_twice_in_a_checkpointed_region_refused_in_training():
         torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
     with pytest.raises(ExecutionError, match="bn updates running statistics inside a torch.utils.checkpoint region"):
         ens(x)
+
+
+class PeakPosition(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l(x)
+        r, c = torch.where(h == h.amax())  # the peak's position: one per member, a value-dependent shape
+        return h * (r.float().mean() + c.float().mean())
+
+
+def test_wide_one_argument_where_is_not_elementwise():
+    """`wide` ran torch.where(cond) on the stacked mask as an elementwise op: the indices held the member axis (1.32)."""
+    members = _members(PeakPosition)
+    x = torch.randn(6, 8)
+    ens = _build(members, x, "wide")
+    with torch.no_grad():
+        for call in (x, x * 2 + 1):
+            torch.testing.assert_close(ens(call), torch.stack([m(call) for m in members]))
+
+
+def test_assigning_a_module_into_the_state_tree_refused():
+    """`ens.stacked.fc2 = saved_head` (a reset, an EMA copy, a LoRA wrapper, a tie by module) changed nothing the stages
+    run (0.68 / 1.07 / 0.33 off): refused, naming the path and the in-place loads."""
+    members = _members(TwoLayers)
+    ens = _build(members, torch.randn(4, 8))
+    with pytest.raises(AttributeError, match="assigning a module to 'fc2' of the batched module's state tree"):
+        ens.stacked.fc2 = nn.Linear(16, 8)
+    with pytest.raises(AttributeError, match="assigning a module to 'fc2'"):
+        ens.stacked.fc2 = ens.stacked.fc1
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+class ConjugatedSpectrum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.cfloat))
+
+    def forward(self, x):
+        z = torch.fft.fft(x) * self.w
+        if isinstance(x, torch.Tensor):  # always true when called; false for torch.fx's Proxy
+            z = z.conj()
+        return z
+
+
+def test_trace_compares_complex_outputs_in_both_parts():
+    """The check that torch.fx's graph is forward() compared complex outputs by their real part: a branch fx takes the
+    wrong way that conjugates was accepted, and the batched module returned the conjugate (19.8 off)."""
+    members = _members(ConjugatedSpectrum)
+    x = torch.randn(4, 8)
+    ens = _build(members, x)
+    with torch.no_grad():
+        for call in (x, x * 2):
+            torch.testing.assert_close(ens(call), torch.stack([m(call) for m in members]))

@@ -471,6 +471,8 @@ def call_function(fn: Callable, name: str, args: tuple, kwargs: dict, n: int) ->
         return fn(*member0[0], **member0[1])  # sizes are the same for every member
     if name == "getitem":
         return getitem(args)
+    if name == "where" and len(args) + len(kwargs) == 1:
+        return None  # torch.where(cond): the indices of its nonzero elements, not elementwise (a member axis in them)
     if name in ELEMENTWISE:
         fmt = kwargs.get("memory_format")
         if fmt in _MEMBER_LAYOUTS and args and is_nf(args[0]):
