@@ -1135,7 +1135,7 @@ def _warn_stacked_elsewhere(module: "BatchedModule", members: Sequence[nn.Module
 
 
 def _checkpointed_norm(members: Sequence[nn.Module], path: str, graph: ModelGraph, output_leaves: list,
-                       stacked: dict[str, torch.Tensor], again: bool) -> tuple:
+                       stacked: dict[str, torch.Tensor], again: bool, region: tuple[str, ...] = ()) -> tuple:
     """(path, each member's momentum, whether it counts batches, the output leaves computed from it, the state and
     the inputs it is computed from, whether it is called more than once) for a layer updating running statistics that
     the members run inside a checkpointed region (BatchedModule._run_recomputing_norms). A BatchNorm counts its
@@ -1147,17 +1147,19 @@ def _checkpointed_norm(members: Sequence[nn.Module], path: str, graph: ModelGrap
     counts = isinstance(members[0].get_submodule(path), nn.modules.batchnorm._BatchNorm)
     momenta = tuple(m.get_submodule(path).momentum for m in members)
 
-    def in_layer(n: torch.fx.Node) -> bool:  # fx: the layer's call; torch.export: the ops it recorded inside it
+    paths = {path, *region}  # the layer and the other modules its region runs (torch recomputes the whole region)
+
+    def in_layer(n: torch.fx.Node) -> bool:  # fx: the layers' calls; torch.export: the ops recorded inside them
         if n.op == "call_module":
-            return str(n.target) == path
+            return str(n.target) in paths
         stack = (n.meta.get("nn_module_stack") or {}).values() if n.op == "call_function" else ()
-        return any(isinstance(v, tuple) and str(v[0]).removeprefix("L['self'].") == path for v in stack)
+        return any(isinstance(v, tuple) and str(v[0]).removeprefix("L['self'].") in paths for v in stack)
     mine = [n.name for n in graph.gm.graph.nodes if in_layer(n)]
     after = set(mine).union(*(nx.descendants(graph.dag, n) for n in mine if n in graph.dag)) if mine else None
     leaves = None if after is None else tuple(i for i, (name, _) in enumerate(output_leaves) if name in after)
     nodes = {n.name: n for n in graph.gm.graph.nodes}
     before = set(mine).union(*(nx.ancestors(graph.dag, n) for n in mine if n in graph.dag))
-    state, inputs = {k for k in stacked if k.startswith(f"{path}.")}, set()
+    state, inputs = {k for k in stacked if any(k.startswith(f"{p}.") for p in paths)}, set()
     for name in before:
         n = nodes.get(name)
         if n is None:
@@ -2749,8 +2751,8 @@ def _build(plan: Plan, members: list[nn.Module], example_inputs: tuple | None, d
     if checkpointed is None and updating_norms(private) and "checkpoint" in _names_used_by_classes(members[0])[0]:
         warnings.warn(CHECKPOINTED_NORMS_UNKNOWN.format(model=type(members[0]).__name__), UserWarning, stacklevel=3)
     module.__dict__["_checkpointed_norms"] = tuple(
-        _checkpointed_norm(members, path, graph, module._output_leaves, module._stacked, again)
-        for path, again in (checkpointed or {}).items())
+        _checkpointed_norm(members, path, graph, module._output_leaves, module._stacked, again, region)
+        for path, (again, region) in (checkpointed or {}).items())
     mirror_layer_classes(module.stacked, members[0])
     module.__dict__["_globals_read"] = _globals_read(members[0])  # module-level settings forward() reads: baked
     module.__dict__["_configs_held"] = _configs_held(members)  # and the configuration objects they hold

@@ -1580,6 +1580,8 @@ def _checkpoints_seen(depth: list[int] | None = None):
 
             def counted():  # checkpoint() steps it once before the region and once after
                 depth[0] += 1
+                if len(depth) > 1 and depth[0] == 1:  # (an outermost region's number)
+                    depth[1] += 1
                 try:
                     return (yield from inner)
                 finally:
@@ -1593,6 +1595,8 @@ def _checkpoints_seen(depth: list[int] | None = None):
         def forward_watched(*args, **kwargs):
             seen.append(True)
             depth[0] += 1
+            if len(depth) > 1 and depth[0] == 1:
+                depth[1] += 1
             try:
                 return plain(*args, **kwargs)
             finally:
@@ -1613,7 +1617,8 @@ def updating_norms(model: nn.Module) -> list[str]:
 
 
 def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> dict[str, bool] | None:
-    """{path: whether its calls are more than one} for the layers updating running statistics that run inside a
+    """{path: (whether its calls are more than one, the other modules its region runs)} for the layers updating
+    running statistics that run inside a
     torch.utils.checkpoint region when `model` runs in training mode with gradients on: eager torch recomputes such a
     region in backward, so the member loop updates their statistics a second time per backward, which the batched
     module repeats (executor.build.BatchedModule, `_checkpointed_norms`) for a layer called once per call; a layer
@@ -1627,9 +1632,9 @@ def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> dict[str, b
         probe = copy.deepcopy(model).train()
     except Exception:  # noqa: BLE001 - a module that does not copy: cannot tell
         return None
-    depth, calls = [0], collections.defaultdict(list)
-    handles = [probe.get_submodule(path).register_forward_pre_hook(
-        lambda _m, _a, path=path: calls[path].append(depth[0] > 0)) for path in updating]
+    depth, calls = [0, 0], collections.defaultdict(list)  # (regions open, the outermost one's number)
+    handles = [module.register_forward_pre_hook(lambda _m, _a, path=path: calls[path].append(depth[1] if depth[0] else 0))
+               for path, module in probe.named_modules() if path]
     cuda = sorted({t.device.index or 0 for t in [*probe.parameters(), *probe.buffers()] if t.is_cuda})
     doubled = tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == 1 else t,
                        tuple(example_inputs))
@@ -1648,7 +1653,9 @@ def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> dict[str, b
     finally:
         for h in handles:
             h.remove()
-    return {path: len(seen) > 1 for path, seen in calls.items() if any(seen)}
+    return {path: (len(calls[path]) > 1, tuple(sorted(p for p, regions in calls.items() if p != path
+                                                      and set(regions) & set(calls[path]) - {0})))
+            for path in updating if any(calls[path])}
 
 
 @contextlib.contextmanager
