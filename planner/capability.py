@@ -818,8 +818,28 @@ def own_function_numbers_check(graph, node: torch.fx.Node) -> Optional[str]:
     return None
 
 
+_FULL_REDUCTIONS_SPLIT_AT_TIES = frozenset({"max", "min", "median", "nanmedian"})
+
+
+def tied_reduction_check(graph, node: torch.fx.Node) -> Optional[str]:
+    """Each member runs a full max / min / median (no dim): its gradient is split evenly among tied elements, and
+    vmap's batched rule hands all of it to one of them, so a gradient where values tie (integer-valued features, a
+    quantised tensor's largest magnitude) would differ from the member loop's."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    name = _op_name(node).rsplit(".", 1)[-1]
+    if isinstance(node.target, torch._ops.OpOverload):
+        name = node.target._schema.name.split("::")[-1] if node.target._overloadname == "default" else ""
+    if name not in _FULL_REDUCTIONS_SPLIT_AT_TIES or len(node.args) != 1 or node.kwargs:
+        return None
+    if node.users and all(_op_name(u) in _TO_NUMBER or u.target in (float, int) for u in node.users):
+        return None  # read into a Python number (`.item()`): no gradient goes through it
+    return (f"a {name}() over the whole tensor: torch splits its gradient among tied elements, vmap's batched rule "
+            "gives it to one of them, so each member runs it (the values are the same either way)")
+
+
 DEFAULT_CHECK = chain(own_function_numbers_check, autocast_region_check, cond_check, value_shape_check, stateful_module_check, inplace_buffer_check,
-                      norm_stats_view_check, unowned_write_check, vmap_probe_check)
+                      norm_stats_view_check, unowned_write_check, tied_reduction_check, vmap_probe_check)
 
 
 def annotate_capability(graph, check: Check = DEFAULT_CHECK) -> None:
