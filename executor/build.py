@@ -922,7 +922,8 @@ def _configs_held(members: Sequence[nn.Module]) -> tuple:
     for m in members:
         for path, mod in m.named_modules():
             for k, v in vars(mod).items():
-                if id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type)) or k.startswith("__"):
+                if id(v) in seen or isinstance(v, (nn.Module, torch.Tensor, type)) or k.startswith("__") \
+                        or k in _MODULE_INTERNAL_NAMES:
                     continue
                 if type(v) is dict:
                     fields = {f: copy.deepcopy(x) for f, x in v.items()
@@ -937,6 +938,9 @@ def _configs_held(members: Sequence[nn.Module]) -> tuple:
                 if fields:
                     seen[id(v)] = (v, f"{path}.{k}" if path else k, fields)
     return tuple(seen.values())
+
+
+_MODULE_INTERNAL_NAMES = frozenset(vars(nn.Module()))  # (_parameters, _buffers, the hook tables, ...)
 
 
 def _plain_class(cls: type) -> bool:
@@ -1003,6 +1007,8 @@ def _names_used_by_classes(member: nn.Module) -> tuple[frozenset, frozenset]:
         if (cls.__module__ or "").startswith(("torch", "builtins")):
             continue
         for attr, f in vars(cls).items():
+            if attr in ("extra_repr", "__repr__", "__str__", "__init__"):  # (what builds or prints the module: not a
+                continue  # read of a call; a field read there alone, a layer width, changes nothing after build)
             f = getattr(f, "fget", None) or getattr(f, "__func__", f)
             for _ in range(8):  # down a decorator chain (functools.wraps keeps __wrapped__)
                 code = getattr(f, "__code__", None)
@@ -1174,6 +1180,18 @@ def _checkpointed_norm(members: Sequence[nn.Module], path: str, graph: ModelGrap
         state, inputs = set(stacked), set(graph.input_names)
     return (path, momenta if counts else tuple(0.0 if m is None else m for m in momenta), counts, leaves,
             tuple(sorted(state)), tuple(sorted(inputs)), again)
+
+
+class _StateByName(dict):
+    """BatchedModule.stacked_state: the stacked tensors by name, written in place; putting another tensor under a name
+    (`ens.stacked_state["fc.weight"] = w`) would leave the stages and the optimizer on the old one, and is refused."""
+
+    def _refused(self, *args, **kwargs):
+        raise TypeError("ens.stacked_state holds the tensors the stages run: write into them in place (under "
+                        "torch.no_grad(): `ens.stacked_state[name].copy_(new)`, or ens.load_member_state_dict / "
+                        "ens.load_state_dict) instead of putting another tensor under a name")
+
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = __ior__ = _refused
 
 
 _RECOMPUTED: dict[int, list] = {}  # backward pass -> [[term, reached its region]] in the order backward met them
@@ -1866,7 +1884,7 @@ class BatchedModule(nn.Module):
         (shared with the runners; in-place updates persist; update parameters under torch.no_grad())."""
         if self._state_replaced[0]:
             self._follow_replaced_state()
-        return self._stacked
+        return _StateByName(self._stacked)
 
     def bind_inputs(self, inputs: tuple) -> dict[str, Any]:
         """Model inputs by placeholder name as boundary values (Batched for per_member, Shared otherwise); InputError if they do not fit."""

@@ -1117,3 +1117,37 @@ def test_a_loss_on_any_output_of_the_region_recomputes_all_of_it(loss_on):
         out[loss_on].square().sum().backward()
         sum(r[loss_on].square().sum() for r in refs).backward()
     _same_state(ens, loop)
+
+
+class CountsEpisodes(nn.Module):
+    """A dict the training script moves, read only by extra_repr (not by forward())."""
+
+    def __init__(self):
+        super().__init__()
+        self.pi = nn.Linear(4, 2)
+        self.stats = {"episodes": 0}
+
+    def extra_repr(self):
+        return f"episodes={self.stats['episodes']}"
+
+    def forward(self, obs):
+        return self.pi(obs).softmax(-1)
+
+
+def test_a_dict_only_extra_repr_reads_is_not_watched_and_stacked_state_names_are_fixed():
+    """A counter only extra_repr reads was refused once the script moved it; putting another tensor under a name of
+    ens.stacked_state left the stages on the old one (0.945 off) and is refused."""
+    members = _members(CountsEpisodes)
+    x = torch.randn(5, 4)
+    ens = _build(members, x)
+    for m in members:
+        m.stats["episodes"] += 1
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+    with pytest.raises(TypeError, match="write into them in place"):
+        ens.stacked_state["pi.weight"] = torch.zeros(N, 2, 4)
+    with torch.no_grad():
+        ens.stacked_state["pi.bias"].add_(1.0)
+    for m in members:
+        with torch.no_grad():
+            m.pi.bias.add_(1.0)
+    torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
