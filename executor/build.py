@@ -2577,7 +2577,8 @@ def build(plan: Plan, members: Sequence[nn.Module], example_inputs: tuple | None
         forward() writes in place where the batched module cannot repeat the loop's writes (check_input_writes).
     """
     refusal = global_hooks_refusal("the batched module") or next(
-        (r for r in map(quantized_state_refusal, members) if r), None)
+        (r for m in (members if isinstance(members, (list, tuple)) else ()) if isinstance(m, nn.Module)
+         for r in [quantized_state_refusal(m)] if r), None)
     if refusal:
         raise MemberError(refusal)
     # the members went through registration hooks; the modules made here from them must not. Outside inference mode:

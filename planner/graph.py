@@ -507,6 +507,11 @@ def gradients_refusal(model: nn.Module, gm: torch.fx.GraphModule, example_inputs
             # EmbeddingBag with include_last_offset) give uninitialised memory, another each time: no verdict then
             if _grads_disagreement(disagreement) and _fx_disagrees(model, gm, example_inputs, snapshot) != disagreement:
                 return None
+            # (or the same garbage twice: a difference of more than a million times the gradient's norm is memory no
+            # hook wrote)
+            off = re.search(r"(\S+) of its norm off", disagreement or "")
+            if off is not None and not float(off.group(1)) < 1e6:
+                return None
     finally:
         restore_all(snapshot, model)
     if not _grads_disagreement(disagreement):
@@ -1629,7 +1634,8 @@ def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> dict[str, b
     if not updating:
         return {}
     try:
-        probe = copy.deepcopy(model).train()
+        probe = copy.deepcopy(model)
+        probe.train()  # (a train() override may return None)
     except Exception:  # noqa: BLE001 - a module that does not copy: cannot tell
         return None
     depth, calls = [0, 0], collections.defaultdict(list)  # (regions open, the outermost one's number)
