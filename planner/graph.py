@@ -1570,8 +1570,9 @@ def _autograd_calls_named():
 @contextlib.contextmanager
 def _checkpoints_seen(depth: list[int] | None = None):
     """Yields a list that gets an entry each time torch.utils.checkpoint runs a region while inside (non-reentrant:
-    its generator; reentrant: CheckpointFunction, also seen by export's Function watch). `depth` (a one-element list),
-    where given, counts the regions running now: above 0 while a module runs inside one."""
+    its generator; reentrant: CheckpointFunction, also seen by export's Function watch). `depth`, where given, counts
+    the regions running now in its first item (above 0 while a module runs inside one) and, where it has a second,
+    numbers the outermost regions there (one more at each)."""
     import torch.utils.checkpoint as ckpt
 
     seen: list[bool] = []
@@ -1621,13 +1622,13 @@ def updating_norms(model: nn.Module) -> list[str]:
     return [path for path, m in model.named_modules() if isinstance(m, _NORMS_WITH_STATISTICS) and m.track_running_stats]
 
 
-def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> dict[str, bool] | None:
+def norms_in_checkpoints(model: nn.Module, example_inputs: tuple) -> dict[str, tuple[bool, tuple[str, ...]]] | None:
     """{path: (whether its calls are more than one, the other modules its region runs)} for the layers updating
-    running statistics that run inside a
-    torch.utils.checkpoint region when `model` runs in training mode with gradients on: eager torch recomputes such a
-    region in backward, so the member loop updates their statistics a second time per backward, which the batched
-    module repeats (executor.build.BatchedModule, `_checkpointed_norms`) for a layer called once per call; a layer
-    called more than once, or inside a region and outside it too, is refused in training (`True`). One eager call of
+    running statistics that run inside a torch.utils.checkpoint region when `model` runs in training mode with
+    gradients on: eager torch recomputes such a region in backward, so the member loop updates their statistics a
+    second time per backward, which the batched module repeats (executor.build.BatchedModule, `_checkpointed_norms`)
+    for a layer called once per call; a layer called more than once, or inside a region and outside it too, is
+    refused in training (`True`). One eager call of
     a training-mode copy sharing nothing with `model` (a batch of one, which BatchNorm refuses in training, is taken
     twice); None where that call fails (the caller cannot tell, and says so)."""
     updating = updating_norms(model)
