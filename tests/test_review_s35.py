@@ -1151,3 +1151,28 @@ def test_a_dict_only_extra_repr_reads_is_not_watched_and_stacked_state_names_are
         with torch.no_grad():
             m.pi.bias.add_(1.0)
     torch.testing.assert_close(ens(x), torch.stack([m(x) for m in members]))
+
+
+class NeedsRealInputsToTrain(nn.Module):
+    """Checkpointed in training only, and refusing all-zero inputs there (as a model needing labels would fail)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blk = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+
+    def forward(self, x):
+        if self.training:
+            if not bool(x.abs().sum()):
+                raise ValueError("needs real inputs")
+            return checkpoint(self.blk, x, use_reentrant=False)
+        return self.blk(x)
+
+
+def test_build_warns_where_its_checkpoint_probe_cannot_tell():
+    """The probe runs on zero stand-ins of the traced shapes; where forward() refuses them in training mode, build
+    warns that the checkpointed norms are not known (it said nothing before)."""
+    members = [m.eval() for m in _members(NeedsRealInputsToTrain)]
+    x = torch.randn(4, 4)
+    plan = planner.propose(planner.trace(copy.deepcopy(members[0]), (x,)), N)
+    with pytest.warns(UserWarning, match="which of them run inside a checkpointed region is not known"):
+        executor.build(plan, members)
